@@ -1,0 +1,131 @@
+// fsdp/compat.h: every difference between LibTorch 1.13 and 2.x that fsdp-cpp depends on.
+//
+// Nothing else in the library tests TORCH_VERSION_*; code that needs a version-dependent type or
+// call goes through a name declared here. The differences covered:
+//  * c10d class layout: up to 1.13 ProcessGroupGloo/NCCL derive from c10d::ProcessGroup; from 2.0 on
+//    they derive from c10d::Backend and ProcessGroup is a dispatching front end. fsdp-cpp talks to
+//    the backend object directly (`compat::Backend`), which has the same collective virtuals in both.
+//  * Which collectives a backend implements natively (Gloo gained _allgather_base and
+//    _reduce_scatter_base around 2.2); `compat::native_flat_collectives` says when to use them.
+//  * TCPStore construction: only TCPStore(host, TCPStoreOptions) exists in both, so it is the only
+//    form used.
+//  * The key type of torch::optim's per-parameter state map (std::string of the TensorImpl address
+//    in 1.13, void* since about 2.2).
+//
+// Thread safety: everything here is stateless.
+#pragma once
+
+#include <torch/version.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#else
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
+
+#ifdef USE_C10D_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace fsdp {
+namespace compat {
+
+/// The LibTorch version this translation unit is compiled against, as major * 100 + minor.
+constexpr int kTorchVersion = TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR;
+
+/// The c10d object that implements collectives for one backend (Gloo, NCCL).
+#if TORCH_VERSION_MAJOR >= 2
+using Backend = c10d::Backend;
+#else
+using Backend = c10d::ProcessGroup;
+#endif
+using BackendPtr = c10::intrusive_ptr<Backend>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+
+/// True when the backend named `backend_name` implements `_allgather_base` and
+/// `_reduce_scatter_base` (one flat tensor in, one flat tensor out) for the tensors it is given.
+/// NCCL always does; Gloo does from about 2.2 on. Where this is false fsdp::dist emulates them.
+inline bool native_flat_collectives(const std::string& backend_name) {
+  if (backend_name == "nccl") return true;
+  return kTorchVersion >= 202 && backend_name == "gloo";
+}
+
+/// Connects to (or, with `is_server`, hosts) a c10d TCPStore.
+/// `port` 0 with `is_server` picks a free port; read it back with store->getPort().
+inline c10::intrusive_ptr<c10d::TCPStore> make_tcp_store(const std::string& host, std::uint16_t port,
+                                                        bool is_server, int world_size,
+                                                        std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = port;
+  opts.isServer = is_server;
+  if (world_size > 0) opts.numWorkers = static_cast<std::size_t>(world_size);
+  // Waiting for every worker in the constructor would serialize start-up; fsdp::dist's first
+  // barrier does the waiting, under the group's timeout.
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(host, opts);
+}
+
+#ifdef USE_C10D_GLOO
+/// Creates a Gloo backend over `store`. `hostname` picks the network interface (an address of this
+/// host); empty means Gloo's default device for this host's name.
+inline BackendPtr make_gloo_backend(const StorePtr& store, int rank, int size,
+                                    std::chrono::milliseconds timeout, const std::string& hostname,
+                                    int threads) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  if (hostname.empty()) {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  } else {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+  }
+  opts->threads = threads;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+}
+#endif
+
+#ifdef USE_C10D_NCCL
+/// Creates an NCCL backend over `store` (CUDA tensors only).
+inline BackendPtr make_nccl_backend(const StorePtr& store, int rank, int size,
+                                    std::chrono::milliseconds timeout) {
+  auto opts = c10d::ProcessGroupNCCL::Options::create();
+  opts->timeout = timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+}
+#endif
+
+/// Key under which torch::optim keeps a parameter's state in `Optimizer::state()`.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+using OptimStateKey = void*;
+template <typename T>
+inline OptimStateKey optim_state_key(const T& param) {
+  return param.unsafeGetTensorImpl();
+}
+#else
+using OptimStateKey = std::string;
+template <typename T>
+inline OptimStateKey optim_state_key(const T& param) {
+  std::ostringstream os;
+  os << param.unsafeGetTensorImpl();
+  return os.str();
+}
+#endif
+
+}  // namespace compat
+}  // namespace fsdp

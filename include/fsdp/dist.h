@@ -1,0 +1,209 @@
+// fsdp/dist.h: the distributed layer. Process groups and the collectives FSDP needs, over c10d.
+//
+// Every collective in fsdp-cpp goes through fsdp::dist::ProcessGroup, which gives:
+//  * one code path whatever the backend: flat all-gather and reduce-scatter are native where the
+//    backend has them (NCCL, Gloo in LibTorch >= 2.2) and emulated where not (Gloo in 1.13);
+//  * a timeout on every wait: a dead or diverging peer turns into fsdp::DistError naming the
+//    operation, the group and this rank, never a hang;
+//  * torchrun-compatible initialisation (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+//    MASTER_ADDR, MASTER_PORT) over c10d's TCPStore, plus sub-groups and the 2-D layout that
+//    hybrid sharding uses.
+//
+// Thread safety: a ProcessGroup is a cheap, copyable handle to shared state. Like c10d's, a group
+// must be used by one thread at a time, and all members must issue the same collectives in the
+// same order.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+
+#include "fsdp/compat.h"
+
+namespace fsdp {
+namespace dist {
+
+/// Reduction applied by all_reduce and reduce_scatter. AVG is computed as SUM followed by a
+/// division by the group size (Gloo rejects c10d's AVG).
+enum class ReduceOp { SUM, AVG, MAX, MIN };
+
+/// How reduce_scatter is carried out where the backend has no native flat reduce-scatter.
+enum class ReduceScatterAlgo {
+  /// Native where available, else chosen by size (see docs/dist.md for the measurements).
+  kAuto,
+  /// alltoall of the W chunks, then a local sum in rank order: each rank receives only the
+  /// (W-1)/W of the data it needs, and every rank sums in the same order (deterministic).
+  kAllToAll,
+  /// all_reduce of the whole tensor, then keep this rank's chunk: moves about twice the bytes.
+  kAllReduce,
+  /// The backend's _reduce_scatter_base. Throws where the backend lacks it.
+  kNative,
+};
+
+/// How init_process_group finds its peers. Every field left unset is read from the environment
+/// variables torchrun sets.
+struct InitOptions {
+  /// "gloo", "nccl" or "auto" (NCCL where LibTorch has CUDA and a GPU is visible, else Gloo).
+  TORCH_ARG(std::string, backend) = "auto";
+  /// This process's rank. Default: $RANK.
+  TORCH_ARG(std::optional<int>, rank);
+  /// Number of processes. Default: $WORLD_SIZE.
+  TORCH_ARG(std::optional<int>, world_size);
+  /// Address of the rank-0 host running the TCPStore. Default: $MASTER_ADDR, else 127.0.0.1.
+  TORCH_ARG(std::optional<std::string>, master_addr);
+  /// Port of the TCPStore. Default: $MASTER_PORT, else 29500.
+  TORCH_ARG(std::optional<int>, master_port);
+  /// An existing store to rendezvous on instead of creating a TCPStore (e.g. a FileStore).
+  TORCH_ARG(compat::StorePtr, store);
+  /// Limit on every collective and on the rendezvous. Default: 30 minutes, as in PyTorch.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+  /// Address of this host for Gloo's transport. Default: $FSDP_GLOO_HOSTNAME; else 127.0.0.1
+  /// when the master address is a loopback one; else the address of this host's name.
+  TORCH_ARG(std::optional<std::string>, gloo_hostname);
+  /// Gloo worker threads per group. Default 2.
+  TORCH_ARG(int, gloo_threads) = 2;
+};
+
+/// Rank layout read from the environment, as torchrun sets it.
+struct EnvInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+};
+
+/// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Missing
+/// variables take the defaults above (a single process); malformed ones throw ValueError naming
+/// the variable.
+EnvInfo env_info();
+
+class ProcessGroup;
+
+/// A collective in flight. wait() blocks until it is done (at most the group's timeout), finishes
+/// any local work the collective needs (copies, sums) and rethrows failures as DistError.
+/// Destroying an unwaited Work waits for it first, swallowing errors; call wait() to see them.
+class Work {
+ public:
+  Work() = default;
+  Work(Work&&) noexcept;
+  Work& operator=(Work&&) noexcept;
+  ~Work();
+  /// Blocks until done. Idempotent. Throws DistError on failure or timeout.
+  void wait();
+  /// True when wait() has nothing left to do.
+  bool done() const { return !pending_; }
+
+ private:
+  friend class ProcessGroup;
+  struct Pending;
+  std::unique_ptr<Pending> pending_;
+};
+
+/// A group of processes that run collectives together. Obtained from init_process_group(),
+/// ProcessGroup::new_group() or ProcessGroup::from_backend(). A default-constructed group is
+/// "not a member" (what new_group returns on ranks outside the new group).
+class ProcessGroup {
+ public:
+  ProcessGroup() = default;
+
+  /// Wraps an existing c10d backend object. `global_ranks` maps group ranks to ranks of the
+  /// default group (identity if empty). `store` is needed only for new_group().
+  static ProcessGroup from_backend(compat::BackendPtr backend, std::string name,
+                                   std::chrono::milliseconds timeout,
+                                   compat::StorePtr store = {}, std::vector<int> global_ranks = {});
+
+  /// False for the placeholder new_group() returns to non-members.
+  bool is_member() const { return static_cast<bool>(state_); }
+  int rank() const;
+  int size() const;
+  const std::string& name() const;
+  std::chrono::milliseconds timeout() const;
+  /// "gloo" or "nccl".
+  std::string backend_name() const;
+  /// Rank in the default group of each member, indexed by group rank.
+  const std::vector<int>& global_ranks() const;
+  /// The underlying c10d object, for callers that need something not wrapped here.
+  compat::BackendPtr backend() const;
+
+  // ---- Collectives. All members must call them in the same order with matching shapes. ----
+  // Each blocking form is the async form followed by wait(). Tensors must be contiguous and on the
+  // device the backend serves (CPU for Gloo). Inputs are not modified unless stated.
+
+  /// output (numel = W * input.numel()) receives every rank's `input`, in rank order.
+  void all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input);
+  Work all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input);
+
+  /// output (numel = input.numel() / W) receives this rank's chunk of the element-wise reduction
+  /// of every rank's `input`. input.numel() must be divisible by W. For kAllToAll, `input` is used
+  /// as scratch space (its contents are undefined afterwards) unless `preserve_input` is set.
+  void reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
+                             ReduceOp op = ReduceOp::SUM,
+                             ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);
+  Work reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
+                                   ReduceOp op = ReduceOp::SUM,
+                                   ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);
+
+  /// In place: `tensor` becomes the reduction over all ranks.
+  void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::SUM);
+  Work all_reduce_async(const at::Tensor& tensor, ReduceOp op = ReduceOp::SUM);
+
+  /// In place: `tensor` becomes rank `src`'s value (src is a group rank).
+  void broadcast(const at::Tensor& tensor, int src = 0);
+
+  /// Blocks until every member has arrived (or the timeout passes).
+  void barrier();
+
+  /// Every rank's `bytes`, indexed by rank. For small metadata (shapes, names): sizes differ
+  /// freely between ranks.
+  std::vector<std::string> all_gather_bytes(const std::string& bytes);
+  /// Rank `src`'s `bytes` on every rank (other ranks' argument is ignored).
+  std::string broadcast_bytes(const std::string& bytes, int src = 0);
+
+  /// Creates a sub-group of `ranks` (ranks of *this* group, any order; the new group's rank i is
+  /// ranks[i]). Collective over this group: every member must call it with the same list, even
+  /// ranks not in it, which get a non-member placeholder.
+  ProcessGroup new_group(const std::vector<int>& ranks);
+
+ private:
+  friend ProcessGroup init_process_group(const struct InitOptions& opts);
+  struct State;
+  explicit ProcessGroup(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  State& checked_state(const char* op) const;
+  Work launch(const char* op, compat::WorkPtr work, std::function<void()> finish = {});
+  std::shared_ptr<State> state_;
+};
+
+/// Creates the default (world) group: rendezvous over a TCPStore (or `opts.store`), then a Gloo or
+/// NCCL backend. Rank 0 hosts the store. Throws DistError if the rendezvous times out.
+ProcessGroup init_process_group(const InitOptions& opts = InitOptions());
+
+/// The group init_process_group created. Throws StateError if there is none.
+ProcessGroup& default_group();
+/// True once init_process_group succeeded (and until destroy_process_group).
+bool is_initialized();
+/// Forgets the default group (its backend is destroyed when the last handle goes away).
+void destroy_process_group();
+
+/// The two groups hybrid sharding uses: parameters are sharded within `shard` (consecutive ranks,
+/// typically one node) and replicated across `replicate` (ranks with the same position in each
+/// shard group).
+struct HybridGroups {
+  ProcessGroup shard;
+  ProcessGroup replicate;
+};
+
+/// Splits `world` into world.size() / shard_size shard groups of consecutive ranks and shard_size
+/// replicate groups. Collective over `world`. Throws ValueError unless shard_size divides the size.
+HybridGroups make_hybrid_groups(ProcessGroup& world, int shard_size);
+
+}  // namespace dist
+}  // namespace fsdp

@@ -1,0 +1,331 @@
+// fsdp/flat_param.h: FlatParameter and FlatParamHandle, the core of fully sharded data parallelism.
+//
+// A FlatParamHandle takes the parameters of one FSDP unit (a module subtree), flattens them into a
+// single 1-D "flat parameter", and keeps only this rank's shard of it (torch.chunk semantics). It
+// can then
+//   * unshard(): all-gather the full flat parameter and point every original parameter at a view
+//     of it, so the module's unmodified forward computes with the full weights;
+//   * reshard(): point the original parameters back at their shard (use_orig_params) or at empty
+//     tensors, and free the unsharded storage for real (0 bytes);
+//   * reduce_grad(): flatten the original parameters' gradients and reduce-scatter them into the
+//     sharded gradient (all-reduce for NO_SHARD), averaging over the data-parallel ranks.
+// It follows PyTorch's torch/distributed/fsdp/_flat_param.py (seed 004), with one deliberate
+// difference forced by the C++ frontend: LibTorch modules hold their parameters as members that
+// fsdp-cpp cannot swap, so the original parameters stay autograd leaves (their data re-pointed with
+// set_data) and gradients are collected from them rather than flowing into the flat parameter
+// through view ops. See docs/flat_param.md.
+//
+// Ownership: the handle shares ownership of the modules it flattens (shared_ptr). It owns the flat
+// parameter tensor, whose `.grad()` holds the sharded gradient after reduce_grad().
+// Thread safety: none; a handle is driven by one thread, like the module it manages.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "fsdp/dist.h"
+
+namespace fsdp {
+
+/// How parameters, gradients and optimizer state are split across ranks (PyTorch's names).
+enum class ShardingStrategy {
+  /// Shard parameters, gradients and optimizer state; free full parameters after forward.
+  FULL_SHARD,
+  /// As FULL_SHARD, but keep the full parameters from forward until after backward (ZeRO-2).
+  SHARD_GRAD_OP,
+  /// No sharding: every rank holds everything and gradients are all-reduced (DDP).
+  NO_SHARD,
+  /// FULL_SHARD within a shard group (a node), replicated across the replicate group.
+  HYBRID_SHARD,
+  /// SHARD_GRAD_OP within a shard group, replicated across the replicate group.
+  HYBRID_SHARD_ZERO2,
+};
+
+/// "FULL_SHARD", "NO_SHARD", ...
+const char* to_string(ShardingStrategy s);
+
+/// Where the handle is in a training step. Affects which buffers unshard() uses (full precision
+/// while SUMMON_FULL_PARAMS) and nothing else here; the runtime sets it.
+enum class HandleTrainingState { IDLE, FORWARD, BACKWARD_PRE, BACKWARD_POST, SUMMON_FULL_PARAMS };
+
+/// One original parameter: the module that registers it, that module's FQN and the local name.
+struct ParamInfo {
+  std::string param_name;
+  std::shared_ptr<torch::nn::Module> module;
+  std::string module_name;
+  /// module_name + "." + param_name (or param_name at the root).
+  std::string fqn() const;
+};
+
+/// A further owner of a tied (shared) parameter. The first owner met in traversal order is the
+/// primary one and appears in param_infos; every other owner is recorded here.
+struct SharedParamInfo {
+  std::string param_name;
+  std::shared_ptr<torch::nn::Module> module;
+  std::string module_name;
+  std::string prim_param_name;
+  std::shared_ptr<torch::nn::Module> prim_module;
+  std::string prim_module_name;
+  /// Index of the primary parameter in the handle's parameter list.
+  int prim_index = 0;
+};
+
+/// Where one original parameter's data falls in this rank's shard. When `in_shard`,
+/// flat_shard[offset_in_shard, offset_in_shard + numel_in_shard) holds
+/// param.flatten()[intra_param_start_idx, intra_param_end_idx] (end inclusive, as in PyTorch).
+/// When not `in_shard`, the other fields are -1.
+struct ShardParamInfo {
+  bool in_shard = false;
+  int64_t offset_in_shard = -1;
+  int64_t numel_in_shard = -1;
+  int64_t intra_param_start_idx = -1;
+  int64_t intra_param_end_idx = -1;
+  bool operator==(const ShardParamInfo& o) const;
+};
+
+/// This rank's shard, described by the parameters it touches (PyTorch's FlatParamShardMetadata):
+/// parameters without data here are left out; padding is not listed.
+struct FlatParamShardMetadata {
+  std::vector<std::string> param_names;
+  std::vector<std::vector<int64_t>> param_shapes;
+  std::vector<int64_t> param_numels;
+  /// [start, end] (inclusive) into each parameter's flattened data.
+  std::vector<std::pair<int64_t, int64_t>> param_offsets;
+};
+
+/// The layout of a flat parameter, independent of any rank's data. Computed by the handle; also
+/// usable on its own to plan resharding (see FlatParamLayout::compute).
+struct FlatParamLayout {
+  /// FQNs relative to the handle's root module, one per original (non-padding) parameter.
+  std::vector<std::string> fqns;
+  std::vector<std::vector<int64_t>> shapes;
+  /// Per original parameter.
+  std::vector<int64_t> numels;
+  /// Per flat segment, padding segments included, in flat order.
+  std::vector<int64_t> numels_with_padding;
+  std::vector<bool> is_padding_mask;
+  /// Numel of the flat parameter before chunking (alignment padding included).
+  int64_t unpadded_unsharded_numel = 0;
+  /// Chunk size: ceil(unpadded_unsharded_numel / world_size).
+  int64_t sharded_numel = 0;
+  /// sharded_numel * world_size.
+  int64_t padded_unsharded_numel = 0;
+  int world_size = 1;
+
+  /// Lays out parameters of the given shapes. `aligned_numel` > 0 (use_orig_params) pads so each
+  /// parameter starts at a multiple of it and the total is a multiple of world_size; 0 packs them.
+  /// `sharded` false (NO_SHARD) keeps the whole flat parameter on every rank.
+  static FlatParamLayout compute(const std::vector<std::string>& fqns,
+                                 const std::vector<std::vector<int64_t>>& shapes,
+                                 int64_t aligned_numel, int world_size, bool sharded = true);
+
+  /// [start, end] (inclusive) of each flat segment (padding included) in the unsharded flat
+  /// parameter.
+  std::vector<std::pair<int64_t, int64_t>> flat_param_offsets() const;
+  /// Offset of original parameter i in the unsharded flat parameter.
+  int64_t param_offset(size_t i) const;
+  /// Shard infos of `rank`, one per original parameter.
+  std::vector<ShardParamInfo> shard_param_infos(int rank) const;
+  /// Elements of padding at the end of `rank`'s shard (torch.chunk tail or empty chunk).
+  int64_t shard_numel_padded(int rank) const;
+  /// shard_metadata() of `rank`.
+  FlatParamShardMetadata shard_metadata(int rank) const;
+};
+
+/// Options of a FlatParamHandle. Defaults match PyTorch FSDP's.
+struct FlatParamHandleOptions {
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::FULL_SHARD;
+  /// Keep the original parameters usable by an optimizer as views into the local shard, permit
+  /// non-uniform requires_grad, and align each parameter to 16 bytes in the flat parameter.
+  TORCH_ARG(bool, use_orig_params) = false;
+  /// Keep the sharded parameter and gradient on the CPU (pinned where CUDA exists); copy to
+  /// `device` for unshard.
+  TORCH_ARG(bool, offload_params) = false;
+  /// Mixed precision: dtype of the unsharded parameters used in forward/backward.
+  TORCH_ARG(std::optional<at::ScalarType>, param_dtype);
+  /// Mixed precision: dtype in which gradients are reduced. Defaults to param_dtype if that is
+  /// set, else the parameters' own dtype.
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype);
+  /// Keep the sharded gradient in param_dtype instead of casting it back to the parameter dtype.
+  TORCH_ARG(bool, keep_low_precision_grads) = false;
+  /// Device on which forward and backward compute (and collectives run).
+  TORCH_ARG(at::Device, device) = at::kCPU;
+  /// Group across which replicas are all-reduced after the shard-group reduce-scatter
+  /// (HYBRID_SHARD*). Unset otherwise.
+  TORCH_ARG(std::optional<dist::ProcessGroup>, replicate_group);
+  /// Check at construction that every rank flattens the same FQNs, shapes and dtypes (one small
+  /// all-gather). Disable only if the caller already guarantees it.
+  TORCH_ARG(bool, check_ranks_agree) = true;
+};
+
+/// A parameter to flatten: registered under `param_name` on `module`, whose FQN is `module_name`.
+using ParamRef = ParamInfo;
+
+/// Collects, in traversal order, the parameters registered on `root` and its descendants, as
+/// `root->named_parameters()` would list them, skipping modules in `ignored_modules` (and their
+/// subtrees) and parameters already owned by a FlatParamHandle. Tied parameters appear once per
+/// owner. `prefix` is prepended to module names.
+std::vector<ParamRef> collect_params(
+    const std::shared_ptr<torch::nn::Module>& root, const std::string& prefix = "",
+    const std::vector<std::shared_ptr<torch::nn::Module>>& ignored_modules = {});
+
+/// True if `t` is a flat parameter or an original parameter already owned by a handle.
+bool is_fsdp_flattened(const at::Tensor& t);
+
+class FlatParamHandle {
+ public:
+  /// Flattens `params` and shards the result across `group` (the shard group for HYBRID_SHARD*).
+  /// Afterwards the handle is resharded: original parameters are views into the shard
+  /// (use_orig_params) or empty; the unsharded storage holds 0 bytes.
+  /// Throws ValueError, naming the parameter, if: `params` is empty; a parameter is itself a
+  /// flat parameter or already flattened; dtypes are not one floating dtype; devices differ;
+  /// requires_grad differs without use_orig_params; or (check_ranks_agree) another rank's
+  /// parameters differ in FQN, shape, dtype or requires_grad.
+  FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGroup group,
+                  FlatParamHandleOptions options = {});
+  ~FlatParamHandle();
+  FlatParamHandle(const FlatParamHandle&) = delete;
+  FlatParamHandle& operator=(const FlatParamHandle&) = delete;
+
+  // ---------------------------------------------------------------------------------------
+  // Unshard / reshard
+
+  /// Makes the full parameters available: writes back changed original parameters
+  /// (use_orig_params), all-gathers the shard (in param_dtype under mixed precision; in full
+  /// precision while SUMMON_FULL_PARAMS) and points every original parameter at its full-shaped
+  /// view. No-op where already unsharded. NO_SHARD communicates nothing.
+  void unshard();
+  /// unshard() split in two for prefetching: start the all-gather now, finish later. Only one
+  /// pending unshard per handle.
+  void unshard_async();
+  void wait_unshard();
+  /// Returns to the sharded state: original parameters become shard views (use_orig_params) or
+  /// empty tensors, and, if `free_unsharded` (always, except to keep parameters between forward
+  /// and backward under SHARD_GRAD_OP), the unsharded storage is freed.
+  void reshard(bool free_unsharded = true);
+  /// True while the original parameters point at the unsharded flat parameter.
+  bool is_unsharded() const { return unsharded_views_; }
+  /// Bytes currently allocated for unsharded parameter storage (0 after reshard).
+  int64_t unsharded_storage_bytes() const;
+
+  // ---------------------------------------------------------------------------------------
+  // Gradients
+
+  /// Reduces the original parameters' gradients into the sharded gradient: flattens them (zeros
+  /// where a parameter has no gradient), casts to reduce_dtype, reduce-scatters across the group
+  /// averaging (pre- and post-divided as PyTorch FSDP does, to keep fp16 from overflowing), then
+  /// all-reduces across replicate_group. The result (in the parameter dtype unless
+  /// keep_low_precision_grads) is added to an existing sharded gradient or becomes it; it is
+  /// flat_param().grad() (on CPU under offload). Original parameters' gradients become shard views
+  /// of it (use_orig_params) or are reset. Must be called while unsharded or right after
+  /// reshard(), on every rank of the group. Requires the flat parameter to require grad.
+  void reduce_grad();
+  /// Like reduce_grad() but for gradients the caller already flattened (padded unsharded numel,
+  /// any floating dtype). For the runtime's hooks and for tests.
+  void reduce_flat_grad(const at::Tensor& unsharded_flat_grad);
+  /// The flattened, padded unsharded gradient built from the original parameters' gradients, in
+  /// reduce_dtype (what reduce_grad() communicates).
+  at::Tensor flatten_orig_grads() const;
+
+  // ---------------------------------------------------------------------------------------
+  // Write-back (use_orig_params)
+
+  /// Copies into the flat parameter (and its gradient) any original parameter or gradient that no
+  /// longer aliases it: replaced with set_data, re-registered, or a gradient assigned anew. A
+  /// parameter whose gradient was set to undefined zeroes its slice of the flat gradient.
+  /// Returns true if a parameter was written back. Throws ValueError naming the parameter if its
+  /// shape changed. Called by unshard(); callable any time the handle is resharded.
+  bool writeback_orig_params();
+  /// Copies this rank's part of the unsharded flat parameter back into the shard: for edits made
+  /// to the full parameters (summon_full_params with writeback). Requires is_unsharded() and an
+  /// unsharded buffer in the original dtype (no mixed precision, or SUMMON_FULL_PARAMS).
+  void writeback_unsharded();
+
+  // ---------------------------------------------------------------------------------------
+  // Accessors
+
+  /// The flat parameter: a 1-D leaf tensor holding this rank's padded shard (the whole flat
+  /// parameter under NO_SHARD), requires_grad if any original parameter does. This is what an
+  /// optimizer steps when use_orig_params is false.
+  const at::Tensor& flat_param() const { return flat_param_; }
+  /// The sharded gradient (undefined if none), same as flat_param().grad().
+  at::Tensor sharded_grad() const;
+  const FlatParamLayout& layout() const { return layout_; }
+  const std::vector<ParamInfo>& param_infos() const { return param_infos_; }
+  const std::vector<SharedParamInfo>& shared_param_infos() const { return shared_param_infos_; }
+  const std::vector<ShardParamInfo>& shard_param_infos() const { return shard_param_infos_; }
+  /// Padding at the end of this rank's shard.
+  int64_t shard_numel_padded() const { return shard_numel_padded_; }
+  /// This rank's shard in PyTorch's FlatParamShardMetadata form.
+  FlatParamShardMetadata shard_metadata() const { return layout_.shard_metadata(rank_); }
+  /// Original parameters as currently registered, one per param_infos() entry.
+  std::vector<at::Tensor> orig_params() const;
+  const FlatParamHandleOptions& options() const { return options_; }
+  dist::ProcessGroup& process_group() { return group_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  bool uses_sharded_strategy() const {
+    return options_.sharding_strategy() != ShardingStrategy::NO_SHARD;
+  }
+  /// Dtype of the original parameters (and of the flat parameter).
+  at::ScalarType orig_dtype() const { return orig_dtype_; }
+  /// Dtype used in forward/backward (param_dtype or orig_dtype).
+  at::ScalarType compute_dtype() const { return fwd_bwd_dtype_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+
+  HandleTrainingState training_state() const { return training_state_; }
+  void set_training_state(HandleTrainingState s) { training_state_ = s; }
+  /// The factor gradients are divided by before the reduce-scatter; the rest of the averaging
+  /// (dp_size / predivide) happens after it. dp_size counts replicate_group ranks too.
+  double gradient_predivide_factor() const { return predivide_; }
+  double gradient_postdivide_factor() const { return postdivide_; }
+
+ private:
+  bool force_full_precision() const;
+  void finish_unshard();
+  void check_grad_shape(size_t i, const at::Tensor& grad) const;
+  at::Tensor& unsharded_buffer();
+  void use_unsharded_views(const at::Tensor& unsharded_flat);
+  void use_sharded_views();
+  void use_sharded_grad_views();
+  void validate_and_describe(const std::vector<at::Tensor>& tensors);
+
+  FlatParamHandleOptions options_;
+  dist::ProcessGroup group_;
+  int rank_ = 0;
+  int world_size_ = 1;
+  at::ScalarType orig_dtype_ = at::kFloat;
+  at::ScalarType fwd_bwd_dtype_ = at::kFloat;
+  at::ScalarType reduce_dtype_ = at::kFloat;
+  double predivide_ = 1.0;
+  double postdivide_ = 1.0;
+  HandleTrainingState training_state_ = HandleTrainingState::IDLE;
+
+  std::vector<ParamInfo> param_infos_;
+  std::vector<SharedParamInfo> shared_param_infos_;
+  std::vector<at::Tensor> params_;  // original parameter tensors, same order as param_infos_
+  FlatParamLayout layout_;
+  std::vector<ShardParamInfo> shard_param_infos_;
+  int64_t shard_numel_padded_ = 0;
+
+  at::Tensor flat_param_;            // leaf; data = padded local shard (CPU under offload)
+  at::Tensor full_param_padded_;     // unsharded buffer in fwd_bwd dtype; storage freed when resharded
+  at::Tensor full_prec_full_param_padded_;  // unsharded buffer in orig dtype (summon + mixed precision)
+  at::Tensor mp_shard_;              // low-precision shard on `device` during unshard
+  at::Tensor unsharded_flat_;        // the unpadded view that original parameters point into
+  bool unsharded_views_ = false;
+  // True from an unshard for compute until the next reduce_grad: the original parameters' full-
+  // shaped gradients then hold autograd's unreduced results (e.g. accumulated under no_sync) and
+  // must be neither written back nor replaced by shard views.
+  bool grads_unreduced_ = false;
+  std::vector<bool> is_grad_none_;  // per parameter: its gradient was reset to undefined by the user
+  std::unique_ptr<dist::Work> pending_unshard_;
+};
+
+}  // namespace fsdp

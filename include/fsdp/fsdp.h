@@ -1,0 +1,7 @@
+// fsdp/fsdp.h: umbrella header for fsdp-cpp, fully sharded data parallelism for LibTorch.
+#pragma once
+
+#include "fsdp/compat.h"
+#include "fsdp/dist.h"
+#include "fsdp/errors.h"
+#include "fsdp/flat_param.h"

@@ -1,0 +1,370 @@
+// Collectives over c10d with timeouts, and the emulations LibTorch 1.13's Gloo needs.
+//
+// Gloo in 1.13 has neither _allgather_base nor reduce_scatter. All-gather becomes the list form of
+// allgather whose outputs are views into the flat output (Gloo copies each rank's piece straight
+// into its view). Reduce-scatter becomes either alltoall_base (each rank receives the W pieces of
+// its own chunk, then sums them locally in rank order) or allreduce of the whole tensor followed by
+// a narrow. bench/bench_collectives measures which is faster for which size.
+#include <ATen/Parallel.h>
+
+#include "dist/state.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace dist {
+namespace {
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:  // SUM, then divided by the group size here
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::MAX:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::MIN:
+      return c10d::ReduceOp::MIN;
+  }
+  throw InternalError("unknown ReduceOp");
+}
+
+std::string describe(const char* op, const ProcessGroup& g) {
+  return std::string(op) + " on group '" + g.name() + "' (rank " + std::to_string(g.rank()) +
+         " of " + std::to_string(g.size()) + ", global rank " +
+         std::to_string(g.global_ranks()[g.rank()]) + ")";
+}
+
+void check_flat(const char* op, const ProcessGroup& g, const at::Tensor& t, const char* which) {
+  if (!t.defined()) throw ValueError(describe(op, g) + ": " + which + " tensor is undefined");
+  if (!t.is_contiguous()) {
+    throw ValueError(describe(op, g) + ": " + which + " tensor must be contiguous");
+  }
+}
+
+// Element-wise combine of `src` into `acc` for the local half of an emulated reduce-scatter.
+void combine(const at::Tensor& acc, const at::Tensor& src, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      acc.add_(src);
+      break;
+    case ReduceOp::MAX:
+      at::maximum_out(const_cast<at::Tensor&>(acc), acc, src);
+      break;
+    case ReduceOp::MIN:
+      at::minimum_out(const_cast<at::Tensor&>(acc), acc, src);
+      break;
+  }
+}
+
+// Gloo (in 1.13 at least) has no bfloat16 or bool kernels. Moving data is dtype-blind, so those
+// travel as raw bytes; reductions of bfloat16 are computed in float32 and rounded once at
+// the end (more accurate than a bfloat16 reduction, documented in docs/dist.md).
+bool gloo_lacks(const std::string& backend, at::ScalarType t) {
+  return backend == "gloo" && (t == at::kBFloat16 || t == at::kBool);
+}
+// Gloo has no 16-bit integer type either, so data travels as bytes (numel scales by the size).
+at::Tensor as_wire(const at::Tensor& t) { return t.view(at::kByte); }
+
+// Below this many bytes per rank, allreduce + narrow beats alltoall + local sum on Gloo over
+// loopback (fewer, larger messages); above it, alltoall moves half the bytes. See docs/dist.md.
+constexpr int64_t kAllToAllMinBytes = 64 * 1024;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Work
+
+Work::Work(Work&&) noexcept = default;
+Work& Work::operator=(Work&& other) noexcept {
+  if (this != &other) {
+    if (pending_) {
+      try {
+        wait();
+      } catch (...) {
+      }
+    }
+    pending_ = std::move(other.pending_);
+  }
+  return *this;
+}
+Work::~Work() {
+  if (pending_) {
+    try {
+      wait();
+    } catch (...) {
+      // Documented: errors of an unwaited Work are swallowed.
+    }
+  }
+}
+
+void Work::wait() {
+  if (!pending_) return;
+  std::unique_ptr<Pending> p = std::move(pending_);
+  try {
+    if (p->work) {
+      // c10d's Work::wait throws "Operation timed out!" past the deadline; Gloo also enforces the
+      // same timeout inside the transport, so the background op does not linger either.
+      p->work->wait(p->timeout);
+    }
+  } catch (const c10::Error& e) {
+    throw DistError(p->what + " failed: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw DistError(p->what + " failed: " + e.what());
+  }
+  if (p->finish) p->finish();
+}
+
+Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<void()> finish) {
+  Work w;
+  w.pending_ = std::make_unique<Work::Pending>();
+  w.pending_->work = std::move(work);
+  w.pending_->finish = std::move(finish);
+  w.pending_->what = describe(op, *this);
+  w.pending_->timeout = state_->timeout;
+  return w;
+}
+
+// Starting a collective can itself throw (a backend that lacks the op, a closed connection).
+#define FSDP_START(op, expr)                                                 \
+  [&]() -> compat::WorkPtr {                                                 \
+    try {                                                                    \
+      return (expr);                                                         \
+    } catch (const c10::Error& e) {                                          \
+      throw DistError(describe(op, *this) + ": " + e.what_without_backtrace()); \
+    }                                                                        \
+  }()
+
+// ---------------------------------------------------------------------------------------------
+// All-gather
+
+Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input) {
+  const char* op = "all_gather_into_tensor";
+  State& s = checked_state(op);
+  check_flat(op, *this, output, "output");
+  check_flat(op, *this, input, "input");
+  if (output.numel() != input.numel() * s.size || output.scalar_type() != input.scalar_type()) {
+    throw ValueError(describe(op, *this) + ": output has " + std::to_string(output.numel()) +
+                     " elements of " + std::string(c10::toString(output.scalar_type())) +
+                     ", expected " + std::to_string(input.numel() * s.size) + " of " +
+                     c10::toString(input.scalar_type()));
+  }
+  // Gloo divides by the element count (SIGFPE on 0); every member passes the same shapes, so all
+  // of them skip together.
+  if (s.size == 1 || input.numel() == 0) {
+    output.view(-1).copy_(input.view(-1).repeat({s.size}));
+    return launch(op, {});
+  }
+  at::Tensor out_flat = output.view(-1);
+  at::Tensor in_flat = input.view(-1);
+  if (gloo_lacks(s.backend_name, input.scalar_type())) {
+    out_flat = as_wire(out_flat);
+    in_flat = as_wire(in_flat);
+  }
+  if (compat::native_flat_collectives(s.backend_name)) {
+    return launch(op, FSDP_START(op, s.backend->_allgather_base(out_flat, in_flat,
+                                                                 c10d::AllgatherOptions())));
+  }
+  std::vector<std::vector<at::Tensor>> outs(1);
+  const int64_t n = in_flat.numel();
+  for (int r = 0; r < s.size; ++r) outs[0].push_back(out_flat.narrow(0, r * n, n));
+  std::vector<at::Tensor> ins{in_flat};
+  c10d::AllgatherOptions opts;
+  opts.timeout = s.timeout;
+  return launch(op, FSDP_START(op, s.backend->allgather(outs, ins, opts)));
+}
+
+void ProcessGroup::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input) {
+  all_gather_into_tensor_async(output, input).wait();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reduce-scatter
+
+Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
+                                               ReduceOp op_kind, ReduceScatterAlgo algo) {
+  const char* op = "reduce_scatter_tensor";
+  State& s = checked_state(op);
+  check_flat(op, *this, output, "output");
+  check_flat(op, *this, input, "input");
+  const int64_t n = output.numel();
+  if (input.numel() != n * s.size || output.scalar_type() != input.scalar_type()) {
+    throw ValueError(describe(op, *this) + ": input has " + std::to_string(input.numel()) +
+                     " elements of " + std::string(c10::toString(input.scalar_type())) +
+                     ", expected " + std::to_string(n * s.size) + " (output " +
+                     std::to_string(n) + " x " + std::to_string(s.size) + " ranks) of " +
+                     c10::toString(output.scalar_type()));
+  }
+  if (gloo_lacks(s.backend_name, input.scalar_type()) && s.size > 1 && n > 0) {
+    if (input.scalar_type() == at::kBool) {
+      throw ValueError(describe(op, *this) + ": bool tensors cannot be reduced over Gloo");
+    }
+    at::Tensor out32 = at::empty({n}, output.options().dtype(at::kFloat));
+    Work inner = reduce_scatter_tensor_async(out32, input.to(at::kFloat), op_kind, algo);
+    at::Tensor out_flat = output.view(-1);
+    auto shared = std::make_shared<Work>(std::move(inner));
+    return launch(op, {}, [shared, out_flat, out32]() {
+      shared->wait();
+      out_flat.copy_(out32);
+    });
+  }
+  at::Tensor out_flat = output.view(-1);
+  at::Tensor in_flat = input.view(-1);
+  const int world = s.size;
+  auto finish_avg = [out_flat, op_kind, world]() {
+    if (op_kind == ReduceOp::AVG) out_flat.div_(world);
+  };
+  if (world == 1 || n == 0) {
+    out_flat.copy_(in_flat);
+    finish_avg();
+    return launch(op, {});
+  }
+  if (algo == ReduceScatterAlgo::kAuto) {
+    if (compat::native_flat_collectives(s.backend_name)) {
+      algo = ReduceScatterAlgo::kNative;
+    } else {
+      algo = n * output.element_size() >= kAllToAllMinBytes ? ReduceScatterAlgo::kAllToAll
+                                                            : ReduceScatterAlgo::kAllReduce;
+    }
+  }
+  switch (algo) {
+    case ReduceScatterAlgo::kNative: {
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = to_c10d(op_kind);
+      opts.timeout = s.timeout;
+      auto w = FSDP_START(op, s.backend->_reduce_scatter_base(out_flat, in_flat, opts));
+      return launch(op, std::move(w), finish_avg);
+    }
+    case ReduceScatterAlgo::kAllToAll: {
+      at::Tensor recv = at::empty_like(in_flat);
+      c10d::AllToAllOptions opts;
+      opts.timeout = s.timeout;
+      std::vector<int64_t> splits;  // empty: equal splits
+      auto w = FSDP_START(op, s.backend->alltoall_base(recv, in_flat, splits, splits, opts));
+      return launch(op, std::move(w), [recv, out_flat, op_kind, world, n, finish_avg]() {
+        // Rank order, one row at a time: every rank reduces its chunk in the same order, so the
+        // result is deterministic and equals a sequential sum over ranks 0..W-1.
+        out_flat.copy_(recv.narrow(0, 0, n));
+        for (int r = 1; r < world; ++r) combine(out_flat, recv.narrow(0, r * n, n), op_kind);
+        finish_avg();
+      });
+    }
+    case ReduceScatterAlgo::kAllReduce: {
+      at::Tensor tmp = in_flat.clone();
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = to_c10d(op_kind);
+      opts.timeout = s.timeout;
+      std::vector<at::Tensor> ts{tmp};
+      auto w = FSDP_START(op, s.backend->allreduce(ts, opts));
+      const int64_t start = static_cast<int64_t>(s.rank) * n;
+      return launch(op, std::move(w), [tmp, out_flat, start, n, finish_avg]() {
+        out_flat.copy_(tmp.narrow(0, start, n));
+        finish_avg();
+      });
+    }
+    case ReduceScatterAlgo::kAuto:
+      break;
+  }
+  throw InternalError("reduce_scatter_tensor: unhandled algorithm");
+}
+
+void ProcessGroup::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
+                                         ReduceOp op, ReduceScatterAlgo algo) {
+  reduce_scatter_tensor_async(output, input, op, algo).wait();
+}
+
+// ---------------------------------------------------------------------------------------------
+// All-reduce, broadcast, barrier
+
+Work ProcessGroup::all_reduce_async(const at::Tensor& tensor, ReduceOp op_kind) {
+  const char* op = "all_reduce";
+  State& s = checked_state(op);
+  check_flat(op, *this, tensor, "input");
+  if (s.size == 1 || tensor.numel() == 0) return launch(op, {});
+  if (gloo_lacks(s.backend_name, tensor.scalar_type())) {
+    if (tensor.scalar_type() == at::kBool) {
+      throw ValueError(describe(op, *this) + ": bool tensors cannot be reduced over Gloo");
+    }
+    at::Tensor t32 = tensor.to(at::kFloat);
+    auto shared = std::make_shared<Work>(all_reduce_async(t32, op_kind));
+    return launch(op, {}, [shared, tensor, t32]() {
+      shared->wait();
+      tensor.copy_(t32);
+    });
+  }
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op_kind);
+  opts.timeout = s.timeout;
+  std::vector<at::Tensor> ts{tensor};
+  auto w = FSDP_START(op, s.backend->allreduce(ts, opts));
+  const int world = s.size;
+  return launch(op, std::move(w), [tensor, op_kind, world]() {
+    if (op_kind == ReduceOp::AVG) tensor.div_(world);
+  });
+}
+
+void ProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  all_reduce_async(tensor, op).wait();
+}
+
+void ProcessGroup::broadcast(const at::Tensor& tensor, int src) {
+  const char* op = "broadcast";
+  State& s = checked_state(op);
+  check_flat(op, *this, tensor, "input");
+  if (src < 0 || src >= s.size) {
+    throw ValueError(describe(op, *this) + ": source rank " + std::to_string(src) +
+                     " is out of range");
+  }
+  if (s.size == 1 || tensor.numel() == 0) return;
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  opts.timeout = s.timeout;
+  std::vector<at::Tensor> ts{gloo_lacks(s.backend_name, tensor.scalar_type()) ? as_wire(tensor)
+                                                                             : tensor};
+  launch(op, FSDP_START(op, s.backend->broadcast(ts, opts))).wait();
+}
+
+void ProcessGroup::barrier() {
+  const char* op = "barrier";
+  State& s = checked_state(op);
+  if (s.size == 1) return;
+  c10d::BarrierOptions opts;
+  opts.timeout = s.timeout;
+  launch(op, FSDP_START(op, s.backend->barrier(opts))).wait();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small metadata
+
+std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes) {
+  State& s = checked_state("all_gather_bytes");
+  if (s.size == 1) return {bytes};
+  at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  at::Tensor lens = at::empty({s.size}, at::kLong);
+  all_gather_into_tensor(lens, len);
+  int64_t max_len = lens.max().item<int64_t>();
+  at::Tensor mine = at::zeros({std::max<int64_t>(max_len, 1)}, at::kByte);
+  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  at::Tensor all = at::empty({mine.numel() * s.size}, at::kByte);
+  all_gather_into_tensor(all, mine);
+  std::vector<std::string> out;
+  const char* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 0; r < s.size; ++r) {
+    out.emplace_back(base + r * mine.numel(), static_cast<size_t>(lens[r].item<int64_t>()));
+  }
+  return out;
+}
+
+std::string ProcessGroup::broadcast_bytes(const std::string& bytes, int src) {
+  State& s = checked_state("broadcast_bytes");
+  if (s.size == 1) return bytes;
+  at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  broadcast(len, src);
+  const int64_t n = len.item<int64_t>();
+  at::Tensor buf = at::zeros({std::max<int64_t>(n, 1)}, at::kByte);
+  if (s.rank == src) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
+  broadcast(buf, src);
+  return std::string(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
+}
+
+}  // namespace dist
+}  // namespace fsdp

@@ -1,0 +1,261 @@
+// Process-group creation: environment parsing, rendezvous, backends, sub-groups.
+// The collectives themselves live in collectives.cpp.
+#include "dist/state.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <set>
+
+#include <torch/cuda.h>
+
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace dist {
+namespace {
+
+std::optional<std::string> get_env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+int env_int(const char* name, int fallback) {
+  auto v = get_env(name);
+  if (!v) return fallback;
+  try {
+    size_t used = 0;
+    int x = std::stoi(*v, &used);
+    if (used != v->size()) throw std::invalid_argument("trailing characters");
+    return x;
+  } catch (const std::exception&) {
+    throw ValueError(std::string("environment variable ") + name + "='" + *v +
+                     "' is not an integer");
+  }
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+}
+
+std::mutex g_default_mu;
+ProcessGroup g_default;
+
+}  // namespace
+
+EnvInfo env_info() {
+  EnvInfo e;
+  e.rank = env_int("RANK", 0);
+  e.world_size = env_int("WORLD_SIZE", 1);
+  e.local_rank = env_int("LOCAL_RANK", e.rank);
+  e.local_world_size = env_int("LOCAL_WORLD_SIZE", e.world_size);
+  e.master_addr = get_env("MASTER_ADDR").value_or("127.0.0.1");
+  e.master_port = env_int("MASTER_PORT", 29500);
+  return e;
+}
+
+ProcessGroup ProcessGroup::from_backend(compat::BackendPtr backend, std::string name,
+                                        std::chrono::milliseconds timeout,
+                                        compat::StorePtr store, std::vector<int> global_ranks) {
+  if (!backend) throw ValueError("ProcessGroup::from_backend: null backend for group '" + name + "'");
+  auto s = std::make_shared<State>();
+  s->backend = std::move(backend);
+  s->name = std::move(name);
+  s->rank = s->backend->getRank();
+  s->size = s->backend->getSize();
+  s->timeout = timeout;
+  s->store = std::move(store);
+  s->backend_name = s->backend->getBackendName();
+  if (global_ranks.empty()) {
+    for (int r = 0; r < s->size; ++r) global_ranks.push_back(r);
+  }
+  if (static_cast<int>(global_ranks.size()) != s->size) {
+    throw ValueError("ProcessGroup::from_backend: group '" + s->name + "' has " +
+                     std::to_string(s->size) + " ranks but " +
+                     std::to_string(global_ranks.size()) + " global ranks were given");
+  }
+  s->global_ranks = std::move(global_ranks);
+  return ProcessGroup(std::move(s));
+}
+
+ProcessGroup::State& ProcessGroup::checked_state(const char* op) const {
+  if (!state_) {
+    throw StateError(std::string(op) +
+                     ": this process is not a member of the group (placeholder from new_group)");
+  }
+  return *state_;
+}
+
+int ProcessGroup::rank() const { return checked_state("rank").rank; }
+int ProcessGroup::size() const { return checked_state("size").size; }
+const std::string& ProcessGroup::name() const { return checked_state("name").name; }
+std::chrono::milliseconds ProcessGroup::timeout() const { return checked_state("timeout").timeout; }
+std::string ProcessGroup::backend_name() const { return checked_state("backend_name").backend_name; }
+const std::vector<int>& ProcessGroup::global_ranks() const {
+  return checked_state("global_ranks").global_ranks;
+}
+compat::BackendPtr ProcessGroup::backend() const { return checked_state("backend").backend; }
+
+namespace {
+
+compat::BackendPtr make_backend(const std::string& kind, const compat::StorePtr& store, int rank,
+                                int size, std::chrono::milliseconds timeout,
+                                const std::string& gloo_hostname, int gloo_threads) {
+  if (kind == "gloo") {
+#ifdef USE_C10D_GLOO
+    return compat::make_gloo_backend(store, rank, size, timeout, gloo_hostname, gloo_threads);
+#else
+    throw ValueError("backend 'gloo' requested but fsdp-cpp was built without USE_C10D_GLOO");
+#endif
+  }
+  if (kind == "nccl") {
+#ifdef USE_C10D_NCCL
+    (void)gloo_hostname;
+    (void)gloo_threads;
+    return compat::make_nccl_backend(store, rank, size, timeout);
+#else
+    throw ValueError("backend 'nccl' requested but fsdp-cpp was built without USE_C10D_NCCL");
+#endif
+  }
+  throw ValueError("unknown backend '" + kind + "' (expected gloo, nccl or auto)");
+}
+
+}  // namespace
+
+ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
+  State& s = checked_state("new_group");
+  std::set<int> seen;
+  for (int r : ranks) {
+    if (r < 0 || r >= s.size || !seen.insert(r).second) {
+      throw ValueError("new_group on group '" + s.name + "' (size " + std::to_string(s.size) +
+                       "): rank " + std::to_string(r) + " is out of range or repeated");
+    }
+  }
+  if (ranks.empty()) throw ValueError("new_group on group '" + s.name + "': empty rank list");
+  if (!s.store) {
+    throw StateError("new_group on group '" + s.name +
+                     "': the group has no store (built by from_backend without one)");
+  }
+  // Every member counts every call, so all ranks agree on the sub-group's name (and store prefix)
+  // without talking.
+  std::string name = s.name + "/" + std::to_string(s.next_subgroup++);
+  int my_index = -1;
+  std::vector<int> global;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] == s.rank) my_index = static_cast<int>(i);
+    global.push_back(s.global_ranks[ranks[i]]);
+  }
+  if (my_index < 0) return ProcessGroup();
+  auto store = c10::make_intrusive<c10d::PrefixStore>(name, s.store);
+  compat::BackendPtr backend;
+  try {
+    backend = make_backend(s.backend_name, store, my_index, static_cast<int>(ranks.size()),
+                           s.timeout, s.gloo_hostname, s.gloo_threads);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistError("new_group '" + name + "': rank " + std::to_string(s.rank) +
+                    " could not connect to its peers: " + e.what());
+  }
+  ProcessGroup g = from_backend(std::move(backend), name, s.timeout, s.store, std::move(global));
+  g.state_->gloo_hostname = s.gloo_hostname;
+  g.state_->gloo_threads = s.gloo_threads;
+  return g;
+}
+
+ProcessGroup init_process_group(const InitOptions& opts) {
+  EnvInfo env = env_info();
+  const int rank = opts.rank().value_or(env.rank);
+  const int world = opts.world_size().value_or(env.world_size);
+  const std::string addr = opts.master_addr().value_or(env.master_addr);
+  const int port = opts.master_port().value_or(env.master_port);
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw ValueError("init_process_group: rank " + std::to_string(rank) +
+                     " is not in [0, world_size=" + std::to_string(world) + ")");
+  }
+  if (!opts.store() && (port < 0 || port > 65535)) {
+    throw ValueError("init_process_group: MASTER_PORT " + std::to_string(port) + " is out of range");
+  }
+  std::string kind = opts.backend();
+  if (kind == "auto") {
+#ifdef USE_C10D_NCCL
+    kind = torch::cuda::is_available() ? "nccl" : "gloo";
+#else
+    kind = "gloo";
+#endif
+  }
+  std::string hostname = opts.gloo_hostname().value_or(
+      get_env("FSDP_GLOO_HOSTNAME").value_or(is_loopback(addr) ? "127.0.0.1" : ""));
+
+  compat::StorePtr store = opts.store();
+  const std::string where = opts.store() ? std::string("the given store")
+                                         : "TCPStore " + addr + ":" + std::to_string(port);
+  compat::BackendPtr backend;
+  try {
+    if (!store) {
+      store = compat::make_tcp_store(addr, static_cast<std::uint16_t>(port), rank == 0, world,
+                                     opts.timeout());
+    }
+    // A prefix keeps our keys apart from anything else the caller keeps in the same store.
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
+    store = prefixed;
+    backend = make_backend(kind, store, rank, world, opts.timeout(), hostname, opts.gloo_threads());
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistError("init_process_group: rank " + std::to_string(rank) + " of " +
+                    std::to_string(world) + " failed to rendezvous via " + where + " (" + kind +
+                    "): " + e.what());
+  }
+  ProcessGroup g = ProcessGroup::from_backend(std::move(backend), "default", opts.timeout(), store);
+  g.state_->gloo_hostname = hostname;
+  g.state_->gloo_threads = opts.gloo_threads();
+  {
+    std::lock_guard<std::mutex> lock(g_default_mu);
+    g_default = g;
+  }
+  return g;
+}
+
+ProcessGroup& default_group() {
+  std::lock_guard<std::mutex> lock(g_default_mu);
+  if (!g_default.is_member()) {
+    throw StateError("default_group(): init_process_group() has not been called");
+  }
+  return g_default;
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(g_default_mu);
+  return g_default.is_member();
+}
+
+void destroy_process_group() {
+  std::lock_guard<std::mutex> lock(g_default_mu);
+  g_default = ProcessGroup();
+}
+
+HybridGroups make_hybrid_groups(ProcessGroup& world, int shard_size) {
+  const int w = world.size();
+  if (shard_size < 1 || w % shard_size != 0) {
+    throw ValueError("make_hybrid_groups: shard size " + std::to_string(shard_size) +
+                     " does not divide world size " + std::to_string(w));
+  }
+  HybridGroups out;
+  for (int start = 0; start < w; start += shard_size) {
+    std::vector<int> ranks;
+    for (int r = start; r < start + shard_size; ++r) ranks.push_back(r);
+    ProcessGroup g = world.new_group(ranks);
+    if (g.is_member()) out.shard = g;
+  }
+  for (int pos = 0; pos < shard_size; ++pos) {
+    std::vector<int> ranks;
+    for (int r = pos; r < w; r += shard_size) ranks.push_back(r);
+    ProcessGroup g = world.new_group(ranks);
+    if (g.is_member()) out.replicate = g;
+  }
+  return out;
+}
+
+}  // namespace dist
+}  // namespace fsdp

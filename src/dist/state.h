@@ -1,0 +1,31 @@
+// Internal: the shared state behind fsdp::dist::ProcessGroup handles.
+#pragma once
+
+#include "fsdp/dist.h"
+
+namespace fsdp {
+namespace dist {
+
+struct ProcessGroup::State {
+  compat::BackendPtr backend;
+  std::string name;
+  std::string backend_name;
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{0};
+  compat::StorePtr store;  // for sub-group rendezvous; may be null
+  std::vector<int> global_ranks;
+  int next_subgroup = 0;  // advanced identically on every member by new_group
+  std::string gloo_hostname = "127.0.0.1";
+  int gloo_threads = 2;
+};
+
+struct Work::Pending {
+  compat::WorkPtr work;          // null when the collective completed synchronously
+  std::function<void()> finish;  // local post-processing once `work` is done
+  std::string what;              // "all_gather_into_tensor on group 'default' (rank 1 of 2)"
+  std::chrono::milliseconds timeout{0};
+};
+
+}  // namespace dist
+}  // namespace fsdp

@@ -1,0 +1,600 @@
+// FlatParamHandle: flatten, shard, unshard, reshard, gradient reduction, write-back.
+// Semantics follow PyTorch's FlatParamHandle (seed 004); see docs/flat_param.md for the C++
+// differences (original parameters stay autograd leaves; the flat parameter always holds the
+// shard).
+#include <sstream>
+#include <unordered_map>
+
+#include <torch/cuda.h>
+
+#include "fsdp/errors.h"
+#include "fsdp/flat_param.h"
+
+namespace fsdp {
+namespace detail {
+void mark_flattened(const at::Tensor& t, bool is_flat_param);
+void unmark_flattened(const at::Tensor& t);
+bool is_flat_param(const at::Tensor& t);
+}  // namespace detail
+
+namespace {
+
+// Padding is filled with a recognisable value (as PyTorch does); it never reaches user-visible
+// results, and a 42 showing up where it should not is easy to spot.
+constexpr double kPaddingValue = 42.0;
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+
+// Frees a tensor's storage for real (the allocator gets the memory back) while keeping the tensor
+// and every view of it; alloc_storage gives it fresh memory of the tensor's size again.
+void free_storage(const at::Tensor& t) {
+  if (!t.defined()) return;
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  if (st->nbytes() == 0) return;
+  st->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  st->set_nbytes(0);
+}
+
+void alloc_storage(const at::Tensor& t) {
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (st->nbytes() == nbytes) return;
+  if (st->nbytes() != 0) {
+    throw InternalError("alloc_storage: storage already holds " + std::to_string(st->nbytes()) +
+                        " bytes, expected 0 or " + std::to_string(nbytes));
+  }
+  st->set_data_ptr_noswap(st->allocator()->allocate(nbytes));
+  st->set_nbytes(nbytes);
+}
+
+int64_t storage_bytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+}
+
+// A tensor of `numel` elements whose storage starts out freed.
+at::Tensor freed_buffer(int64_t numel, at::ScalarType dtype, at::Device device) {
+  at::Tensor t = at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
+  free_storage(t);
+  return t;
+}
+
+// True if `t` is exactly flat[offset, offset + numel) of `flat`'s storage.
+bool aliases(const at::Tensor& t, const at::Tensor& flat, int64_t offset, int64_t numel) {
+  return t.defined() && flat.defined() && t.numel() == numel && t.has_storage() &&
+         t.storage().is_alias_of(flat.storage()) &&
+         t.storage_offset() == flat.storage_offset() + offset;
+}
+
+at::Tensor named_param(const ParamInfo& info) {
+  auto params = info.module->named_parameters(/*recurse=*/false);
+  const at::Tensor* p = params.find(info.param_name);
+  if (p == nullptr) {
+    throw ValueError("module '" + info.module_name + "' has no parameter '" + info.param_name + "'");
+  }
+  return *p;
+}
+
+// PyTorch FSDP's gradient pre-divide factor: doubled while it divides dp_size and is below
+// dp_size / factor, i.e. roughly sqrt(dp_size) as a power of two. Dividing by it before the sum
+// and by dp_size / factor after keeps fp16 sums from overflowing and small values from underflowing.
+double predivide_factor(int dp_size) {
+  int factor = 1;
+  while (dp_size % factor == 0 && dp_size / factor > factor) factor *= 2;
+  return factor;
+}
+
+void set_param_data(at::Tensor& param, const at::Tensor& data) {
+  at::NoGradGuard no_grad;
+  param.set_data(data);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Construction
+
+FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGroup group,
+                                 FlatParamHandleOptions options)
+    : options_(std::move(options)), group_(std::move(group)) {
+  if (params.empty()) throw ValueError("FlatParamHandle: expects a non-empty list of parameters");
+  if (!group_.is_member()) {
+    throw ValueError("FlatParamHandle: this rank is not a member of the given process group");
+  }
+  rank_ = group_.rank();
+  world_size_ = group_.size();
+  const bool hybrid = options_.sharding_strategy() == ShardingStrategy::HYBRID_SHARD ||
+                      options_.sharding_strategy() == ShardingStrategy::HYBRID_SHARD_ZERO2;
+  if (hybrid && !options_.replicate_group()) {
+    throw ValueError(std::string("FlatParamHandle: ") + to_string(options_.sharding_strategy()) +
+                     " needs a replicate_group (see dist::make_hybrid_groups)");
+  }
+
+  // Tied parameters are one TensorImpl registered on several modules: the first owner is primary.
+  std::unordered_map<const c10::TensorImpl*, int> seen;
+  std::vector<at::Tensor> tensors;
+  for (auto& ref : params) {
+    if (!ref.module) throw ValueError("FlatParamHandle: parameter '" + ref.fqn() + "' has no module");
+    at::Tensor t = named_param(ref);
+    auto it = seen.find(t.unsafeGetTensorImpl());
+    if (it != seen.end()) {
+      const ParamInfo& prim = param_infos_[it->second];
+      shared_param_infos_.push_back(SharedParamInfo{ref.param_name, ref.module, ref.module_name,
+                                                    prim.param_name, prim.module,
+                                                    prim.module_name, it->second});
+      continue;
+    }
+    seen.emplace(t.unsafeGetTensorImpl(), static_cast<int>(param_infos_.size()));
+    param_infos_.push_back(std::move(ref));
+    tensors.push_back(t);
+  }
+  validate_and_describe(tensors);
+  params_ = tensors;
+
+  const at::ScalarType orig = orig_dtype_;
+  fwd_bwd_dtype_ = options_.param_dtype().value_or(orig);
+  // As in PyTorch: a param dtype without a reduce dtype reduces in the param dtype.
+  reduce_dtype_ = options_.reduce_dtype().value_or(options_.param_dtype().value_or(orig));
+
+  const bool sharded = uses_sharded_strategy();
+  const int64_t aligned =
+      options_.use_orig_params() ? 16 / static_cast<int64_t>(c10::elementSize(orig)) : 0;
+  std::vector<std::string> fqns;
+  std::vector<std::vector<int64_t>> shapes;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    fqns.push_back(param_infos_[i].fqn());
+    shapes.push_back(params_[i].sizes().vec());
+  }
+  layout_ = FlatParamLayout::compute(fqns, shapes, aligned, world_size_, sharded);
+  shard_param_infos_ = layout_.shard_param_infos(rank_);
+  shard_numel_padded_ = layout_.shard_numel_padded(rank_);
+  is_grad_none_.assign(params_.size(), false);
+
+  const int dp_size =
+      world_size_ * (options_.replicate_group() ? options_.replicate_group()->size() : 1);
+  predivide_ = predivide_factor(dp_size);
+  postdivide_ = dp_size / predivide_;
+
+  // Flatten (padding included), then keep this rank's chunk, padded to the chunk size.
+  at::Tensor flat;
+  {
+    at::NoGradGuard no_grad;
+    const at::Device src_device = params_[0].device();
+    const auto opts = at::TensorOptions().dtype(orig).device(src_device);
+    std::vector<at::Tensor> pieces;
+    size_t idx = 0;
+    for (size_t k = 0; k < layout_.numels_with_padding.size(); ++k) {
+      if (layout_.is_padding_mask[k]) {
+        pieces.push_back(at::full({layout_.numels_with_padding[k]}, kPaddingValue, opts));
+      } else {
+        pieces.push_back(params_[idx++].detach().reshape({-1}));
+      }
+    }
+    flat = at::cat(pieces);
+    at::Tensor shard;
+    if (sharded) {
+      const int64_t start = std::min<int64_t>(rank_ * layout_.sharded_numel, flat.numel());
+      const int64_t have = layout_.sharded_numel - shard_numel_padded_;
+      shard = at::zeros({layout_.sharded_numel}, opts);
+      shard.narrow(0, 0, have).copy_(flat.narrow(0, start, have));
+    } else {
+      shard = flat.clone();
+    }
+    if (options_.offload_params()) {
+      shard = shard.to(at::kCPU);
+      if (torch::cuda::is_available()) shard = shard.pin_memory();
+    } else {
+      shard = shard.to(options_.device());
+    }
+    flat = at::Tensor();
+    flat_param_ = shard.detach();
+  }
+  bool any_requires_grad = false;
+  for (const auto& p : params_) any_requires_grad |= p.requires_grad();
+  flat_param_.set_requires_grad(any_requires_grad);
+
+  full_param_padded_ =
+      freed_buffer(layout_.padded_unsharded_numel, fwd_bwd_dtype_, options_.device());
+  if (fwd_bwd_dtype_ != orig) {
+    full_prec_full_param_padded_ =
+        freed_buffer(layout_.padded_unsharded_numel, orig, options_.device());
+  }
+
+  detail::mark_flattened(flat_param_, /*is_flat_param=*/true);
+  for (const auto& p : params_) detail::mark_flattened(p, /*is_flat_param=*/false);
+  reshard(true);
+}
+
+FlatParamHandle::~FlatParamHandle() {
+  pending_unshard_.reset();
+  detail::unmark_flattened(flat_param_);
+  for (const auto& p : params_) detail::unmark_flattened(p);
+}
+
+void FlatParamHandle::validate_and_describe(const std::vector<at::Tensor>& tensors) {
+  // Local checks first, each naming the parameter (PyTorch's messages, plus the FQN).
+  std::optional<at::ScalarType> dtype;
+  std::optional<at::Device> device;
+  std::optional<bool> requires_grad;
+  std::string first_fqn;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const std::string fqn = param_infos_[i].fqn();
+    if (detail::is_flat_param(t)) throw ValueError("Cannot flatten a FlatParameter: '" + fqn + "'");
+    if (is_fsdp_flattened(t)) {
+      throw ValueError("Cannot flatten '" + fqn + "': it is already managed by a FlatParamHandle");
+    }
+    if (!t.is_floating_point()) {
+      throw ValueError("Cannot flatten integer dtype tensors: '" + fqn + "' has dtype " +
+                       c10::toString(t.scalar_type()));
+    }
+    if (dtype && t.scalar_type() != *dtype) {
+      throw ValueError("Must flatten tensors with uniform dtype but got " +
+                       std::string(c10::toString(*dtype)) + " ('" + first_fqn + "') and " +
+                       c10::toString(t.scalar_type()) + " ('" + fqn + "')");
+    }
+    if (!options_.use_orig_params() && requires_grad && t.requires_grad() != *requires_grad) {
+      throw ValueError(
+          "Must flatten tensors with uniform requires_grad when use_orig_params=false, but '" +
+          first_fqn + "' has requires_grad=" + (*requires_grad ? "true" : "false") + " and '" +
+          fqn + "' has requires_grad=" + (t.requires_grad() ? "true" : "false"));
+    }
+    if (device && t.device() != *device) {
+      throw ValueError("Must flatten tensors on the same device but got both " + device->str() +
+                       " ('" + first_fqn + "') and " + t.device().str() + " ('" + fqn + "')");
+    }
+    if (!dtype) first_fqn = fqn;
+    dtype = t.scalar_type();
+    device = t.device();
+    requires_grad = t.requires_grad();
+  }
+  orig_dtype_ = *dtype;
+
+  if (!options_.check_ranks_agree() || world_size_ == 1) return;
+  // Every rank must flatten the same parameters, or the shards would not line up. Each rank sees
+  // all descriptions, so all ranks find the same first mismatch and throw together (no hang).
+  auto describe = [&](size_t i) {
+    std::ostringstream os;
+    os << param_infos_[i].fqn() << " dtype=" << c10::toString(tensors[i].scalar_type())
+       << " shape=" << tensors[i].sizes() << " requires_grad=" << tensors[i].requires_grad();
+    return os.str();
+  };
+  std::string mine;
+  for (size_t i = 0; i < tensors.size(); ++i) mine += describe(i) + "\n";
+  const auto all = group_.all_gather_bytes(mine);
+  auto split = [](const std::string& s) {
+    std::vector<std::string> lines;
+    std::istringstream is(s);
+    for (std::string line; std::getline(is, line);) lines.push_back(line);
+    return lines;
+  };
+  const auto ref = split(all[0]);
+  for (int r = 1; r < world_size_; ++r) {
+    const auto other = split(all[r]);
+    for (size_t i = 0; i < std::max(ref.size(), other.size()); ++i) {
+      const std::string a = i < ref.size() ? ref[i] : "<none>";
+      const std::string b = i < other.size() ? other[i] : "<none>";
+      if (a != b) {
+        throw ValueError("FlatParamHandle: ranks disagree on parameter #" + std::to_string(i) +
+                         ": rank 0 has '" + a + "' but rank " + std::to_string(r) + " has '" + b +
+                         "' (group '" + group_.name() + "')");
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Unshard / reshard
+
+bool FlatParamHandle::force_full_precision() const {
+  const bool mixed = fwd_bwd_dtype_ != orig_dtype_ || reduce_dtype_ != orig_dtype_;
+  return mixed && training_state_ == HandleTrainingState::SUMMON_FULL_PARAMS;
+}
+
+at::Tensor& FlatParamHandle::unsharded_buffer() {
+  if (force_full_precision() && fwd_bwd_dtype_ != orig_dtype_) return full_prec_full_param_padded_;
+  return full_param_padded_;
+}
+
+void FlatParamHandle::unshard() {
+  unshard_async();
+  wait_unshard();
+}
+
+void FlatParamHandle::unshard_async() {
+  if (pending_unshard_) throw StateError("FlatParamHandle::unshard_async: an unshard is pending");
+  if (unsharded_views_) return;
+  if (options_.use_orig_params()) {
+    writeback_orig_params();
+    // zero_grad(set_to_none) leaves every original gradient undefined: drop the flat gradient too.
+    bool all_none = true;
+    for (const auto& p : params_) all_none &= !p.grad().defined();
+    if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
+    // Sharded gradient views cannot survive the switch to full shapes (autograd would try to
+    // accumulate full gradients into them); the values stay in flat_param().grad().
+    const at::Tensor fg = flat_param_.grad();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor g = params_[i].grad();
+      if (g.defined() && fg.defined() && g.storage().is_alias_of(fg.storage())) {
+        params_[i].mutable_grad().reset();
+      }
+    }
+  }
+  const bool full_prec = force_full_precision();
+  const bool low_prec = fwd_bwd_dtype_ != orig_dtype_ && !full_prec;
+  at::Tensor src = flat_param_.detach();
+  if (low_prec) {
+    mp_shard_ = src.to(options_.device(), fwd_bwd_dtype_);
+    src = mp_shard_;
+  } else if (src.device() != options_.device()) {
+    src = src.to(options_.device());
+  }
+  if (!uses_sharded_strategy()) {
+    unsharded_flat_ = src;
+    return;
+  }
+  at::Tensor& buf = unsharded_buffer();
+  if (full_prec && fwd_bwd_dtype_ != orig_dtype_) {
+    // The low-precision copy may be stale once full-precision parameters are edited.
+    free_storage(full_param_padded_);
+  }
+  const bool kept = storage_bytes(buf) > 0;  // kept from forward (SHARD_GRAD_OP)
+  alloc_storage(buf);  // before taking views: ATen bounds-checks views against the storage
+  unsharded_flat_ = buf.narrow(0, 0, layout_.unpadded_unsharded_numel);
+  if (kept) return;  // nothing to gather
+  pending_unshard_ = std::make_unique<dist::Work>(group_.all_gather_into_tensor_async(buf, src));
+}
+
+void FlatParamHandle::wait_unshard() {
+  if (unsharded_views_ && !pending_unshard_) return;
+  if (pending_unshard_) {
+    std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
+    w->wait();
+  }
+  finish_unshard();
+}
+
+void FlatParamHandle::finish_unshard() {
+  if (uses_sharded_strategy()) mp_shard_ = at::Tensor();  // the low-precision shard was gathered
+  use_unsharded_views(unsharded_flat_);
+  if (training_state_ != HandleTrainingState::SUMMON_FULL_PARAMS) grads_unreduced_ = true;
+}
+
+void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t off = layout_.param_offset(i);
+    set_param_data(params_[i], flat.narrow(0, off, layout_.numels[i]).view(layout_.shapes[i]));
+  }
+  unsharded_views_ = true;
+}
+
+void FlatParamHandle::reshard(bool free_unsharded) {
+  if (pending_unshard_) wait_unshard();
+  if (options_.use_orig_params()) {
+    use_sharded_views();
+    use_sharded_grad_views();
+  } else if (uses_sharded_strategy()) {
+    // Without use_orig_params the original parameters are not usable between units: point them at
+    // an empty tensor so an accidental use fails on shape instead of reading freed memory.
+    at::Tensor empty = at::empty({0}, flat_param_.options().requires_grad(false));
+    for (auto& p : params_) set_param_data(p, empty);
+  } else {
+    use_sharded_views();  // NO_SHARD: full-shaped views into the flat parameter
+  }
+  unsharded_views_ = false;
+  unsharded_flat_ = at::Tensor();
+  mp_shard_ = at::Tensor();
+  if (free_unsharded && uses_sharded_strategy()) {
+    free_storage(full_param_padded_);
+    free_storage(full_prec_full_param_padded_);
+  }
+}
+
+void FlatParamHandle::use_sharded_views() {
+  const at::Tensor flat = flat_param_.detach();
+  if (!uses_sharded_strategy()) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const int64_t off = layout_.param_offset(i);
+      set_param_data(params_[i], flat.narrow(0, off, layout_.numels[i]).view(layout_.shapes[i]));
+    }
+    return;
+  }
+  at::Tensor empty = at::empty({0}, flat.options());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ShardParamInfo& s = shard_param_infos_[i];
+    // Flattened views: a parameter may be split across ranks, so its piece is 1-D.
+    set_param_data(params_[i], s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard)
+                                          : empty);
+  }
+}
+
+void FlatParamHandle::use_sharded_grad_views() {
+  if (grads_unreduced_) return;  // full gradients awaiting reduce_grad stay where they are
+  const at::Tensor g = flat_param_.grad();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ShardParamInfo& s = shard_param_infos_[i];
+    if (!g.defined() || !s.in_shard || !params_[i].requires_grad() || is_grad_none_[i]) {
+      params_[i].mutable_grad().reset();
+      continue;
+    }
+    at::Tensor view = uses_sharded_strategy()
+                          ? g.narrow(0, s.offset_in_shard, s.numel_in_shard)
+                          : g.narrow(0, layout_.param_offset(i), layout_.numels[i])
+                                .view(layout_.shapes[i]);
+    params_[i].mutable_grad() = view;
+  }
+}
+
+int64_t FlatParamHandle::unsharded_storage_bytes() const {
+  if (!uses_sharded_strategy()) return 0;
+  return storage_bytes(full_param_padded_) + storage_bytes(full_prec_full_param_padded_);
+}
+
+void FlatParamHandle::writeback_unsharded() {
+  if (!unsharded_views_ || !unsharded_flat_.defined()) {
+    throw StateError("writeback_unsharded: the handle is not unsharded");
+  }
+  if (unsharded_flat_.scalar_type() != orig_dtype_) {
+    throw StateError("writeback_unsharded: the unsharded parameters are in low precision (" +
+                     std::string(c10::toString(unsharded_flat_.scalar_type())) +
+                     "); unshard in SUMMON_FULL_PARAMS state to edit full-precision values");
+  }
+  at::NoGradGuard no_grad;
+  if (!uses_sharded_strategy()) {
+    if (!unsharded_flat_.is_same(flat_param_)) flat_param_.detach().copy_(unsharded_flat_);
+    return;
+  }
+  const int64_t have = layout_.sharded_numel - shard_numel_padded_;
+  if (have <= 0) return;
+  flat_param_.detach().narrow(0, 0, have)
+      .copy_(unsharded_flat_.narrow(0, rank_ * layout_.sharded_numel, have));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gradients
+
+void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
+  if (grad.numel() != layout_.numels[i]) {
+    throw ValueError("gradient of '" + layout_.fqns[i] + "' has shape " +
+                     shape_str(grad.sizes()) + " but the parameter has shape " +
+                     shape_str(layout_.shapes[i]) + " (rank " + std::to_string(rank_) + ")");
+  }
+}
+
+at::Tensor FlatParamHandle::flatten_orig_grads() const {
+  at::Tensor flat = at::zeros({layout_.padded_unsharded_numel},
+                              at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor g = params_[i].grad();
+    if (!g.defined()) continue;
+    check_grad_shape(i, g);
+    flat.narrow(0, layout_.param_offset(i), layout_.numels[i]).copy_(g.reshape({-1}));
+  }
+  return flat;
+}
+
+void FlatParamHandle::reduce_grad() {
+  if (!flat_param_.requires_grad()) {
+    throw StateError("reduce_grad: no parameter of this handle requires grad (first: '" +
+                     layout_.fqns[0] + "')");
+  }
+  reduce_flat_grad(flatten_orig_grads());
+}
+
+void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
+  if (unsharded_flat_grad.numel() != layout_.padded_unsharded_numel) {
+    throw ValueError("reduce_flat_grad: expects " + std::to_string(layout_.padded_unsharded_numel) +
+                     " elements but got " + std::to_string(unsharded_flat_grad.numel()));
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor g = unsharded_flat_grad.reshape({-1}).to(options_.device(), reduce_dtype_);
+  if (g.is_same(unsharded_flat_grad)) g = g.clone();  // never scale the caller's tensor
+  if (predivide_ > 1) g.div_(predivide_);
+  at::Tensor out;
+  if (uses_sharded_strategy()) {
+    out = at::empty({layout_.sharded_numel}, g.options());
+    group_.reduce_scatter_tensor(out, g, dist::ReduceOp::SUM);
+  } else {
+    out = g;
+    group_.all_reduce(out, dist::ReduceOp::SUM);
+  }
+  if (options_.replicate_group()) options_.replicate_group()->all_reduce(out, dist::ReduceOp::SUM);
+  if (postdivide_ > 1) out.div_(postdivide_);
+  const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
+  out = out.to(target);
+  if (options_.offload_params()) out = out.to(at::kCPU);
+
+  at::Tensor existing = flat_param_.grad();
+  if (existing.defined() && existing.sizes() == out.sizes()) {
+    existing.add_(out.to(existing.scalar_type()));
+  } else {
+    flat_param_.mutable_grad() = out;
+  }
+  for (auto& p : params_) p.mutable_grad().reset();
+  std::fill(is_grad_none_.begin(), is_grad_none_.end(), false);
+  grads_unreduced_ = false;
+  if (options_.use_orig_params() && !unsharded_views_) use_sharded_grad_views();
+}
+
+at::Tensor FlatParamHandle::sharded_grad() const { return flat_param_.grad(); }
+
+std::vector<at::Tensor> FlatParamHandle::orig_params() const { return params_; }
+
+// ---------------------------------------------------------------------------------------------
+// Write-back
+
+bool FlatParamHandle::writeback_orig_params() {
+  if (!options_.use_orig_params() || unsharded_views_) return false;
+  bool wrote_param = false;
+  bool touched = false;
+  at::NoGradGuard no_grad;
+  const at::Tensor flat = flat_param_.detach();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    // A module may have re-registered the name (only possible from inside the module class).
+    at::Tensor registered = named_param(param_infos_[i]);
+    const bool changed = !registered.is_same(params_[i]);
+    if (changed) {
+      detail::unmark_flattened(params_[i]);
+      params_[i] = registered;
+      detail::mark_flattened(params_[i], false);
+    }
+    const ShardParamInfo& s = shard_param_infos_[i];
+    if (!s.in_shard) continue;
+    const int64_t off = uses_sharded_strategy() ? s.offset_in_shard : layout_.param_offset(i);
+    const int64_t numel = uses_sharded_strategy() ? s.numel_in_shard : layout_.numels[i];
+    const std::vector<int64_t> expected_shape =
+        uses_sharded_strategy() ? std::vector<int64_t>{numel} : layout_.shapes[i];
+    at::Tensor p = params_[i];
+    if (changed || !aliases(p, flat, off, numel)) {
+      if (p.sizes() != at::IntArrayRef(expected_shape)) {
+        throw ValueError("Cannot writeback when the parameter shape changes: '" + layout_.fqns[i] +
+                         "' expects " + shape_str(expected_shape) + " but got " +
+                         shape_str(p.sizes()) + " (rank " + std::to_string(rank_) + ")");
+      }
+      flat.narrow(0, off, numel).copy_(p.detach().reshape({-1}));
+      wrote_param = touched = true;
+    }
+    if (grads_unreduced_) continue;  // full gradients from autograd, reduced later
+    at::Tensor g = p.grad();
+    at::Tensor fg = flat_param_.grad();
+    if (!g.defined()) {
+      if (fg.defined() && !is_grad_none_[i]) {
+        fg.narrow(0, off, numel).zero_();
+        is_grad_none_[i] = true;
+      }
+      continue;
+    }
+    if (aliases(g, fg, off, numel)) continue;
+    if (g.sizes() != at::IntArrayRef(expected_shape)) {
+      throw ValueError("Cannot writeback when the gradient shape changes: '" + layout_.fqns[i] +
+                       "' expects " + shape_str(expected_shape) + " but got " +
+                       shape_str(g.sizes()) + " (rank " + std::to_string(rank_) + ")");
+    }
+    if (!fg.defined()) {
+      fg = at::zeros_like(flat);
+      flat_param_.mutable_grad() = fg;
+    }
+    fg.narrow(0, off, numel).copy_(g.reshape({-1}));
+    is_grad_none_[i] = false;
+    touched = true;
+  }
+  for (const auto& sp : shared_param_infos_) {
+    at::Tensor mine = named_param(ParamInfo{sp.param_name, sp.module, sp.module_name});
+    if (!mine.is_same(params_[sp.prim_index])) {
+      throw ValueError("Changing shared parameters is not supported: '" +
+                       ParamInfo{sp.param_name, sp.module, sp.module_name}.fqn() +
+                       "' no longer shares '" + layout_.fqns[sp.prim_index] + "'");
+    }
+  }
+  if (touched) {
+    use_sharded_views();
+    use_sharded_grad_views();
+  }
+  return wrote_param;
+}
+
+}  // namespace fsdp

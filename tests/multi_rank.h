@@ -1,0 +1,55 @@
+// A GoogleTest harness that runs a test body on N ranks as N real processes.
+//
+// run_ranks(W, body) forks W children. Each child connects to a TCPStore hosted by the parent on
+// loopback (as torchrun's agent does; FSDP_TEST_RANK holds its rank), creates the default process group with
+// fsdp::dist::init_process_group and runs body(group). A child fails if body throws or records a
+// GoogleTest failure; its exception message comes back to the parent over a pipe. When one rank
+// fails, the others get `grace` to fail on their own (a peer's death should surface as a
+// DistError, and the tests check that), then are killed. Every failure is reported in the parent
+// as a GoogleTest failure naming the rank.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "fsdp/dist.h"
+
+namespace fsdp {
+namespace testing {
+
+struct RunOptions {
+  /// Limit on the whole run; past it every rank still alive is killed and reported.
+  std::chrono::milliseconds deadline{std::chrono::seconds(120)};
+  /// Timeout of the process group's collectives.
+  std::chrono::milliseconds collective_timeout{std::chrono::seconds(30)};
+  /// How long the surviving ranks may run after the first rank failed.
+  std::chrono::milliseconds grace{std::chrono::seconds(5)};
+  /// Report failures through GoogleTest (true), or only return them (false) for tests that expect
+  /// ranks to fail.
+  bool report = true;
+  /// Create the default group before calling body (true), or hand body a non-member placeholder
+  /// and let it initialise on its own (tests of init_process_group itself).
+  bool init_group = true;
+};
+
+/// Outcome of one rank.
+struct RankResult {
+  int rank = 0;
+  bool ok = false;
+  bool killed = false;   // killed by the harness (deadline or grace expired)
+  std::string message;   // exception text or exit status
+};
+
+using RankBody = std::function<void(dist::ProcessGroup& pg)>;
+
+/// Runs `body` on `world_size` processes. Returns each rank's outcome.
+std::vector<RankResult> run_ranks(int world_size, const RankBody& body,
+                                  const RunOptions& opts = RunOptions());
+
+/// Convenience: fixed-seed random tensor that every rank can reproduce without communication.
+at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat);
+
+}  // namespace testing
+}  // namespace fsdp

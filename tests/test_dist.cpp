@@ -1,0 +1,286 @@
+// fsdp::dist over real Gloo processes: every collective at world sizes 1-4 with element counts
+// 0, 1 and sizes not divisible by anything convenient, sub-groups, and failure behaviour.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "fsdp/dist.h"
+#include "fsdp/errors.h"
+#include "multi_rank.h"
+
+using fsdp::dist::ProcessGroup;
+using fsdp::dist::ReduceOp;
+using fsdp::dist::ReduceScatterAlgo;
+using fsdp::testing::run_ranks;
+using fsdp::testing::seeded_randn;
+
+namespace {
+
+// Rank r's deterministic input: integer-valued floats, so sums are exact in any order.
+at::Tensor rank_input(int rank, int64_t n, at::ScalarType dtype = at::kFloat) {
+  return (at::arange(n, at::kFloat) * 3 + rank * 7 - 5).to(dtype);
+}
+
+class DistWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(DistWorld, AllGatherIntoTensor) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    for (int64_t n : {0, 1, 5, 1000}) {
+      at::Tensor in = rank_input(pg.rank(), n);
+      at::Tensor out = at::full({n * pg.size()}, -1.0f);
+      pg.all_gather_into_tensor(out, in);
+      for (int r = 0; r < pg.size(); ++r) {
+        ASSERT_TRUE(at::equal(out.narrow(0, r * n, n), rank_input(r, n))) << "n=" << n;
+      }
+    }
+  });
+}
+
+TEST_P(DistWorld, ReduceScatterEveryAlgorithmAndOp) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    const int W = pg.size();
+    for (auto algo : {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll,
+                      ReduceScatterAlgo::kAllReduce}) {
+      for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
+        for (int64_t n : {0, 1, 3, 4097}) {
+          at::Tensor in = rank_input(pg.rank(), n * W);
+          at::Tensor out = at::empty({n});
+          pg.reduce_scatter_tensor(out, in, op, algo);
+          std::vector<at::Tensor> all;
+          for (int r = 0; r < W; ++r) all.push_back(rank_input(r, n * W).narrow(0, pg.rank() * n, n));
+          at::Tensor expect = all[0].clone();
+          for (int r = 1; r < W; ++r) {
+            if (op == ReduceOp::MAX) expect = at::maximum(expect, all[r]);
+            else if (op == ReduceOp::MIN) expect = at::minimum(expect, all[r]);
+            else expect += all[r];
+          }
+          if (op == ReduceOp::AVG) expect /= W;
+          ASSERT_TRUE(at::equal(out, expect))
+              << "algo=" << static_cast<int>(algo) << " op=" << static_cast<int>(op) << " n=" << n;
+        }
+      }
+    }
+  });
+}
+
+// alltoall + local sum adds the ranks' contributions in rank order, so even arbitrary floats come
+// out bit-identical to a sequential sum: the property gradient reduction relies on.
+TEST_P(DistWorld, AllToAllReduceScatterIsRankOrderedSum) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    const int W = pg.size();
+    const int64_t n = 777;
+    at::Tensor in = seeded_randn({n * W}, 100 + pg.rank());
+    at::Tensor out = at::empty({n});
+    pg.reduce_scatter_tensor(out, in, ReduceOp::AVG, ReduceScatterAlgo::kAllToAll);
+    at::Tensor expect = seeded_randn({n * W}, 100).narrow(0, pg.rank() * n, n).clone();
+    for (int r = 1; r < W; ++r) expect.add_(seeded_randn({n * W}, 100 + r).narrow(0, pg.rank() * n, n));
+    expect.div_(W);
+    ASSERT_TRUE(at::equal(out, expect));
+  });
+}
+
+TEST_P(DistWorld, AllReduceBroadcastBarrierAndBytes) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    const int W = pg.size();
+    at::Tensor t = rank_input(pg.rank(), 6);
+    pg.all_reduce(t, ReduceOp::SUM);
+    at::Tensor expect = at::zeros({6});
+    for (int r = 0; r < W; ++r) expect += rank_input(r, 6);
+    ASSERT_TRUE(at::equal(t, expect));
+
+    at::Tensor avg = rank_input(pg.rank(), 6, at::kDouble);
+    pg.all_reduce(avg, ReduceOp::AVG);
+    ASSERT_TRUE(at::allclose(avg, expect.to(at::kDouble) / W));
+
+    at::Tensor b = rank_input(pg.rank(), 4);
+    pg.broadcast(b, W - 1);
+    ASSERT_TRUE(at::equal(b, rank_input(W - 1, 4)));
+    pg.barrier();
+
+    // Sizes differ by rank, one is empty, and the bytes include NULs.
+    std::string mine = pg.rank() == 0 ? std::string() : std::string(pg.rank() * 3, '\0') + "x";
+    auto all = pg.all_gather_bytes(mine);
+    ASSERT_EQ(static_cast<int>(all.size()), W);
+    for (int r = 0; r < W; ++r) {
+      std::string want = r == 0 ? std::string() : std::string(r * 3, '\0') + "x";
+      ASSERT_EQ(all[r], want) << "rank " << r;
+    }
+    std::string got = pg.broadcast_bytes(pg.rank() == 0 ? "hello from 0" : "ignored");
+    ASSERT_EQ(got, "hello from 0");
+  });
+}
+
+// Gloo lacks bfloat16 kernels: data moves bit-exactly, reductions run in float32.
+TEST_P(DistWorld, BFloat16GathersExactlyAndReducesInFloat32) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    const int W = pg.size();
+    at::Tensor in = seeded_randn({5}, 7 + pg.rank(), at::kBFloat16);
+    at::Tensor out = at::empty({5 * W}, at::kBFloat16);
+    pg.all_gather_into_tensor(out, in);
+    for (int r = 0; r < W; ++r) {
+      ASSERT_TRUE(at::equal(out.narrow(0, 5 * r, 5), seeded_randn({5}, 7 + r, at::kBFloat16)));
+    }
+    at::Tensor sum32 = at::zeros({5 * W});
+    for (int r = 0; r < W; ++r) sum32 += seeded_randn({5 * W}, 20 + r, at::kBFloat16).to(at::kFloat);
+    at::Tensor rs = at::empty({5}, at::kBFloat16);
+    pg.reduce_scatter_tensor(rs, seeded_randn({5 * W}, 20 + pg.rank(), at::kBFloat16));
+    ASSERT_TRUE(at::equal(rs, sum32.narrow(0, 5 * pg.rank(), 5).to(at::kBFloat16)));
+    at::Tensor ar = seeded_randn({5 * W}, 20 + pg.rank(), at::kBFloat16);
+    pg.all_reduce(ar);
+    ASSERT_TRUE(at::equal(ar, sum32.to(at::kBFloat16)));
+    at::Tensor b = seeded_randn({3}, 99 + pg.rank(), at::kBFloat16);
+    pg.broadcast(b, 0);
+    ASSERT_TRUE(at::equal(b, seeded_randn({3}, 99, at::kBFloat16)));
+  });
+}
+
+TEST_P(DistWorld, ShapeMismatchIsValueErrorNamingTheOperation) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    at::Tensor in = at::ones({3});
+    at::Tensor bad = at::empty({3 * pg.size() + 1});
+    try {
+      pg.all_gather_into_tensor(bad, in);
+      FAIL() << "expected ValueError";
+    } catch (const fsdp::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("all_gather_into_tensor"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(pg.rank())), std::string::npos);
+    }
+    // Local validation failed before any communication, so the group is still usable.
+    pg.barrier();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, DistWorld, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
+
+TEST(Dist, SubGroupsAndHybridLayout) {
+  run_ranks(4, [](ProcessGroup& pg) {
+    // Odd sub-group with a permuted rank order; rank 1 is outside it.
+    ProcessGroup sub = pg.new_group({3, 0, 2});
+    if (pg.rank() == 1) {
+      EXPECT_FALSE(sub.is_member());
+      EXPECT_THROW(sub.barrier(), fsdp::StateError);
+    } else {
+      ASSERT_TRUE(sub.is_member());
+      const std::vector<int> order{3, 0, 2};
+      EXPECT_EQ(sub.size(), 3);
+      EXPECT_EQ(order[sub.rank()], pg.rank());
+      EXPECT_EQ(sub.global_ranks(), order);
+      at::Tensor t = at::full({2}, static_cast<float>(pg.rank()));
+      sub.all_reduce(t);
+      EXPECT_TRUE(at::equal(t, at::full({2}, 5.0f)));
+    }
+    auto h = fsdp::dist::make_hybrid_groups(pg, 2);
+    ASSERT_TRUE(h.shard.is_member());
+    ASSERT_TRUE(h.replicate.is_member());
+    EXPECT_EQ(h.shard.size(), 2);
+    EXPECT_EQ(h.replicate.size(), 2);
+    EXPECT_EQ(h.shard.rank(), pg.rank() % 2);
+    EXPECT_EQ(h.replicate.rank(), pg.rank() / 2);
+    at::Tensor s = at::full({1}, static_cast<float>(pg.rank()));
+    h.shard.all_reduce(s);  // {0,1} -> 1, {2,3} -> 5
+    EXPECT_EQ(s.item<float>(), pg.rank() < 2 ? 1.0f : 5.0f);
+    at::Tensor r = at::full({1}, static_cast<float>(pg.rank()));
+    h.replicate.all_reduce(r);  // {0,2} -> 2, {1,3} -> 4
+    EXPECT_EQ(r.item<float>(), pg.rank() % 2 == 0 ? 2.0f : 4.0f);
+    EXPECT_THROW(fsdp::dist::make_hybrid_groups(pg, 3), fsdp::ValueError);
+  });
+}
+
+TEST(Dist, CollectiveTimesOutWithErrorNamingOpAndRank) {
+  fsdp::testing::RunOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(1500);
+  run_ranks(2, [](ProcessGroup& pg) {
+    if (pg.rank() == 1) {
+      // Never joins the all_reduce; stays alive so the failure is a timeout, not a closed socket.
+      std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+      return;
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      pg.all_reduce(at::ones({4}));
+      ADD_FAILURE() << "expected a DistError";
+    } catch (const fsdp::DistError& e) {
+      std::string msg = e.what();
+      EXPECT_NE(msg.find("all_reduce"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank 0 of 2"), std::string::npos) << msg;
+    }
+    auto waited = std::chrono::steady_clock::now() - t0;
+    EXPECT_LT(waited, std::chrono::milliseconds(3 * 1500));
+  }, opts);
+}
+
+TEST(Dist, DeadPeerBecomesDistErrorNotHang) {
+  fsdp::testing::RunOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(3000);
+  opts.report = false;
+  auto results = run_ranks(3, [](ProcessGroup& pg) {
+    pg.barrier();
+    if (pg.rank() == 2) ::raise(SIGKILL);  // dies mid-job
+    auto t0 = std::chrono::steady_clock::now();
+    EXPECT_THROW(pg.all_reduce(at::ones({1 << 16})), fsdp::DistError);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2 * 3000));
+  }, opts);
+  EXPECT_TRUE(results[0].ok) << results[0].message;
+  EXPECT_TRUE(results[1].ok) << results[1].message;
+  EXPECT_FALSE(results[2].ok);
+  EXPECT_NE(results[2].message.find("signal 9"), std::string::npos) << results[2].message;
+}
+
+TEST(Dist, InitFromTorchrunEnvironment) {
+  // Find a free port for rank 0's TCPStore; the children read it from MASTER_PORT.
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  ::close(s);
+  fsdp::testing::RunOptions opts;
+  opts.init_group = false;
+  // Each child sets the variables torchrun would have set, then initialises from them alone.
+  run_ranks(2, [port](ProcessGroup&) {
+    const char* r = std::getenv("FSDP_TEST_RANK");  // set by the harness
+    ASSERT_NE(r, nullptr);
+    ::setenv("RANK", r, 1);
+    ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("LOCAL_RANK", r, 1);
+    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    auto env = fsdp::dist::env_info();
+    EXPECT_EQ(env.world_size, 2);
+    EXPECT_EQ(env.master_port, port);
+    auto pg = fsdp::dist::init_process_group(
+        fsdp::dist::InitOptions().timeout(std::chrono::seconds(20)));
+    EXPECT_TRUE(fsdp::dist::is_initialized());
+    EXPECT_EQ(pg.rank(), std::atoi(r));
+    EXPECT_EQ(pg.size(), 2);
+    EXPECT_EQ(pg.backend_name(), "gloo");
+    at::Tensor t = at::ones({3});
+    fsdp::dist::default_group().all_reduce(t);
+    EXPECT_TRUE(at::equal(t, at::full({3}, 2.0f)));
+  }, opts);
+}
+
+TEST(Dist, EnvInfoRejectsMalformedVariables) {
+  ::setenv("WORLD_SIZE", "two", 1);
+  EXPECT_THROW(fsdp::dist::env_info(), fsdp::ValueError);
+  ::unsetenv("WORLD_SIZE");
+  EXPECT_THROW(fsdp::dist::default_group(), fsdp::StateError);
+  EXPECT_THROW(fsdp::dist::init_process_group(fsdp::dist::InitOptions().rank(3).world_size(2)),
+               fsdp::ValueError);
+}
+
+}  // namespace
