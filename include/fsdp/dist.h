@@ -36,7 +36,7 @@ enum class ReduceOp { SUM, AVG, MAX, MIN };
 
 /// How reduce_scatter is carried out where the backend has no native flat reduce-scatter.
 enum class ReduceScatterAlgo {
-  /// Native where available, else chosen by size (see docs/dist.md for the measurements).
+  /// Native where available, else kAllToAll (faster at every size measured; docs/dist.md).
   kAuto,
   /// alltoall of the W chunks, then a local sum in rank order: each rank receives only the
   /// (W-1)/W of the data it needs, and every rank sums in the same order (deterministic).
@@ -143,8 +143,8 @@ class ProcessGroup {
   Work all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input);
 
   /// output (numel = input.numel() / W) receives this rank's chunk of the element-wise reduction
-  /// of every rank's `input`. input.numel() must be divisible by W. For kAllToAll, `input` is used
-  /// as scratch space (its contents are undefined afterwards) unless `preserve_input` is set.
+  /// of every rank's `input`. input.numel() must be divisible by W. `input` is left unchanged; the
+  /// emulations allocate one scratch buffer of input's size.
   void reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
                              ReduceOp op = ReduceOp::SUM,
                              ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);

@@ -65,9 +65,6 @@ bool gloo_lacks(const std::string& backend, at::ScalarType t) {
 // Gloo has no 16-bit integer type either, so data travels as bytes (numel scales by the size).
 at::Tensor as_wire(const at::Tensor& t) { return t.view(at::kByte); }
 
-// Below this many bytes per rank, allreduce + narrow beats alltoall + local sum on Gloo over
-// loopback (fewer, larger messages); above it, alltoall moves half the bytes. See docs/dist.md.
-constexpr int64_t kAllToAllMinBytes = 64 * 1024;
 
 }  // namespace
 
@@ -222,8 +219,10 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
     if (compat::native_flat_collectives(s.backend_name)) {
       algo = ReduceScatterAlgo::kNative;
     } else {
-      algo = n * output.element_size() >= kAllToAllMinBytes ? ReduceScatterAlgo::kAllToAll
-                                                            : ReduceScatterAlgo::kAllReduce;
+      // Measured with bench/bench_collectives (docs/dist.md): on Gloo, alltoall + local sum beat
+      // allreduce + narrow at every size from 1 KiB to 8 MiB per rank (2x to 10x), as it moves
+      // half the bytes and Gloo's small allreduce has high latency.
+      algo = ReduceScatterAlgo::kAllToAll;
     }
   }
   switch (algo) {

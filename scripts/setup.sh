@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what fsdp-cpp needs on Debian 12 (idempotent), then configures and builds it.
+# Used by scripts/test.sh and scripts/demo.sh; safe to run on its own.
+#   BUILD_DIR  build directory (default: build)
+#   JOBS       parallel compile jobs (default: 2; a LibTorch TU needs ~1 GiB of RAM)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(cmake g++ make ccache libtorch-dev libgloo-dev libgtest-dev libbenchmark-dev)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-2}
+if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
+  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+fi
+cmake --build "$BUILD_DIR" -j "$JOBS"
