@@ -24,7 +24,9 @@ fsdp::dist::ProcessGroup* g_pg = nullptr;
 // Per-rank shard sizes in float32 elements: 1 KiB, 64 KiB, 1 MiB, 8 MiB per rank.
 const std::vector<int64_t> kShardNumels{256, 16 << 10, 256 << 10, 2 << 20};
 
-int64_t iters_for(int64_t numel) { return numel >= (2 << 20) ? 10 : numel >= (256 << 10) ? 40 : 200; }
+int64_t iters_for(int64_t numel) {
+  return numel >= (2 << 20) ? 10 : numel >= (256 << 10) ? 40 : 200;
+}
 
 // Untimed rounds first: the first collectives on a fresh pair pay for connection warm-up.
 template <typename F>
@@ -57,7 +59,10 @@ void BM_Unshard(benchmark::State& st) {
   auto m = std::make_shared<torch::nn::Module>();
   m->register_parameter("w", torch::randn({n * pg.size()}));
   fsdp::FlatParamHandle h(fsdp::collect_params(m), pg);
-  warm_up([&] { h.unshard(); h.reshard(); });
+  warm_up([&] {
+    h.unshard();
+    h.reshard();
+  });
   pg.barrier();
   for (auto _ : st) {
     h.unshard();
@@ -121,17 +126,50 @@ void BM_ReduceGrad(benchmark::State& st) {
 void register_all() {
   for (int64_t n : kShardNumels) {
     const int64_t it = iters_for(n);
-    benchmark::RegisterBenchmark("raw_allgather", BM_RawAllgather)->Arg(n)->Iterations(it)->Repetitions(5)->ReportAggregatesOnly(true)->UseRealTime();
-    benchmark::RegisterBenchmark("unshard", BM_Unshard)->Arg(n)->Iterations(it)->Repetitions(5)->ReportAggregatesOnly(true)->UseRealTime();
-    benchmark::RegisterBenchmark("raw_allreduce", BM_RawAllreduce)->Arg(n)->Iterations(it)->Repetitions(5)->ReportAggregatesOnly(true)->UseRealTime();
-    benchmark::RegisterBenchmark("raw_alltoall", BM_RawAlltoall)->Arg(n)->Iterations(it)->Repetitions(5)->ReportAggregatesOnly(true)->UseRealTime();
+    benchmark::RegisterBenchmark("raw_allgather", BM_RawAllgather)
+        ->Arg(n)
+        ->Iterations(it)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("unshard", BM_Unshard)
+        ->Arg(n)
+        ->Iterations(it)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("raw_allreduce", BM_RawAllreduce)
+        ->Arg(n)
+        ->Iterations(it)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("raw_alltoall", BM_RawAlltoall)
+        ->Arg(n)
+        ->Iterations(it)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime();
     benchmark::RegisterBenchmark("reduce_scatter/alltoall",
                                  BM_ReduceScatter<fsdp::dist::ReduceScatterAlgo::kAllToAll>)
-        ->Arg(n)->Iterations(it)->Repetitions(5)->ReportAggregatesOnly(true)->UseRealTime();
+        ->Arg(n)
+        ->Iterations(it)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime();
     benchmark::RegisterBenchmark("reduce_scatter/allreduce",
                                  BM_ReduceScatter<fsdp::dist::ReduceScatterAlgo::kAllReduce>)
-        ->Arg(n)->Iterations(it)->Repetitions(5)->ReportAggregatesOnly(true)->UseRealTime();
-    benchmark::RegisterBenchmark("reduce_grad", BM_ReduceGrad)->Arg(n)->Iterations(it)->Repetitions(5)->ReportAggregatesOnly(true)->UseRealTime();
+        ->Arg(n)
+        ->Iterations(it)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("reduce_grad", BM_ReduceGrad)
+        ->Arg(n)
+        ->Iterations(it)
+        ->Repetitions(5)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime();
   }
 }
 
@@ -146,8 +184,10 @@ class RecordingReporter : public benchmark::ConsoleReporter {
       // Ratios use the median of the repetitions: robust to a noisy neighbour on a shared machine.
       if (r.run_type != Run::RT_Aggregate || r.aggregate_name != "median") continue;
       const std::string name = r.run_name.function_name;
-      const int64_t arg = std::stoll(r.run_name.args.substr(r.run_name.args.find_first_not_of('/')));
-      seconds[{name, arg}] = r.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(r.time_unit);
+      const int64_t arg =
+          std::stoll(r.run_name.args.substr(r.run_name.args.find_first_not_of('/')));
+      seconds[{name, arg}] =
+          r.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(r.time_unit);
     }
   }
 };
@@ -160,9 +200,11 @@ class SilentReporter : public benchmark::BenchmarkReporter {
 
 int run_rank(int rank, int world, uint16_t port, int argc, char** argv) {
   at::set_num_threads(1);
-  auto store = fsdp::compat::make_tcp_store("127.0.0.1", port, false, world, std::chrono::seconds(60));
+  auto store =
+      fsdp::compat::make_tcp_store("127.0.0.1", port, false, world, std::chrono::seconds(60));
   auto pg = fsdp::dist::init_process_group(
-      fsdp::dist::InitOptions().rank(rank).world_size(world).store(store).timeout(std::chrono::seconds(120)));
+      fsdp::dist::InitOptions().rank(rank).world_size(world).store(store).timeout(
+          std::chrono::seconds(120)));
   g_pg = &pg;
   benchmark::Initialize(&argc, argv);
   register_all();
@@ -177,7 +219,10 @@ int run_rank(int rank, int world, uint16_t port, int argc, char** argv) {
     auto it = rep.seconds.find({name, n});
     return it == rep.seconds.end() ? 0.0 : it->second;
   };
-  std::printf("\nworld size %d, float32; ratio = fsdp time / raw c10d time on the same bytes (1.00 = no overhead)\n", world);
+  std::printf(
+      "\nworld size %d, float32; ratio = fsdp time / raw c10d time on the same bytes (1.00 = no "
+      "overhead)\n",
+      world);
   std::printf("%12s | %-26s | %-26s | %-30s\n", "shard bytes", "unshard / raw allgather",
               "reduce_grad / raw allreduce", "rs alltoall / rs allreduce");
   for (int64_t n : kShardNumels) {

@@ -28,8 +28,8 @@ torch::Tensor batch_of(int rank) {
 
 int main() {
   try {
-    auto pg = fsdp::dist::init_process_group(
-        fsdp::dist::InitOptions().timeout(std::chrono::seconds(60)));
+    auto pg =
+        fsdp::dist::init_process_group(fsdp::dist::InitOptions().timeout(std::chrono::seconds(60)));
     const int rank = pg.rank();
     const int world = pg.size();
     auto model = make_model();
@@ -40,9 +40,9 @@ int main() {
     const auto& layout = handle.layout();
     const auto md = handle.shard_metadata();
     std::ostringstream os;
-    os << "[rank " << rank << "/" << world << "] flat parameter: " << layout.unpadded_unsharded_numel
-       << " elements, shard of " << layout.sharded_numel << " (" << handle.shard_numel_padded()
-       << " padding); holds";
+    os << "[rank " << rank << "/" << world
+       << "] flat parameter: " << layout.unpadded_unsharded_numel << " elements, shard of "
+       << layout.sharded_numel << " (" << handle.shard_numel_padded() << " padding); holds";
     for (size_t i = 0; i < md.param_names.size(); ++i) {
       os << " " << md.param_names[i] << "[" << md.param_offsets[i].first << ".."
          << md.param_offsets[i].second << "]";
@@ -61,9 +61,10 @@ int main() {
     loss.backward();
     handle.reduce_grad();
     handle.reshard();
-    std::cout << "[rank " << rank << "] unshard restored parameters bit-exactly: "
-              << (same ? "yes" : "NO") << "; unsharded storage " << bytes << " B -> "
-              << handle.unsharded_storage_bytes() << " B after reshard" << std::endl;
+    std::cout << "[rank " << rank
+              << "] unshard restored parameters bit-exactly: " << (same ? "yes" : "NO")
+              << "; unsharded storage " << bytes << " B -> " << handle.unsharded_storage_bytes()
+              << " B after reshard" << std::endl;
     torch::optim::SGD opt({handle.flat_param()}, torch::optim::SGDOptions(0.1));
     opt.step();
 
@@ -81,8 +82,9 @@ int main() {
     }
     handle.reshard();
     const bool ok = same && max_diff < 1e-6;
-    std::cout << "[rank " << rank << "] after one sharded SGD step, max |sharded - single process| = "
-              << max_diff << (ok ? "  OK" : "  MISMATCH") << std::endl;
+    std::cout << "[rank " << rank
+              << "] after one sharded SGD step, max |sharded - single process| = " << max_diff
+              << (ok ? "  OK" : "  MISMATCH") << std::endl;
     pg.barrier();
     fsdp::dist::destroy_process_group();
     return ok ? 0 : 1;

@@ -32,8 +32,7 @@ struct NetImpl : torch::nn::Module {
   // Uses every parameter, the tied one through both owners.
   torch::Tensor loss(const torch::Tensor& x) {
     auto y = lin->forward(x) * scalar;
-    return y.pow(2).sum() + odd.pow(2).sum() * 0.5 + (head->w * head->tied).sum() +
-           empty.sum();
+    return y.pow(2).sum() + odd.pow(2).sum() * 0.5 + (head->w * head->tied).sum() + empty.sum();
   }
 };
 TORCH_MODULE(Net);

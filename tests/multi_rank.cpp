@@ -164,7 +164,8 @@ std::vector<RankResult> run_ranks(int world_size, const RankBody& body, const Ru
   }
   if (opts.report) {
     for (const auto& res : results) {
-      if (!res.ok) ADD_FAILURE() << "rank " << res.rank << " of " << world_size << ": " << res.message;
+      if (!res.ok)
+        ADD_FAILURE() << "rank " << res.rank << " of " << world_size << ": " << res.message;
     }
   }
   return results;

@@ -1,10 +1,10 @@
 // A GoogleTest harness that runs a test body on N ranks as N real processes.
 //
 // run_ranks(W, body) forks W children. Each child connects to a TCPStore hosted by the parent on
-// loopback (as torchrun's agent does; FSDP_TEST_RANK holds its rank), creates the default process group with
-// fsdp::dist::init_process_group and runs body(group). A child fails if body throws or records a
-// GoogleTest failure; its exception message comes back to the parent over a pipe. When one rank
-// fails, the others get `grace` to fail on their own (a peer's death should surface as a
+// loopback (as torchrun's agent does; FSDP_TEST_RANK holds its rank), creates the default process
+// group with fsdp::dist::init_process_group and runs body(group). A child fails if body throws or
+// records a GoogleTest failure; its exception message comes back to the parent over a pipe. When
+// one rank fails, the others get `grace` to fail on their own (a peer's death should surface as a
 // DistError, and the tests check that), then are killed. Every failure is reported in the parent
 // as a GoogleTest failure naming the rank.
 #pragma once
@@ -38,8 +38,8 @@ struct RunOptions {
 struct RankResult {
   int rank = 0;
   bool ok = false;
-  bool killed = false;   // killed by the harness (deadline or grace expired)
-  std::string message;   // exception text or exit status
+  bool killed = false;  // killed by the harness (deadline or grace expired)
+  std::string message;  // exception text or exit status
 };
 
 using RankBody = std::function<void(dist::ProcessGroup& pg)>;

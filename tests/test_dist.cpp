@@ -44,20 +44,24 @@ TEST_P(DistWorld, ReduceScatterEveryAlgorithmAndOp) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
     const int W = pg.size();
-    for (auto algo : {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll,
-                      ReduceScatterAlgo::kAllReduce}) {
+    for (auto algo :
+         {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll, ReduceScatterAlgo::kAllReduce}) {
       for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
         for (int64_t n : {0, 1, 3, 4097}) {
           at::Tensor in = rank_input(pg.rank(), n * W);
           at::Tensor out = at::empty({n});
           pg.reduce_scatter_tensor(out, in, op, algo);
           std::vector<at::Tensor> all;
-          for (int r = 0; r < W; ++r) all.push_back(rank_input(r, n * W).narrow(0, pg.rank() * n, n));
+          for (int r = 0; r < W; ++r)
+            all.push_back(rank_input(r, n * W).narrow(0, pg.rank() * n, n));
           at::Tensor expect = all[0].clone();
           for (int r = 1; r < W; ++r) {
-            if (op == ReduceOp::MAX) expect = at::maximum(expect, all[r]);
-            else if (op == ReduceOp::MIN) expect = at::minimum(expect, all[r]);
-            else expect += all[r];
+            if (op == ReduceOp::MAX)
+              expect = at::maximum(expect, all[r]);
+            else if (op == ReduceOp::MIN)
+              expect = at::minimum(expect, all[r]);
+            else
+              expect += all[r];
           }
           if (op == ReduceOp::AVG) expect /= W;
           ASSERT_TRUE(at::equal(out, expect))
@@ -79,7 +83,8 @@ TEST_P(DistWorld, AllToAllReduceScatterIsRankOrderedSum) {
     at::Tensor out = at::empty({n});
     pg.reduce_scatter_tensor(out, in, ReduceOp::AVG, ReduceScatterAlgo::kAllToAll);
     at::Tensor expect = seeded_randn({n * W}, 100).narrow(0, pg.rank() * n, n).clone();
-    for (int r = 1; r < W; ++r) expect.add_(seeded_randn({n * W}, 100 + r).narrow(0, pg.rank() * n, n));
+    for (int r = 1; r < W; ++r)
+      expect.add_(seeded_randn({n * W}, 100 + r).narrow(0, pg.rank() * n, n));
     expect.div_(W);
     ASSERT_TRUE(at::equal(out, expect));
   });
@@ -129,7 +134,8 @@ TEST_P(DistWorld, BFloat16GathersExactlyAndReducesInFloat32) {
       ASSERT_TRUE(at::equal(out.narrow(0, 5 * r, 5), seeded_randn({5}, 7 + r, at::kBFloat16)));
     }
     at::Tensor sum32 = at::zeros({5 * W});
-    for (int r = 0; r < W; ++r) sum32 += seeded_randn({5 * W}, 20 + r, at::kBFloat16).to(at::kFloat);
+    for (int r = 0; r < W; ++r)
+      sum32 += seeded_randn({5 * W}, 20 + r, at::kBFloat16).to(at::kFloat);
     at::Tensor rs = at::empty({5}, at::kBFloat16);
     pg.reduce_scatter_tensor(rs, seeded_randn({5 * W}, 20 + pg.rank(), at::kBFloat16));
     ASSERT_TRUE(at::equal(rs, sum32.narrow(0, 5 * pg.rank(), 5).to(at::kBFloat16)));
@@ -151,7 +157,8 @@ TEST_P(DistWorld, ShapeMismatchIsValueErrorNamingTheOperation) {
       pg.all_gather_into_tensor(bad, in);
       FAIL() << "expected ValueError";
     } catch (const fsdp::ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find("all_gather_into_tensor"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("all_gather_into_tensor"), std::string::npos)
+          << e.what();
       EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(pg.rank())), std::string::npos);
     }
     // Local validation failed before any communication, so the group is still usable.
@@ -199,37 +206,44 @@ TEST(Dist, SubGroupsAndHybridLayout) {
 TEST(Dist, CollectiveTimesOutWithErrorNamingOpAndRank) {
   fsdp::testing::RunOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(1500);
-  run_ranks(2, [](ProcessGroup& pg) {
-    if (pg.rank() == 1) {
-      // Never joins the all_reduce; stays alive so the failure is a timeout, not a closed socket.
-      std::this_thread::sleep_for(std::chrono::milliseconds(4000));
-      return;
-    }
-    auto t0 = std::chrono::steady_clock::now();
-    try {
-      pg.all_reduce(at::ones({4}));
-      ADD_FAILURE() << "expected a DistError";
-    } catch (const fsdp::DistError& e) {
-      std::string msg = e.what();
-      EXPECT_NE(msg.find("all_reduce"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("rank 0 of 2"), std::string::npos) << msg;
-    }
-    auto waited = std::chrono::steady_clock::now() - t0;
-    EXPECT_LT(waited, std::chrono::milliseconds(3 * 1500));
-  }, opts);
+  run_ranks(
+      2,
+      [](ProcessGroup& pg) {
+        if (pg.rank() == 1) {
+          // Never joins the all_reduce; stays alive so the failure is a timeout, not a closed
+          // socket.
+          std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+          return;
+        }
+        auto t0 = std::chrono::steady_clock::now();
+        try {
+          pg.all_reduce(at::ones({4}));
+          ADD_FAILURE() << "expected a DistError";
+        } catch (const fsdp::DistError& e) {
+          std::string msg = e.what();
+          EXPECT_NE(msg.find("all_reduce"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("rank 0 of 2"), std::string::npos) << msg;
+        }
+        auto waited = std::chrono::steady_clock::now() - t0;
+        EXPECT_LT(waited, std::chrono::milliseconds(3 * 1500));
+      },
+      opts);
 }
 
 TEST(Dist, DeadPeerBecomesDistErrorNotHang) {
   fsdp::testing::RunOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(3000);
   opts.report = false;
-  auto results = run_ranks(3, [](ProcessGroup& pg) {
-    pg.barrier();
-    if (pg.rank() == 2) ::raise(SIGKILL);  // dies mid-job
-    auto t0 = std::chrono::steady_clock::now();
-    EXPECT_THROW(pg.all_reduce(at::ones({1 << 16})), fsdp::DistError);
-    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2 * 3000));
-  }, opts);
+  auto results = run_ranks(
+      3,
+      [](ProcessGroup& pg) {
+        pg.barrier();
+        if (pg.rank() == 2) ::raise(SIGKILL);  // dies mid-job
+        auto t0 = std::chrono::steady_clock::now();
+        EXPECT_THROW(pg.all_reduce(at::ones({1 << 16})), fsdp::DistError);
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2 * 3000));
+      },
+      opts);
   EXPECT_TRUE(results[0].ok) << results[0].message;
   EXPECT_TRUE(results[1].ok) << results[1].message;
   EXPECT_FALSE(results[2].ok);
@@ -250,28 +264,31 @@ TEST(Dist, InitFromTorchrunEnvironment) {
   fsdp::testing::RunOptions opts;
   opts.init_group = false;
   // Each child sets the variables torchrun would have set, then initialises from them alone.
-  run_ranks(2, [port](ProcessGroup&) {
-    const char* r = std::getenv("FSDP_TEST_RANK");  // set by the harness
-    ASSERT_NE(r, nullptr);
-    ::setenv("RANK", r, 1);
-    ::setenv("WORLD_SIZE", "2", 1);
-    ::setenv("LOCAL_RANK", r, 1);
-    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
-    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-    auto env = fsdp::dist::env_info();
-    EXPECT_EQ(env.world_size, 2);
-    EXPECT_EQ(env.master_port, port);
-    auto pg = fsdp::dist::init_process_group(
-        fsdp::dist::InitOptions().timeout(std::chrono::seconds(20)));
-    EXPECT_TRUE(fsdp::dist::is_initialized());
-    EXPECT_EQ(pg.rank(), std::atoi(r));
-    EXPECT_EQ(pg.size(), 2);
-    EXPECT_EQ(pg.backend_name(), "gloo");
-    at::Tensor t = at::ones({3});
-    fsdp::dist::default_group().all_reduce(t);
-    EXPECT_TRUE(at::equal(t, at::full({3}, 2.0f)));
-  }, opts);
+  run_ranks(
+      2,
+      [port](ProcessGroup&) {
+        const char* r = std::getenv("FSDP_TEST_RANK");  // set by the harness
+        ASSERT_NE(r, nullptr);
+        ::setenv("RANK", r, 1);
+        ::setenv("WORLD_SIZE", "2", 1);
+        ::setenv("LOCAL_RANK", r, 1);
+        ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+        auto env = fsdp::dist::env_info();
+        EXPECT_EQ(env.world_size, 2);
+        EXPECT_EQ(env.master_port, port);
+        auto pg = fsdp::dist::init_process_group(
+            fsdp::dist::InitOptions().timeout(std::chrono::seconds(20)));
+        EXPECT_TRUE(fsdp::dist::is_initialized());
+        EXPECT_EQ(pg.rank(), std::atoi(r));
+        EXPECT_EQ(pg.size(), 2);
+        EXPECT_EQ(pg.backend_name(), "gloo");
+        at::Tensor t = at::ones({3});
+        fsdp::dist::default_group().all_reduce(t);
+        EXPECT_TRUE(at::equal(t, at::full({3}, 2.0f)));
+      },
+      opts);
 }
 
 TEST(Dist, EnvInfoRejectsMalformedVariables) {

@@ -70,8 +70,9 @@ TEST_P(FlatParamRoundTrip, ShardUnshardReproducesEveryParameterBitExactly) {
         auto expect = before[0].second;  // placeholder, replaced below
         for (const auto& [fqn, t] : before)
           if (fqn == l.fqns[i]) expect = t;
-        ASSERT_TRUE(at::equal(h.flat_param().narrow(0, s.offset_in_shard, s.numel_in_shard),
-                              expect.reshape({-1}).narrow(0, s.intra_param_start_idx, s.numel_in_shard)))
+        ASSERT_TRUE(
+            at::equal(h.flat_param().narrow(0, s.offset_in_shard, s.numel_in_shard),
+                      expect.reshape({-1}).narrow(0, s.intra_param_start_idx, s.numel_in_shard)))
             << l.fqns[i];
         if (cfg.use_orig_params) {
           // Between unshards the original parameter is a 1-D view of its piece of the shard.
@@ -112,17 +113,20 @@ TEST_P(FlatParamRoundTrip, ReducedGradientIsTheAverageNarrowedToTheShard) {
     at::Tensor avg = at::zeros({l.padded_unsharded_numel});
     for (int r = 0; r < pg.size(); ++r) {
       for (size_t i = 0; i < l.fqns.size(); ++i) {
-        avg.narrow(0, l.param_offset(i), l.numels[i]).add_(grad_for(r, i, l.shapes[i]).reshape({-1}));
+        avg.narrow(0, l.param_offset(i), l.numels[i])
+            .add_(grad_for(r, i, l.shapes[i]).reshape({-1}));
       }
     }
     avg.div_(pg.size());
-    const int64_t start = cfg.strategy == ShardingStrategy::NO_SHARD ? 0 : pg.rank() * l.sharded_numel;
+    const int64_t start =
+        cfg.strategy == ShardingStrategy::NO_SHARD ? 0 : pg.rank() * l.sharded_numel;
     at::Tensor expect = avg.narrow(0, start, l.sharded_numel);
 
     for (int step = 1; step <= 2; ++step) {
       h.unshard();
       auto params = h.orig_params();
-      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grad_for(pg.rank(), i, l.shapes[i]);
+      for (size_t i = 0; i < params.size(); ++i)
+        params[i].mutable_grad() = grad_for(pg.rank(), i, l.shapes[i]);
       h.reduce_grad();
       h.reshard();
       at::Tensor g = h.sharded_grad();
@@ -241,7 +245,9 @@ TEST(FlatParamHandle, KeepLowPrecisionGradsKeepsTheShardedGradientInParamDtype) 
   run_ranks(2, [](ProcessGroup& pg) {
     Net net(5);
     FlatParamHandle h(fsdp::collect_params(net.ptr()), pg,
-                      FlatParamHandleOptions().param_dtype(at::kHalf).reduce_dtype(at::kFloat)
+                      FlatParamHandleOptions()
+                          .param_dtype(at::kHalf)
+                          .reduce_dtype(at::kFloat)
                           .keep_low_precision_grads(true));
     EXPECT_EQ(h.reduce_dtype(), at::kFloat);
     h.unshard();
@@ -364,7 +370,8 @@ TEST(FlatParamHandle, ErrorsNameTheParameter) {
       m->register_parameter("train", torch::ones({2}));
       m->register_parameter("frozen", torch::ones({2}), /*requires_grad=*/false);
       expect_error([&] { FlatParamHandle h(fsdp::collect_params(m), pg); }, "'frozen'");
-      FlatParamHandle ok(fsdp::collect_params(m), pg, FlatParamHandleOptions().use_orig_params(true));
+      FlatParamHandle ok(fsdp::collect_params(m), pg,
+                         FlatParamHandleOptions().use_orig_params(true));
       EXPECT_TRUE(ok.flat_param().requires_grad());
     }
     {  // flattening twice, and flattening a flat parameter

@@ -35,7 +35,8 @@ TEST(FlatParamLayout, PackedAwkwardLayoutMatchesHandComputation) {
   for (int r = 0; r < 4; ++r) {
     auto infos = l.shard_param_infos(r);
     ASSERT_EQ(infos.size(), 5u);
-    for (size_t i = 0; i < 5; ++i) EXPECT_EQ(infos[i], expect[r][i]) << "rank " << r << " param " << i;
+    for (size_t i = 0; i < 5; ++i)
+      EXPECT_EQ(infos[i], expect[r][i]) << "rank " << r << " param " << i;
   }
   EXPECT_EQ(l.shard_numel_padded(0), 0);
   EXPECT_EQ(l.shard_numel_padded(2), 0);
@@ -45,7 +46,8 @@ TEST(FlatParamLayout, PackedAwkwardLayoutMatchesHandComputation) {
   EXPECT_EQ(md.param_names, (std::vector<std::string>{"a", "b", "c", "d"}));
   EXPECT_EQ(md.param_numels, (std::vector<int64_t>{6, 1, 0, 5}));
   EXPECT_EQ(md.param_shapes[1], std::vector<int64_t>{});
-  EXPECT_EQ(md.param_offsets, (std::vector<std::pair<int64_t, int64_t>>{{4, 5}, {0, 0}, {0, -1}, {0, 0}}));
+  EXPECT_EQ(md.param_offsets,
+            (std::vector<std::pair<int64_t, int64_t>>{{4, 5}, {0, 0}, {0, -1}, {0, 0}}));
 }
 
 TEST(FlatParamLayout, AlignedLayoutPadsEachParameterAndTheTotal) {

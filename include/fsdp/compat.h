@@ -2,9 +2,11 @@
 //
 // Nothing else in the library tests TORCH_VERSION_*; code that needs a version-dependent type or
 // call goes through a name declared here. The differences covered:
-//  * c10d class layout: up to 1.13 ProcessGroupGloo/NCCL derive from c10d::ProcessGroup; from 2.0 on
+//  * c10d class layout: up to 1.13 ProcessGroupGloo/NCCL derive from c10d::ProcessGroup; from 2.0
+//  on
 //    they derive from c10d::Backend and ProcessGroup is a dispatching front end. fsdp-cpp talks to
-//    the backend object directly (`compat::Backend`), which has the same collective virtuals in both.
+//    the backend object directly (`compat::Backend`), which has the same collective virtuals in
+//    both.
 //  * Which collectives a backend implements natively (Gloo gained _allgather_base and
 //    _reduce_scatter_base around 2.2); `compat::native_flat_collectives` says when to use them.
 //  * TCPStore construction: only TCPStore(host, TCPStoreOptions) exists in both, so it is the only
@@ -69,9 +71,10 @@ inline bool native_flat_collectives(const std::string& backend_name) {
 
 /// Connects to (or, with `is_server`, hosts) a c10d TCPStore.
 /// `port` 0 with `is_server` picks a free port; read it back with store->getPort().
-inline c10::intrusive_ptr<c10d::TCPStore> make_tcp_store(const std::string& host, std::uint16_t port,
-                                                        bool is_server, int world_size,
-                                                        std::chrono::milliseconds timeout) {
+inline c10::intrusive_ptr<c10d::TCPStore> make_tcp_store(const std::string& host,
+                                                         std::uint16_t port, bool is_server,
+                                                         int world_size,
+                                                         std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions opts;
   opts.port = port;
   opts.isServer = is_server;

@@ -118,8 +118,8 @@ class ProcessGroup {
   /// Wraps an existing c10d backend object. `global_ranks` maps group ranks to ranks of the
   /// default group (identity if empty). `store` is needed only for new_group().
   static ProcessGroup from_backend(compat::BackendPtr backend, std::string name,
-                                   std::chrono::milliseconds timeout,
-                                   compat::StorePtr store = {}, std::vector<int> global_ranks = {});
+                                   std::chrono::milliseconds timeout, compat::StorePtr store = {},
+                                   std::vector<int> global_ranks = {});
 
   /// False for the placeholder new_group() returns to non-members.
   bool is_member() const { return static_cast<bool>(state_); }

@@ -314,9 +314,10 @@ class FlatParamHandle {
   std::vector<ShardParamInfo> shard_param_infos_;
   int64_t shard_numel_padded_ = 0;
 
-  at::Tensor flat_param_;            // leaf; data = padded local shard (CPU under offload)
-  at::Tensor full_param_padded_;     // unsharded buffer in fwd_bwd dtype; storage freed when resharded
-  at::Tensor full_prec_full_param_padded_;  // unsharded buffer in orig dtype (summon + mixed precision)
+  at::Tensor flat_param_;         // leaf; data = padded local shard (CPU under offload)
+  at::Tensor full_param_padded_;  // unsharded buffer in fwd_bwd dtype; storage freed when resharded
+  at::Tensor
+      full_prec_full_param_padded_;  // unsharded buffer in orig dtype (summon + mixed precision)
   at::Tensor mp_shard_;              // low-precision shard on `device` during unshard
   at::Tensor unsharded_flat_;        // the unpadded view that original parameters point into
   bool unsharded_views_ = false;
@@ -324,7 +325,8 @@ class FlatParamHandle {
   // shaped gradients then hold autograd's unreduced results (e.g. accumulated under no_sync) and
   // must be neither written back nor replaced by shard views.
   bool grads_unreduced_ = false;
-  std::vector<bool> is_grad_none_;  // per parameter: its gradient was reset to undefined by the user
+  std::vector<bool>
+      is_grad_none_;  // per parameter: its gradient was reset to undefined by the user
   std::unique_ptr<dist::Work> pending_unshard_;
 };
 

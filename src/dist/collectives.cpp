@@ -65,7 +65,6 @@ bool gloo_lacks(const std::string& backend, at::ScalarType t) {
 // Gloo has no 16-bit integer type either, so data travels as bytes (numel scales by the size).
 at::Tensor as_wire(const at::Tensor& t) { return t.view(at::kByte); }
 
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -122,13 +121,13 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
 }
 
 // Starting a collective can itself throw (a backend that lacks the op, a closed connection).
-#define FSDP_START(op, expr)                                                 \
-  [&]() -> compat::WorkPtr {                                                 \
-    try {                                                                    \
-      return (expr);                                                         \
-    } catch (const c10::Error& e) {                                          \
+#define FSDP_START(op, expr)                                                    \
+  [&]() -> compat::WorkPtr {                                                    \
+    try {                                                                       \
+      return (expr);                                                            \
+    } catch (const c10::Error& e) {                                             \
       throw DistError(describe(op, *this) + ": " + e.what_without_backtrace()); \
-    }                                                                        \
+    }                                                                           \
   }()
 
 // ---------------------------------------------------------------------------------------------
@@ -159,7 +158,7 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   }
   if (compat::native_flat_collectives(s.backend_name)) {
     return launch(op, FSDP_START(op, s.backend->_allgather_base(out_flat, in_flat,
-                                                                 c10d::AllgatherOptions())));
+                                                                c10d::AllgatherOptions())));
   }
   std::vector<std::vector<at::Tensor>> outs(1);
   const int64_t n = in_flat.numel();
@@ -187,8 +186,8 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
   if (input.numel() != n * s.size || output.scalar_type() != input.scalar_type()) {
     throw ValueError(describe(op, *this) + ": input has " + std::to_string(input.numel()) +
                      " elements of " + std::string(c10::toString(input.scalar_type())) +
-                     ", expected " + std::to_string(n * s.size) + " (output " +
-                     std::to_string(n) + " x " + std::to_string(s.size) + " ranks) of " +
+                     ", expected " + std::to_string(n * s.size) + " (output " + std::to_string(n) +
+                     " x " + std::to_string(s.size) + " ranks) of " +
                      c10::toString(output.scalar_type()));
   }
   if (gloo_lacks(s.backend_name, input.scalar_type()) && s.size > 1 && n > 0) {
@@ -318,7 +317,7 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int src) {
   opts.rootRank = src;
   opts.timeout = s.timeout;
   std::vector<at::Tensor> ts{gloo_lacks(s.backend_name, tensor.scalar_type()) ? as_wire(tensor)
-                                                                             : tensor};
+                                                                              : tensor};
   launch(op, FSDP_START(op, s.backend->broadcast(ts, opts))).wait();
 }
 

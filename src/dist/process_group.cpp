@@ -55,9 +55,10 @@ EnvInfo env_info() {
 }
 
 ProcessGroup ProcessGroup::from_backend(compat::BackendPtr backend, std::string name,
-                                        std::chrono::milliseconds timeout,
-                                        compat::StorePtr store, std::vector<int> global_ranks) {
-  if (!backend) throw ValueError("ProcessGroup::from_backend: null backend for group '" + name + "'");
+                                        std::chrono::milliseconds timeout, compat::StorePtr store,
+                                        std::vector<int> global_ranks) {
+  if (!backend)
+    throw ValueError("ProcessGroup::from_backend: null backend for group '" + name + "'");
   auto s = std::make_shared<State>();
   s->backend = std::move(backend);
   s->name = std::move(name);
@@ -71,8 +72,8 @@ ProcessGroup ProcessGroup::from_backend(compat::BackendPtr backend, std::string 
   }
   if (static_cast<int>(global_ranks.size()) != s->size) {
     throw ValueError("ProcessGroup::from_backend: group '" + s->name + "' has " +
-                     std::to_string(s->size) + " ranks but " +
-                     std::to_string(global_ranks.size()) + " global ranks were given");
+                     std::to_string(s->size) + " ranks but " + std::to_string(global_ranks.size()) +
+                     " global ranks were given");
   }
   s->global_ranks = std::move(global_ranks);
   return ProcessGroup(std::move(s));
@@ -90,7 +91,9 @@ int ProcessGroup::rank() const { return checked_state("rank").rank; }
 int ProcessGroup::size() const { return checked_state("size").size; }
 const std::string& ProcessGroup::name() const { return checked_state("name").name; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return checked_state("timeout").timeout; }
-std::string ProcessGroup::backend_name() const { return checked_state("backend_name").backend_name; }
+std::string ProcessGroup::backend_name() const {
+  return checked_state("backend_name").backend_name;
+}
 const std::vector<int>& ProcessGroup::global_ranks() const {
   return checked_state("global_ranks").global_ranks;
 }
@@ -174,7 +177,8 @@ ProcessGroup init_process_group(const InitOptions& opts) {
                      " is not in [0, world_size=" + std::to_string(world) + ")");
   }
   if (!opts.store() && (port < 0 || port > 65535)) {
-    throw ValueError("init_process_group: MASTER_PORT " + std::to_string(port) + " is out of range");
+    throw ValueError("init_process_group: MASTER_PORT " + std::to_string(port) +
+                     " is out of range");
   }
   std::string kind = opts.backend();
   if (kind == "auto") {

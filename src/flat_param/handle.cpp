@@ -73,14 +73,16 @@ at::Tensor named_param(const ParamInfo& info) {
   auto params = info.module->named_parameters(/*recurse=*/false);
   const at::Tensor* p = params.find(info.param_name);
   if (p == nullptr) {
-    throw ValueError("module '" + info.module_name + "' has no parameter '" + info.param_name + "'");
+    throw ValueError("module '" + info.module_name + "' has no parameter '" + info.param_name +
+                     "'");
   }
   return *p;
 }
 
 // PyTorch FSDP's gradient pre-divide factor: doubled while it divides dp_size and is below
 // dp_size / factor, i.e. roughly sqrt(dp_size) as a power of two. Dividing by it before the sum
-// and by dp_size / factor after keeps fp16 sums from overflowing and small values from underflowing.
+// and by dp_size / factor after keeps fp16 sums from overflowing and small values from
+// underflowing.
 double predivide_factor(int dp_size) {
   int factor = 1;
   while (dp_size % factor == 0 && dp_size / factor > factor) factor *= 2;
@@ -117,14 +119,15 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
   std::unordered_map<const c10::TensorImpl*, int> seen;
   std::vector<at::Tensor> tensors;
   for (auto& ref : params) {
-    if (!ref.module) throw ValueError("FlatParamHandle: parameter '" + ref.fqn() + "' has no module");
+    if (!ref.module)
+      throw ValueError("FlatParamHandle: parameter '" + ref.fqn() + "' has no module");
     at::Tensor t = named_param(ref);
     auto it = seen.find(t.unsafeGetTensorImpl());
     if (it != seen.end()) {
       const ParamInfo& prim = param_infos_[it->second];
       shared_param_infos_.push_back(SharedParamInfo{ref.param_name, ref.module, ref.module_name,
-                                                    prim.param_name, prim.module,
-                                                    prim.module_name, it->second});
+                                                    prim.param_name, prim.module, prim.module_name,
+                                                    it->second});
       continue;
     }
     seen.emplace(t.unsafeGetTensorImpl(), static_cast<int>(param_infos_.size()));
@@ -406,8 +409,8 @@ void FlatParamHandle::use_sharded_views() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const ShardParamInfo& s = shard_param_infos_[i];
     // Flattened views: a parameter may be split across ranks, so its piece is 1-D.
-    set_param_data(params_[i], s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard)
-                                          : empty);
+    set_param_data(params_[i],
+                   s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard) : empty);
   }
 }
 
@@ -420,10 +423,10 @@ void FlatParamHandle::use_sharded_grad_views() {
       params_[i].mutable_grad().reset();
       continue;
     }
-    at::Tensor view = uses_sharded_strategy()
-                          ? g.narrow(0, s.offset_in_shard, s.numel_in_shard)
-                          : g.narrow(0, layout_.param_offset(i), layout_.numels[i])
-                                .view(layout_.shapes[i]);
+    at::Tensor view =
+        uses_sharded_strategy()
+            ? g.narrow(0, s.offset_in_shard, s.numel_in_shard)
+            : g.narrow(0, layout_.param_offset(i), layout_.numels[i]).view(layout_.shapes[i]);
     params_[i].mutable_grad() = view;
   }
 }
@@ -449,7 +452,8 @@ void FlatParamHandle::writeback_unsharded() {
   }
   const int64_t have = layout_.sharded_numel - shard_numel_padded_;
   if (have <= 0) return;
-  flat_param_.detach().narrow(0, 0, have)
+  flat_param_.detach()
+      .narrow(0, 0, have)
       .copy_(unsharded_flat_.narrow(0, rank_ * layout_.sharded_numel, have));
 }
 
@@ -458,9 +462,9 @@ void FlatParamHandle::writeback_unsharded() {
 
 void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
   if (grad.numel() != layout_.numels[i]) {
-    throw ValueError("gradient of '" + layout_.fqns[i] + "' has shape " +
-                     shape_str(grad.sizes()) + " but the parameter has shape " +
-                     shape_str(layout_.shapes[i]) + " (rank " + std::to_string(rank_) + ")");
+    throw ValueError("gradient of '" + layout_.fqns[i] + "' has shape " + shape_str(grad.sizes()) +
+                     " but the parameter has shape " + shape_str(layout_.shapes[i]) + " (rank " +
+                     std::to_string(rank_) + ")");
   }
 }
 

@@ -10,11 +10,16 @@ namespace fsdp {
 
 const char* to_string(ShardingStrategy s) {
   switch (s) {
-    case ShardingStrategy::FULL_SHARD: return "FULL_SHARD";
-    case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
-    case ShardingStrategy::NO_SHARD: return "NO_SHARD";
-    case ShardingStrategy::HYBRID_SHARD: return "HYBRID_SHARD";
-    case ShardingStrategy::HYBRID_SHARD_ZERO2: return "HYBRID_SHARD_ZERO2";
+    case ShardingStrategy::FULL_SHARD:
+      return "FULL_SHARD";
+    case ShardingStrategy::SHARD_GRAD_OP:
+      return "SHARD_GRAD_OP";
+    case ShardingStrategy::NO_SHARD:
+      return "NO_SHARD";
+    case ShardingStrategy::HYBRID_SHARD:
+      return "HYBRID_SHARD";
+    case ShardingStrategy::HYBRID_SHARD_ZERO2:
+      return "HYBRID_SHARD_ZERO2";
   }
   return "?";
 }
@@ -106,9 +111,8 @@ int64_t FlatParamLayout::param_offset(size_t i) const {
 
 int64_t FlatParamLayout::shard_numel_padded(int rank) const {
   if (world_size == 1) return sharded_numel - unpadded_unsharded_numel;
-  const int64_t have =
-      std::max<int64_t>(0, std::min<int64_t>(sharded_numel,
-                                             unpadded_unsharded_numel - rank * sharded_numel));
+  const int64_t have = std::max<int64_t>(
+      0, std::min<int64_t>(sharded_numel, unpadded_unsharded_numel - rank * sharded_numel));
   return sharded_numel - have;
 }
 
@@ -183,9 +187,9 @@ const Entry* find_locked(const at::Tensor& t) {
 void mark_flattened(const at::Tensor& t, bool is_flat_param) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_registry.erase(t.unsafeGetTensorImpl());
-  g_registry.emplace(t.unsafeGetTensorImpl(),
-                     Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
-                           is_flat_param});
+  g_registry.emplace(
+      t.unsafeGetTensorImpl(),
+      Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), is_flat_param});
 }
 
 void unmark_flattened(const at::Tensor& t) {
