@@ -157,8 +157,8 @@ struct FlatParamHandleOptions {
   /// Device on which forward and backward compute (and collectives run).
   TORCH_ARG(at::Device, device) = at::kCPU;
   /// Group across which replicas are all-reduced after the shard-group reduce-scatter
-  /// (HYBRID_SHARD*). Unset otherwise.
-  TORCH_ARG(std::optional<dist::ProcessGroup>, replicate_group);
+  /// (HYBRID_SHARD*). A default-constructed (non-member) group means none.
+  TORCH_ARG(dist::ProcessGroup, replicate_group);
   /// Check at construction that every rank flattens the same FQNs, shapes and dtypes (one small
   /// all-gather). Disable only if the caller already guarantees it.
   TORCH_ARG(bool, check_ranks_agree) = true;
@@ -199,12 +199,15 @@ class FlatParamHandle {
   /// Makes the full parameters available: writes back changed original parameters
   /// (use_orig_params), all-gathers the shard (in param_dtype under mixed precision; in full
   /// precision while SUMMON_FULL_PARAMS) and points every original parameter at its full-shaped
-  /// view. No-op where already unsharded. NO_SHARD communicates nothing.
+  /// view. No-op where already unsharded; finishes a pending unshard_async(). NO_SHARD
+  /// communicates nothing.
   void unshard();
   /// unshard() split in two for prefetching: start the all-gather now, finish later. Only one
   /// pending unshard per handle.
   void unshard_async();
   void wait_unshard();
+  /// True between unshard_async() and the wait that finishes it.
+  bool has_pending_unshard() const { return static_cast<bool>(pending_unshard_); }
   /// Returns to the sharded state: original parameters become shard views (use_orig_params) or
   /// empty tensors, and, if `free_unsharded` (always, except to keep parameters between forward
   /// and backward under SHARD_GRAD_OP), the unsharded storage is freed.
@@ -289,6 +292,8 @@ class FlatParamHandle {
  private:
   bool force_full_precision() const;
   void finish_unshard();
+  // Reduces `g` (padded unsharded numel, reduce dtype, on device, owned: modified in place).
+  void reduce_owned_grad(at::Tensor g);
   void check_grad_shape(size_t i, const at::Tensor& grad) const;
   at::Tensor& unsharded_buffer();
   void use_unsharded_views(const at::Tensor& unsharded_flat);

@@ -5,3 +5,4 @@
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "fsdp/fully_sharded.h"

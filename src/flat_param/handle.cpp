@@ -89,6 +89,16 @@ double predivide_factor(int dp_size) {
   return factor;
 }
 
+// A tensor sharing `base`'s storage at [offset, offset + numel) with the given shape, without
+// being an autograd view of it. Gradients handed to optimizers are built this way: LibTorch 1.13's
+// Optimizer::zero_grad() calls detach_(), which refuses views.
+at::Tensor storage_alias(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) {
+  at::NoGradGuard no_grad;
+  at::Tensor t = at::empty({0}, base.options());
+  t.set_(base.storage(), base.storage_offset() + offset, shape, c10::contiguous_strides(shape));
+  return t;
+}
+
 void set_param_data(at::Tensor& param, const at::Tensor& data) {
   at::NoGradGuard no_grad;
   param.set_data(data);
@@ -110,7 +120,7 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
   world_size_ = group_.size();
   const bool hybrid = options_.sharding_strategy() == ShardingStrategy::HYBRID_SHARD ||
                       options_.sharding_strategy() == ShardingStrategy::HYBRID_SHARD_ZERO2;
-  if (hybrid && !options_.replicate_group()) {
+  if (hybrid && !options_.replicate_group().is_member()) {
     throw ValueError(std::string("FlatParamHandle: ") + to_string(options_.sharding_strategy()) +
                      " needs a replicate_group (see dist::make_hybrid_groups)");
   }
@@ -157,7 +167,7 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
   is_grad_none_.assign(params_.size(), false);
 
   const int dp_size =
-      world_size_ * (options_.replicate_group() ? options_.replicate_group()->size() : 1);
+      world_size_ * (options_.replicate_group().is_member() ? options_.replicate_group().size() : 1);
   predivide_ = predivide_factor(dp_size);
   postdivide_ = dp_size / predivide_;
 
@@ -303,7 +313,7 @@ at::Tensor& FlatParamHandle::unsharded_buffer() {
 }
 
 void FlatParamHandle::unshard() {
-  unshard_async();
+  if (!pending_unshard_) unshard_async();  // else a prefetch is in flight: just finish it
   wait_unshard();
 }
 
@@ -423,11 +433,10 @@ void FlatParamHandle::use_sharded_grad_views() {
       params_[i].mutable_grad().reset();
       continue;
     }
-    at::Tensor view =
+    params_[i].mutable_grad() =
         uses_sharded_strategy()
-            ? g.narrow(0, s.offset_in_shard, s.numel_in_shard)
-            : g.narrow(0, layout_.param_offset(i), layout_.numels[i]).view(layout_.shapes[i]);
-    params_[i].mutable_grad() = view;
+            ? storage_alias(g, s.offset_in_shard, {s.numel_in_shard})
+            : storage_alias(g, layout_.param_offset(i), layout_.shapes[i]);
   }
 }
 
@@ -486,7 +495,7 @@ void FlatParamHandle::reduce_grad() {
     throw StateError("reduce_grad: no parameter of this handle requires grad (first: '" +
                      layout_.fqns[0] + "')");
   }
-  reduce_flat_grad(flatten_orig_grads());
+  reduce_owned_grad(flatten_orig_grads());  // freshly built: no copy needed
 }
 
 void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
@@ -495,8 +504,14 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
                      " elements but got " + std::to_string(unsharded_flat_grad.numel()));
   }
   at::NoGradGuard no_grad;
+  // A private copy: the caller's tensor is never scaled, and the result is never a view.
   at::Tensor g = unsharded_flat_grad.reshape({-1}).to(options_.device(), reduce_dtype_);
-  if (g.is_same(unsharded_flat_grad)) g = g.clone();  // never scale the caller's tensor
+  if (g.is_alias_of(unsharded_flat_grad)) g = g.clone();
+  reduce_owned_grad(std::move(g));
+}
+
+void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
+  at::NoGradGuard no_grad;
   if (predivide_ > 1) g.div_(predivide_);
   at::Tensor out;
   if (uses_sharded_strategy()) {
@@ -506,7 +521,9 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
     out = g;
     group_.all_reduce(out, dist::ReduceOp::SUM);
   }
-  if (options_.replicate_group()) options_.replicate_group()->all_reduce(out, dist::ReduceOp::SUM);
+  if (options_.replicate_group().is_member()) {
+    options_.replicate_group().all_reduce(out, dist::ReduceOp::SUM);
+  }
   if (postdivide_ > 1) out.div_(postdivide_);
   const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
   out = out.to(target);

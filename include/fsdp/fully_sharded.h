@@ -1,0 +1,272 @@
+// fsdp/fully_sharded.h: FullyShardedDataParallel, sharded training of any torch::nn::Module.
+//
+// Wrapping a module splits its parameters into FSDP *units*, each flattened and sharded by its own
+// FlatParamHandle: the wrapped (root) module, plus every submodule chosen by `units` or by the
+// auto-wrap policy. During a step each unit is unsharded just before it runs and resharded right
+// after, so only one unit (two with prefetching) is whole at a time; in backward it is unsharded
+// again, its gradients are reduce-scattered once they are all ready, and it is resharded.
+//
+// LibTorch has no module forward hooks, so the model marks where a unit runs by calling
+//     x = fsdp::forward(block, x);          // instead of block->forward(x) or block(x)
+// fsdp::forward calls the module's own forward; around it, it unshards and reshards when the
+// module is a unit of a wrapped model, and does nothing else otherwise, so the same model code runs
+// unchanged in a single process. Children of a wrapped torch::nn::Sequential are driven this way
+// automatically. docs/fully_sharded.md has a worked example.
+//
+// Thread safety: a wrapped model is used by one thread at a time, like any LibTorch module. All
+// ranks of the process group must run the same forward/backward sequence.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include "fsdp/dist.h"
+#include "fsdp/flat_param.h"
+
+namespace fsdp {
+
+/// When to all-gather the next unit during backward (PyTorch's BackwardPrefetch).
+enum class BackwardPrefetch {
+  NONE,
+  /// When a unit's backward starts, start gathering the unit whose backward comes next.
+  BACKWARD_PRE,
+  /// When a unit's gradients are reduced, start gathering the next unit.
+  BACKWARD_POST,
+};
+
+/// Mixed precision (PyTorch's MixedPrecision). Unset dtypes mean "as the parameters are".
+struct MixedPrecision {
+  /// Dtype of parameters during forward and backward.
+  TORCH_ARG(std::optional<at::ScalarType>, param_dtype);
+  /// Dtype of gradient reduction (defaults to param_dtype when that is set).
+  TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype);
+  /// Dtype buffers are cast to at the first forward.
+  TORCH_ARG(std::optional<at::ScalarType>, buffer_dtype);
+  /// Keep sharded gradients in param_dtype rather than casting them back.
+  TORCH_ARG(bool, keep_low_precision_grads) = false;
+};
+
+/// CPU offload (PyTorch's CPUOffload): sharded parameters and gradients live on the CPU.
+struct CPUOffload {
+  TORCH_ARG(bool, offload_params) = false;
+};
+
+/// Decides whether a submodule becomes its own unit. Called bottom-up (children before parents)
+/// with the module, its FQN in the wrapped model, and the number of parameter elements in its
+/// subtree not already claimed by a unit below it. The wrapped module itself is always a unit.
+using AutoWrapPolicy = std::function<bool(const std::shared_ptr<torch::nn::Module>& module,
+                                          const std::string& fqn, int64_t unwrapped_numel)>;
+
+/// Wraps every module whose unclaimed subtree holds at least `min_num_params` elements.
+AutoWrapPolicy size_based_auto_wrap_policy(int64_t min_num_params = 100000000);
+
+/// Wraps every module whose class is one of `Impls` (e.g. MyBlockImpl, torch::nn::LinearImpl).
+template <typename... Impls>
+AutoWrapPolicy module_type_auto_wrap_policy() {
+  return [](const std::shared_ptr<torch::nn::Module>& m, const std::string&, int64_t) {
+    return (... || (std::dynamic_pointer_cast<Impls>(m) != nullptr));
+  };
+}
+
+/// Options of FullyShardedDataParallel. Defaults match PyTorch FSDP's.
+struct FullyShardedOptions {
+  /// Group to shard across. Default: dist::default_group(). For HYBRID_SHARD*: the whole world.
+  TORCH_ARG(std::optional<dist::ProcessGroup>, process_group);
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::FULL_SHARD;
+  /// HYBRID_SHARD*: ranks per shard group (consecutive ranks, one node). Default: $LOCAL_WORLD_SIZE.
+  TORCH_ARG(std::optional<int>, hybrid_shard_size);
+  TORCH_ARG(MixedPrecision, mixed_precision) = MixedPrecision();
+  TORCH_ARG(CPUOffload, cpu_offload) = CPUOffload();
+  /// Expose the original parameters (as views into the shard) to parameters() and optimizers,
+  /// instead of the flat parameters.
+  TORCH_ARG(bool, use_orig_params) = false;
+  /// Submodules to make units, in addition to those the policy picks.
+  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, units);
+  TORCH_ARG(AutoWrapPolicy, auto_wrap_policy);
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::BACKWARD_PRE;
+  /// Start gathering the next unit (in the order of the first forward) when a unit's forward
+  /// starts.
+  TORCH_ARG(bool, forward_prefetch) = false;
+  /// At most this many prefetched all-gathers in flight (PyTorch's limit_all_gathers allows 2
+  /// unsharded units at a time: the current one and one prefetched).
+  TORCH_ARG(int, max_inflight_all_gathers) = 1;
+  /// Broadcast parameters and buffers from rank 0 before sharding.
+  TORCH_ARG(bool, sync_module_states) = false;
+  /// Modules whose parameters and buffers FSDP leaves alone (not sharded, not reduced).
+  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules);
+  /// Parameters FSDP leaves alone.
+  TORCH_ARG(std::vector<at::Tensor>, ignored_params);
+  /// Compute device. Default: the device the parameters are on (CPU here).
+  TORCH_ARG(std::optional<at::Device>, device_id);
+};
+
+namespace detail {
+class FsdpState;
+struct UnitRef;
+/// The unit `m` is registered as, or null if `m` is not a unit of any wrapped model.
+std::shared_ptr<UnitRef> find_unit(const torch::nn::Module* m);
+/// Around a unit's forward: unshards on construction, reshards in post_forward().
+class ForwardScope {
+ public:
+  explicit ForwardScope(const torch::nn::Module* m);
+  ~ForwardScope();
+  bool active() const { return static_cast<bool>(unit_); }
+  /// Registers the pre-backward hook on a forward output (ignored unless it requires grad).
+  void track_output(const at::Tensor& t);
+  void post_forward();
+
+ private:
+  std::shared_ptr<UnitRef> unit_;
+  bool done_ = false;
+};
+
+inline void track(ForwardScope& s, const at::Tensor& t) { s.track_output(t); }
+inline void track(ForwardScope& s, const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) s.track_output(t);
+}
+template <typename... Ts>
+void track(ForwardScope& s, const std::tuple<Ts...>& t) {
+  std::apply([&](const auto&... e) { (track(s, e), ...); }, t);
+}
+template <typename T>
+void track(ForwardScope&, const T&) {}  // non-tensor outputs carry no gradient
+
+inline const torch::nn::Module* raw(const torch::nn::Module& m) { return &m; }
+template <typename T>
+const torch::nn::Module* raw(const std::shared_ptr<T>& m) {
+  return m.get();
+}
+template <typename T>
+const torch::nn::Module* raw(const torch::nn::ModuleHolder<T>& m) {
+  return m.get();
+}
+/// Runs a Sequential's children one by one, each through its own ForwardScope.
+at::Tensor forward_sequential(torch::nn::Sequential& seq, const at::Tensor& input);
+}  // namespace detail
+
+/// Runs `module->forward(args...)`; if `module` is a unit of a wrapped model, unshards it first
+/// and reshards it after (registering its backward hooks on the output's tensors). Accepts a
+/// module holder (Linear), a shared_ptr to an Impl, or a Sequential (whose children are then
+/// driven through fsdp::forward one by one).
+template <typename M, typename... Args>
+auto forward(M& module, Args&&... args) {
+  if constexpr (std::is_same_v<std::decay_t<M>, torch::nn::Sequential> && sizeof...(Args) == 1) {
+    return detail::forward_sequential(module, static_cast<const at::Tensor&>(args)...);
+  } else {
+    detail::ForwardScope scope(detail::raw(module));
+    auto out = module->forward(std::forward<Args>(args)...);
+    if (scope.active()) {
+      detail::track(scope, out);
+      scope.post_forward();
+    }
+    return out;
+  }
+}
+
+class FullyShardedDataParallelImpl : public torch::nn::Module {
+ public:
+  /// Wraps `module` (a module holder such as `MyModel` or `torch::nn::Sequential`). Collective
+  /// over the process group. Throws ValueError if units overlap illegally or ranks disagree on
+  /// the model (see FlatParamHandle).
+  template <typename ModuleType>
+  explicit FullyShardedDataParallelImpl(ModuleType module, FullyShardedOptions options = {})
+      : FullyShardedDataParallelImpl(torch::nn::AnyModule(module), module.ptr(),
+                                     std::move(options)) {}
+  FullyShardedDataParallelImpl(torch::nn::AnyModule any, std::shared_ptr<torch::nn::Module> module,
+                               FullyShardedOptions options);
+  ~FullyShardedDataParallelImpl() override;
+
+  /// Runs the wrapped module's forward (returning a Tensor) as the root unit.
+  template <typename... Args>
+  at::Tensor forward(Args&&... args) {
+    return forward_as<at::Tensor>(std::forward<Args>(args)...);
+  }
+  /// forward() for modules returning another type.
+  template <typename Out, typename... Args>
+  Out forward_as(Args&&... args) {
+    detail::ForwardScope scope(module_.get());
+    Out out = run_inner<Out>(std::forward<Args>(args)...);
+    detail::track(scope, out);
+    scope.post_forward();
+    return out;
+  }
+
+  /// The wrapped module (its parameters are views managed by FSDP).
+  std::shared_ptr<torch::nn::Module> module() const { return module_; }
+  /// One handle per unit, root first then in wrapping order.
+  std::vector<FlatParamHandle*> handles() const;
+  /// FQN (in the wrapped module) of each unit's module, aligned with handles(); "" is the root.
+  std::vector<std::string> unit_names() const;
+  const FullyShardedOptions& options() const { return options_; }
+  /// Group parameters are sharded across (the shard group under hybrid sharding).
+  dist::ProcessGroup& process_group();
+
+  /// Clips gradients by their global norm over all ranks and all units (PyTorch's
+  /// FSDP.clip_grad_norm_): the true norm of the full gradient, not of this rank's shard. Returns
+  /// the total norm before clipping. Collective. `norm_type` may be infinity.
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  void train(bool on = true) override;
+
+ private:
+  friend class NoSyncGuard;
+  friend class SummonFullParamsGuard;
+  template <typename Out, typename... Args>
+  Out run_inner(Args&&... args) {
+    if constexpr (sizeof...(Args) == 1 && std::is_same_v<Out, at::Tensor> &&
+                  (std::is_convertible_v<Args, at::Tensor> && ...)) {
+      if (sequential_) {
+        torch::nn::Sequential seq(sequential_);
+        return detail::forward_sequential(seq, static_cast<const at::Tensor&>(args)...);
+      }
+    }
+    return any_.forward<Out>(std::forward<Args>(args)...);
+  }
+  torch::nn::AnyModule any_;
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<torch::nn::SequentialImpl> sequential_;  // set when the wrapped module is one
+  FullyShardedOptions options_;
+  std::shared_ptr<detail::FsdpState> state_;
+};
+TORCH_MODULE(FullyShardedDataParallel);
+
+/// Within its scope, backward accumulates gradients locally without communication (PyTorch's
+/// no_sync()); the first backward after it reduces everything accumulated.
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(FullyShardedDataParallel& model);
+  ~NoSyncGuard();
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+ private:
+  std::shared_ptr<detail::FsdpState> state_;
+  bool prev_;
+};
+
+/// Within its scope every unit is unsharded in full precision, so the wrapped module holds its
+/// complete parameters (for evaluation or export). With `writeback`, edits made to them are copied
+/// into the shards when the scope ends. Collective. Not allowed during forward/backward.
+class SummonFullParamsGuard {
+ public:
+  explicit SummonFullParamsGuard(FullyShardedDataParallel& model, bool writeback = true);
+  ~SummonFullParamsGuard() noexcept(false);
+  SummonFullParamsGuard(const SummonFullParamsGuard&) = delete;
+  SummonFullParamsGuard& operator=(const SummonFullParamsGuard&) = delete;
+
+ private:
+  std::shared_ptr<detail::FsdpState> state_;
+  bool writeback_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,310 @@
+// FullyShardedDataParallel: choosing units, building their handles, and the public operations
+// that span units (gradient clipping, no_sync, summon_full_params).
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "fsdp/errors.h"
+#include "runtime/state.h"
+
+namespace fsdp {
+
+AutoWrapPolicy size_based_auto_wrap_policy(int64_t min_num_params) {
+  return [min_num_params](const std::shared_ptr<torch::nn::Module>&, const std::string&,
+                          int64_t unwrapped_numel) { return unwrapped_numel >= min_num_params; };
+}
+
+namespace {
+
+using ModulePtr = std::shared_ptr<torch::nn::Module>;
+using Impl = const c10::TensorImpl*;
+
+bool under(const std::string& fqn, const std::string& root) {
+  return root.empty() || fqn == root || fqn.rfind(root + ".", 0) == 0;
+}
+
+// Everything the wrapper needs to know about the model's module tree, gathered once.
+struct Tree {
+  std::vector<std::pair<std::string, ModulePtr>> modules;  // pre-order, root first ("")
+  std::unordered_map<Impl, std::vector<std::string>> owners;  // parameter -> owning module FQNs
+  std::unordered_map<Impl, int64_t> numel;
+};
+
+Tree scan(const ModulePtr& root, const std::unordered_set<Impl>& ignored,
+          const std::vector<std::string>& ignored_prefixes) {
+  Tree t;
+  for (const auto& item : root->named_modules("", true)) {
+    bool skip = false;
+    for (const auto& p : ignored_prefixes) skip |= under(item.key(), p);
+    if (skip) continue;
+    t.modules.emplace_back(item.key(), item.value());
+    for (const auto& p : item.value()->named_parameters(false)) {
+      Impl impl = p.value().unsafeGetTensorImpl();
+      if (ignored.count(impl)) continue;
+      t.owners[impl].push_back(item.key());
+      t.numel[impl] = p.value().numel();
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
+FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule any,
+                                                           std::shared_ptr<torch::nn::Module> module,
+                                                           FullyShardedOptions options)
+    : any_(std::move(any)), module_(std::move(module)), options_(std::move(options)) {
+  if (!module_) throw ValueError("FullyShardedDataParallel: null module");
+  sequential_ = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_);
+  state_ = std::make_shared<detail::FsdpState>();
+  auto& st = *state_;
+  st.options = options_;
+  st.root_module = module_;
+
+  dist::ProcessGroup world =
+      options_.process_group() ? *options_.process_group() : dist::default_group();
+  const ShardingStrategy strategy = options_.sharding_strategy();
+  const bool hybrid = strategy == ShardingStrategy::HYBRID_SHARD ||
+                      strategy == ShardingStrategy::HYBRID_SHARD_ZERO2;
+  if (hybrid) {
+    const int shard_size = options_.hybrid_shard_size().value_or(dist::env_info().local_world_size);
+    auto groups = dist::make_hybrid_groups(world, shard_size);
+    st.shard_group = groups.shard;
+    st.replicate_group = groups.replicate;
+  } else {
+    st.shard_group = world;
+  }
+
+  // Ignored parameters and modules stay out of every unit.
+  std::unordered_set<Impl> ignored;
+  std::vector<std::string> ignored_prefixes;
+  for (const auto& p : options_.ignored_params()) ignored.insert(p.unsafeGetTensorImpl());
+  for (const auto& item : module_->named_modules("", true)) {
+    for (const auto& ig : options_.ignored_modules()) {
+      if (ig.get() != item.value().get()) continue;
+      ignored_prefixes.push_back(item.key());
+      for (const auto& p : ig->parameters()) ignored.insert(p.unsafeGetTensorImpl());
+    }
+  }
+
+  if (options_.sync_module_states()) {
+    // Rank 0's values everywhere, before anything is flattened (PyTorch's sync_module_states).
+    at::NoGradGuard no_grad;
+    std::unordered_set<Impl> seen;
+    for (auto& p : module_->parameters()) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second) world.broadcast(p.data(), 0);
+    }
+    for (auto& b : module_->buffers()) world.broadcast(b.data(), 0);
+  }
+
+  const Tree tree = scan(module_, ignored, ignored_prefixes);
+  std::unordered_map<const torch::nn::Module*, std::string> fqn_of;
+  for (const auto& [fqn, m] : tree.modules) fqn_of[m.get()] = fqn;
+  std::set<std::string> explicit_units;
+  for (const auto& m : options_.units()) {
+    auto it = fqn_of.find(m.get());
+    if (it == fqn_of.end()) {
+      throw ValueError("FullyShardedDataParallel: a module given in `units` is not part of the "
+                       "wrapped model (or is ignored)");
+    }
+    explicit_units.insert(it->second);
+  }
+
+  // Choose units bottom-up: a module's subtree is visited before the module itself. A parameter
+  // belongs to the innermost unit whose subtree contains *every* module that registers it, so a
+  // weight tied across two units goes to their common ancestor (the root at the latest).
+  std::vector<std::string> unit_fqns;  // innermost first
+  std::unordered_map<Impl, std::string> claimed_by;
+  auto claimable = [&](Impl impl, const std::string& root) {
+    if (claimed_by.count(impl)) return false;
+    for (const auto& o : tree.owners.at(impl)) {
+      if (!under(o, root)) return false;
+    }
+    return true;
+  };
+  for (auto it = tree.modules.rbegin(); it != tree.modules.rend(); ++it) {
+    const std::string& fqn = it->first;
+    if (fqn.empty()) continue;  // the root is always a unit, handled last
+    int64_t unwrapped = 0;
+    for (const auto& [impl, owners] : tree.owners) {
+      if (claimable(impl, fqn)) unwrapped += tree.numel.at(impl);
+    }
+    const bool wrap =
+        explicit_units.count(fqn) ||
+        (options_.auto_wrap_policy() && options_.auto_wrap_policy()(it->second, fqn, unwrapped));
+    if (!wrap || unwrapped == 0) continue;
+    for (const auto& [impl, owners] : tree.owners) {
+      if (claimable(impl, fqn)) claimed_by[impl] = fqn;
+    }
+    unit_fqns.push_back(fqn);
+  }
+  for (const auto& [impl, owners] : tree.owners) {
+    if (!claimed_by.count(impl)) claimed_by[impl] = "";
+  }
+  unit_fqns.push_back("");
+
+  FlatParamHandleOptions hopts;
+  hopts.sharding_strategy(strategy)
+      .use_orig_params(options_.use_orig_params())
+      .offload_params(options_.cpu_offload().offload_params())
+      .param_dtype(options_.mixed_precision().param_dtype())
+      .reduce_dtype(options_.mixed_precision().reduce_dtype())
+      .keep_low_precision_grads(options_.mixed_precision().keep_low_precision_grads());
+  if (st.replicate_group) hopts.replicate_group(*st.replicate_group);
+  if (options_.device_id()) {
+    hopts.device(*options_.device_id());
+  } else if (!module_->parameters().empty()) {
+    hopts.device(module_->parameters()[0].device());
+  }
+
+  // Root first (index 0), then the other units innermost-first; handles are built innermost-first
+  // on every rank, so their collectives line up.
+  std::vector<std::unique_ptr<detail::Unit>> built;
+  for (const auto& ufqn : unit_fqns) {
+    std::vector<ParamRef> refs;
+    for (const auto& [mfqn, m] : tree.modules) {
+      if (!under(mfqn, ufqn)) continue;
+      for (const auto& p : m->named_parameters(false)) {
+        auto c = claimed_by.find(p.value().unsafeGetTensorImpl());
+        if (c != claimed_by.end() && c->second == ufqn) {
+          refs.push_back(ParamRef{p.key(), m, mfqn});
+        }
+      }
+    }
+    auto unit = std::make_unique<detail::Unit>();
+    unit->fqn = ufqn;
+    for (const auto& [mfqn, m] : tree.modules) {
+      if (mfqn == ufqn) unit->module = m;
+    }
+    if (!refs.empty()) {
+      unit->handle = std::make_unique<FlatParamHandle>(std::move(refs), st.shard_group, hopts);
+      for (const auto& p : unit->handle->orig_params()) unit->expected_grads += p.requires_grad();
+    }
+    built.push_back(std::move(unit));
+  }
+  st.units.push_back(std::move(built.back()));
+  built.pop_back();
+  for (auto& u : built) st.units.push_back(std::move(u));
+  for (size_t i = 0; i < st.units.size(); ++i) st.units[i]->index = static_cast<int>(i);
+  st.register_units();
+
+  // What parameters() shows: the flat parameters, or the original ones through the wrapped module.
+  if (options_.use_orig_params()) {
+    register_module("_fsdp_wrapped_module", module_);
+  } else {
+    int k = 0;
+    for (const auto& u : st.units) {
+      if (!u->handle) continue;
+      register_parameter("_flat_param_" + std::to_string(k++), u->handle->flat_param(),
+                         u->handle->flat_param().requires_grad());
+    }
+    int j = 0;
+    for (const auto& p : options_.ignored_params()) {
+      register_parameter("_ignored_param_" + std::to_string(j++), p, p.requires_grad());
+    }
+    for (const auto& m : options_.ignored_modules()) {
+      for (const auto& p : m->parameters()) {
+        register_parameter("_ignored_param_" + std::to_string(j++), p, p.requires_grad());
+      }
+    }
+  }
+}
+
+FullyShardedDataParallelImpl::~FullyShardedDataParallelImpl() {
+  if (state_) state_->unregister_units();
+}
+
+std::vector<FlatParamHandle*> FullyShardedDataParallelImpl::handles() const {
+  std::vector<FlatParamHandle*> out;
+  for (const auto& u : state_->units) out.push_back(u->handle.get());
+  return out;
+}
+
+std::vector<std::string> FullyShardedDataParallelImpl::unit_names() const {
+  std::vector<std::string> out;
+  for (const auto& u : state_->units) out.push_back(u->fqn);
+  return out;
+}
+
+dist::ProcessGroup& FullyShardedDataParallelImpl::process_group() { return state_->shard_group; }
+
+void FullyShardedDataParallelImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  module_->train(on);
+}
+
+double FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double norm_type) {
+  auto& st = *state_;
+  const bool inf = std::isinf(norm_type);
+  // Sharded gradients partition the full gradient across the shard group, so their contributions
+  // are summed (or maxed) over it; replicated ones (NO_SHARD, ignored) count once.
+  double sharded = 0, replicated = 0;
+  std::vector<at::Tensor> grads;
+  auto contribution = [&](const at::Tensor& g) {
+    at::Tensor g64 = g.to(at::kDouble);
+    return inf ? g64.abs().max().item<double>() : g64.norm(norm_type).pow(norm_type).item<double>();
+  };
+  auto combine = [&](double& acc, double v) { acc = inf ? std::max(acc, v) : acc + v; };
+  for (const auto& u : st.units) {
+    if (!u->handle) continue;
+    at::Tensor g = u->handle->sharded_grad();
+    if (!g.defined() || g.numel() == 0) continue;
+    grads.push_back(g);
+    combine(u->handle->uses_sharded_strategy() ? sharded : replicated, contribution(g));
+  }
+  for (const auto& p : parameters()) {
+    if (is_fsdp_flattened(p) || !p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    combine(replicated, contribution(p.grad()));
+  }
+  at::Tensor t = at::full({1}, sharded, at::kDouble);
+  st.shard_group.all_reduce(t, inf ? dist::ReduceOp::MAX : dist::ReduceOp::SUM);
+  double total = t.item<double>();
+  combine(total, replicated);
+  if (!inf) total = std::pow(total, 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    at::NoGradGuard no_grad;
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Guards
+
+NoSyncGuard::NoSyncGuard(FullyShardedDataParallel& model)
+    : state_(model->state_), prev_(model->state_->sync_gradients) {
+  state_->sync_gradients = false;
+}
+
+NoSyncGuard::~NoSyncGuard() { state_->sync_gradients = prev_; }
+
+SummonFullParamsGuard::SummonFullParamsGuard(FullyShardedDataParallel& model, bool writeback)
+    : state_(model->state_), writeback_(writeback) {
+  auto& st = *state_;
+  if (st.in_summon) throw StateError("SummonFullParamsGuard: already summoned");
+  st.reset_iteration();
+  st.in_summon = true;
+  for (auto& u : st.units) {
+    if (!u->handle) continue;
+    u->handle->set_training_state(HandleTrainingState::SUMMON_FULL_PARAMS);
+    u->handle->unshard();
+  }
+}
+
+SummonFullParamsGuard::~SummonFullParamsGuard() noexcept(false) {
+  auto& st = *state_;
+  st.in_summon = false;
+  for (auto& u : st.units) {
+    if (!u->handle) continue;
+    if (writeback_) u->handle->writeback_unsharded();
+    u->handle->reshard(true);
+    u->handle->set_training_state(HandleTrainingState::IDLE);
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,281 @@
+// The FSDP runtime: what happens around each unit's forward and backward.
+//
+//   pre-forward   unshard (or finish a prefetch); hook the parameters' AccumulateGrad nodes;
+//                 optionally prefetch the next unit
+//   post-forward  reshard (freeing, or keeping the buffer for SHARD_GRAD_OP); hook the outputs
+//   pre-backward  (hook on an output's gradient) unshard again; queue the end-of-backward
+//                 callback; optionally prefetch the unit whose backward comes next
+//   post-backward (when every parameter's gradient has been accumulated) reduce-scatter the
+//                 gradients and reshard
+//   end of backward  finish units whose gradients were only partly produced, reset
+//
+// Every decision depends only on the forward/backward sequence, which all ranks share, so every
+// rank issues the same collectives in the same order.
+#include <mutex>
+#include <unordered_map>
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "runtime/state.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace detail {
+namespace {
+
+std::mutex g_units_mu;
+std::unordered_map<const torch::nn::Module*, std::shared_ptr<UnitRef>> g_units;
+
+bool keeps_params_after_forward(ShardingStrategy s) {
+  return s == ShardingStrategy::SHARD_GRAD_OP || s == ShardingStrategy::HYBRID_SHARD_ZERO2;
+}
+
+// Runs after AccumulateGrad has stored a parameter's gradient.
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(std::weak_ptr<FsdpState> s, int u) : state_(std::move(s)), unit_(u) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto s = state_.lock()) s->on_grad_ready(unit_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<FsdpState> state_;
+  int unit_;
+};
+
+}  // namespace
+
+std::shared_ptr<UnitRef> find_unit(const torch::nn::Module* m) {
+  std::lock_guard<std::mutex> lock(g_units_mu);
+  auto it = g_units.find(m);
+  if (it == g_units.end()) return nullptr;
+  if (it->second->state.expired()) {
+    g_units.erase(it);
+    return nullptr;
+  }
+  return it->second;
+}
+
+void FsdpState::register_units() {
+  std::lock_guard<std::mutex> lock(g_units_mu);
+  for (const auto& u : units) {
+    auto ref = std::make_shared<UnitRef>();
+    ref->state = weak_from_this();
+    ref->index = u->index;
+    g_units[u->module.get()] = ref;
+  }
+}
+
+void FsdpState::unregister_units() {
+  std::lock_guard<std::mutex> lock(g_units_mu);
+  for (const auto& u : units) g_units.erase(u->module.get());
+}
+
+// ---------------------------------------------------------------------------------------------
+// ForwardScope
+
+ForwardScope::ForwardScope(const torch::nn::Module* m) : unit_(find_unit(m)) {
+  if (!unit_) return;
+  auto s = unit_->state.lock();
+  if (!s) {
+    unit_.reset();
+    return;
+  }
+  s->pre_forward(unit_->index);
+}
+
+ForwardScope::~ForwardScope() {
+  // An exception inside the module's forward: leave the unit resharded, without hooks.
+  if (unit_ && !done_) {
+    if (auto s = unit_->state.lock()) {
+      try {
+        Unit& u = *s->units[unit_->index];
+        if (u.handle) u.handle->reshard(true);
+      } catch (...) {
+      }
+    }
+  }
+}
+
+void ForwardScope::track_output(const at::Tensor& t) {
+  if (!unit_ || !t.defined() || !t.requires_grad()) return;
+  std::weak_ptr<FsdpState> weak = unit_->state;
+  const int idx = unit_->index;
+  t.register_hook([weak, idx](const at::Tensor&) {
+    if (auto s = weak.lock()) s->pre_backward(idx);
+  });
+}
+
+void ForwardScope::post_forward() {
+  if (!unit_ || done_) return;
+  done_ = true;
+  if (auto s = unit_->state.lock()) s->post_forward(unit_->index);
+}
+
+at::Tensor forward_sequential(torch::nn::Sequential& seq, const at::Tensor& input) {
+  at::Tensor x = input;
+  for (auto& any : *seq) {
+    ForwardScope scope(any.ptr().get());
+    x = any.forward(x);
+    scope.track_output(x);
+    scope.post_forward();
+  }
+  return x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+void FsdpState::cast_buffers_once() {
+  if (buffers_cast) return;
+  buffers_cast = true;
+  const auto dtype = options.mixed_precision().buffer_dtype();
+  if (!dtype) return;
+  at::NoGradGuard no_grad;
+  for (auto& b : root_module->buffers()) {
+    if (b.is_floating_point()) b.set_data(b.to(*dtype));
+  }
+}
+
+void FsdpState::reset_iteration() {
+  for (auto& u : units) {
+    if (u->handle) {
+      if (u->handle->has_pending_unshard()) u->handle->wait_unshard();
+      if (u->handle->is_unsharded() || u->handle->unsharded_storage_bytes() > 0) {
+        u->handle->reshard(true);
+      }
+      u->handle->set_training_state(HandleTrainingState::IDLE);
+    }
+    u->forward_done = u->pre_backward_done = u->post_backward_done = false;
+    u->grads_ready = 0;
+  }
+  callback_queued = false;
+}
+
+void FsdpState::pre_forward(int idx) {
+  if (in_summon) throw StateError("forward called inside SummonFullParamsGuard");
+  Unit& u = *units[idx];
+  if (idx == 0) {
+    // A new iteration starts at the root. Anything a forward without backward left unsharded
+    // (eval under grad mode, an exception) is resharded first.
+    reset_iteration();
+    cast_buffers_once();
+  }
+  u.forward_done = true;
+  if (!order_recorded && (forward_order.empty() || forward_order.back() != idx)) {
+    forward_order.push_back(idx);
+  }
+  if (!u.handle) return;
+  u.handle->set_training_state(HandleTrainingState::FORWARD);
+  u.handle->unshard();
+  if (torch::GradMode::is_enabled()) hook_grad_accumulators(u);
+  if (options.forward_prefetch() && order_recorded) prefetch(neighbour_in_order(idx, +1));
+}
+
+void FsdpState::post_forward(int idx) {
+  Unit& u = *units[idx];
+  if (!u.handle) return;
+  const bool grad = torch::GradMode::is_enabled();
+  u.handle->set_training_state(HandleTrainingState::IDLE);
+  // The root's parameters are needed again as soon as backward starts: PyTorch keeps them.
+  if (idx == 0 && grad) return;
+  const bool keep = grad && keeps_params_after_forward(options.sharding_strategy());
+  u.handle->reshard(/*free_unsharded=*/!keep);
+}
+
+void FsdpState::hook_grad_accumulators(Unit& u) {
+  auto params = u.handle->orig_params();
+  u.hooked.resize(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].requires_grad()) continue;
+    // Created here, after unshard, so its recorded shape and dtype are those of the forward.
+    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+    if (!acc || acc == u.hooked[i]) continue;
+    acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), u.index));
+    u.hooked[i] = std::move(acc);
+  }
+}
+
+int FsdpState::neighbour_in_order(int idx, int step) const {
+  for (size_t k = 0; k < forward_order.size(); ++k) {
+    if (forward_order[k] != idx) continue;
+    const long j = static_cast<long>(k) + step;
+    if (j < 0 || j >= static_cast<long>(forward_order.size())) return -1;
+    return forward_order[j];
+  }
+  return -1;
+}
+
+void FsdpState::prefetch(int idx) {
+  if (idx < 0 || options.max_inflight_all_gathers() < 1) return;
+  int inflight = 0;
+  for (const auto& u : units) inflight += u->handle && u->handle->has_pending_unshard();
+  if (inflight >= options.max_inflight_all_gathers()) return;
+  Unit& u = *units[idx];
+  if (!u.handle || u.handle->is_unsharded() || u.handle->has_pending_unshard()) return;
+  u.handle->unshard_async();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+
+void FsdpState::pre_backward(int idx) {
+  Unit& u = *units[idx];
+  if (u.pre_backward_done) return;
+  u.pre_backward_done = true;
+  if (!callback_queued) {
+    callback_queued = true;
+    std::weak_ptr<FsdpState> weak = weak_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak]() {
+      if (auto s = weak.lock()) s->finalize_backward();
+    });
+  }
+  if (!u.handle) return;
+  u.handle->set_training_state(HandleTrainingState::BACKWARD_PRE);
+  u.handle->unshard();
+  if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_PRE) {
+    prefetch(neighbour_in_order(idx, -1));
+  }
+}
+
+void FsdpState::on_grad_ready(int idx) {
+  Unit& u = *units[idx];
+  if (++u.grads_ready == u.expected_grads) post_backward(idx);
+}
+
+void FsdpState::post_backward(int idx) {
+  Unit& u = *units[idx];
+  if (u.post_backward_done || !u.handle) return;
+  u.post_backward_done = true;
+  u.handle->set_training_state(HandleTrainingState::BACKWARD_POST);
+  if (sync_gradients && u.grads_ready > 0 && u.handle->flat_param().requires_grad()) {
+    u.handle->reduce_grad();
+  }
+  u.handle->reshard(true);
+  u.handle->set_training_state(HandleTrainingState::IDLE);
+  if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_POST) {
+    prefetch(neighbour_in_order(idx, -1));
+  }
+}
+
+void FsdpState::finalize_backward() {
+  // Units whose gradients were only partly produced (unused parameters), or that were unsharded
+  // for backward but produced none (frozen): finish them in reverse forward order, as their
+  // backward would have run.
+  for (auto it = forward_order.rbegin(); it != forward_order.rend(); ++it) {
+    Unit& u = *units[*it];
+    if ((u.forward_done || u.pre_backward_done) && !u.post_backward_done) post_backward(*it);
+  }
+  for (auto& u : units) {
+    if ((u->forward_done || u->pre_backward_done) && !u->post_backward_done) post_backward(u->index);
+  }
+  order_recorded = true;
+  reset_iteration();
+}
+
+}  // namespace detail
+}  // namespace fsdp

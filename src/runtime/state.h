@@ -1,0 +1,70 @@
+// Internal: the runtime state of one wrapped model and its units.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include <torch/csrc/autograd/function.h>
+
+#include "fsdp/fully_sharded.h"
+
+namespace fsdp {
+namespace detail {
+
+/// One FSDP unit: a module subtree whose parameters one FlatParamHandle owns.
+struct Unit {
+  int index = 0;
+  std::string fqn;  // in the wrapped module; "" for the root
+  std::shared_ptr<torch::nn::Module> module;
+  std::unique_ptr<FlatParamHandle> handle;  // null for a root without parameters of its own
+  int expected_grads = 0;                   // original parameters that require grad
+  // AccumulateGrad nodes carrying our post hook, one per original parameter. Holding them keeps
+  // the hooks alive across iterations (autograd keeps only a weak reference).
+  std::vector<std::shared_ptr<torch::autograd::Node>> hooked;
+
+  // Per iteration.
+  bool forward_done = false;
+  bool pre_backward_done = false;
+  bool post_backward_done = false;
+  int grads_ready = 0;
+};
+
+struct UnitRef {
+  std::weak_ptr<FsdpState> state;
+  int index = 0;
+};
+
+class FsdpState : public std::enable_shared_from_this<FsdpState> {
+ public:
+  FullyShardedOptions options;
+  dist::ProcessGroup shard_group;
+  std::optional<dist::ProcessGroup> replicate_group;
+  std::vector<std::unique_ptr<Unit>> units;  // units[0] is the root
+  std::vector<int> forward_order;            // unit indices in the order of the first forward
+  bool order_recorded = false;
+  bool sync_gradients = true;
+  bool callback_queued = false;
+  bool in_summon = false;
+  bool buffers_cast = false;
+  std::shared_ptr<torch::nn::Module> root_module;
+
+  void pre_forward(int u);
+  void post_forward(int u);
+  void pre_backward(int u);
+  void on_grad_ready(int u);
+  void post_backward(int u);
+  void finalize_backward();
+  /// Reshards whatever a forward without backward left unsharded; resets per-iteration flags.
+  void reset_iteration();
+  void register_units();
+  void unregister_units();
+
+ private:
+  void hook_grad_accumulators(Unit& unit);
+  void prefetch(int u);
+  int neighbour_in_order(int u, int step) const;
+  void cast_buffers_once();
+};
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,74 @@
+// A small GPT-like model for runtime tests: token embedding tied to the output head, a frozen
+// projection, three residual blocks in a ModuleList, and a buffer. Units are marked with
+// fsdp::forward, so the same code runs unwrapped in a single process.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+
+#include "fsdp/fully_sharded.h"
+
+namespace fsdp {
+namespace testing {
+
+/// Called at the start of every Block's forward, when set (tests observe memory from it).
+inline std::function<void()>& block_probe() {
+  static std::function<void()> probe;
+  return probe;
+}
+
+struct BlockImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  BlockImpl(int64_t d, int64_t h) {
+    fc1 = register_module("fc1", torch::nn::Linear(d, h));
+    fc2 = register_module("fc2", torch::nn::Linear(h, d));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (block_probe()) block_probe()();
+    return x + fc2(torch::tanh(fc1(x)));
+  }
+};
+TORCH_MODULE(Block);
+
+// Output projection whose weight *is* the embedding's (one tensor registered on both modules).
+struct TiedHeadImpl : torch::nn::Module {
+  torch::Tensor weight;
+  explicit TiedHeadImpl(const torch::Tensor& w) { weight = register_parameter("weight", w); }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::matmul(x, weight.t()); }
+};
+TORCH_MODULE(TiedHead);
+
+struct TinyLMImpl : torch::nn::Module {
+  static constexpr int64_t kVocab = 11, kDim = 8, kHidden = 13, kBlocks = 3;
+  torch::nn::Embedding tok{nullptr};
+  torch::nn::Linear frozen{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  TiedHead head{nullptr};
+  torch::Tensor scale;  // a buffer
+
+  explicit TinyLMImpl(uint64_t seed = 0) {
+    torch::manual_seed(seed);
+    tok = register_module("tok", torch::nn::Embedding(kVocab, kDim));
+    frozen = register_module("frozen", torch::nn::Linear(kDim, kDim));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < kBlocks; ++i) blocks->push_back(Block(kDim, kHidden));
+    head = register_module("head", TiedHead(tok->weight));
+    scale = register_buffer("scale", torch::linspace(0.5, 1.5, kDim));
+  }
+
+  torch::Tensor forward(const torch::Tensor& idx) {
+    auto x = tok(idx) * scale;
+    x = fsdp::forward(frozen, x);
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      auto b = blocks->ptr<BlockImpl>(i);
+      x = fsdp::forward(b, x);
+    }
+    return head(x);
+  }
+};
+TORCH_MODULE(TinyLM);
+
+}  // namespace testing
+}  // namespace fsdp
