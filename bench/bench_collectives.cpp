@@ -7,31 +7,15 @@
 //   unshard            vs c10d allgather (list form into views of one buffer: what 1.13 Gloo has)
 //   reduce_grad        vs c10d allreduce of the full gradient (the DDP equivalent)
 //   reduce_scatter/*   both emulations, for choosing kAllToAll vs kAllReduce by size
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <benchmark/benchmark.h>
-#include <torch/torch.h>
-
-#include <cstdio>
-#include <map>
-
-#include "fsdp/fsdp.h"
+#include "bench_ranks.h"
 
 namespace {
 
-fsdp::dist::ProcessGroup* g_pg = nullptr;
 // Per-rank shard sizes in float32 elements: 1 KiB, 64 KiB, 1 MiB, 8 MiB per rank.
 const std::vector<int64_t> kShardNumels{256, 16 << 10, 256 << 10, 2 << 20};
 
 int64_t iters_for(int64_t numel) {
   return numel >= (2 << 20) ? 10 : numel >= (256 << 10) ? 40 : 200;
-}
-
-// Untimed rounds first: the first collectives on a fresh pair pay for connection warm-up.
-template <typename F>
-void warm_up(F&& f) {
-  for (int i = 0; i < 3; ++i) f();
 }
 
 void set_bytes(benchmark::State& st, int64_t total_bytes) {
@@ -40,26 +24,26 @@ void set_bytes(benchmark::State& st, int64_t total_bytes) {
 }
 
 void BM_RawAllgather(benchmark::State& st) {
-  auto& pg = *g_pg;
+  auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   at::Tensor in = at::randn({n});
   at::Tensor out = at::empty({n * pg.size()});
   std::vector<std::vector<at::Tensor>> outs(1);
   for (int r = 0; r < pg.size(); ++r) outs[0].push_back(out.narrow(0, r * n, n));
   std::vector<at::Tensor> ins{in};
-  warm_up([&] { pg.backend()->allgather(outs, ins)->wait(); });
+  fsdp_bench::warm_up([&] { pg.backend()->allgather(outs, ins)->wait(); });
   pg.barrier();
   for (auto _ : st) pg.backend()->allgather(outs, ins)->wait();
   set_bytes(st, n * pg.size() * 4);
 }
 
 void BM_Unshard(benchmark::State& st) {
-  auto& pg = *g_pg;
+  auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   auto m = std::make_shared<torch::nn::Module>();
   m->register_parameter("w", torch::randn({n * pg.size()}));
   fsdp::FlatParamHandle h(fsdp::collect_params(m), pg);
-  warm_up([&] {
+  fsdp_bench::warm_up([&] {
     h.unshard();
     h.reshard();
   });
@@ -72,23 +56,23 @@ void BM_Unshard(benchmark::State& st) {
 }
 
 void BM_RawAllreduce(benchmark::State& st) {
-  auto& pg = *g_pg;
+  auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0) * pg.size();
   at::Tensor t = at::randn({n});
   std::vector<at::Tensor> ts{t};
-  warm_up([&] { pg.backend()->allreduce(ts)->wait(); });
+  fsdp_bench::warm_up([&] { pg.backend()->allreduce(ts)->wait(); });
   pg.barrier();
   for (auto _ : st) pg.backend()->allreduce(ts)->wait();
   set_bytes(st, n * 4);
 }
 
 void BM_RawAlltoall(benchmark::State& st) {
-  auto& pg = *g_pg;
+  auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0) * pg.size();
   at::Tensor in = at::randn({n});
   at::Tensor out = at::empty({n});
   std::vector<int64_t> splits;
-  warm_up([&] { pg.backend()->alltoall_base(out, in, splits, splits)->wait(); });
+  fsdp_bench::warm_up([&] { pg.backend()->alltoall_base(out, in, splits, splits)->wait(); });
   pg.barrier();
   for (auto _ : st) pg.backend()->alltoall_base(out, in, splits, splits)->wait();
   set_bytes(st, n * 4);
@@ -96,24 +80,24 @@ void BM_RawAlltoall(benchmark::State& st) {
 
 template <fsdp::dist::ReduceScatterAlgo Algo>
 void BM_ReduceScatter(benchmark::State& st) {
-  auto& pg = *g_pg;
+  auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   at::Tensor in = at::randn({n * pg.size()});
   at::Tensor out = at::empty({n});
-  warm_up([&] { pg.reduce_scatter_tensor(out, in, fsdp::dist::ReduceOp::AVG, Algo); });
+  fsdp_bench::warm_up([&] { pg.reduce_scatter_tensor(out, in, fsdp::dist::ReduceOp::AVG, Algo); });
   pg.barrier();
   for (auto _ : st) pg.reduce_scatter_tensor(out, in, fsdp::dist::ReduceOp::AVG, Algo);
   set_bytes(st, n * pg.size() * 4);
 }
 
 void BM_ReduceGrad(benchmark::State& st) {
-  auto& pg = *g_pg;
+  auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   auto m = std::make_shared<torch::nn::Module>();
   m->register_parameter("w", torch::randn({n * pg.size()}));
   fsdp::FlatParamHandle h(fsdp::collect_params(m), pg);
   at::Tensor grad = at::randn({h.layout().padded_unsharded_numel});
-  warm_up([&] { h.reduce_flat_grad(grad); });
+  fsdp_bench::warm_up([&] { h.reduce_flat_grad(grad); });
   h.flat_param().mutable_grad().reset();
   pg.barrier();
   for (auto _ : st) {
@@ -173,52 +157,8 @@ void register_all() {
   }
 }
 
-// Rank 0 prints as usual and remembers each run's time per iteration for the ratio table.
-class RecordingReporter : public benchmark::ConsoleReporter {
- public:
-  RecordingReporter() : ConsoleReporter(OO_Tabular) {}
-  std::map<std::pair<std::string, int64_t>, double> seconds;
-  void ReportRuns(const std::vector<Run>& runs) override {
-    ConsoleReporter::ReportRuns(runs);
-    for (const auto& r : runs) {
-      // Ratios use the median of the repetitions: robust to a noisy neighbour on a shared machine.
-      if (r.run_type != Run::RT_Aggregate || r.aggregate_name != "median") continue;
-      const std::string name = r.run_name.function_name;
-      const int64_t arg =
-          std::stoll(r.run_name.args.substr(r.run_name.args.find_first_not_of('/')));
-      seconds[{name, arg}] =
-          r.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(r.time_unit);
-    }
-  }
-};
-
-class SilentReporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>&) override {}
-};
-
-int run_rank(int rank, int world, uint16_t port, int argc, char** argv) {
-  at::set_num_threads(1);
-  auto store =
-      fsdp::compat::make_tcp_store("127.0.0.1", port, false, world, std::chrono::seconds(60));
-  auto pg = fsdp::dist::init_process_group(
-      fsdp::dist::InitOptions().rank(rank).world_size(world).store(store).timeout(
-          std::chrono::seconds(120)));
-  g_pg = &pg;
-  benchmark::Initialize(&argc, argv);
-  register_all();
-  if (rank != 0) {
-    SilentReporter silent;
-    benchmark::RunSpecifiedBenchmarks(&silent);
-    return 0;
-  }
-  RecordingReporter rep;
-  benchmark::RunSpecifiedBenchmarks(&rep);
-  auto t = [&](const char* name, int64_t n) {
-    auto it = rep.seconds.find({name, n});
-    return it == rep.seconds.end() ? 0.0 : it->second;
-  };
+void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
+  auto t = [&](const char* name, int64_t n) { return rep.get(name, n); };
   std::printf(
       "\nworld size %d, float32; ratio = fsdp time / raw c10d time on the same bytes (1.00 = no "
       "overhead)\n",
@@ -238,7 +178,6 @@ int run_rank(int rank, int world, uint16_t port, int argc, char** argv) {
                 fmt(t("reduce_grad", n), t("raw_allreduce", n)).c_str(),
                 fmt(t("reduce_scatter/alltoall", n), t("reduce_scatter/allreduce", n)).c_str());
   }
-  return 0;
 }
 
 }  // namespace
@@ -246,28 +185,7 @@ int run_rank(int rank, int world, uint16_t port, int argc, char** argv) {
 int main(int argc, char** argv) {
   const char* w = std::getenv("FSDP_BENCH_WORLD");
   const int world = w ? std::atoi(w) : 2;
-  auto server = fsdp::compat::make_tcp_store("127.0.0.1", 0, true, world, std::chrono::seconds(60));
-  const uint16_t port = server->getPort();
-  std::fflush(stdout);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      int rc = 1;
-      try {
-        rc = run_rank(r, world, port, argc, argv);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-      }
-      std::fflush(stdout);
-      _exit(rc);
-    }
-    pids.push_back(pid);
-  }
-  int status = 0, rc = 0;
-  for (pid_t p : pids) {
-    waitpid(p, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
-  }
-  return rc;
+  return fsdp_bench::run(
+      argc, argv, world, register_all,
+      [world](const fsdp_bench::RecordingReporter& rep) { summarize(rep, world); });
 }

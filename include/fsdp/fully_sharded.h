@@ -83,7 +83,8 @@ struct FullyShardedOptions {
   /// Group to shard across. Default: dist::default_group(). For HYBRID_SHARD*: the whole world.
   TORCH_ARG(std::optional<dist::ProcessGroup>, process_group);
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::FULL_SHARD;
-  /// HYBRID_SHARD*: ranks per shard group (consecutive ranks, one node). Default: $LOCAL_WORLD_SIZE.
+  /// HYBRID_SHARD*: ranks per shard group (consecutive ranks, one node). Default:
+  /// $LOCAL_WORLD_SIZE.
   TORCH_ARG(std::optional<int>, hybrid_shard_size);
   TORCH_ARG(MixedPrecision, mixed_precision) = MixedPrecision();
   TORCH_ARG(CPUOffload, cpu_offload) = CPUOffload();
@@ -182,6 +183,11 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   explicit FullyShardedDataParallelImpl(ModuleType module, FullyShardedOptions options = {})
       : FullyShardedDataParallelImpl(torch::nn::AnyModule(module), module.ptr(),
                                      std::move(options)) {}
+  /// A Sequential (AnyModule cannot hold one): its children run one by one through
+  /// fsdp::forward, so any of them can be a unit.
+  explicit FullyShardedDataParallelImpl(torch::nn::Sequential module,
+                                        FullyShardedOptions options = {})
+      : FullyShardedDataParallelImpl(torch::nn::AnyModule(), module.ptr(), std::move(options)) {}
   FullyShardedDataParallelImpl(torch::nn::AnyModule any, std::shared_ptr<torch::nn::Module> module,
                                FullyShardedOptions options);
   ~FullyShardedDataParallelImpl() override;

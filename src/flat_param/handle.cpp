@@ -167,7 +167,8 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
   is_grad_none_.assign(params_.size(), false);
 
   const int dp_size =
-      world_size_ * (options_.replicate_group().is_member() ? options_.replicate_group().size() : 1);
+      world_size_ *
+      (options_.replicate_group().is_member() ? options_.replicate_group().size() : 1);
   predivide_ = predivide_factor(dp_size);
   postdivide_ = dp_size / predivide_;
 
@@ -433,10 +434,9 @@ void FlatParamHandle::use_sharded_grad_views() {
       params_[i].mutable_grad().reset();
       continue;
     }
-    params_[i].mutable_grad() =
-        uses_sharded_strategy()
-            ? storage_alias(g, s.offset_in_shard, {s.numel_in_shard})
-            : storage_alias(g, layout_.param_offset(i), layout_.shapes[i]);
+    params_[i].mutable_grad() = uses_sharded_strategy()
+                                    ? storage_alias(g, s.offset_in_shard, {s.numel_in_shard})
+                                    : storage_alias(g, layout_.param_offset(i), layout_.shapes[i]);
   }
 }
 

@@ -28,7 +28,7 @@ bool under(const std::string& fqn, const std::string& root) {
 
 // Everything the wrapper needs to know about the model's module tree, gathered once.
 struct Tree {
-  std::vector<std::pair<std::string, ModulePtr>> modules;  // pre-order, root first ("")
+  std::vector<std::pair<std::string, ModulePtr>> modules;     // pre-order, root first ("")
   std::unordered_map<Impl, std::vector<std::string>> owners;  // parameter -> owning module FQNs
   std::unordered_map<Impl, int64_t> numel;
 };
@@ -53,9 +53,9 @@ Tree scan(const ModulePtr& root, const std::unordered_set<Impl>& ignored,
 
 }  // namespace
 
-FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule any,
-                                                           std::shared_ptr<torch::nn::Module> module,
-                                                           FullyShardedOptions options)
+FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
+    torch::nn::AnyModule any, std::shared_ptr<torch::nn::Module> module,
+    FullyShardedOptions options)
     : any_(std::move(any)), module_(std::move(module)), options_(std::move(options)) {
   if (!module_) throw ValueError("FullyShardedDataParallel: null module");
   sequential_ = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_);
@@ -107,8 +107,9 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(torch::nn::AnyModule 
   for (const auto& m : options_.units()) {
     auto it = fqn_of.find(m.get());
     if (it == fqn_of.end()) {
-      throw ValueError("FullyShardedDataParallel: a module given in `units` is not part of the "
-                       "wrapped model (or is ignored)");
+      throw ValueError(
+          "FullyShardedDataParallel: a module given in `units` is not part of the "
+          "wrapped model (or is ignored)");
     }
     explicit_units.insert(it->second);
   }

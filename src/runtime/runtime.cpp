@@ -18,8 +18,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include "runtime/state.h"
 #include "fsdp/errors.h"
+#include "runtime/state.h"
 
 namespace fsdp {
 namespace detail {
@@ -271,7 +271,8 @@ void FsdpState::finalize_backward() {
     if ((u.forward_done || u.pre_backward_done) && !u.post_backward_done) post_backward(*it);
   }
   for (auto& u : units) {
-    if ((u->forward_done || u->pre_backward_done) && !u->post_backward_done) post_backward(u->index);
+    if ((u->forward_done || u->pre_backward_done) && !u->post_backward_done)
+      post_backward(u->index);
   }
   order_recorded = true;
   reset_iteration();

@@ -1,0 +1,344 @@
+// FullyShardedDataParallel behaviours beyond plain training: memory, failures, gradient
+// accumulation, clipping, summoning, auto-wrapping, mixed precision, module-state sync.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <unordered_set>
+
+#include "fsdp/errors.h"
+#include "fsdp/fully_sharded.h"
+#include "multi_rank.h"
+#include "tiny_lm.h"
+
+using fsdp::FullyShardedDataParallel;
+using fsdp::FullyShardedOptions;
+using fsdp::ShardingStrategy;
+using fsdp::dist::ProcessGroup;
+using fsdp::testing::BlockImpl;
+using fsdp::testing::run_ranks;
+using fsdp::testing::seeded_randn;
+using fsdp::testing::TinyLM;
+using fsdp::testing::TinyLMImpl;
+
+namespace {
+
+torch::Tensor tokens(int64_t rows, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return torch::randint(TinyLMImpl::kVocab, {rows, 5}, gen, torch::kLong);
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, TinyLMImpl::kVocab}),
+                                              target.reshape({-1}));
+}
+
+FullyShardedOptions lm_options(TinyLM& m) {
+  return FullyShardedOptions()
+      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
+      .units({m->frozen.ptr()});
+}
+
+std::vector<torch::Tensor> unique(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : ps)
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  return out;
+}
+
+std::map<std::string, torch::Tensor> full_params(FullyShardedDataParallel& model) {
+  fsdp::SummonFullParamsGuard g(model, false);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : model->module()->named_parameters())
+    out[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+TEST(FsdpRuntime, ForwardKeepsAtMostTwoUnitsUnsharded) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(1);
+    FullyShardedDataParallel model(m, lm_options(m));
+    auto handles = model->handles();
+    std::vector<int64_t> unit_bytes;
+    for (auto* h : handles) unit_bytes.push_back(h->layout().padded_unsharded_numel * 4);
+    std::sort(unit_bytes.rbegin(), unit_bytes.rend());
+    const int64_t two_largest = unit_bytes[0] + unit_bytes[1];
+    int64_t peak = 0, probes = 0;
+    fsdp::testing::block_probe() = [&] {
+      int64_t now = 0;
+      for (auto* h : handles) now += h->unsharded_storage_bytes();
+      peak = std::max(peak, now);
+      ++probes;
+    };
+    for (int step = 0; step < 2; ++step) {
+      auto idx = tokens(3, 10 + pg.rank());
+      lm_loss(model->forward(idx), idx).backward();
+      for (auto* h : handles)
+        EXPECT_EQ(h->unsharded_storage_bytes(), 0);  // all freed after backward
+    }
+    fsdp::testing::block_probe() = nullptr;
+    EXPECT_EQ(probes, 6);
+    EXPECT_GT(peak, 0);
+    EXPECT_LE(peak, two_largest) << "peak " << peak << " B, two largest units " << two_largest
+                                 << " B";
+    int64_t all_units = 0;
+    for (int64_t b : unit_bytes) all_units += b;
+    EXPECT_LT(peak, all_units);  // the bound is not vacuous: the whole model never is unsharded
+    if (pg.rank() == 0) {
+      std::printf("forward peak unsharded %lld B; two largest units %lld B; all units %lld B\n",
+                  static_cast<long long>(peak), static_cast<long long>(two_largest),
+                  static_cast<long long>(all_units));
+    }
+  });
+}
+
+TEST(FsdpRuntime, RankDyingMidStepFailsTheOthersWithinTheTimeout) {
+  fsdp::testing::RunOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(3000);
+  opts.report = false;
+  auto results = run_ranks(
+      3,
+      [](ProcessGroup& pg) {
+        TinyLM m(1);
+        FullyShardedDataParallel model(m, lm_options(m));
+        int calls = 0;
+        fsdp::testing::block_probe() = [&] {
+          if (pg.rank() == 2 && ++calls == 5) ::raise(SIGKILL);  // second step, second block
+        };
+        auto t0 = std::chrono::steady_clock::now();
+        try {
+          for (int step = 0; step < 3; ++step) {
+            auto idx = tokens(4, step);
+            lm_loss(model->forward(idx), idx).backward();
+          }
+          ADD_FAILURE() << "training went on without rank 2";
+        } catch (const fsdp::DistError& e) {
+          EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(pg.rank())),
+                    std::string::npos)
+              << e.what();
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - t0,
+                  std::chrono::milliseconds(2 * 3000 + 2000));
+      },
+      opts);
+  EXPECT_TRUE(results[0].ok) << results[0].message;
+  EXPECT_TRUE(results[1].ok) << results[1].message;
+  EXPECT_FALSE(results[2].ok);
+}
+
+// no_sync: two micro-batches accumulated locally, then one synchronised, equal the single-process
+// gradient of all three.
+TEST(FsdpRuntime, NoSyncAccumulatesLocallyThenReducesEverything) {
+  for (bool orig : {false, true}) {
+    run_ranks(2, [orig](ProcessGroup& pg) {
+      TinyLM ref(4);
+      for (int mb = 0; mb < 3; ++mb) {
+        for (int r = 0; r < pg.size(); ++r) {
+          auto idx = tokens(2, 100 * mb + r);
+          (lm_loss(ref->forward(idx), idx) / pg.size()).backward();
+        }
+      }
+      torch::optim::SGD ref_opt(unique(ref->parameters()), 0.5);
+      ref_opt.step();
+
+      TinyLM m(4);
+      FullyShardedDataParallel model(m, lm_options(m).use_orig_params(orig));
+      torch::optim::SGD opt(unique(model->parameters()), 0.5);
+      {
+        fsdp::NoSyncGuard no_sync(model);
+        for (int mb = 0; mb < 2; ++mb) {
+          auto idx = tokens(2, 100 * mb + pg.rank());
+          lm_loss(model->forward(idx), idx).backward();
+        }
+      }
+      auto idx = tokens(2, 200 + pg.rank());
+      lm_loss(model->forward(idx), idx).backward();
+      opt.step();
+      auto got = full_params(model);
+      for (const auto& p : ref->named_parameters()) {
+        EXPECT_TRUE(torch::allclose(got.at(p.key()), p.value(), 1e-5, 1e-6))
+            << p.key() << " use_orig_params=" << orig;
+      }
+    });
+  }
+}
+
+TEST(FsdpRuntime, ClipGradNormUsesTheGlobalNorm) {
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
+    run_ranks(3, [strategy](ProcessGroup& pg) {
+      TinyLM ref(6);
+      for (int r = 0; r < pg.size(); ++r) {
+        auto idx = tokens(2, 300 + r);
+        (lm_loss(ref->forward(idx), idx) / pg.size()).backward();
+      }
+      auto params = unique(ref->parameters());
+      double ref_norm = 0;
+      for (auto& p : params)
+        if (p.grad().defined()) ref_norm += p.grad().pow(2).sum().item<double>();
+      ref_norm = std::sqrt(ref_norm);
+      torch::nn::utils::clip_grad_norm_(params, 0.1);
+      torch::optim::SGD ref_opt(params, 1.0);
+      ref_opt.step();
+
+      TinyLM m(6);
+      FullyShardedDataParallel model(m, lm_options(m).sharding_strategy(strategy));
+      auto idx = tokens(2, 300 + pg.rank());
+      lm_loss(model->forward(idx), idx).backward();
+      const double norm = model->clip_grad_norm_(0.1);
+      EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
+      torch::optim::SGD opt(unique(model->parameters()), 1.0);
+      opt.step();
+      auto got = full_params(model);
+      for (const auto& p : ref->named_parameters()) {
+        EXPECT_TRUE(torch::allclose(got.at(p.key()), p.value(), 1e-5, 1e-6)) << p.key();
+      }
+    });
+  }
+}
+
+TEST(FsdpRuntime, SummonFullParamsWritesBackEdits) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(2);
+    const auto before = m->blocks->ptr<BlockImpl>(1)->fc1->weight.detach().clone();
+    FullyShardedDataParallel model(m, lm_options(m).use_orig_params(true));
+    {
+      fsdp::SummonFullParamsGuard full(model);
+      auto w = m->blocks->ptr<BlockImpl>(1)->fc1->weight;
+      EXPECT_TRUE(torch::equal(w, before));
+      torch::NoGradGuard g;
+      w.mul_(2);
+    }
+    for (auto* h : model->handles()) EXPECT_EQ(h->unsharded_storage_bytes(), 0);
+    auto got = full_params(model);
+    EXPECT_TRUE(torch::equal(got.at("blocks.1.fc1.weight"), before * 2));
+    {  // without write-back, edits are dropped
+      fsdp::SummonFullParamsGuard full(model, /*writeback=*/false);
+      torch::NoGradGuard g;
+      m->blocks->ptr<BlockImpl>(1)->fc1->weight.zero_();
+    }
+    EXPECT_TRUE(torch::equal(full_params(model).at("blocks.1.fc1.weight"), before * 2));
+    (void)pg;
+  });
+}
+
+TEST(FsdpRuntime, SequentialChildrenAreAutoWrappedAndTrainLikeOneProcess) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    auto make = [] {
+      torch::manual_seed(8);
+      return torch::nn::Sequential(torch::nn::Linear(6, 9), torch::nn::Tanh(),
+                                   torch::nn::Linear(9, 9), torch::nn::Linear(9, 3));
+    };
+    auto x = seeded_randn({4, 6}, 77);
+    auto ref = make();
+    ref->forward(x).pow(2).mean().backward();
+    torch::optim::SGD(ref->parameters(), 0.3).step();
+
+    auto seq = make();
+    FullyShardedDataParallel model(
+        seq, FullyShardedOptions().auto_wrap_policy(
+                 fsdp::module_type_auto_wrap_policy<torch::nn::LinearImpl>()));
+    EXPECT_EQ(model->unit_names(), (std::vector<std::string>{"", "3", "2", "0"}));
+    EXPECT_EQ(model->handles()[0], nullptr);  // the root owns no parameters of its own
+    auto local = x.narrow(0, 2 * pg.rank(), 2);
+    // Mean over the local half: averaging across ranks gives the mean over the whole batch.
+    model->forward(local).pow(2).mean().backward();
+    torch::optim::SGD(model->parameters(), 0.3).step();
+    auto got = full_params(model);
+    for (const auto& p : ref->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(got.at(p.key()), p.value(), 1e-5, 1e-6)) << p.key();
+    }
+    // size-based policy: only modules with >= 60 unclaimed elements become units.
+    auto seq2 = make();
+    FullyShardedDataParallel by_size(
+        seq2, FullyShardedOptions().auto_wrap_policy(fsdp::size_based_auto_wrap_policy(60)));
+    EXPECT_EQ(by_size->unit_names(), (std::vector<std::string>{"", "2", "0"}));
+  });
+}
+
+TEST(FsdpRuntime, MixedPrecisionMatchesASingleProcessCastingTheSameWay) {
+  // The single process that casts the same way is the same wrapper at world size 1.
+  auto run = [](ProcessGroup& pg, int64_t rows_per_rank) {
+    TinyLM m(9);
+    auto opts = lm_options(m).mixed_precision(fsdp::MixedPrecision()
+                                                  .param_dtype(at::kBFloat16)
+                                                  .reduce_dtype(at::kFloat)
+                                                  .buffer_dtype(at::kBFloat16));
+    FullyShardedDataParallel model(m, opts);
+    torch::optim::SGD opt(model->parameters(), 0.2);
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      auto idx = tokens(4, 40 + step).narrow(0, pg.rank() * rows_per_rank, rows_per_rank);
+      auto logits = model->forward(idx);
+      EXPECT_EQ(logits.scalar_type(), at::kBFloat16);
+      lm_loss(logits.to(at::kFloat), idx).backward();
+      opt.step();
+    }
+    EXPECT_EQ(m->scale.scalar_type(), at::kBFloat16);
+    return full_params(model);
+  };
+  std::map<std::string, torch::Tensor> single;
+  run_ranks(1, [&](ProcessGroup& pg) {
+    auto got = run(pg, 4);
+    // Ship the result to the parent through a file: ranks are separate processes.
+    std::vector<torch::Tensor> vals;
+    for (auto& [k, v] : got) vals.push_back(v);
+    torch::save(vals, "/tmp/fsdp_mp_single.pt");
+  });
+  std::vector<torch::Tensor> ref_vals;
+  torch::load(ref_vals, "/tmp/fsdp_mp_single.pt");
+  run_ranks(2, [&](ProcessGroup& pg) {
+    auto got = run(pg, 2);
+    size_t i = 0;
+    for (auto& [k, v] : got) {
+      ASSERT_LT(i, ref_vals.size());
+      // bfloat16 forward/backward: per-rank halves round differently from the whole batch.
+      EXPECT_TRUE(torch::allclose(v, ref_vals[i], 2e-2, 2e-2))
+          << k << " max diff " << (v - ref_vals[i]).abs().max().item<float>();
+      EXPECT_EQ(v.scalar_type(), at::kFloat) << k;
+      ++i;
+    }
+  });
+}
+
+TEST(FsdpRuntime, SyncModuleStatesBroadcastsRankZero) {
+  run_ranks(3, [](ProcessGroup& pg) {
+    TinyLM m(100 + pg.rank());  // different initial weights per rank
+    FullyShardedDataParallel model(m, lm_options(m).sync_module_states(true));
+    TinyLM rank0(100);
+    auto got = full_params(model);
+    for (const auto& p : rank0->named_parameters()) {
+      EXPECT_TRUE(torch::equal(got.at(p.key()), p.value())) << p.key();
+    }
+  });
+}
+
+TEST(FsdpRuntime, EvalForwardWithoutGradReshardsEverything) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(3);
+    TinyLM ref(3);
+    FullyShardedDataParallel model(m, lm_options(m));
+    model->eval();
+    EXPECT_FALSE(m->blocks->ptr<BlockImpl>(0)->is_training());
+    torch::NoGradGuard no_grad;
+    auto idx = tokens(2, 5);
+    auto out = model->forward(idx);
+    EXPECT_TRUE(torch::allclose(out, ref->forward(idx), 1e-6, 1e-6));
+    for (auto* h : model->handles()) EXPECT_EQ(h->unsharded_storage_bytes(), 0);
+    (void)pg;
+  });
+}
+
+TEST(FsdpRuntime, IgnoredModulesStayWholeAndUnmanaged) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(3);
+    FullyShardedDataParallel model(m, lm_options(m).ignored_modules({m->frozen.ptr()}).units({}));
+    EXPECT_EQ(m->frozen->weight.sizes(), (std::vector<int64_t>{8, 8}));
+    EXPECT_FALSE(fsdp::is_fsdp_flattened(m->frozen->weight));
+    auto names = model->unit_names();
+    EXPECT_EQ(std::count(names.begin(), names.end(), "frozen"), 0);
+    auto idx = tokens(2, 5 + pg.rank());
+    lm_loss(model->forward(idx), idx).backward();
+  });
+}
+
+}  // namespace
