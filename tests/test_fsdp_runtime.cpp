@@ -342,3 +342,41 @@ TEST(FsdpRuntime, IgnoredModulesStayWholeAndUnmanaged) {
 }
 
 }  // namespace
+
+namespace {
+
+// Prefetching changes when all-gathers happen, never what they produce.
+TEST(FsdpRuntime, PrefetchModesGiveBitIdenticalTraining) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    auto train = [&](fsdp::BackwardPrefetch bwd, bool fwd) {
+      TinyLM m(12);
+      FullyShardedDataParallel model(
+          m, lm_options(m).backward_prefetch(bwd).forward_prefetch(fwd).use_orig_params(true));
+      torch::optim::Adam opt(unique(model->parameters()), 1e-2);
+      for (int step = 0; step < 3; ++step) {
+        opt.zero_grad();
+        auto idx = tokens(3, 60 + 10 * step + pg.rank());
+        lm_loss(model->forward(idx), idx).backward();
+        opt.step();
+        for (auto* h : model->handles()) {
+          EXPECT_FALSE(h->has_pending_unshard());
+          EXPECT_EQ(h->unsharded_storage_bytes(), 0);
+        }
+      }
+      return full_params(model);
+    };
+    const auto base = train(fsdp::BackwardPrefetch::NONE, false);
+    for (auto [bwd, fwd] : {std::pair{fsdp::BackwardPrefetch::BACKWARD_PRE, true},
+                            std::pair{fsdp::BackwardPrefetch::BACKWARD_POST, true},
+                            std::pair{fsdp::BackwardPrefetch::BACKWARD_POST, false}}) {
+      const auto got = train(bwd, fwd);
+      for (const auto& [k, v] : base) {
+        EXPECT_TRUE(torch::equal(got.at(k), v))
+            << k << " backward_prefetch=" << static_cast<int>(bwd) << " forward_prefetch=" << fwd
+            << " diff " << (got.at(k) - v).abs().max().item<float>();
+      }
+    }
+  });
+}
+
+}  // namespace

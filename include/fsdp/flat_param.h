@@ -208,6 +208,10 @@ class FlatParamHandle {
   void wait_unshard();
   /// True between unshard_async() and the wait that finishes it.
   bool has_pending_unshard() const { return static_cast<bool>(pending_unshard_); }
+  /// Completes a pending unshard_async() (the collective must finish on every rank) but discards
+  /// its result: parameters and gradients stay as they are and the buffer is freed. For a
+  /// prefetch that turned out not to be needed.
+  void abandon_unshard();
   /// Returns to the sharded state: original parameters become shard views (use_orig_params) or
   /// empty tensors, and, if `free_unsharded` (always, except to keep parameters between forward
   /// and backward under SHARD_GRAD_OP), the unsharded storage is freed.

@@ -321,22 +321,8 @@ void FlatParamHandle::unshard() {
 void FlatParamHandle::unshard_async() {
   if (pending_unshard_) throw StateError("FlatParamHandle::unshard_async: an unshard is pending");
   if (unsharded_views_) return;
-  if (options_.use_orig_params()) {
-    writeback_orig_params();
-    // zero_grad(set_to_none) leaves every original gradient undefined: drop the flat gradient too.
-    bool all_none = true;
-    for (const auto& p : params_) all_none &= !p.grad().defined();
-    if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
-    // Sharded gradient views cannot survive the switch to full shapes (autograd would try to
-    // accumulate full gradients into them); the values stay in flat_param().grad().
-    const at::Tensor fg = flat_param_.grad();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor g = params_[i].grad();
-      if (g.defined() && fg.defined() && g.storage().is_alias_of(fg.storage())) {
-        params_[i].mutable_grad().reset();
-      }
-    }
-  }
+  // Write-back reads the original parameters and updates the shard; it must precede the gather.
+  if (options_.use_orig_params()) writeback_orig_params();
   const bool full_prec = force_full_precision();
   const bool low_prec = fwd_bwd_dtype_ != orig_dtype_ && !full_prec;
   at::Tensor src = flat_param_.detach();
@@ -373,8 +359,37 @@ void FlatParamHandle::wait_unshard() {
 
 void FlatParamHandle::finish_unshard() {
   if (uses_sharded_strategy()) mp_shard_ = at::Tensor();  // the low-precision shard was gathered
+  if (options_.use_orig_params()) {
+    // Gradient bookkeeping happens here, when the views switch, not when a prefetch starts: a
+    // prefetch may be abandoned, and must then leave the gradients as they were.
+    // zero_grad(set_to_none) leaves every original gradient undefined: drop the flat gradient too.
+    bool all_none = true;
+    for (const auto& p : params_) all_none &= !p.grad().defined();
+    if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
+    // Sharded gradient views cannot survive the switch to full shapes (autograd would try to
+    // accumulate full gradients into them); the values stay in flat_param().grad().
+    const at::Tensor fg = flat_param_.grad();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor g = params_[i].grad();
+      if (g.defined() && fg.defined() && g.storage().is_alias_of(fg.storage())) {
+        params_[i].mutable_grad().reset();
+      }
+    }
+  }
   use_unsharded_views(unsharded_flat_);
   if (training_state_ != HandleTrainingState::SUMMON_FULL_PARAMS) grads_unreduced_ = true;
+}
+
+void FlatParamHandle::abandon_unshard() {
+  if (!pending_unshard_) return;
+  std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
+  w->wait();  // the peers sent their shards; receive them, then drop them
+  unsharded_flat_ = at::Tensor();
+  mp_shard_ = at::Tensor();
+  if (uses_sharded_strategy()) {
+    free_storage(full_param_padded_);
+    free_storage(full_prec_full_param_padded_);
+  }
 }
 
 void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {

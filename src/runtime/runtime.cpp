@@ -144,7 +144,7 @@ void FsdpState::cast_buffers_once() {
 void FsdpState::reset_iteration() {
   for (auto& u : units) {
     if (u->handle) {
-      if (u->handle->has_pending_unshard()) u->handle->wait_unshard();
+      if (u->handle->has_pending_unshard()) u->handle->abandon_unshard();
       if (u->handle->is_unsharded() || u->handle->unsharded_storage_bytes() > 0) {
         u->handle->reshard(true);
       }
@@ -154,6 +154,7 @@ void FsdpState::reset_iteration() {
     u->grads_ready = 0;
   }
   callback_queued = false;
+  in_backward = false;
 }
 
 void FsdpState::pre_forward(int idx) {
@@ -217,6 +218,9 @@ void FsdpState::prefetch(int idx) {
   if (inflight >= options.max_inflight_all_gathers()) return;
   Unit& u = *units[idx];
   if (!u.handle || u.handle->is_unsharded() || u.handle->has_pending_unshard()) return;
+  // Only a unit whose turn is still ahead: in forward one not yet run, in backward one whose
+  // gradients are not yet reduced. (Gathering a finished unit again would be wasted traffic.)
+  if (u.post_backward_done || (u.forward_done && !u.pre_backward_done && !in_backward)) return;
   u.handle->unshard_async();
 }
 
@@ -227,6 +231,7 @@ void FsdpState::pre_backward(int idx) {
   Unit& u = *units[idx];
   if (u.pre_backward_done) return;
   u.pre_backward_done = true;
+  in_backward = true;
   if (!callback_queued) {
     callback_queued = true;
     std::weak_ptr<FsdpState> weak = weak_from_this();

@@ -44,6 +44,7 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   bool order_recorded = false;
   bool sync_gradients = true;
   bool callback_queued = false;
+  bool in_backward = false;  // from the first pre-backward hook to the end-of-backward callback
   bool in_summon = false;
   bool buffers_cast = false;
   std::shared_ptr<torch::nn::Module> root_module;
