@@ -6,3 +6,5 @@
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
 #include "fsdp/fully_sharded.h"
+#include "fsdp/model_state_dict.h"
+#include "fsdp/state_dict.h"

@@ -224,6 +224,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
 
   void train(bool on = true) override;
 
+  /// Internal runtime state (for fsdp's own state-dict and optimizer code).
+  const std::shared_ptr<detail::FsdpState>& runtime_state() const { return state_; }
+
  private:
   friend class NoSyncGuard;
   friend class SummonFullParamsGuard;

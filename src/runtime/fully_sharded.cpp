@@ -77,16 +77,21 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
   } else {
     st.shard_group = world;
   }
+  st.world_group = world;
 
   // Ignored parameters and modules stay out of every unit.
   std::unordered_set<Impl> ignored;
   std::vector<std::string> ignored_prefixes;
   for (const auto& p : options_.ignored_params()) ignored.insert(p.unsafeGetTensorImpl());
+  st.ignored_params = options_.ignored_params();
   for (const auto& item : module_->named_modules("", true)) {
     for (const auto& ig : options_.ignored_modules()) {
       if (ig.get() != item.value().get()) continue;
       ignored_prefixes.push_back(item.key());
-      for (const auto& p : ig->parameters()) ignored.insert(p.unsafeGetTensorImpl());
+      for (const auto& p : ig->parameters()) {
+        ignored.insert(p.unsafeGetTensorImpl());
+        st.ignored_params.push_back(p);
+      }
     }
   }
 

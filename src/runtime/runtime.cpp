@@ -137,7 +137,9 @@ void FsdpState::cast_buffers_once() {
   if (!dtype) return;
   at::NoGradGuard no_grad;
   for (auto& b : root_module->buffers()) {
-    if (b.is_floating_point()) b.set_data(b.to(*dtype));
+    if (!b.is_floating_point()) continue;
+    buffer_orig_dtypes.emplace(b.unsafeGetTensorImpl(), b.scalar_type());
+    b.set_data(b.to(*dtype));
   }
 }
 

@@ -6,7 +6,10 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <map>
+
 #include "fsdp/fully_sharded.h"
+#include "fsdp/model_state_dict.h"
 
 namespace fsdp {
 namespace detail {
@@ -48,6 +51,14 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   bool in_summon = false;
   bool buffers_cast = false;
   std::shared_ptr<torch::nn::Module> root_module;
+  dist::ProcessGroup world_group;  // all data-parallel ranks (shard x replicate)
+  std::vector<at::Tensor> ignored_params;
+  std::map<const c10::TensorImpl*, at::ScalarType> buffer_orig_dtypes;  // set by buffer_dtype casts
+
+  StateDictType state_dict_type = StateDictType::FULL_STATE_DICT;
+  FullStateDictConfig full_config;
+  ShardedStateDictConfig sharded_config;
+  LocalStateDictConfig local_config;
 
   void pre_forward(int u);
   void post_forward(int u);

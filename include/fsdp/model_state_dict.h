@@ -1,0 +1,92 @@
+// fsdp/model_state_dict.h: state dicts of a FullyShardedDataParallel model (PyTorch's
+// FULL_STATE_DICT, SHARDED_STATE_DICT and LOCAL_STATE_DICT), saving and loading.
+//
+//   {
+//     fsdp::StateDictTypeGuard g(model, fsdp::StateDictType::FULL_STATE_DICT,
+//                                fsdp::FullStateDictConfig().offload_to_cpu(true).rank0_only(true));
+//     fsdp::StateDict sd = fsdp::state_dict(model);      // collective; empty on ranks > 0
+//   }
+//
+// FULL:    keys are the unwrapped model's FQNs, in the order and with the values of
+//          fsdp::module_state_dict(unwrapped model): parameters gathered one unit at a time and
+//          cloned, in their original dtype, buffers included, tied parameters under every FQN.
+// SHARDED: the same keys; every parameter is a ShardedTensor chunked on dim 0 across the (shard)
+//          group with torch.chunk semantics; buffers are plain tensors. Loads at any world size,
+//          given the pieces that cover what each rank needs.
+// LOCAL:   one key per unit, "<unit fqn>._flat_param" ("_flat_param" for the root): that unit's
+//          flat-parameter shard as a 1-D ShardedTensor (padding dropped); buffers as plain tensors.
+//          Loads only at the same world size and layout.
+//
+// Loading validates every key, shape, dtype and piece on every rank first and applies nothing
+// unless all ranks succeeded, so a failed load leaves the model untouched everywhere.
+// All functions here are collective over the model's process group.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "fsdp/fully_sharded.h"
+#include "fsdp/state_dict.h"
+
+namespace fsdp {
+
+enum class StateDictType { FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT };
+
+struct FullStateDictConfig {
+  /// Move values to the CPU as they are gathered (one unit at a time).
+  TORCH_ARG(bool, offload_to_cpu) = false;
+  /// Only rank 0 returns values; other ranks return an empty dict (they still take part).
+  TORCH_ARG(bool, rank0_only) = false;
+};
+
+struct ShardedStateDictConfig {
+  TORCH_ARG(bool, offload_to_cpu) = false;
+};
+
+struct LocalStateDictConfig {
+  TORCH_ARG(bool, offload_to_cpu) = false;
+};
+
+/// Sets the state-dict type (and its config) of `model` for its lifetime; restores the previous
+/// one on destruction. The default type is FULL_STATE_DICT with a default config.
+class StateDictTypeGuard {
+ public:
+  StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
+                     FullStateDictConfig config = {});
+  StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
+                     ShardedStateDictConfig config);
+  StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
+                     LocalStateDictConfig config);
+  ~StateDictTypeGuard();
+  StateDictTypeGuard(const StateDictTypeGuard&) = delete;
+  StateDictTypeGuard& operator=(const StateDictTypeGuard&) = delete;
+
+ private:
+  std::shared_ptr<detail::FsdpState> state_;
+  StateDictType prev_type_;
+  FullStateDictConfig prev_full_;
+  ShardedStateDictConfig prev_sharded_;
+  LocalStateDictConfig prev_local_;
+};
+
+/// Keys a non-strict load skipped.
+struct LoadResult {
+  std::vector<std::string> missing_keys;
+  std::vector<std::string> unexpected_keys;
+};
+
+/// The model's state dict in its current type. Collective. Not allowed during forward/backward.
+StateDict state_dict(FullyShardedDataParallel& model);
+
+/// Loads `sd` (of the model's current type). With `strict`, missing or unexpected keys raise
+/// ValueError listing them; otherwise they are returned and the rest is loaded. A shape or dtype
+/// mismatch raises ValueError naming the key. Collective; all-or-nothing across ranks.
+LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
+                           bool strict = true);
+
+namespace detail {
+/// Test hook: called while each unit is unsharded during FULL/SHARDED gathering.
+std::function<void()>& state_dict_gather_probe();
+}  // namespace detail
+
+}  // namespace fsdp

@@ -1,0 +1,308 @@
+// StateDict / StateValue, ShardedTensor, and the unwrapped module's state dict.
+#include "fsdp/state_dict.h"
+
+#include <sstream>
+
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+
+// Row-major strides of a shape, in elements.
+std::vector<int64_t> strides_of(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> st(shape.size(), 1);
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) {
+    st[d] = st[d + 1] * shape[d + 1];
+  }
+  return st;
+}
+
+// The box's elements form one contiguous run of the flattened tensor when every dimension after
+// the first it splits is whole (true for dim-0 chunks and for 1-D pieces).
+bool box_is_contiguous(const ShardMetadata& m, const std::vector<int64_t>& shape) {
+  size_t d = 0;
+  while (d < shape.size() && m.sizes[d] == 1) ++d;  // leading unit dims
+  for (size_t k = d + 1; k < shape.size(); ++k) {
+    if (m.offsets[k] != 0 || m.sizes[k] != shape[k]) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// ShardedTensor
+
+int64_t ShardMetadata::numel() const {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+ShardedTensor::ShardedTensor(std::vector<int64_t> global_shape, at::ScalarType dtype,
+                             std::vector<Shard> local_shards,
+                             std::vector<ShardMetadata> global_metadata)
+    : global_shape_(std::move(global_shape)),
+      dtype_(dtype),
+      local_shards_(std::move(local_shards)),
+      global_metadata_(std::move(global_metadata)) {
+  auto check_box = [&](const ShardMetadata& m) {
+    if (m.offsets.size() != global_shape_.size() || m.sizes.size() != global_shape_.size()) {
+      throw ValueError("ShardedTensor: piece at " + shape_str(m.offsets) + " has " +
+                       std::to_string(m.offsets.size()) + " dims, the tensor " +
+                       std::to_string(global_shape_.size()));
+    }
+    for (size_t d = 0; d < global_shape_.size(); ++d) {
+      if (m.offsets[d] < 0 || m.sizes[d] < 0 || m.offsets[d] + m.sizes[d] > global_shape_[d]) {
+        throw ValueError("ShardedTensor: piece at offsets " + shape_str(m.offsets) + " sizes " +
+                         shape_str(m.sizes) + " leaves the global shape " +
+                         shape_str(global_shape_));
+      }
+    }
+  };
+  for (const auto& s : local_shards_) {
+    check_box(s.metadata);
+    if (!s.tensor.defined() || s.tensor.sizes() != at::IntArrayRef(s.metadata.sizes)) {
+      throw ValueError("ShardedTensor: piece at " + shape_str(s.metadata.offsets) + " has shape " +
+                       (s.tensor.defined() ? shape_str(s.tensor.sizes()) : "undefined") +
+                       " but its metadata says " + shape_str(s.metadata.sizes));
+    }
+    if (s.tensor.scalar_type() != dtype_) {
+      throw ValueError("ShardedTensor: piece at " + shape_str(s.metadata.offsets) + " has dtype " +
+                       c10::toString(s.tensor.scalar_type()) + ", the tensor " +
+                       c10::toString(dtype_));
+    }
+  }
+  for (const auto& m : global_metadata_) check_box(m);
+}
+
+int64_t ShardedTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : global_shape_) n *= s;
+  return n;
+}
+
+void ShardedTensor::copy_into(at::Tensor& out, at::Tensor* covered) const {
+  for (const auto& s : local_shards_) {
+    at::Tensor dst = out;
+    at::Tensor cov = covered ? *covered : at::Tensor();
+    for (size_t d = 0; d < global_shape_.size(); ++d) {
+      dst = dst.narrow(d, s.metadata.offsets[d], s.metadata.sizes[d]);
+      if (cov.defined()) cov = cov.narrow(d, s.metadata.offsets[d], s.metadata.sizes[d]);
+    }
+    dst.copy_(s.tensor);
+    if (cov.defined()) cov.fill_(true);
+  }
+}
+
+at::Tensor ShardedTensor::flat_range(int64_t start, int64_t n, const std::string& what) const {
+  if (start < 0 || n < 0 || start + n > numel()) {
+    throw ValueError("'" + what + "': range [" + std::to_string(start) + ", " +
+                     std::to_string(start + n) + ") is outside a tensor of " +
+                     std::to_string(numel()) + " elements");
+  }
+  auto opts = at::TensorOptions().dtype(dtype_);
+  at::Tensor out = at::empty({n}, opts);
+  int64_t have = 0;
+  bool simple = true;
+  for (const auto& s : local_shards_) simple &= box_is_contiguous(s.metadata, global_shape_);
+  if (simple) {
+    // Fast path: each piece is one contiguous run of the flattened tensor.
+    const auto st = strides_of(global_shape_);
+    for (const auto& s : local_shards_) {
+      int64_t pstart = 0;
+      for (size_t d = 0; d < st.size(); ++d) pstart += s.metadata.offsets[d] * st[d];
+      const int64_t pn = s.metadata.numel();
+      const int64_t lo = std::max(start, pstart), hi = std::min(start + n, pstart + pn);
+      if (lo >= hi) continue;
+      out.narrow(0, lo - start, hi - lo)
+          .copy_(s.tensor.reshape({-1}).narrow(0, lo - pstart, hi - lo));
+      have += hi - lo;
+    }
+    // Pieces held here never overlap (they come from one sharding), so counting suffices.
+    if (have == n) return out;
+  } else {
+    at::Tensor full = at::empty(global_shape_, opts);
+    at::Tensor covered = at::zeros(global_shape_, at::kBool);
+    copy_into(full, &covered);
+    if (covered.reshape({-1}).narrow(0, start, n).all().item<bool>()) {
+      return full.reshape({-1}).narrow(0, start, n).clone();
+    }
+  }
+  throw ValueError("'" + what + "': the pieces given do not cover elements [" +
+                   std::to_string(start) + ", " + std::to_string(start + n) +
+                   ") of the flattened tensor (shape " + shape_str(global_shape_) +
+                   "); pass the pieces saved by every rank");
+}
+
+ShardedTensor ShardedTensor::to(at::Device device) const {
+  std::vector<Shard> shards;
+  for (const auto& s : local_shards_) shards.push_back(Shard{s.tensor.to(device), s.metadata});
+  return ShardedTensor(global_shape_, dtype_, std::move(shards), global_metadata_);
+}
+
+ShardedTensor chunk_sharded(const at::Tensor& full, int rank, int world) {
+  const std::vector<int64_t> shape = full.sizes().vec();
+  std::vector<ShardMetadata> all;
+  std::vector<Shard> mine;
+  if (shape.empty()) {  // 0-d: cannot be chunked; rank 0 holds it
+    all.push_back(ShardMetadata{{}, {}, 0});
+    if (rank == 0) mine.push_back(Shard{full.detach().clone(), all[0]});
+    return ShardedTensor(shape, full.scalar_type(), std::move(mine), std::move(all));
+  }
+  const int64_t n = shape[0];
+  const int64_t chunk = (n + world - 1) / world;  // torch.chunk's size; ranks past the end get none
+  for (int r = 0; r < world; ++r) {
+    const int64_t start = std::min<int64_t>(r * chunk, n);
+    const int64_t len = std::max<int64_t>(0, std::min<int64_t>(chunk, n - start));
+    if (len == 0 && n > 0) continue;
+    if (n == 0 && r > 0) continue;  // an empty tensor: one empty piece on rank 0
+    ShardMetadata m;
+    m.offsets.assign(shape.size(), 0);
+    m.offsets[0] = start;
+    m.sizes = shape;
+    m.sizes[0] = len;
+    m.placement_rank = r;
+    all.push_back(m);
+    if (r == rank) mine.push_back(Shard{full.detach().narrow(0, start, len).clone(), m});
+  }
+  return ShardedTensor(shape, full.scalar_type(), std::move(mine), std::move(all));
+}
+
+// ---------------------------------------------------------------------------------------------
+// StateDict
+
+StateDict::StateDict(const StateDict& o) : items_(o.items_), index_(o.index_) {}
+StateDict& StateDict::operator=(const StateDict& o) {
+  items_ = o.items_;
+  index_ = o.index_;
+  return *this;
+}
+StateDict::~StateDict() = default;
+
+StateValue& StateDict::at(const std::string& key) {
+  auto it = index_.find(key);
+  if (it == index_.end()) throw ValueError("state dict has no key '" + key + "'");
+  return items_[it->second].second;
+}
+
+const StateValue& StateDict::at(const std::string& key) const {
+  auto it = index_.find(key);
+  if (it == index_.end()) throw ValueError("state dict has no key '" + key + "'");
+  return items_[it->second].second;
+}
+
+void StateDict::insert_or_assign(const std::string& key, StateValue value) {
+  auto it = index_.find(key);
+  if (it != index_.end()) {
+    items_[it->second].second = std::move(value);
+    return;
+  }
+  index_.emplace(key, items_.size());
+  items_.emplace_back(key, std::move(value));
+}
+
+bool StateDict::erase(const std::string& key) {
+  auto it = index_.find(key);
+  if (it == index_.end()) return false;
+  items_.erase(items_.begin() + static_cast<std::ptrdiff_t>(it->second));
+  reindex();
+  return true;
+}
+
+std::vector<std::string> StateDict::keys() const {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : items_) out.push_back(k);
+  return out;
+}
+
+void StateDict::reindex() {
+  index_.clear();
+  for (size_t i = 0; i < items_.size(); ++i) index_.emplace(items_[i].first, i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// StateValue
+
+const char* to_string(StateValue::Kind k) {
+  switch (k) {
+    case StateValue::Kind::None:
+      return "None";
+    case StateValue::Kind::Tensor:
+      return "Tensor";
+    case StateValue::Kind::ShardedTensor:
+      return "ShardedTensor";
+    case StateValue::Kind::Int:
+      return "int";
+    case StateValue::Kind::Double:
+      return "float";
+    case StateValue::Kind::Bool:
+      return "bool";
+    case StateValue::Kind::String:
+      return "str";
+    case StateValue::Kind::List:
+      return "list";
+    case StateValue::Kind::Dict:
+      return "dict";
+  }
+  return "?";
+}
+
+namespace {
+template <typename T, typename V>
+auto& get_as(V& v, StateValue::Kind want, StateValue::Kind have) {
+  if (!std::holds_alternative<T>(v)) {
+    throw ValueError(std::string("state value is ") + to_string(have) + ", not " + to_string(want));
+  }
+  return std::get<T>(v);
+}
+}  // namespace
+
+const at::Tensor& StateValue::tensor() const {
+  return get_as<at::Tensor>(v_, Kind::Tensor, kind());
+}
+at::Tensor& StateValue::tensor() { return get_as<at::Tensor>(v_, Kind::Tensor, kind()); }
+const ShardedTensor& StateValue::sharded_tensor() const {
+  return get_as<ShardedTensor>(v_, Kind::ShardedTensor, kind());
+}
+ShardedTensor& StateValue::sharded_tensor() {
+  return get_as<ShardedTensor>(v_, Kind::ShardedTensor, kind());
+}
+int64_t StateValue::to_int() const { return get_as<int64_t>(v_, Kind::Int, kind()); }
+double StateValue::to_double() const {
+  if (is_int()) return static_cast<double>(std::get<int64_t>(v_));
+  return get_as<double>(v_, Kind::Double, kind());
+}
+bool StateValue::to_bool() const { return get_as<bool>(v_, Kind::Bool, kind()); }
+const std::string& StateValue::string() const {
+  return get_as<std::string>(v_, Kind::String, kind());
+}
+const StateList& StateValue::list() const { return get_as<StateList>(v_, Kind::List, kind()); }
+StateList& StateValue::list() { return get_as<StateList>(v_, Kind::List, kind()); }
+const StateDict& StateValue::dict() const { return get_as<StateDict>(v_, Kind::Dict, kind()); }
+StateDict& StateValue::dict() { return get_as<StateDict>(v_, Kind::Dict, kind()); }
+
+// ---------------------------------------------------------------------------------------------
+
+StateDict module_state_dict(const torch::nn::Module& module) {
+  StateDict sd;
+  for (const auto& item : module.named_modules("", /*include_self=*/true)) {
+    const std::string& prefix = item.key();
+    auto name = [&](const std::string& n) { return prefix.empty() ? n : prefix + "." + n; };
+    for (const auto& p : item.value()->named_parameters(false)) {
+      sd.insert_or_assign(name(p.key()), p.value().detach());
+    }
+    for (const auto& b : item.value()->named_buffers(false)) {
+      sd.insert_or_assign(name(b.key()), b.value().detach());
+    }
+  }
+  return sd;
+}
+
+}  // namespace fsdp

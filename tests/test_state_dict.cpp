@@ -1,0 +1,442 @@
+// The state-dict value model, ShardedTensor, and FULL / SHARDED / LOCAL state dicts of wrapped
+// models at world sizes 1-4, including resharding and failed loads.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "fsdp/errors.h"
+#include "fsdp/model_state_dict.h"
+#include "multi_rank.h"
+#include "tiny_lm.h"
+
+using fsdp::FullyShardedDataParallel;
+using fsdp::FullyShardedOptions;
+using fsdp::ShardedTensor;
+using fsdp::ShardingStrategy;
+using fsdp::StateDict;
+using fsdp::StateDictType;
+using fsdp::StateValue;
+using fsdp::dist::ProcessGroup;
+using fsdp::testing::BlockImpl;
+using fsdp::testing::run_ranks;
+using fsdp::testing::TinyLM;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Value model
+
+TEST(StateDictValue, KeepsInsertionOrderAndHoldsEveryKind) {
+  StateDict inner;
+  inner.insert_or_assign("lr", 0.1);
+  inner.insert_or_assign("params", StateValue(fsdp::StateList{"a.weight", "b.bias"}));
+  StateDict sd;
+  sd.insert_or_assign("z", torch::ones({2}));
+  sd.insert_or_assign("a", int64_t{3});
+  sd.insert_or_assign("m", true);
+  sd.insert_or_assign("s", "text");
+  sd.insert_or_assign("none", StateValue());
+  sd.insert_or_assign("group", inner);
+  EXPECT_EQ(sd.keys(), (std::vector<std::string>{"z", "a", "m", "s", "none", "group"}));
+  sd.insert_or_assign("a", 4);  // replacing keeps the position
+  EXPECT_EQ(sd.keys()[1], "a");
+  EXPECT_EQ(sd.at("a").to_int(), 4);
+  EXPECT_DOUBLE_EQ(sd.at("a").to_double(), 4.0);
+  EXPECT_TRUE(sd.at("m").to_bool());
+  EXPECT_EQ(sd.at("s").string(), "text");
+  EXPECT_TRUE(sd.at("none").is_none());
+  EXPECT_EQ(sd.at("group").dict().at("params").list()[1].string(), "b.bias");
+  EXPECT_TRUE(sd.erase("z"));
+  EXPECT_FALSE(sd.erase("z"));
+  EXPECT_EQ(sd.keys().front(), "a");
+  EXPECT_EQ(sd.at("group").dict().keys(), (std::vector<std::string>{"lr", "params"}));
+  // Copies copy containers: editing the copy leaves the original alone.
+  StateDict copy = sd;
+  copy.at("group").dict().insert_or_assign("lr", 0.5);
+  EXPECT_DOUBLE_EQ(sd.at("group").dict().at("lr").to_double(), 0.1);
+  // Wrong kinds and keys are errors that say what was there.
+  try {
+    sd.at("s").tensor();
+    FAIL();
+  } catch (const fsdp::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("str"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(sd.at("missing"), fsdp::ValueError);
+}
+
+TEST(ShardedTensor, ChunkFollowsTorchChunkAndFlatRangesReassemble) {
+  auto full = torch::arange(30, torch::kFloat).reshape({5, 6});
+  // torch.chunk(5 rows, 4) -> 2, 2, 1 rows; rank 3 holds nothing.
+  std::vector<ShardedTensor> parts;
+  for (int r = 0; r < 4; ++r) parts.push_back(fsdp::chunk_sharded(full, r, 4));
+  ASSERT_EQ(parts[0].global_metadata().size(), 3u);
+  EXPECT_EQ(parts[2].local_shards()[0].metadata.offsets, (std::vector<int64_t>{4, 0}));
+  EXPECT_EQ(parts[2].local_shards()[0].metadata.sizes, (std::vector<int64_t>{1, 6}));
+  EXPECT_TRUE(parts[3].local_shards().empty());
+  // All pieces together give back any flattened range, bit for bit.
+  std::vector<fsdp::Shard> all;
+  for (auto& p : parts)
+    for (auto& s : p.local_shards()) all.push_back(s);
+  ShardedTensor whole({5, 6}, torch::kFloat, all);
+  EXPECT_TRUE(torch::equal(whole.flat_range(7, 20, "x"), full.reshape({-1}).narrow(0, 7, 20)));
+  // One rank's pieces alone cannot.
+  EXPECT_THROW(parts[0].flat_range(10, 5, "x"), fsdp::ValueError);
+  // 0-d and empty tensors.
+  auto scalar = fsdp::chunk_sharded(torch::tensor(2.5), 0, 3);
+  EXPECT_EQ(scalar.local_shards().size(), 1u);
+  EXPECT_TRUE(fsdp::chunk_sharded(torch::tensor(2.5), 1, 3).local_shards().empty());
+  EXPECT_EQ(scalar.flat_range(0, 1, "s").item<float>(), 2.5f);
+  auto empty = fsdp::chunk_sharded(torch::empty({0, 3}), 0, 2);
+  EXPECT_EQ(empty.numel(), 0);
+  // Malformed pieces are rejected.
+  EXPECT_THROW(ShardedTensor({4}, torch::kFloat, {fsdp::Shard{torch::ones({3}), {{2}, {3}, 0}}}),
+               fsdp::ValueError);
+  EXPECT_THROW(ShardedTensor({4}, torch::kFloat, {fsdp::Shard{torch::ones({2}), {{0}, {3}, 0}}}),
+               fsdp::ValueError);
+  EXPECT_THROW(ShardedTensor({4}, torch::kDouble, {fsdp::Shard{torch::ones({2}), {{0}, {2}, 0}}}),
+               fsdp::ValueError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wrapped models
+
+FullyShardedOptions opts_for(TinyLM& m, ShardingStrategy s, bool orig) {
+  return FullyShardedOptions()
+      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
+      .units({m->frozen.ptr()})
+      .sharding_strategy(s)
+      .use_orig_params(orig);
+}
+
+void expect_same(const StateDict& a, const StateDict& b, const std::string& what) {
+  ASSERT_EQ(a.keys(), b.keys()) << what;
+  for (const auto& [k, v] : a) {
+    const auto& w = b.at(k).tensor();
+    EXPECT_EQ(v.tensor().scalar_type(), w.scalar_type()) << what << " " << k;
+    EXPECT_TRUE(torch::equal(v.tensor(), w)) << what << " " << k;
+  }
+}
+
+StateDict full_of(FullyShardedDataParallel& model) {
+  fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT);
+  return fsdp::state_dict(model);
+}
+
+// Moves every parameter away from its initial value, through a real training step.
+void train_step(FullyShardedDataParallel& model, int rank) {
+  auto idx = torch::randint(TinyLM::Impl::kVocab, {2, 5},
+                            at::make_generator<at::CPUGeneratorImpl>(900 + rank));
+  torch::optim::SGD opt(model->parameters(), 0.5);
+  opt.zero_grad();  // gradients of an earlier step must not carry over
+  torch::nn::functional::cross_entropy(model->forward(idx).reshape({-1, TinyLM::Impl::kVocab}),
+                                       idx.reshape({-1}))
+      .backward();
+  opt.step();
+}
+
+struct Cfg {
+  int world;
+  ShardingStrategy strategy;
+  bool orig;
+};
+class StateDictWorld : public ::testing::TestWithParam<Cfg> {};
+
+TEST_P(StateDictWorld, FullEqualsUnwrappedModelBitExactly) {
+  const Cfg c = GetParam();
+  run_ranks(c.world, [c](ProcessGroup&) {
+    TinyLM plain(21);
+    const StateDict expect = fsdp::module_state_dict(*plain);
+    TinyLM m(21);
+    FullyShardedDataParallel model(m, opts_for(m, c.strategy, c.orig));
+    const StateDict got = full_of(model);
+    expect_same(got, expect, "FULL vs unwrapped");
+    EXPECT_TRUE(got.contains("tok.weight") && got.contains("head.weight"));  // tied: both FQNs
+    for (auto* h : model->handles()) EXPECT_EQ(h->unsharded_storage_bytes(), 0);
+  });
+}
+
+TEST_P(StateDictWorld, EveryTypeRoundTrips) {
+  const Cfg c = GetParam();
+  run_ranks(c.world, [c](ProcessGroup& pg) {
+    std::vector<StateDictType> types{StateDictType::FULL_STATE_DICT};
+    if (c.strategy != ShardingStrategy::NO_SHARD) {
+      types.push_back(StateDictType::SHARDED_STATE_DICT);
+      types.push_back(StateDictType::LOCAL_STATE_DICT);
+    }
+    for (auto type : types) {
+      TinyLM a(31);
+      FullyShardedDataParallel src(a, opts_for(a, c.strategy, c.orig));
+      train_step(src, pg.rank());
+      const StateDict expect = full_of(src);
+      StateDict saved;
+      {
+        fsdp::StateDictTypeGuard g(src, type);
+        saved = fsdp::state_dict(src);
+      }
+      TinyLM b(32);  // different initial values
+      FullyShardedDataParallel dst(b, opts_for(b, c.strategy, c.orig));
+      {
+        fsdp::StateDictTypeGuard g(dst, type);
+        auto res = fsdp::load_state_dict(dst, saved);
+        EXPECT_TRUE(res.missing_keys.empty() && res.unexpected_keys.empty());
+      }
+      expect_same(full_of(dst), expect,
+                  "round trip of type " + std::to_string(static_cast<int>(type)));
+      // The loaded model trains on from there like the original.
+      train_step(src, pg.rank());
+      train_step(dst, pg.rank());
+      expect_same(full_of(dst), full_of(src), "after a further step");
+    }
+  });
+}
+
+std::vector<Cfg> cfgs() {
+  std::vector<Cfg> out;
+  for (int w : {1, 2, 3, 4}) {
+    out.push_back({w, ShardingStrategy::FULL_SHARD, false});
+    out.push_back({w, ShardingStrategy::FULL_SHARD, true});
+  }
+  out.push_back({2, ShardingStrategy::NO_SHARD, false});
+  out.push_back({3, ShardingStrategy::SHARD_GRAD_OP, true});
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Worlds, StateDictWorld, ::testing::ValuesIn(cfgs()), [](const auto& info) {
+  return "W" + std::to_string(info.param.world) + "_" + fsdp::to_string(info.param.strategy) +
+         (info.param.orig ? "_orig" : "_flat");
+});
+
+TEST(ModelStateDict, Rank0OnlyAndOffload) {
+  run_ranks(3, [](ProcessGroup& pg) {
+    TinyLM m(4);
+    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, false));
+    fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT,
+                               fsdp::FullStateDictConfig().rank0_only(true).offload_to_cpu(true));
+    StateDict sd = fsdp::state_dict(model);
+    if (pg.rank() != 0) {
+      EXPECT_TRUE(sd.empty());
+      return;
+    }
+    EXPECT_EQ(sd.size(), fsdp::module_state_dict(*TinyLM(4)).size());
+    for (const auto& [k, v] : sd) {
+      EXPECT_TRUE(v.tensor().device().is_cpu()) << k;
+      // Clones, not views into storage that is freed after gathering.
+      for (auto* h : model->handles()) EXPECT_FALSE(v.tensor().is_alias_of(h->flat_param())) << k;
+    }
+  });
+}
+
+TEST(ModelStateDict, MixedPrecisionStateDictKeepsOriginalDtypes) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(5);
+    auto opts =
+        opts_for(m, ShardingStrategy::FULL_SHARD, false)
+            .mixed_precision(
+                fsdp::MixedPrecision().param_dtype(at::kBFloat16).buffer_dtype(at::kBFloat16));
+    FullyShardedDataParallel model(m, opts);
+    train_step(model, pg.rank());
+    EXPECT_EQ(m->scale.scalar_type(), at::kBFloat16);  // buffers were cast for compute
+    for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
+      fsdp::StateDictTypeGuard g(model, type);
+      StateDict sd = fsdp::state_dict(model);
+      for (const auto& [k, v] : sd) {
+        const auto dtype = v.is_tensor() ? v.tensor().scalar_type() : v.sharded_tensor().dtype();
+        EXPECT_EQ(dtype, at::kFloat) << k;
+      }
+      EXPECT_NO_THROW(fsdp::load_state_dict(model, sd));
+    }
+  });
+}
+
+TEST(ModelStateDict, FullGatheringHoldsAtMostOneUnitUnsharded) {
+  run_ranks(2, [](ProcessGroup&) {
+    TinyLM m(6);
+    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, true));
+    auto handles = model->handles();
+    int64_t largest = 0, peak = 0;
+    int calls = 0;
+    for (auto* h : handles) largest = std::max(largest, h->layout().padded_unsharded_numel * 4);
+    fsdp::detail::state_dict_gather_probe() = [&] {
+      int64_t now = 0;
+      for (auto* h : handles) now += h->unsharded_storage_bytes();
+      peak = std::max(peak, now);
+      ++calls;
+    };
+    fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT,
+                               fsdp::FullStateDictConfig().offload_to_cpu(true));
+    fsdp::state_dict(model);
+    fsdp::detail::state_dict_gather_probe() = nullptr;
+    EXPECT_EQ(calls, static_cast<int>(handles.size()));
+    EXPECT_GT(peak, 0);
+    EXPECT_LE(peak, largest);
+  });
+}
+
+// SHARDED pieces written by each rank to files, then loaded at other world sizes.
+void save_pieces(const StateDict& sd, int rank) {
+  std::vector<torch::Tensor> tensors;
+  std::ofstream meta("/tmp/fsdp_sd_meta_" + std::to_string(rank) + ".txt");
+  for (const auto& [k, v] : sd) {
+    if (v.is_tensor()) {
+      meta << k << " T";
+      tensors.push_back(v.tensor());
+    } else {
+      const auto& st = v.sharded_tensor();
+      meta << k << " S " << st.size().size();
+      for (auto d : st.size()) meta << " " << d;
+      meta << " " << st.local_shards().size();
+      for (const auto& s : st.local_shards()) {
+        for (auto o : s.metadata.offsets) meta << " " << o;
+        tensors.push_back(s.tensor);
+      }
+    }
+    meta << "\n";
+  }
+  torch::save(tensors, "/tmp/fsdp_sd_data_" + std::to_string(rank) + ".pt");
+}
+
+StateDict load_pieces(int saved_world) {
+  StateDict sd;
+  std::map<std::string, std::vector<fsdp::Shard>> pieces;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::vector<std::string> order;
+  for (int r = 0; r < saved_world; ++r) {
+    std::vector<torch::Tensor> tensors;
+    torch::load(tensors, "/tmp/fsdp_sd_data_" + std::to_string(r) + ".pt");
+    std::ifstream meta("/tmp/fsdp_sd_meta_" + std::to_string(r) + ".txt");
+    size_t ti = 0;
+    for (std::string line; std::getline(meta, line);) {
+      std::istringstream is(line);
+      std::string key, kind;
+      is >> key >> kind;
+      if (r == 0) order.push_back(key);
+      if (kind == "T") {
+        if (r == 0) sd.insert_or_assign(key, tensors[ti]);
+        ++ti;
+        continue;
+      }
+      size_t dims, n;
+      is >> dims;
+      std::vector<int64_t> shape(dims);
+      for (auto& d : shape) is >> d;
+      shapes[key] = shape;
+      is >> n;
+      for (size_t i = 0; i < n; ++i) {
+        std::vector<int64_t> off(dims);
+        for (auto& o : off) is >> o;
+        const auto& t = tensors[ti++];
+        pieces[key].push_back(fsdp::Shard{t, {off, t.sizes().vec(), r}});
+      }
+    }
+  }
+  StateDict out;
+  for (const auto& k : order) {
+    if (sd.contains(k)) {
+      out.insert_or_assign(k, sd.at(k));
+    } else {
+      out.insert_or_assign(k, ShardedTensor(shapes[k], torch::kFloat, pieces[k]));
+    }
+  }
+  return out;
+}
+
+TEST(ModelStateDict, ShardedSavedAtTwoLoadsAtThreeAndOne) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(41);
+    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, false));
+    train_step(model, pg.rank());
+    StateDict full = full_of(model);
+    fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
+    save_pieces(fsdp::state_dict(model), pg.rank());
+    if (pg.rank() == 0) {
+      std::vector<torch::Tensor> vals;
+      for (const auto& [k, v] : full) vals.push_back(v.tensor());
+      torch::save(vals, "/tmp/fsdp_sd_expected.pt");
+    }
+  });
+  for (int world : {3, 1}) {
+    for (bool orig : {false, true}) {
+      run_ranks(world, [orig](ProcessGroup&) {
+        std::vector<torch::Tensor> expected;
+        torch::load(expected, "/tmp/fsdp_sd_expected.pt");
+        TinyLM m(99);
+        FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, orig));
+        {
+          fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
+          fsdp::load_state_dict(model, load_pieces(2));
+        }
+        StateDict got = full_of(model);
+        ASSERT_EQ(got.size(), expected.size());
+        size_t i = 0;
+        for (const auto& [k, v] : got) EXPECT_TRUE(torch::equal(v.tensor(), expected[i++])) << k;
+      });
+    }
+  }
+}
+
+TEST(ModelStateDict, StrictnessShapesDtypesAndAllOrNothing) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(7);
+    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, true));
+    const StateDict good = full_of(model);
+    auto expect_error = [&](const StateDict& sd, const std::string& needle, bool strict = true) {
+      try {
+        fsdp::load_state_dict(model, sd, strict);
+        ADD_FAILURE() << "expected ValueError mentioning " << needle;
+      } catch (const fsdp::ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+      expect_same(full_of(model), good, "after a failed load");
+    };
+    StateDict missing = good;
+    missing.erase("blocks.1.fc2.bias");
+    missing.insert_or_assign("extra.weight", torch::ones({1}));
+    expect_error(missing, "Missing key(s) in state_dict: \"blocks.1.fc2.bias\"");
+    expect_error(missing, "Unexpected key(s) in state_dict: \"extra.weight\"");
+    StateDict shape = good;
+    shape.insert_or_assign("blocks.0.fc1.weight", torch::zeros({13, 9}));
+    expect_error(shape, "blocks.0.fc1.weight");
+    StateDict dtype = good;
+    dtype.insert_or_assign("blocks.2.fc2.bias", torch::zeros({8}, torch::kDouble));
+    expect_error(dtype, "dtype mismatch for 'blocks.2.fc2.bias'");
+    // Only rank 1's dict is bad: every rank refuses and nothing is loaded anywhere.
+    StateDict one_bad = good;
+    for (auto& [k, v] : one_bad) v = v.tensor() + 1;  // would change every value if applied
+    if (pg.rank() == 1) one_bad.insert_or_assign("scale", torch::zeros({3}));
+    expect_error(one_bad, "scale");
+    // Non-strict: loads what matches and reports the rest.
+    StateDict partial = good;
+    partial.erase("tok.weight");
+    partial.insert_or_assign("bogus", torch::ones({1}));
+    auto res = fsdp::load_state_dict(model, partial, /*strict=*/false);
+    EXPECT_EQ(res.missing_keys, std::vector<std::string>{"tok.weight"});
+    EXPECT_EQ(res.unexpected_keys, std::vector<std::string>{"bogus"});
+  });
+}
+
+TEST(ModelStateDict, LocalNeedsTheSameWorldSizeAndShardedNeedsSharding) {
+  run_ranks(2, [](ProcessGroup&) {
+    TinyLM m(8);
+    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, false));
+    StateDict local;
+    {
+      fsdp::StateDictTypeGuard g(model, StateDictType::LOCAL_STATE_DICT);
+      local = fsdp::state_dict(model);
+      EXPECT_TRUE(local.contains("_flat_param"));
+      EXPECT_TRUE(local.contains("blocks.0._flat_param"));
+      EXPECT_TRUE(local.contains("scale"));
+    }
+    // Pretend it came from another world size: shift the piece's offset.
+    auto& st = local.at("blocks.0._flat_param").sharded_tensor();
+    for (auto& s : st.local_shards()) s.metadata.offsets[0] += 1;
+    fsdp::StateDictTypeGuard g(model, StateDictType::LOCAL_STATE_DICT);
+    EXPECT_THROW(fsdp::load_state_dict(model, local), fsdp::ValueError);
+
+    TinyLM n(8);
+    FullyShardedDataParallel ddp(n, opts_for(n, ShardingStrategy::NO_SHARD, false));
+    fsdp::StateDictTypeGuard g2(ddp, StateDictType::SHARDED_STATE_DICT);
+    EXPECT_THROW(fsdp::state_dict(ddp), fsdp::StateError);
+  });
+}
+
+}  // namespace
