@@ -183,8 +183,7 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const char* w = std::getenv("FSDP_BENCH_WORLD");
-  const int world = w ? std::atoi(w) : 2;
+  const int world = fsdp_bench::world_from_env();
   return fsdp_bench::run(
       argc, argv, world, register_all,
       [world](const fsdp_bench::RecordingReporter& rep) { summarize(rep, world); });

@@ -101,6 +101,12 @@ inline int run(int argc, char** argv, int world, const std::function<void()>& re
   return rc;
 }
 
+/// World size of a benchmark run: $FSDP_BENCH_WORLD, default 2.
+inline int world_from_env() {
+  const char* w = std::getenv("FSDP_BENCH_WORLD");
+  return w ? std::atoi(w) : 2;
+}
+
 /// Untimed rounds first: the first collectives on a fresh pair pay for connection warm-up.
 template <typename F>
 void warm_up(F&& f, int rounds = 3) {

@@ -38,14 +38,6 @@ FullyShardedOptions lm_options(TinyLM& m) {
       .units({m->frozen.ptr()});
 }
 
-std::vector<torch::Tensor> unique(const std::vector<torch::Tensor>& ps) {
-  std::vector<torch::Tensor> out;
-  std::unordered_set<const void*> seen;
-  for (const auto& p : ps)
-    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
-  return out;
-}
-
 std::map<std::string, torch::Tensor> full_params(FullyShardedDataParallel& model) {
   fsdp::SummonFullParamsGuard g(model, false);
   std::map<std::string, torch::Tensor> out;
@@ -138,12 +130,12 @@ TEST(FsdpRuntime, NoSyncAccumulatesLocallyThenReducesEverything) {
           (lm_loss(ref->forward(idx), idx) / pg.size()).backward();
         }
       }
-      torch::optim::SGD ref_opt(unique(ref->parameters()), 0.5);
+      torch::optim::SGD ref_opt(fsdp::testing::unique_params(ref->parameters()), 0.5);
       ref_opt.step();
 
       TinyLM m(4);
       FullyShardedDataParallel model(m, lm_options(m).use_orig_params(orig));
-      torch::optim::SGD opt(unique(model->parameters()), 0.5);
+      torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
       {
         fsdp::NoSyncGuard no_sync(model);
         for (int mb = 0; mb < 2; ++mb) {
@@ -171,7 +163,7 @@ TEST(FsdpRuntime, ClipGradNormUsesTheGlobalNorm) {
         auto idx = tokens(2, 300 + r);
         (lm_loss(ref->forward(idx), idx) / pg.size()).backward();
       }
-      auto params = unique(ref->parameters());
+      auto params = fsdp::testing::unique_params(ref->parameters());
       double ref_norm = 0;
       for (auto& p : params)
         if (p.grad().defined()) ref_norm += p.grad().pow(2).sum().item<double>();
@@ -186,7 +178,7 @@ TEST(FsdpRuntime, ClipGradNormUsesTheGlobalNorm) {
       lm_loss(model->forward(idx), idx).backward();
       const double norm = model->clip_grad_norm_(0.1);
       EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
-      torch::optim::SGD opt(unique(model->parameters()), 1.0);
+      torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 1.0);
       opt.step();
       auto got = full_params(model);
       for (const auto& p : ref->named_parameters()) {
@@ -352,7 +344,7 @@ TEST(FsdpRuntime, PrefetchModesGiveBitIdenticalTraining) {
       TinyLM m(12);
       FullyShardedDataParallel model(
           m, lm_options(m).backward_prefetch(bwd).forward_prefetch(fwd).use_orig_params(true));
-      torch::optim::Adam opt(unique(model->parameters()), 1e-2);
+      torch::optim::Adam opt(fsdp::testing::unique_params(model->parameters()), 1e-2);
       for (int step = 0; step < 3; ++step) {
         opt.zero_grad();
         auto idx = tokens(3, 60 + 10 * step + pg.rank());

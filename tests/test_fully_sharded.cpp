@@ -46,16 +46,6 @@ torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& target) 
                                               target.reshape({-1}));
 }
 
-// LibTorch lists a tied parameter once per owner; an optimizer must see it once.
-std::vector<torch::Tensor> unique(const std::vector<torch::Tensor>& ps) {
-  std::vector<torch::Tensor> out;
-  std::unordered_set<const void*> seen;
-  for (const auto& p : ps) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
-  }
-  return out;
-}
-
 using Snapshot = std::map<std::string, torch::Tensor>;
 Snapshot snap(torch::nn::Module& m) {
   Snapshot s;
@@ -76,7 +66,8 @@ double max_diff(const Snapshot& a, const Snapshot& b) {
 // Single process, whole batch: the reference trajectory.
 std::vector<Snapshot> reference_run() {
   TinyLM m(3);
-  torch::optim::Adam opt(unique(m->parameters()), torch::optim::AdamOptions(kLr));
+  torch::optim::Adam opt(fsdp::testing::unique_params(m->parameters()),
+                         torch::optim::AdamOptions(kLr));
   std::vector<Snapshot> out;
   for (int s = 0; s < kSteps; ++s) {
     opt.zero_grad();
@@ -91,7 +82,7 @@ std::vector<Snapshot> reference_run() {
 // Plain data parallelism by hand: full model per rank, gradients all-reduced and averaged.
 std::vector<double> ddp_diffs(ProcessGroup& pg, const std::vector<Snapshot>& ref) {
   TinyLM m(3);
-  auto params = unique(m->parameters());
+  auto params = fsdp::testing::unique_params(m->parameters());
   torch::optim::Adam opt(params, torch::optim::AdamOptions(kLr));
   std::vector<double> out;
   for (int s = 0; s < kSteps; ++s) {
@@ -147,7 +138,8 @@ TEST_P(FsdpEquivalence, MatchesSingleProcessAdamWithinTwiceDataParallelNoise) {
     FullyShardedDataParallel model(m, opts);
     // Units: root, frozen, and the three blocks.
     ASSERT_EQ(model->unit_names().size(), 5u);
-    torch::optim::Adam opt(unique(model->parameters()), torch::optim::AdamOptions(kLr));
+    torch::optim::Adam opt(fsdp::testing::unique_params(model->parameters()),
+                           torch::optim::AdamOptions(kLr));
     for (int s = 0; s < kSteps; ++s) {
       opt.zero_grad();
       auto b = local(batch(s), pg.rank(), pg.size());

@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <unordered_set>
+#include <vector>
 
 #include "fsdp/fully_sharded.h"
 
@@ -69,6 +71,16 @@ struct TinyLMImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(TinyLM);
+
+/// LibTorch lists a tied parameter once per owner; an optimizer must see it once.
+inline std::vector<torch::Tensor> unique_params(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : ps) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
 
 }  // namespace testing
 }  // namespace fsdp
