@@ -372,3 +372,84 @@ TEST(FsdpRuntime, PrefetchModesGiveBitIdenticalTraining) {
 }
 
 }  // namespace
+
+namespace {
+
+// An evaluation forward (grad mode on, no backward) between steps must not leave stale gradients
+// that leak into the next step.
+TEST(FsdpRuntime, ForwardWithoutBackwardBetweenStepsLeavesNoStaleGradients) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    auto train = [&](bool eval_between) {
+      TinyLM m(13);
+      FullyShardedDataParallel model(m, lm_options(m).use_orig_params(true));
+      torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.3);
+      for (int step = 0; step < 3; ++step) {
+        opt.zero_grad();
+        auto idx = tokens(2, 70 + step + 10 * pg.rank());
+        lm_loss(model->forward(idx), idx).backward();
+        opt.step();
+        if (eval_between) model->forward(tokens(2, 5));  // no backward
+      }
+      return full_params(model);
+    };
+    const auto plain = train(false);
+    const auto with_eval = train(true);
+    for (const auto& [k, v] : plain) EXPECT_TRUE(torch::equal(with_eval.at(k), v)) << k;
+  });
+}
+
+struct TwiceImpl : torch::nn::Module {
+  fsdp::testing::Block block{nullptr};
+  torch::nn::Linear out{nullptr};
+  TwiceImpl() {
+    torch::manual_seed(14);
+    block = register_module("block", fsdp::testing::Block(6, 7));
+    out = register_module("out", torch::nn::Linear(6, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = fsdp::forward(block, x);
+    h = fsdp::forward(block, h);  // the same unit twice in one step
+    return out(h);
+  }
+};
+TORCH_MODULE(Twice);
+
+// Under mixed precision every reshard changes the parameters' dtype, so the second use of a unit
+// gets new AccumulateGrad nodes; the unit must wait for all of them before reducing.
+TEST(FsdpRuntime, UnitUsedTwicePerStepUnderMixedPrecision) {
+  auto run = [](ProcessGroup& pg, int rows) {
+    Twice m;
+    FullyShardedDataParallel model(
+        m, FullyShardedOptions()
+               .units({m->block.ptr()})
+               .use_orig_params(true)
+               .mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16)));
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      auto x = seeded_randn({4, 6}, 300 + step).narrow(0, pg.rank() * rows, rows);
+      model->forward(x).to(at::kFloat).pow(2).mean().backward();
+      opt.step();
+      for (auto* h : model->handles()) EXPECT_EQ(h->unsharded_storage_bytes(), 0);
+    }
+    return full_params(model);
+  };
+  run_ranks(1, [&](ProcessGroup& pg) {
+    auto got = run(pg, 4);
+    std::vector<torch::Tensor> vals;
+    for (auto& [k, v] : got) vals.push_back(v);
+    torch::save(vals, "/tmp/fsdp_twice_single.pt");
+  });
+  run_ranks(2, [&](ProcessGroup& pg) {
+    std::vector<torch::Tensor> ref;
+    torch::load(ref, "/tmp/fsdp_twice_single.pt");
+    auto got = run(pg, 2);
+    size_t i = 0;
+    for (auto& [k, v] : got) {
+      EXPECT_TRUE(torch::allclose(v, ref[i], 2e-2, 2e-2)) << k;
+      ++i;
+    }
+  });
+}
+
+}  // namespace

@@ -236,6 +236,16 @@ class FlatParamHandle {
   /// Like reduce_grad() but for gradients the caller already flattened (padded unsharded numel,
   /// any floating dtype). For the runtime's hooks and for tests.
   void reduce_flat_grad(const at::Tensor& unsharded_flat_grad);
+  /// With use_orig_params, the original parameters' gradients are views of the sharded gradient
+  /// (so an optimizer's zero_grad reaches it), also while unsharded. Before autograd accumulates
+  /// full-shaped gradients into them, call this: it drops those views (the values stay in the
+  /// sharded gradient, which reduce_grad() adds to). The runtime calls it in pre-backward.
+  void prepare_grads_for_backward();
+  /// Declares that autograd accumulated gradients into the original parameters (the runtime
+  /// calls this from its AccumulateGrad hooks). Until the next reduce_grad(), those full-shaped
+  /// gradients are neither replaced by shard views on reshard() nor written back. A caller that
+  /// drives the handle by hand calls reduce_grad() before reshard(), or calls this first.
+  void mark_grads_unreduced();
   /// The flattened, padded unsharded gradient built from the original parameters' gradients, in
   /// reduce_dtype (what reduce_grad() communicates).
   at::Tensor flatten_orig_grads() const;
@@ -330,10 +340,11 @@ class FlatParamHandle {
   at::Tensor mp_shard_;              // low-precision shard on `device` during unshard
   at::Tensor unsharded_flat_;        // the unpadded view that original parameters point into
   bool unsharded_views_ = false;
-  // True from an unshard for compute until the next reduce_grad: the original parameters' full-
-  // shaped gradients then hold autograd's unreduced results (e.g. accumulated under no_sync) and
-  // must be neither written back nor replaced by shard views.
+  // Set by mark_grads_unreduced() (autograd accumulated), cleared by reduce_grad: the original
+  // parameters' full-shaped gradients then hold unreduced results (e.g. accumulated under
+  // no_sync) and must be neither written back nor replaced by shard views.
   bool grads_unreduced_ = false;
+  bool buffer_valid_ = false;  // the unsharded buffer holds the result of a successful gather
   std::vector<bool>
       is_grad_none_;  // per parameter: its gradient was reset to undefined by the user
   std::unique_ptr<dist::Work> pending_unshard_;

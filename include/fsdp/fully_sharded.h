@@ -54,6 +54,9 @@ struct MixedPrecision {
   TORCH_ARG(std::optional<at::ScalarType>, buffer_dtype);
   /// Keep sharded gradients in param_dtype rather than casting them back.
   TORCH_ARG(bool, keep_low_precision_grads) = false;
+  /// Cast floating-point tensor arguments of the wrapped module's forward to param_dtype (as
+  /// PyTorch's cast_root_forward_inputs).
+  TORCH_ARG(bool, cast_root_forward_inputs) = true;
 };
 
 /// CPU offload (PyTorch's CPUOffload): sharded parameters and gradients live on the CPU.
@@ -142,6 +145,15 @@ void track(ForwardScope& s, const std::tuple<Ts...>& t) {
 template <typename T>
 void track(ForwardScope&, const T&) {}  // non-tensor outputs carry no gradient
 
+/// Root-forward argument casting for mixed precision: floating tensors to `dtype`, the rest as is.
+inline at::Tensor cast_arg(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
+  return dtype && t.defined() && t.is_floating_point() ? t.to(*dtype) : t;
+}
+template <typename T, typename = std::enable_if_t<!std::is_same_v<std::decay_t<T>, at::Tensor>>>
+T&& cast_arg(T&& x, std::optional<at::ScalarType>) {
+  return std::forward<T>(x);
+}
+
 inline const torch::nn::Module* raw(const torch::nn::Module& m) { return &m; }
 template <typename T>
 const torch::nn::Module* raw(const std::shared_ptr<T>& m) {
@@ -201,7 +213,10 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   template <typename Out, typename... Args>
   Out forward_as(Args&&... args) {
     detail::ForwardScope scope(module_.get());
-    Out out = run_inner<Out>(std::forward<Args>(args)...);
+    const std::optional<at::ScalarType> cast = options_.mixed_precision().cast_root_forward_inputs()
+                                                   ? options_.mixed_precision().param_dtype()
+                                                   : std::nullopt;
+    Out out = run_inner<Out>(detail::cast_arg(std::forward<Args>(args), cast)...);
     detail::track(scope, out);
     scope.post_forward();
     return out;
@@ -276,6 +291,7 @@ class SummonFullParamsGuard {
  private:
   std::shared_ptr<detail::FsdpState> state_;
   bool writeback_;
+  int uncaught_ = 0;  // std::uncaught_exceptions() at construction
 };
 
 }  // namespace fsdp

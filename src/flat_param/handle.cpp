@@ -340,11 +340,14 @@ void FlatParamHandle::unshard_async() {
   if (full_prec && fwd_bwd_dtype_ != orig_dtype_) {
     // The low-precision copy may be stale once full-precision parameters are edited.
     free_storage(full_param_padded_);
+    buffer_valid_ = false;
   }
-  const bool kept = storage_bytes(buf) > 0;  // kept from forward (SHARD_GRAD_OP)
+  // Kept from forward (SHARD_GRAD_OP) and filled by a gather that succeeded: nothing to gather.
+  const bool kept = storage_bytes(buf) > 0 && buffer_valid_;
   alloc_storage(buf);  // before taking views: ATen bounds-checks views against the storage
   unsharded_flat_ = buf.narrow(0, 0, layout_.unpadded_unsharded_numel);
-  if (kept) return;  // nothing to gather
+  if (kept) return;
+  buffer_valid_ = false;
   pending_unshard_ = std::make_unique<dist::Work>(group_.all_gather_into_tensor_async(buf, src));
 }
 
@@ -352,7 +355,10 @@ void FlatParamHandle::wait_unshard() {
   if (unsharded_views_ && !pending_unshard_) return;
   if (pending_unshard_) {
     std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
+    // On failure the buffer stays allocated but invalid: after a timeout the backend may still
+    // write into it, so it must not be freed; the group is unusable anyway (DistError).
     w->wait();
+    buffer_valid_ = true;
   }
   finish_unshard();
 }
@@ -360,30 +366,34 @@ void FlatParamHandle::wait_unshard() {
 void FlatParamHandle::finish_unshard() {
   if (uses_sharded_strategy()) mp_shard_ = at::Tensor();  // the low-precision shard was gathered
   if (options_.use_orig_params()) {
-    // Gradient bookkeeping happens here, when the views switch, not when a prefetch starts: a
-    // prefetch may be abandoned, and must then leave the gradients as they were.
     // zero_grad(set_to_none) leaves every original gradient undefined: drop the flat gradient too.
+    // (Done when the views switch, not when a prefetch starts: a prefetch may be abandoned.)
     bool all_none = true;
     for (const auto& p : params_) all_none &= !p.grad().defined();
     if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
-    // Sharded gradient views cannot survive the switch to full shapes (autograd would try to
-    // accumulate full gradients into them); the values stay in flat_param().grad().
-    const at::Tensor fg = flat_param_.grad();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor g = params_[i].grad();
-      if (g.defined() && fg.defined() && g.storage().is_alias_of(fg.storage())) {
-        params_[i].mutable_grad().reset();
-      }
-    }
   }
   use_unsharded_views(unsharded_flat_);
-  if (training_state_ != HandleTrainingState::SUMMON_FULL_PARAMS) grads_unreduced_ = true;
+}
+
+void FlatParamHandle::mark_grads_unreduced() { grads_unreduced_ = true; }
+
+void FlatParamHandle::prepare_grads_for_backward() {
+  if (!options_.use_orig_params()) return;
+  // Shard-shaped gradient views cannot take autograd's full-shaped gradients; the values stay in
+  // flat_param().grad(), and reduce_grad() adds the new ones to them.
+  const at::Tensor fg = flat_param_.grad();
+  if (!fg.defined()) return;
+  for (auto& p : params_) {
+    const at::Tensor g = p.grad();
+    if (g.defined() && g.storage().is_alias_of(fg.storage())) p.mutable_grad().reset();
+  }
 }
 
 void FlatParamHandle::abandon_unshard() {
   if (!pending_unshard_) return;
   std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
   w->wait();  // the peers sent their shards; receive them, then drop them
+  buffer_valid_ = false;
   unsharded_flat_ = at::Tensor();
   mp_shard_ = at::Tensor();
   if (uses_sharded_strategy()) {
@@ -401,14 +411,17 @@ void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
 }
 
 void FlatParamHandle::reshard(bool free_unsharded) {
-  if (pending_unshard_) wait_unshard();
+  if (pending_unshard_) abandon_unshard();  // a prefetch nobody used: its result is not needed
   if (options_.use_orig_params()) {
     use_sharded_views();
     use_sharded_grad_views();
   } else if (uses_sharded_strategy()) {
     // Without use_orig_params the original parameters are not usable between units: point them at
     // an empty tensor so an accidental use fails on shape instead of reading freed memory.
-    at::Tensor empty = at::empty({0}, flat_param_.options().requires_grad(false));
+    // In the compute dtype and device, so that set_data does not reset the parameters' gradient
+    // accumulators (it does when either changes) between forward and backward.
+    at::Tensor empty =
+        at::empty({0}, at::TensorOptions().dtype(fwd_bwd_dtype_).device(options_.device()));
     for (auto& p : params_) set_param_data(p, empty);
   } else {
     use_sharded_views();  // NO_SHARD: full-shaped views into the flat parameter
@@ -419,6 +432,7 @@ void FlatParamHandle::reshard(bool free_unsharded) {
   if (free_unsharded && uses_sharded_strategy()) {
     free_storage(full_param_padded_);
     free_storage(full_prec_full_param_padded_);
+    buffer_valid_ = false;
   }
 }
 

@@ -1,6 +1,7 @@
 // FullyShardedDataParallel: choosing units, building their handles, and the public operations
 // that span units (gradient clipping, no_sync, summon_full_params).
 #include <cmath>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <set>
@@ -187,7 +188,6 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
     }
     if (!refs.empty()) {
       unit->handle = std::make_unique<FlatParamHandle>(std::move(refs), st.shard_group, hopts);
-      for (const auto& p : unit->handle->orig_params()) unit->expected_grads += p.requires_grad();
     }
     built.push_back(std::move(unit));
   }
@@ -261,8 +261,10 @@ double FullyShardedDataParallelImpl::clip_grad_norm_(double max_norm, double nor
     grads.push_back(g);
     combine(u->handle->uses_sharded_strategy() ? sharded : replicated, contribution(g));
   }
+  std::unordered_set<Impl> seen;  // a tied or doubly-listed ignored parameter counts once
   for (const auto& p : parameters()) {
     if (is_fsdp_flattened(p) || !p.grad().defined()) continue;
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     grads.push_back(p.grad());
     combine(replicated, contribution(p.grad()));
   }
@@ -295,22 +297,50 @@ SummonFullParamsGuard::SummonFullParamsGuard(FullyShardedDataParallel& model, bo
   if (st.in_summon) throw StateError("SummonFullParamsGuard: already summoned");
   st.reset_iteration();
   st.in_summon = true;
-  for (auto& u : st.units) {
-    if (!u->handle) continue;
-    u->handle->set_training_state(HandleTrainingState::SUMMON_FULL_PARAMS);
-    u->handle->unshard();
+  try {
+    for (auto& u : st.units) {
+      if (!u->handle) continue;
+      u->handle->set_training_state(HandleTrainingState::SUMMON_FULL_PARAMS);
+      u->handle->unshard();
+    }
+  } catch (...) {
+    // Leave the model usable: everything back to sharded, no summon in progress.
+    st.in_summon = false;
+    for (auto& u : st.units) {
+      if (!u->handle) continue;
+      try {
+        u->handle->reshard(true);
+      } catch (...) {
+      }
+      u->handle->set_training_state(HandleTrainingState::IDLE);
+    }
+    throw;
   }
+  uncaught_ = std::uncaught_exceptions();
 }
 
 SummonFullParamsGuard::~SummonFullParamsGuard() noexcept(false) {
   auto& st = *state_;
   st.in_summon = false;
+  // While unwinding from another exception, edits are dropped rather than written back, and
+  // nothing may throw (that would terminate the program).
+  const bool unwinding = std::uncaught_exceptions() > uncaught_;
+  std::exception_ptr first;
   for (auto& u : st.units) {
     if (!u->handle) continue;
-    if (writeback_) u->handle->writeback_unsharded();
-    u->handle->reshard(true);
+    try {
+      if (writeback_ && !unwinding) u->handle->writeback_unsharded();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+    try {
+      u->handle->reshard(true);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
     u->handle->set_training_state(HandleTrainingState::IDLE);
   }
+  if (first && !unwinding) std::rethrow_exception(first);
 }
 
 }  // namespace fsdp

@@ -11,6 +11,7 @@
 //
 // Every decision depends only on the forward/backward sequence, which all ranks share, so every
 // rank issues the same collectives in the same order.
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 
@@ -154,6 +155,7 @@ void FsdpState::reset_iteration() {
     }
     u->forward_done = u->pre_backward_done = u->post_backward_done = false;
     u->grads_ready = 0;
+    u->iter_nodes.clear();
   }
   callback_queued = false;
   in_backward = false;
@@ -197,9 +199,14 @@ void FsdpState::hook_grad_accumulators(Unit& u) {
     if (!params[i].requires_grad()) continue;
     // Created here, after unshard, so its recorded shape and dtype are those of the forward.
     auto acc = torch::autograd::impl::grad_accumulator(params[i]);
-    if (!acc || acc == u.hooked[i]) continue;
-    acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), u.index));
-    u.hooked[i] = std::move(acc);
+    if (!acc) continue;
+    if (acc != u.hooked[i]) {
+      acc->add_post_hook(std::make_unique<GradReadyHook>(weak_from_this(), u.index));
+      u.hooked[i] = acc;
+    }
+    if (std::find(u.iter_nodes.begin(), u.iter_nodes.end(), acc) == u.iter_nodes.end()) {
+      u.iter_nodes.push_back(std::move(acc));
+    }
   }
 }
 
@@ -244,6 +251,7 @@ void FsdpState::pre_backward(int idx) {
   if (!u.handle) return;
   u.handle->set_training_state(HandleTrainingState::BACKWARD_PRE);
   u.handle->unshard();
+  u.handle->prepare_grads_for_backward();
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_PRE) {
     prefetch(neighbour_in_order(idx, -1));
   }
@@ -251,7 +259,8 @@ void FsdpState::pre_backward(int idx) {
 
 void FsdpState::on_grad_ready(int idx) {
   Unit& u = *units[idx];
-  if (++u.grads_ready == u.expected_grads) post_backward(idx);
+  if (u.handle) u.handle->mark_grads_unreduced();
+  if (++u.grads_ready == static_cast<int>(u.iter_nodes.size())) post_backward(idx);
 }
 
 void FsdpState::post_backward(int idx) {
@@ -259,9 +268,10 @@ void FsdpState::post_backward(int idx) {
   if (u.post_backward_done || !u.handle) return;
   u.post_backward_done = true;
   u.handle->set_training_state(HandleTrainingState::BACKWARD_POST);
-  if (sync_gradients && u.grads_ready > 0 && u.handle->flat_param().requires_grad()) {
-    u.handle->reduce_grad();
-  }
+  // Reduced whether or not this rank produced gradients (zeros are harmless), so that the
+  // collective happens on every rank. Ranks must still run the same graph: which units finish
+  // inside backward and which in finalize_backward follows from it.
+  if (sync_gradients && u.handle->flat_param().requires_grad()) u.handle->reduce_grad();
   u.handle->reshard(true);
   u.handle->set_training_state(HandleTrainingState::IDLE);
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_POST) {

@@ -20,10 +20,13 @@ struct Unit {
   std::string fqn;  // in the wrapped module; "" for the root
   std::shared_ptr<torch::nn::Module> module;
   std::unique_ptr<FlatParamHandle> handle;  // null for a root without parameters of its own
-  int expected_grads = 0;                   // original parameters that require grad
-  // AccumulateGrad nodes carrying our post hook, one per original parameter. Holding them keeps
-  // the hooks alive across iterations (autograd keeps only a weak reference).
+  // The AccumulateGrad node carrying our post hook, per original parameter (the latest one).
+  // Holding it keeps the hook alive across iterations (autograd keeps only a weak reference).
   std::vector<std::shared_ptr<torch::autograd::Node>> hooked;
+  // Every AccumulateGrad node this iteration's forwards hooked: usually one per parameter, more
+  // when a unit runs twice and set_data (dtype or device change) made autograd create new ones.
+  // post-backward runs once all of them have fired.
+  std::vector<std::shared_ptr<torch::autograd::Node>> iter_nodes;
 
   // Per iteration.
   bool forward_done = false;

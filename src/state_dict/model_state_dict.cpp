@@ -1,6 +1,7 @@
 // FULL / SHARDED / LOCAL state dicts of a wrapped model (seed 002, _state_dict_utils.py).
 #include "fsdp/model_state_dict.h"
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 
@@ -269,8 +270,10 @@ void plan_unmanaged(FsdpState& st, const std::string& key, const at::Tensor& tar
 // exchange their pieces one parameter at a time, as PyTorch's loader all-gathers them, and each
 // keeps only the pieces overlapping what it needs. Collective; every rank walks the model's keys
 // in the same order whatever its dict holds.
-StateDict exchange_pieces(FsdpState& st, const KeyMap& km, const StateDict& sd) {
-  dist::ProcessGroup& pg = st.shard_group;
+StateDict exchange_pieces(FsdpState& st, const KeyMap& km, const StateDict& sd, Plan& plan) {
+  // Over all data-parallel ranks: the dict may have been cut for another layout than this
+  // (e.g. 4 chunks saved without hybrid sharding, loaded as 2 x 2).
+  dist::ProcessGroup& pg = st.world_group;
   // Does any rank miss a piece it needs?
   bool covered = true;
   for (const auto& [k, loc] : km.managed) {
@@ -279,7 +282,7 @@ StateDict exchange_pieces(FsdpState& st, const KeyMap& km, const StateDict& sd) 
     if (!s.in_shard || s.numel_in_shard == 0) continue;
     try {
       sd.at(k).sharded_tensor().flat_range(s.intra_param_start_idx, s.numel_in_shard, k);
-    } catch (const ValueError&) {
+    } catch (...) {  // not covered, or anything else: exchange (every rank must decide alike)
       covered = false;
       break;
     }
@@ -294,16 +297,29 @@ StateDict exchange_pieces(FsdpState& st, const KeyMap& km, const StateDict& sd) 
     if (m == km.managed.end()) continue;
     const bool have = sd.contains(k) && sd.at(k).is_sharded_tensor();
     const ShardedTensor* t = have ? &sd.at(k).sharded_tensor() : nullptr;
+    const std::vector<int64_t> global_shape = t ? t->size() : std::vector<int64_t>{};
     // Metadata: dtype, then offsets and sizes of each local piece.
     std::ostringstream meta;
     std::vector<at::Tensor> flat;
     if (t) {
-      meta << static_cast<int>(t->dtype()) << " " << t->size().size() << " "
-           << t->local_shards().size();
-      for (const auto& s : t->local_shards()) {
-        for (auto o : s.metadata.offsets) meta << " " << o;
-        for (auto z : s.metadata.sizes) meta << " " << z;
-        flat.push_back(s.tensor.reshape({-1}).to(at::kCPU));
+      try {
+        std::ostringstream m;
+        m << static_cast<int>(t->dtype()) << " " << t->size().size() << " "
+          << t->local_shards().size();
+        for (const auto& s : t->local_shards()) {
+          if (s.tensor.numel() != s.metadata.numel()) {
+            throw ValueError("a piece of '" + k + "' does not match its metadata");
+          }
+          for (auto o : s.metadata.offsets) m << " " << o;
+          for (auto z : s.metadata.sizes) m << " " << z;
+          flat.push_back(s.tensor.reshape({-1}).to(at::kCPU).to(t->dtype()));
+        }
+        meta << m.str();
+      } catch (const std::exception& e) {
+        // Keep taking part in the collectives; the verdict exchange reports the problem.
+        plan.fail(std::string(e.what()) + " (rank " + std::to_string(pg.rank()) + ")");
+        flat.clear();
+        t = nullptr;
       }
     }
     const auto metas = pg.all_gather_bytes(meta.str());
@@ -335,32 +351,42 @@ StateDict exchange_pieces(FsdpState& st, const KeyMap& km, const StateDict& sd) 
     at::Tensor all = at::empty({max_len * pg.size()}, mine.options());
     pg.all_gather_into_tensor(all, mine);
     if (!t) continue;
-    // Keep the pieces that overlap this rank's range of the parameter (dim-0 pieces are
-    // contiguous runs of the flattened tensor; anything else is kept whole).
+    // Keep one copy of each box (ranks may hold the same piece) that overlaps this rank's range of
+    // the parameter; boxes that are not one contiguous run of the flattened tensor are kept.
     const ShardParamInfo& s =
         st.units[m->second.unit]->handle->shard_param_infos()[m->second.index];
     const int64_t lo = s.in_shard ? s.intra_param_start_idx : 0;
     const int64_t hi = s.in_shard ? s.intra_param_end_idx + 1 : 0;
     int64_t row = 1;
-    for (size_t d = 1; d < t->size().size(); ++d) row *= t->size()[d];
+    for (size_t d = 1; d < global_shape.size(); ++d) row *= global_shape[d];
     std::vector<Shard> pieces;
+    std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> seen_boxes;
     for (size_t r = 0; r < boxes.size(); ++r) {
       int64_t off = 0;
       for (const auto& b : boxes[r]) {
         const int64_t n = b.numel();
         bool wanted = true;
-        if (!b.offsets.empty()) {
+        bool dim0_box = !b.offsets.empty();
+        for (size_t d = 1; d < b.offsets.size() && dim0_box; ++d) {
+          dim0_box = b.offsets[d] == 0 && b.sizes[d] == global_shape[d];
+        }
+        if (dim0_box) {
           const int64_t start = b.offsets[0] * row;
           wanted = start < hi && start + n > lo;
         }
+        auto key = std::make_pair(b.offsets, b.sizes);
+        if (std::find(seen_boxes.begin(), seen_boxes.end(), key) != seen_boxes.end()) {
+          wanted = false;
+        }
         if (wanted) {
+          seen_boxes.push_back(key);
           pieces.push_back(Shard{all.narrow(0, r * max_len + off, n).view(b.sizes).clone(), b});
         }
         off += n;
       }
     }
     try {
-      out.insert_or_assign(k, ShardedTensor(t->size(), dtype, std::move(pieces)));
+      out.insert_or_assign(k, ShardedTensor(global_shape, dtype, std::move(pieces)));
     } catch (const ValueError&) {
       // Inconsistent pieces across ranks: keep this rank's own, planning reports the problem.
     }
@@ -373,7 +399,7 @@ Plan plan_load(FsdpState& st, const StateDict& sd_in) {
   const KeyMap km = key_map(st);
   const int rank = st.world_group.rank();
   const StateDict& sd = st.state_dict_type == StateDictType::SHARDED_STATE_DICT
-                            ? exchange_pieces(st, km, sd_in)
+                            ? exchange_pieces(st, km, sd_in, plan)
                             : sd_in;
   std::map<std::string, bool> expected;
   auto expect = [&](const std::string& k) {
@@ -508,6 +534,23 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
       plan.error +=
           " Unexpected key(s) in state_dict: " + key_list(plan.result.unexpected_keys) + ".";
     }
+  }
+  // Non-strict loads skip keys; every rank must skip the same ones, or ranks would end up with
+  // different models.
+  if (plan.error.empty() && !strict) {
+    const std::string mine =
+        key_list(plan.result.missing_keys) + "|" + key_list(plan.result.unexpected_keys);
+    const auto all = st.world_group.all_gather_bytes(mine);
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r] != mine) {
+        plan.error = "ranks disagree on the keys to skip: rank " +
+                     std::to_string(st.world_group.rank()) + " misses/ignores " + mine + ", rank " +
+                     std::to_string(r) + " " + all[r];
+        break;
+      }
+    }
+  } else {
+    st.world_group.all_gather_bytes(std::string());  // the same collectives on every path
   }
   // All-or-nothing across ranks: apply only if every rank's plan is sound.
   const auto errors = st.world_group.all_gather_bytes(plan.error);

@@ -109,12 +109,13 @@ at::Tensor ShardedTensor::flat_range(int64_t start, int64_t n, const std::string
   }
   auto opts = at::TensorOptions().dtype(dtype_);
   at::Tensor out = at::empty({n}, opts);
-  int64_t have = 0;
   bool simple = true;
   for (const auto& s : local_shards_) simple &= box_is_contiguous(s.metadata, global_shape_);
   if (simple) {
-    // Fast path: each piece is one contiguous run of the flattened tensor.
+    // Fast path: each piece is one contiguous run of the flattened tensor. Coverage is tracked
+    // per element: pieces may overlap (the same piece from two ranks), so counting would lie.
     const auto st = strides_of(global_shape_);
+    at::Tensor covered = at::zeros({n}, at::kBool);
     for (const auto& s : local_shards_) {
       int64_t pstart = 0;
       for (size_t d = 0; d < st.size(); ++d) pstart += s.metadata.offsets[d] * st[d];
@@ -123,10 +124,9 @@ at::Tensor ShardedTensor::flat_range(int64_t start, int64_t n, const std::string
       if (lo >= hi) continue;
       out.narrow(0, lo - start, hi - lo)
           .copy_(s.tensor.reshape({-1}).narrow(0, lo - pstart, hi - lo));
-      have += hi - lo;
+      covered.narrow(0, lo - start, hi - lo).fill_(true);
     }
-    // Pieces held here never overlap (they come from one sharding), so counting suffices.
-    if (have == n) return out;
+    if (n == 0 || covered.all().item<bool>()) return out;
   } else {
     at::Tensor full = at::empty(global_shape_, opts);
     at::Tensor covered = at::zeros(global_shape_, at::kBool);
