@@ -1,12 +1,13 @@
-// FlatParamHandle: flatten, shard, unshard, reshard, gradient reduction, write-back.
-// Semantics follow PyTorch's FlatParamHandle (seed 004); see docs/flat_param.md for the C++
-// differences (original parameters stay autograd leaves; the flat parameter always holds the
-// shard).
+// FlatParamHandle: flatten, shard, unshard, reshard, parameter views, write-back. Gradients are in
+// gradients.cpp. Semantics follow PyTorch's FlatParamHandle (seed 004); see docs/flat_param.md for
+// the C++ differences (original parameters stay autograd leaves; the flat parameter always holds
+// the shard).
 #include <sstream>
 #include <unordered_map>
 
 #include <torch/cuda.h>
 
+#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
 
@@ -17,92 +18,13 @@ void unmark_flattened(const at::Tensor& t);
 bool is_flat_param(const at::Tensor& t);
 }  // namespace detail
 
+using namespace detail;  // the helpers of flat_param/tensor_utils.h
+
 namespace {
 
 // Padding is filled with a recognisable value (as PyTorch does); it never reaches user-visible
 // results, and a 42 showing up where it should not is easy to spot.
 constexpr double kPaddingValue = 42.0;
-
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
-
-// Frees a tensor's storage for real (the allocator gets the memory back) while keeping the tensor
-// and every view of it; alloc_storage gives it fresh memory of the tensor's size again.
-void free_storage(const at::Tensor& t) {
-  if (!t.defined()) return;
-  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
-  if (st->nbytes() == 0) return;
-  st->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  st->set_nbytes(0);
-}
-
-void alloc_storage(const at::Tensor& t) {
-  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
-  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
-  if (st->nbytes() == nbytes) return;
-  if (st->nbytes() != 0) {
-    throw InternalError("alloc_storage: storage already holds " + std::to_string(st->nbytes()) +
-                        " bytes, expected 0 or " + std::to_string(nbytes));
-  }
-  st->set_data_ptr_noswap(st->allocator()->allocate(nbytes));
-  st->set_nbytes(nbytes);
-}
-
-int64_t storage_bytes(const at::Tensor& t) {
-  return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
-}
-
-// A tensor of `numel` elements whose storage starts out freed.
-at::Tensor freed_buffer(int64_t numel, at::ScalarType dtype, at::Device device) {
-  at::Tensor t = at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
-  free_storage(t);
-  return t;
-}
-
-// True if `t` is exactly flat[offset, offset + numel) of `flat`'s storage.
-bool aliases(const at::Tensor& t, const at::Tensor& flat, int64_t offset, int64_t numel) {
-  return t.defined() && flat.defined() && t.numel() == numel && t.has_storage() &&
-         t.storage().is_alias_of(flat.storage()) &&
-         t.storage_offset() == flat.storage_offset() + offset;
-}
-
-at::Tensor named_param(const ParamInfo& info) {
-  auto params = info.module->named_parameters(/*recurse=*/false);
-  const at::Tensor* p = params.find(info.param_name);
-  if (p == nullptr) {
-    throw ValueError("module '" + info.module_name + "' has no parameter '" + info.param_name +
-                     "'");
-  }
-  return *p;
-}
-
-// PyTorch FSDP's gradient pre-divide factor: doubled while it divides dp_size and is below
-// dp_size / factor, i.e. roughly sqrt(dp_size) as a power of two. Dividing by it before the sum
-// and by dp_size / factor after keeps fp16 sums from overflowing and small values from
-// underflowing.
-double predivide_factor(int dp_size) {
-  int factor = 1;
-  while (dp_size % factor == 0 && dp_size / factor > factor) factor *= 2;
-  return factor;
-}
-
-// A tensor sharing `base`'s storage at [offset, offset + numel) with the given shape, without
-// being an autograd view of it. Gradients handed to optimizers are built this way: LibTorch 1.13's
-// Optimizer::zero_grad() calls detach_(), which refuses views.
-at::Tensor storage_alias(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) {
-  at::NoGradGuard no_grad;
-  at::Tensor t = at::empty({0}, base.options());
-  t.set_(base.storage(), base.storage_offset() + offset, shape, c10::contiguous_strides(shape));
-  return t;
-}
-
-void set_param_data(at::Tensor& param, const at::Tensor& data) {
-  at::NoGradGuard no_grad;
-  param.set_data(data);
-}
 
 }  // namespace
 
@@ -375,20 +297,6 @@ void FlatParamHandle::finish_unshard() {
   use_unsharded_views(unsharded_flat_);
 }
 
-void FlatParamHandle::mark_grads_unreduced() { grads_unreduced_ = true; }
-
-void FlatParamHandle::prepare_grads_for_backward() {
-  if (!options_.use_orig_params()) return;
-  // Shard-shaped gradient views cannot take autograd's full-shaped gradients; the values stay in
-  // flat_param().grad(), and reduce_grad() adds the new ones to them.
-  const at::Tensor fg = flat_param_.grad();
-  if (!fg.defined()) return;
-  for (auto& p : params_) {
-    const at::Tensor g = p.grad();
-    if (g.defined() && g.storage().is_alias_of(fg.storage())) p.mutable_grad().reset();
-  }
-}
-
 void FlatParamHandle::abandon_unshard() {
   if (!pending_unshard_) return;
   std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
@@ -454,21 +362,6 @@ void FlatParamHandle::use_sharded_views() {
   }
 }
 
-void FlatParamHandle::use_sharded_grad_views() {
-  if (grads_unreduced_) return;  // full gradients awaiting reduce_grad stay where they are
-  const at::Tensor g = flat_param_.grad();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const ShardParamInfo& s = shard_param_infos_[i];
-    if (!g.defined() || !s.in_shard || !params_[i].requires_grad() || is_grad_none_[i]) {
-      params_[i].mutable_grad().reset();
-      continue;
-    }
-    params_[i].mutable_grad() = uses_sharded_strategy()
-                                    ? storage_alias(g, s.offset_in_shard, {s.numel_in_shard})
-                                    : storage_alias(g, layout_.param_offset(i), layout_.shapes[i]);
-  }
-}
-
 int64_t FlatParamHandle::unsharded_storage_bytes() const {
   if (!uses_sharded_strategy()) return 0;
   return storage_bytes(full_param_padded_) + storage_bytes(full_prec_full_param_padded_);
@@ -494,85 +387,6 @@ void FlatParamHandle::writeback_unsharded() {
       .narrow(0, 0, have)
       .copy_(unsharded_flat_.narrow(0, rank_ * layout_.sharded_numel, have));
 }
-
-// ---------------------------------------------------------------------------------------------
-// Gradients
-
-void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
-  if (grad.numel() != layout_.numels[i]) {
-    throw ValueError("gradient of '" + layout_.fqns[i] + "' has shape " + shape_str(grad.sizes()) +
-                     " but the parameter has shape " + shape_str(layout_.shapes[i]) + " (rank " +
-                     std::to_string(rank_) + ")");
-  }
-}
-
-at::Tensor FlatParamHandle::flatten_orig_grads() const {
-  at::Tensor flat = at::zeros({layout_.padded_unsharded_numel},
-                              at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor g = params_[i].grad();
-    if (!g.defined()) continue;
-    check_grad_shape(i, g);
-    flat.narrow(0, layout_.param_offset(i), layout_.numels[i]).copy_(g.reshape({-1}));
-  }
-  return flat;
-}
-
-void FlatParamHandle::reduce_grad() {
-  if (!flat_param_.requires_grad()) {
-    throw StateError("reduce_grad: no parameter of this handle requires grad (first: '" +
-                     layout_.fqns[0] + "')");
-  }
-  reduce_owned_grad(flatten_orig_grads());  // freshly built: no copy needed
-}
-
-void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
-  if (unsharded_flat_grad.numel() != layout_.padded_unsharded_numel) {
-    throw ValueError("reduce_flat_grad: expects " + std::to_string(layout_.padded_unsharded_numel) +
-                     " elements but got " + std::to_string(unsharded_flat_grad.numel()));
-  }
-  at::NoGradGuard no_grad;
-  // A private copy: the caller's tensor is never scaled, and the result is never a view.
-  at::Tensor g = unsharded_flat_grad.reshape({-1}).to(options_.device(), reduce_dtype_);
-  if (g.is_alias_of(unsharded_flat_grad)) g = g.clone();
-  reduce_owned_grad(std::move(g));
-}
-
-void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
-  at::NoGradGuard no_grad;
-  if (predivide_ > 1) g.div_(predivide_);
-  at::Tensor out;
-  if (uses_sharded_strategy()) {
-    out = at::empty({layout_.sharded_numel}, g.options());
-    group_.reduce_scatter_tensor(out, g, dist::ReduceOp::SUM);
-  } else {
-    out = g;
-    group_.all_reduce(out, dist::ReduceOp::SUM);
-  }
-  if (options_.replicate_group().is_member()) {
-    options_.replicate_group().all_reduce(out, dist::ReduceOp::SUM);
-  }
-  if (postdivide_ > 1) out.div_(postdivide_);
-  const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
-  out = out.to(target);
-  if (options_.offload_params()) out = out.to(at::kCPU);
-
-  at::Tensor existing = flat_param_.grad();
-  if (existing.defined() && existing.sizes() == out.sizes()) {
-    existing.add_(out.to(existing.scalar_type()));
-  } else {
-    flat_param_.mutable_grad() = out;
-  }
-  for (auto& p : params_) p.mutable_grad().reset();
-  std::fill(is_grad_none_.begin(), is_grad_none_.end(), false);
-  grads_unreduced_ = false;
-  if (options_.use_orig_params() && !unsharded_views_) use_sharded_grad_views();
-}
-
-at::Tensor FlatParamHandle::sharded_grad() const { return flat_param_.grad(); }
-
-std::vector<at::Tensor> FlatParamHandle::orig_params() const { return params_; }
 
 // ---------------------------------------------------------------------------------------------
 // Write-back

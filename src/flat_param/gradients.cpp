@@ -1,0 +1,120 @@
+// FlatParamHandle, gradients: flattening the original parameters' gradients, reducing them into
+// the sharded gradient, and the gradient views handed to optimizers (use_orig_params).
+#include "flat_param/tensor_utils.h"
+#include "fsdp/errors.h"
+#include "fsdp/flat_param.h"
+
+namespace fsdp {
+
+using detail::shape_str;
+using detail::storage_alias;
+
+void FlatParamHandle::mark_grads_unreduced() { grads_unreduced_ = true; }
+
+void FlatParamHandle::prepare_grads_for_backward() {
+  if (!options_.use_orig_params()) return;
+  // Shard-shaped gradient views cannot take autograd's full-shaped gradients; the values stay in
+  // flat_param().grad(), and reduce_grad() adds the new ones to them.
+  const at::Tensor fg = flat_param_.grad();
+  if (!fg.defined()) return;
+  for (auto& p : params_) {
+    const at::Tensor g = p.grad();
+    if (g.defined() && g.storage().is_alias_of(fg.storage())) p.mutable_grad().reset();
+  }
+}
+
+void FlatParamHandle::use_sharded_grad_views() {
+  if (grads_unreduced_) return;  // full gradients awaiting reduce_grad stay where they are
+  const at::Tensor g = flat_param_.grad();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ShardParamInfo& s = shard_param_infos_[i];
+    if (!g.defined() || !s.in_shard || !params_[i].requires_grad() || is_grad_none_[i]) {
+      params_[i].mutable_grad().reset();
+      continue;
+    }
+    params_[i].mutable_grad() = uses_sharded_strategy()
+                                    ? storage_alias(g, s.offset_in_shard, {s.numel_in_shard})
+                                    : storage_alias(g, layout_.param_offset(i), layout_.shapes[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gradients
+
+void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
+  if (grad.numel() != layout_.numels[i]) {
+    throw ValueError("gradient of '" + layout_.fqns[i] + "' has shape " + shape_str(grad.sizes()) +
+                     " but the parameter has shape " + shape_str(layout_.shapes[i]) + " (rank " +
+                     std::to_string(rank_) + ")");
+  }
+}
+
+at::Tensor FlatParamHandle::flatten_orig_grads() const {
+  at::Tensor flat = at::zeros({layout_.padded_unsharded_numel},
+                              at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor g = params_[i].grad();
+    if (!g.defined()) continue;
+    check_grad_shape(i, g);
+    flat.narrow(0, layout_.param_offset(i), layout_.numels[i]).copy_(g.reshape({-1}));
+  }
+  return flat;
+}
+
+void FlatParamHandle::reduce_grad() {
+  if (!flat_param_.requires_grad()) {
+    throw StateError("reduce_grad: no parameter of this handle requires grad (first: '" +
+                     layout_.fqns[0] + "')");
+  }
+  reduce_owned_grad(flatten_orig_grads());  // freshly built: no copy needed
+}
+
+void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
+  if (unsharded_flat_grad.numel() != layout_.padded_unsharded_numel) {
+    throw ValueError("reduce_flat_grad: expects " + std::to_string(layout_.padded_unsharded_numel) +
+                     " elements but got " + std::to_string(unsharded_flat_grad.numel()));
+  }
+  at::NoGradGuard no_grad;
+  // A private copy: the caller's tensor is never scaled, and the result is never a view.
+  at::Tensor g = unsharded_flat_grad.reshape({-1}).to(options_.device(), reduce_dtype_);
+  if (g.is_alias_of(unsharded_flat_grad)) g = g.clone();
+  reduce_owned_grad(std::move(g));
+}
+
+void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
+  at::NoGradGuard no_grad;
+  if (predivide_ > 1) g.div_(predivide_);
+  at::Tensor out;
+  if (uses_sharded_strategy()) {
+    out = at::empty({layout_.sharded_numel}, g.options());
+    group_.reduce_scatter_tensor(out, g, dist::ReduceOp::SUM);
+  } else {
+    out = g;
+    group_.all_reduce(out, dist::ReduceOp::SUM);
+  }
+  if (options_.replicate_group().is_member()) {
+    options_.replicate_group().all_reduce(out, dist::ReduceOp::SUM);
+  }
+  if (postdivide_ > 1) out.div_(postdivide_);
+  const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
+  out = out.to(target);
+  if (options_.offload_params()) out = out.to(at::kCPU);
+
+  at::Tensor existing = flat_param_.grad();
+  if (existing.defined() && existing.sizes() == out.sizes()) {
+    existing.add_(out.to(existing.scalar_type()));
+  } else {
+    flat_param_.mutable_grad() = out;
+  }
+  for (auto& p : params_) p.mutable_grad().reset();
+  std::fill(is_grad_none_.begin(), is_grad_none_.end(), false);
+  grads_unreduced_ = false;
+  if (options_.use_orig_params() && !unsharded_views_) use_sharded_grad_views();
+}
+
+at::Tensor FlatParamHandle::sharded_grad() const { return flat_param_.grad(); }
+
+std::vector<at::Tensor> FlatParamHandle::orig_params() const { return params_; }
+
+}  // namespace fsdp

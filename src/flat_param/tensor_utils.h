@@ -1,0 +1,97 @@
+// Internal: tensor and storage helpers shared by the FlatParamHandle implementation files.
+#pragma once
+
+#include <sstream>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "fsdp/errors.h"
+#include "fsdp/flat_param.h"
+
+namespace fsdp {
+namespace detail {
+
+inline std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+
+// Frees a tensor's storage for real (the allocator gets the memory back) while keeping the tensor
+// and every view of it; alloc_storage gives it fresh memory of the tensor's size again.
+inline void free_storage(const at::Tensor& t) {
+  if (!t.defined()) return;
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  if (st->nbytes() == 0) return;
+  st->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  st->set_nbytes(0);
+}
+
+inline void alloc_storage(const at::Tensor& t) {
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (st->nbytes() == nbytes) return;
+  if (st->nbytes() != 0) {
+    throw InternalError("alloc_storage: storage already holds " + std::to_string(st->nbytes()) +
+                        " bytes, expected 0 or " + std::to_string(nbytes));
+  }
+  st->set_data_ptr_noswap(st->allocator()->allocate(nbytes));
+  st->set_nbytes(nbytes);
+}
+
+inline int64_t storage_bytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
+}
+
+// A tensor of `numel` elements whose storage starts out freed.
+inline at::Tensor freed_buffer(int64_t numel, at::ScalarType dtype, at::Device device) {
+  at::Tensor t = at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
+  free_storage(t);
+  return t;
+}
+
+// True if `t` is exactly flat[offset, offset + numel) of `flat`'s storage.
+inline bool aliases(const at::Tensor& t, const at::Tensor& flat, int64_t offset, int64_t numel) {
+  return t.defined() && flat.defined() && t.numel() == numel && t.has_storage() &&
+         t.storage().is_alias_of(flat.storage()) &&
+         t.storage_offset() == flat.storage_offset() + offset;
+}
+
+inline at::Tensor named_param(const ParamInfo& info) {
+  auto params = info.module->named_parameters(/*recurse=*/false);
+  const at::Tensor* p = params.find(info.param_name);
+  if (p == nullptr) {
+    throw ValueError("module '" + info.module_name + "' has no parameter '" + info.param_name +
+                     "'");
+  }
+  return *p;
+}
+
+// PyTorch FSDP's gradient pre-divide factor: doubled while it divides dp_size and is below
+// dp_size / factor, i.e. roughly sqrt(dp_size) as a power of two. Dividing by it before the sum
+// and by dp_size / factor after keeps fp16 sums from overflowing and small values from
+// underflowing.
+inline double predivide_factor(int dp_size) {
+  int factor = 1;
+  while (dp_size % factor == 0 && dp_size / factor > factor) factor *= 2;
+  return factor;
+}
+
+// A tensor sharing `base`'s storage at [offset, offset + numel) with the given shape, without
+// being an autograd view of it. Gradients handed to optimizers are built this way: LibTorch 1.13's
+// Optimizer::zero_grad() calls detach_(), which refuses views.
+inline at::Tensor storage_alias(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) {
+  at::NoGradGuard no_grad;
+  at::Tensor t = at::empty({0}, base.options());
+  t.set_(base.storage(), base.storage_offset() + offset, shape, c10::contiguous_strides(shape));
+  return t;
+}
+
+inline void set_param_data(at::Tensor& param, const at::Tensor& data) {
+  at::NoGradGuard no_grad;
+  param.set_data(data);
+}
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,38 @@
+// Internal: how the keys of a wrapped model's state dict map onto its units, shared by saving
+// (model_state_dict.cpp) and loading (load_state_dict.cpp).
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "runtime/state.h"
+
+namespace fsdp {
+namespace detail {
+
+// Where a managed parameter lives: unit index and index in its handle.
+struct ParamLoc {
+  int unit = -1;
+  size_t index = 0;
+};
+
+// What each key of the unwrapped model's state dict is.
+struct KeyMap {
+  std::vector<std::string> order;               // module_state_dict order
+  std::map<std::string, ParamLoc> managed;      // parameters owned by a handle (all FQNs)
+  std::map<std::string, at::Tensor> unmanaged;  // ignored parameters and buffers
+  std::map<std::string, bool> is_buffer;
+};
+
+KeyMap key_map(FsdpState& st);
+/// Throws StateError during backward or summon; reshards whatever a forward left unsharded.
+void require_idle(FsdpState& st, const char* what);
+/// Throws StateError naming the unit if any unit uses NO_SHARD.
+void require_sharded(FsdpState& st, const char* what);
+/// "<unit fqn>._flat_param", or "_flat_param" for the root.
+std::string flat_key(const Unit& u);
+std::string shape_str(at::IntArrayRef s);
+
+}  // namespace detail
+}  // namespace fsdp

@@ -1,0 +1,361 @@
+// Loading FULL / SHARDED / LOCAL state dicts into a wrapped model: every rank plans its copies
+// and checks every key, shape, dtype and piece; the ranks exchange verdicts; nothing is written
+// unless all of them succeeded.
+#include <algorithm>
+#include <map>
+#include <sstream>
+
+#include "fsdp/errors.h"
+#include "fsdp/model_state_dict.h"
+#include "runtime/state.h"
+#include "state_dict/key_map.h"
+
+namespace fsdp {
+namespace {
+
+using detail::flat_key;
+using detail::FsdpState;
+using detail::key_map;
+using detail::KeyMap;
+using detail::ParamLoc;
+using detail::shape_str;
+
+struct Plan {
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // dst <- src
+  std::string error;                                      // first problem found on this rank
+  LoadResult result;
+  void fail(const std::string& e) {
+    if (error.empty()) error = e;
+  }
+};
+
+// Plans the copy of this rank's part of a managed parameter from `src_range(start, n)`.
+template <typename Range>
+void plan_param(const FsdpState& st, const ParamLoc& loc, Range&& src_range, Plan& plan) {
+  FlatParamHandle& h = *st.units[loc.unit]->handle;
+  const ShardParamInfo& s = h.shard_param_infos()[loc.index];
+  const auto& l = h.layout();
+  at::Tensor flat = h.flat_param().detach();
+  if (!h.uses_sharded_strategy()) {
+    plan.copies.emplace_back(flat.narrow(0, l.param_offset(loc.index), l.numels[loc.index]),
+                             src_range(0, l.numels[loc.index]));
+  } else if (s.in_shard && s.numel_in_shard > 0) {
+    plan.copies.emplace_back(flat.narrow(0, s.offset_in_shard, s.numel_in_shard),
+                             src_range(s.intra_param_start_idx, s.numel_in_shard));
+  }
+}
+
+void check_shape_dtype(const std::string& key, at::IntArrayRef got, at::ScalarType got_dtype,
+                       at::IntArrayRef want, at::ScalarType want_dtype, int rank, Plan& plan) {
+  if (got != want) {
+    plan.fail("size mismatch for '" + key + "': copying a param with shape " + shape_str(got) +
+              " from the state dict, the shape in the current model is " + shape_str(want) +
+              " (rank " + std::to_string(rank) + ")");
+  } else if (got_dtype != want_dtype) {
+    plan.fail(std::string("dtype mismatch for '") + key + "': the state dict has " +
+              c10::toString(got_dtype) + ", the model " + c10::toString(want_dtype) + " (rank " +
+              std::to_string(rank) + ")");
+  }
+}
+
+void plan_unmanaged(FsdpState& st, const std::string& key, const at::Tensor& target,
+                    const StateValue& v, Plan& plan, int rank) {
+  if (!v.is_tensor()) {
+    plan.fail("'" + key + "' must be a Tensor, the state dict has " + to_string(v.kind()));
+    return;
+  }
+  at::ScalarType want = target.scalar_type();
+  auto it = st.buffer_orig_dtypes.find(target.unsafeGetTensorImpl());
+  if (it != st.buffer_orig_dtypes.end()) want = it->second;
+  check_shape_dtype(key, v.tensor().sizes(), v.tensor().scalar_type(), target.sizes(), want, rank,
+                    plan);
+  plan.copies.emplace_back(target.detach(), v.tensor());
+}
+
+// A SHARDED dict holds each parameter as dim-0 chunks, which do not line up with flat-parameter
+// shards: a rank usually needs elements held by other ranks, even at the world size that saved.
+// Unless every rank already holds every piece it needs (e.g. pieces read from storage), the ranks
+// exchange their pieces one parameter at a time, as PyTorch's loader all-gathers them, and each
+// keeps only the pieces overlapping what it needs. Collective; every rank walks the model's keys
+// in the same order whatever its dict holds.
+StateDict exchange_pieces(FsdpState& st, const KeyMap& km, const StateDict& sd, Plan& plan) {
+  // Over all data-parallel ranks: the dict may have been cut for another layout than this
+  // (e.g. 4 chunks saved without hybrid sharding, loaded as 2 x 2).
+  dist::ProcessGroup& pg = st.world_group;
+  // Does any rank miss a piece it needs?
+  bool covered = true;
+  for (const auto& [k, loc] : km.managed) {
+    if (!sd.contains(k) || !sd.at(k).is_sharded_tensor()) continue;
+    const ShardParamInfo& s = st.units[loc.unit]->handle->shard_param_infos()[loc.index];
+    if (!s.in_shard || s.numel_in_shard == 0) continue;
+    try {
+      sd.at(k).sharded_tensor().flat_range(s.intra_param_start_idx, s.numel_in_shard, k);
+    } catch (...) {  // not covered, or anything else: exchange (every rank must decide alike)
+      covered = false;
+      break;
+    }
+  }
+  at::Tensor flag = at::full({1}, covered ? 0 : 1, at::kInt);
+  pg.all_reduce(flag, dist::ReduceOp::MAX);
+  if (flag.item<int>() == 0) return sd;
+
+  StateDict out = sd;
+  for (const auto& k : km.order) {
+    auto m = km.managed.find(k);
+    if (m == km.managed.end()) continue;
+    const bool have = sd.contains(k) && sd.at(k).is_sharded_tensor();
+    const ShardedTensor* t = have ? &sd.at(k).sharded_tensor() : nullptr;
+    const std::vector<int64_t> global_shape = t ? t->size() : std::vector<int64_t>{};
+    // Metadata: dtype, then offsets and sizes of each local piece.
+    std::ostringstream meta;
+    std::vector<at::Tensor> flat;
+    if (t) {
+      try {
+        std::ostringstream m;
+        m << static_cast<int>(t->dtype()) << " " << t->size().size() << " "
+          << t->local_shards().size();
+        for (const auto& s : t->local_shards()) {
+          if (s.tensor.numel() != s.metadata.numel()) {
+            throw ValueError("a piece of '" + k + "' does not match its metadata");
+          }
+          for (auto o : s.metadata.offsets) m << " " << o;
+          for (auto z : s.metadata.sizes) m << " " << z;
+          flat.push_back(s.tensor.reshape({-1}).to(at::kCPU).to(t->dtype()));
+        }
+        meta << m.str();
+      } catch (const std::exception& e) {
+        // Keep taking part in the collectives; the verdict exchange reports the problem.
+        plan.fail(std::string(e.what()) + " (rank " + std::to_string(pg.rank()) + ")");
+        flat.clear();
+        t = nullptr;
+      }
+    }
+    const auto metas = pg.all_gather_bytes(meta.str());
+    at::ScalarType dtype = t ? t->dtype() : at::kFloat;
+    std::vector<int64_t> lens(metas.size(), 0);
+    std::vector<std::vector<ShardMetadata>> boxes(metas.size());
+    for (size_t r = 0; r < metas.size(); ++r) {
+      std::istringstream is(metas[r]);
+      int dt = 0;
+      size_t dims = 0, n = 0;
+      if (!(is >> dt >> dims >> n)) continue;
+      dtype = static_cast<at::ScalarType>(dt);
+      for (size_t i = 0; i < n; ++i) {
+        ShardMetadata b;
+        b.offsets.resize(dims);
+        b.sizes.resize(dims);
+        for (auto& o : b.offsets) is >> o;
+        for (auto& z : b.sizes) is >> z;
+        b.placement_rank = static_cast<int>(r);
+        lens[r] += b.numel();
+        boxes[r].push_back(b);
+      }
+    }
+    const int64_t max_len = *std::max_element(lens.begin(), lens.end());
+    at::Tensor mine = at::zeros({max_len}, at::TensorOptions().dtype(dtype));
+    if (t && !flat.empty() && lens[pg.rank()] > 0) {
+      mine.narrow(0, 0, lens[pg.rank()]).copy_(at::cat(flat).to(dtype));
+    }
+    at::Tensor all = at::empty({max_len * pg.size()}, mine.options());
+    pg.all_gather_into_tensor(all, mine);
+    if (!t) continue;
+    // Keep one copy of each box (ranks may hold the same piece) that overlaps this rank's range of
+    // the parameter; boxes that are not one contiguous run of the flattened tensor are kept.
+    const ShardParamInfo& s =
+        st.units[m->second.unit]->handle->shard_param_infos()[m->second.index];
+    const int64_t lo = s.in_shard ? s.intra_param_start_idx : 0;
+    const int64_t hi = s.in_shard ? s.intra_param_end_idx + 1 : 0;
+    int64_t row = 1;
+    for (size_t d = 1; d < global_shape.size(); ++d) row *= global_shape[d];
+    std::vector<Shard> pieces;
+    std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> seen_boxes;
+    for (size_t r = 0; r < boxes.size(); ++r) {
+      int64_t off = 0;
+      for (const auto& b : boxes[r]) {
+        const int64_t n = b.numel();
+        bool wanted = true;
+        bool dim0_box = !b.offsets.empty();
+        for (size_t d = 1; d < b.offsets.size() && dim0_box; ++d) {
+          dim0_box = b.offsets[d] == 0 && b.sizes[d] == global_shape[d];
+        }
+        if (dim0_box) {
+          const int64_t start = b.offsets[0] * row;
+          wanted = start < hi && start + n > lo;
+        }
+        auto key = std::make_pair(b.offsets, b.sizes);
+        if (std::find(seen_boxes.begin(), seen_boxes.end(), key) != seen_boxes.end()) {
+          wanted = false;
+        }
+        if (wanted) {
+          seen_boxes.push_back(key);
+          pieces.push_back(Shard{all.narrow(0, r * max_len + off, n).view(b.sizes).clone(), b});
+        }
+        off += n;
+      }
+    }
+    try {
+      out.insert_or_assign(k, ShardedTensor(global_shape, dtype, std::move(pieces)));
+    } catch (const ValueError&) {
+      // Inconsistent pieces across ranks: keep this rank's own, planning reports the problem.
+    }
+  }
+  return out;
+}
+
+Plan plan_load(FsdpState& st, const StateDict& sd_in) {
+  Plan plan;
+  const KeyMap km = key_map(st);
+  const int rank = st.world_group.rank();
+  const StateDict& sd = st.state_dict_type == StateDictType::SHARDED_STATE_DICT
+                            ? exchange_pieces(st, km, sd_in, plan)
+                            : sd_in;
+  std::map<std::string, bool> expected;
+  auto expect = [&](const std::string& k) {
+    expected[k] = true;
+    if (!sd.contains(k)) plan.result.missing_keys.push_back(k);
+  };
+  const StateDictType type = st.state_dict_type;
+  std::vector<bool> unit_done(st.units.size(), false);
+  for (const auto& k : km.order) {
+    auto m = km.managed.find(k);
+    if (m == km.managed.end()) {
+      expect(k);
+      if (sd.contains(k)) plan_unmanaged(st, k, km.unmanaged.at(k), sd.at(k), plan, rank);
+      continue;
+    }
+    const ParamLoc loc = m->second;
+    FlatParamHandle& h = *st.units[loc.unit]->handle;
+    const auto& l = h.layout();
+    if (type == StateDictType::LOCAL_STATE_DICT) {
+      if (unit_done[loc.unit]) continue;
+      unit_done[loc.unit] = true;
+      const std::string fk = flat_key(*st.units[loc.unit]);
+      expect(fk);
+      if (!sd.contains(fk)) continue;
+      const StateValue& v = sd.at(fk);
+      if (!v.is_sharded_tensor()) {
+        plan.fail("'" + fk + "' must be a ShardedTensor in a LOCAL state dict, it is " +
+                  to_string(v.kind()));
+        continue;
+      }
+      const ShardedTensor& t = v.sharded_tensor();
+      const int64_t valid = l.sharded_numel - h.shard_numel_padded();
+      const Shard* mine = nullptr;
+      for (const auto& s : t.local_shards()) {
+        if (s.metadata.offsets == std::vector<int64_t>{h.rank() * l.sharded_numel} &&
+            s.metadata.sizes == std::vector<int64_t>{valid}) {
+          mine = &s;
+        }
+      }
+      if (t.size() != std::vector<int64_t>{l.unpadded_unsharded_numel} ||
+          t.dtype() != h.orig_dtype() || (valid > 0 && mine == nullptr)) {
+        plan.fail("'" + fk + "' does not match this rank's flat parameter (rank " +
+                  std::to_string(h.rank()) + " of " + std::to_string(h.world_size()) + ", " +
+                  std::to_string(l.unpadded_unsharded_numel) + " elements, shard at " +
+                  std::to_string(h.rank() * l.sharded_numel) + " of " + std::to_string(valid) +
+                  "): LOCAL state dicts load only at the world size and layout that saved "
+                  "them; use SHARDED_STATE_DICT to reshard");
+        continue;
+      }
+      if (valid > 0) {
+        plan.copies.emplace_back(h.flat_param().detach().narrow(0, 0, valid), mine->tensor);
+      }
+      continue;
+    }
+    expect(k);
+    if (!sd.contains(k)) continue;
+    const StateValue& v = sd.at(k);
+    const auto& shape = l.shapes[loc.index];
+    if (type == StateDictType::FULL_STATE_DICT) {
+      if (!v.is_tensor()) {
+        plan.fail("'" + k + "' must be a Tensor in a FULL state dict, it is " +
+                  to_string(v.kind()));
+        continue;
+      }
+      const at::Tensor& t = v.tensor();
+      check_shape_dtype(k, t.sizes(), t.scalar_type(), shape, h.orig_dtype(), rank, plan);
+      if (!plan.error.empty()) continue;
+      plan_param(
+          st, loc, [&](int64_t start, int64_t n) { return t.reshape({-1}).narrow(0, start, n); },
+          plan);
+    } else {
+      if (!v.is_sharded_tensor()) {
+        plan.fail("'" + k + "' must be a ShardedTensor in a SHARDED state dict, it is " +
+                  to_string(v.kind()));
+        continue;
+      }
+      const ShardedTensor& t = v.sharded_tensor();
+      check_shape_dtype(k, t.size(), t.dtype(), shape, h.orig_dtype(), rank, plan);
+      if (!plan.error.empty()) continue;
+      try {
+        plan_param(
+            st, loc, [&](int64_t start, int64_t n) { return t.flat_range(start, n, k); }, plan);
+      } catch (const ValueError& e) {
+        plan.fail(std::string(e.what()) + " (rank " + std::to_string(rank) + ")");
+      }
+    }
+  }
+  for (const auto& [k, v] : sd) {
+    if (!expected.count(k)) plan.result.unexpected_keys.push_back(k);
+  }
+  return plan;
+}
+
+std::string key_list(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const auto& k : keys) out += (out.empty() ? "\"" : ", \"") + k + "\"";
+  return out;
+}
+}  // namespace
+
+LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd, bool strict) {
+  FsdpState& st = *model->runtime_state();
+  detail::require_idle(st, "load_state_dict");
+  if (st.state_dict_type != StateDictType::FULL_STATE_DICT) {
+    detail::require_sharded(st, st.state_dict_type == StateDictType::LOCAL_STATE_DICT
+                                    ? "LOCAL_STATE_DICT"
+                                    : "SHARDED_STATE_DICT");
+  }
+  Plan plan = plan_load(st, sd);
+  if (plan.error.empty() && strict &&
+      (!plan.result.missing_keys.empty() || !plan.result.unexpected_keys.empty())) {
+    plan.error = "Error(s) in loading state_dict:";
+    if (!plan.result.missing_keys.empty()) {
+      plan.error += " Missing key(s) in state_dict: " + key_list(plan.result.missing_keys) + ".";
+    }
+    if (!plan.result.unexpected_keys.empty()) {
+      plan.error +=
+          " Unexpected key(s) in state_dict: " + key_list(plan.result.unexpected_keys) + ".";
+    }
+  }
+  // Non-strict loads skip keys; every rank must skip the same ones, or ranks would end up with
+  // different models.
+  if (plan.error.empty() && !strict) {
+    const std::string mine =
+        key_list(plan.result.missing_keys) + "|" + key_list(plan.result.unexpected_keys);
+    const auto all = st.world_group.all_gather_bytes(mine);
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r] != mine) {
+        plan.error = "ranks disagree on the keys to skip: rank " +
+                     std::to_string(st.world_group.rank()) + " misses/ignores " + mine + ", rank " +
+                     std::to_string(r) + " " + all[r];
+        break;
+      }
+    }
+  } else {
+    st.world_group.all_gather_bytes(std::string());  // the same collectives on every path
+  }
+  // All-or-nothing across ranks: apply only if every rank's plan is sound.
+  const auto errors = st.world_group.all_gather_bytes(plan.error);
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    if (!plan.error.empty()) throw ValueError("load_state_dict: " + plan.error);
+    throw ValueError("load_state_dict aborted, nothing was loaded: rank " + std::to_string(r) +
+                     " failed: " + errors[r]);
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [dst, src] : plan.copies) dst.copy_(src);
+  return plan.result;
+}
+
+}  // namespace fsdp
