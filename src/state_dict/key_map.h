@@ -22,7 +22,6 @@ struct KeyMap {
   std::vector<std::string> order;               // module_state_dict order
   std::map<std::string, ParamLoc> managed;      // parameters owned by a handle (all FQNs)
   std::map<std::string, at::Tensor> unmanaged;  // ignored parameters and buffers
-  std::map<std::string, bool> is_buffer;
 };
 
 KeyMap key_map(FsdpState& st);

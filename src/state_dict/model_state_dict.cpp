@@ -51,7 +51,6 @@ KeyMap key_map(FsdpState& st) {
       const std::string k = name(b.key());
       km.order.push_back(k);
       km.unmanaged[k] = b.value();
-      km.is_buffer[k] = true;
     }
   }
   return km;
