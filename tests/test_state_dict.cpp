@@ -469,3 +469,33 @@ TEST(ModelStateDict, LocalNeedsTheSameWorldSizeAndShardedNeedsSharding) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(ModelStateDict, HybridShardRoundTripsFullAndSharded) {
+  run_ranks(4, [](ProcessGroup& pg) {
+    for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
+      TinyLM a(51);
+      FullyShardedDataParallel src(
+          a, opts_for(a, ShardingStrategy::HYBRID_SHARD, false).hybrid_shard_size(2));
+      train_step(src, pg.rank());
+      const StateDict expect = full_of(src);
+      EXPECT_EQ(expect.keys(), fsdp::module_state_dict(*TinyLM(51)).keys());
+      StateDict saved;
+      {
+        fsdp::StateDictTypeGuard g(src, type);
+        saved = fsdp::state_dict(src);
+      }
+      TinyLM b(52);
+      FullyShardedDataParallel dst(
+          b, opts_for(b, ShardingStrategy::HYBRID_SHARD, true).hybrid_shard_size(2));
+      {
+        fsdp::StateDictTypeGuard g(dst, type);
+        fsdp::load_state_dict(dst, saved);
+      }
+      expect_same(full_of(dst), expect, "hybrid round trip");
+    }
+  });
+}
+
+}  // namespace
