@@ -329,21 +329,21 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
     }
   }
   // Non-strict loads skip keys; every rank must skip the same ones, or ranks would end up with
-  // different models.
-  if (plan.error.empty() && !strict) {
-    const std::string mine =
-        key_list(plan.result.missing_keys) + "|" + key_list(plan.result.unexpected_keys);
+  // different models. (`strict` is the same on every rank, so all or none take part. A rank that
+  // already failed sends a marker and is not compared: its own error is reported below.)
+  if (!strict) {
+    const std::string failed = "\x01" "failed";
+    const std::string mine = plan.error.empty() ? key_list(plan.result.missing_keys) + "|" +
+                                                      key_list(plan.result.unexpected_keys)
+                                                : failed;
     const auto all = st.world_group.all_gather_bytes(mine);
-    for (size_t r = 0; r < all.size(); ++r) {
-      if (all[r] != mine) {
+    for (size_t r = 0; r < all.size() && plan.error.empty(); ++r) {
+      if (all[r] != failed && all[r] != mine) {
         plan.error = "ranks disagree on the keys to skip: rank " +
                      std::to_string(st.world_group.rank()) + " misses/ignores " + mine + ", rank " +
                      std::to_string(r) + " " + all[r];
-        break;
       }
     }
-  } else {
-    st.world_group.all_gather_bytes(std::string());  // the same collectives on every path
   }
   // All-or-nothing across ranks: apply only if every rank's plan is sound.
   const auto errors = st.world_group.all_gather_bytes(plan.error);
