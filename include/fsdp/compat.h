@@ -8,9 +8,13 @@
 //    the backend object directly (`compat::Backend`), which has the same collective virtuals in
 //    both.
 //  * Which collectives a backend implements natively (Gloo gained _allgather_base and
-//    _reduce_scatter_base around 2.2); `compat::native_flat_collectives` says when to use them.
+//    _reduce_scatter_base around 2.2); `compat::native_flat_collectives` says when to try them
+//    (fsdp::dist falls back to an emulation if the backend still refuses at the call), and
+//    `compat::native_reduce_scatter_honours` which reduce ops a native reduce-scatter gets right
+//    (Gloo's sums whatever op it is asked for, checked on 2.6 and 2.14).
 //  * TCPStore construction: only TCPStore(host, TCPStoreOptions) exists in both, so it is the only
-//    form used.
+//    form used. Since 2.4 TCPStoreOptions::useLibUV defaults to true, and builds without libuv
+//    (Debian's) then throw; we default it to false (see make_tcp_store).
 //  * The key type of torch::optim's per-parameter state map (std::string of the TensorImpl address
 //    in 1.13, void* since about 2.2).
 //
@@ -21,9 +25,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -69,6 +76,36 @@ inline bool native_flat_collectives(const std::string& backend_name) {
   return kTorchVersion >= 202 && backend_name == "gloo";
 }
 
+/// True when a native reduce-scatter on `backend_name` applies `op` as asked. Gloo's
+/// `_reduce_scatter_base` ignores the op and sums (LibTorch 2.6 and 2.14), so only SUM is trusted.
+inline bool native_reduce_scatter_honours(const std::string& backend_name, c10d::ReduceOp op) {
+  if (backend_name == "nccl") return true;
+  return op == c10d::ReduceOp::SUM;
+}
+
+namespace detail {
+// Whether TCPStoreOptions has the `useLibUV` field (2.3 on): detected, not inferred from versions.
+template <typename T, typename = void>
+struct HasUseLibUV : std::false_type {};
+template <typename T>
+struct HasUseLibUV<T, std::void_t<decltype(std::declval<T&>().useLibUV)>> : std::true_type {};
+
+template <typename T>
+void set_use_libuv(T& opts, bool on) {
+  if constexpr (HasUseLibUV<T>::value) opts.useLibUV = on;
+  (void)opts;
+  (void)on;
+}
+}  // namespace detail
+
+/// Whether TCPStore should use its libuv backend: only when USE_LIBUV=1 is set (Python reads the
+/// same variable). PyTorch 2.4+ defaults to libuv, which Debian's builds lack; the classic backend
+/// exists in every build and speaks the same protocol, so it is the safe default.
+inline bool tcp_store_use_libuv() {
+  const char* v = std::getenv("USE_LIBUV");
+  return v != nullptr && std::string(v) == "1";
+}
+
 /// Connects to (or, with `is_server`, hosts) a c10d TCPStore.
 /// `port` 0 with `is_server` picks a free port; read it back with store->getPort().
 inline c10::intrusive_ptr<c10d::TCPStore> make_tcp_store(const std::string& host,
@@ -83,6 +120,7 @@ inline c10::intrusive_ptr<c10d::TCPStore> make_tcp_store(const std::string& host
   // barrier does the waiting, under the group's timeout.
   opts.waitWorkers = false;
   opts.timeout = timeout;
+  detail::set_use_libuv(opts, tcp_store_use_libuv());
   return c10::make_intrusive<c10d::TCPStore>(host, opts);
 }
 

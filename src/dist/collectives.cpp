@@ -214,8 +214,15 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
     finish_avg();
     return launch(op, {});
   }
+  const bool native_ok = compat::native_flat_collectives(s.backend_name) &&
+                         compat::native_reduce_scatter_honours(s.backend_name, to_c10d(op_kind));
+  if (algo == ReduceScatterAlgo::kNative && !native_ok) {
+    // Refuse rather than return a silently wrong reduction (Gloo's native form always sums).
+    throw ValueError(describe(op, *this) + ": the " + s.backend_name +
+                     " backend has no native reduce-scatter that honours this op; use kAuto");
+  }
   if (algo == ReduceScatterAlgo::kAuto) {
-    if (compat::native_flat_collectives(s.backend_name)) {
+    if (native_ok) {
       algo = ReduceScatterAlgo::kNative;
     } else {
       // Measured with bench/bench_collectives (docs/dist.md): on Gloo, alltoall + local sum is
