@@ -246,6 +246,12 @@ class FlatParamHandle {
   /// gradients are neither replaced by shard views on reshard() nor written back. A caller that
   /// drives the handle by hand calls reduce_grad() before reshard(), or calls this first.
   void mark_grads_unreduced();
+  /// PyTorch's `_reset_flat_param_grad_info_if_needed` (use_orig_params only; a no-op otherwise):
+  /// drops the sharded gradient if every original parameter's gradient is undefined (an
+  /// optimizer's zero_grad(set_to_none)), and recomputes flat_param().requires_grad() as "any
+  /// original parameter requires grad", so parameters frozen or unfrozen after wrapping train
+  /// correctly. The runtime calls it before each unit's forward.
+  void reset_flat_param_grad_info_if_needed();
   /// The flattened, padded unsharded gradient built from the original parameters' gradients, in
   /// reduce_dtype (what reduce_grad() communicates).
   at::Tensor flatten_orig_grads() const;
@@ -313,6 +319,7 @@ class FlatParamHandle {
   void use_unsharded_views(const at::Tensor& unsharded_flat);
   void use_sharded_views();
   void use_sharded_grad_views();
+  void absorb_cleared_grad_views();
   void validate_and_describe(const std::vector<at::Tensor>& tensors);
 
   FlatParamHandleOptions options_;
@@ -347,6 +354,10 @@ class FlatParamHandle {
   bool buffer_valid_ = false;  // the unsharded buffer holds the result of a successful gather
   std::vector<bool>
       is_grad_none_;  // per parameter: its gradient was reset to undefined by the user
+  // Per parameter: its .grad() is a view of the sharded gradient that we attached. If such a
+  // gradient is undefined later, the user cleared it (zero_grad(set_to_none)) and the sharded
+  // gradient's slice must not come back on the next reshard.
+  std::vector<bool> grad_view_attached_;
   std::unique_ptr<dist::Work> pending_unshard_;
 };
 

@@ -17,10 +17,47 @@ void FlatParamHandle::prepare_grads_for_backward() {
   // flat_param().grad(), and reduce_grad() adds the new ones to them.
   const at::Tensor fg = flat_param_.grad();
   if (!fg.defined()) return;
-  for (auto& p : params_) {
-    const at::Tensor g = p.grad();
-    if (g.defined() && g.storage().is_alias_of(fg.storage())) p.mutable_grad().reset();
+  absorb_cleared_grad_views();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor g = params_[i].grad();
+    if (g.defined() && g.storage().is_alias_of(fg.storage())) params_[i].mutable_grad().reset();
+    grad_view_attached_[i] = false;
   }
+}
+
+void FlatParamHandle::absorb_cleared_grad_views() {
+  if (!options_.use_orig_params() || grads_unreduced_) return;
+  at::Tensor fg = flat_param_.grad();
+  bool all_none = true;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (grad_view_attached_[i] && !params_[i].grad().defined()) {
+      // Cleared by the user while we were not looking (e.g. while unsharded for an eval forward):
+      // as in writeback_orig_params, its slice of the sharded gradient is zero from now on.
+      const ShardParamInfo& s = shard_param_infos_[i];
+      if (fg.defined() && s.in_shard) {
+        const int64_t off = uses_sharded_strategy() ? s.offset_in_shard : layout_.param_offset(i);
+        const int64_t n = uses_sharded_strategy() ? s.numel_in_shard : layout_.numels[i];
+        fg.narrow(0, off, n).zero_();
+      }
+      is_grad_none_[i] = true;
+      grad_view_attached_[i] = false;
+    }
+    all_none &= is_grad_none_[i] || !params_[i].requires_grad();
+  }
+  if (all_none && fg.defined()) flat_param_.mutable_grad().reset();
+}
+
+void FlatParamHandle::reset_flat_param_grad_info_if_needed() {
+  if (!options_.use_orig_params()) return;
+  absorb_cleared_grad_views();
+  bool all_none = true;
+  bool requires_grad = false;
+  for (const auto& p : params_) {
+    all_none &= !p.grad().defined();
+    requires_grad |= p.requires_grad();
+  }
+  if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
+  flat_param_.set_requires_grad(requires_grad);
 }
 
 void FlatParamHandle::use_sharded_grad_views() {
@@ -30,8 +67,10 @@ void FlatParamHandle::use_sharded_grad_views() {
     const ShardParamInfo& s = shard_param_infos_[i];
     if (!g.defined() || !s.in_shard || !params_[i].requires_grad() || is_grad_none_[i]) {
       params_[i].mutable_grad().reset();
+      grad_view_attached_[i] = false;
       continue;
     }
+    grad_view_attached_[i] = true;
     params_[i].mutable_grad() = uses_sharded_strategy()
                                     ? storage_alias(g, s.offset_in_shard, {s.numel_in_shard})
                                     : storage_alias(g, layout_.param_offset(i), layout_.shapes[i]);
@@ -109,6 +148,7 @@ void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
   }
   for (auto& p : params_) p.mutable_grad().reset();
   std::fill(is_grad_none_.begin(), is_grad_none_.end(), false);
+  std::fill(grad_view_attached_.begin(), grad_view_attached_.end(), false);
   grads_unreduced_ = false;
   if (options_.use_orig_params() && !unsharded_views_) use_sharded_grad_views();
 }

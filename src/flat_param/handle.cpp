@@ -87,6 +87,7 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
   shard_param_infos_ = layout_.shard_param_infos(rank_);
   shard_numel_padded_ = layout_.shard_numel_padded(rank_);
   is_grad_none_.assign(params_.size(), false);
+  grad_view_attached_.assign(params_.size(), false);
 
   const int dp_size =
       world_size_ *
@@ -321,6 +322,7 @@ void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
 void FlatParamHandle::reshard(bool free_unsharded) {
   if (pending_unshard_) abandon_unshard();  // a prefetch nobody used: its result is not needed
   if (options_.use_orig_params()) {
+    absorb_cleared_grad_views();
     use_sharded_views();
     use_sharded_grad_views();
   } else if (uses_sharded_strategy()) {
@@ -429,6 +431,7 @@ bool FlatParamHandle::writeback_orig_params() {
       if (fg.defined() && !is_grad_none_[i]) {
         fg.narrow(0, off, numel).zero_();
         is_grad_none_[i] = true;
+        grad_view_attached_[i] = false;
       }
       continue;
     }

@@ -93,6 +93,7 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
         ignored.insert(p.unsafeGetTensorImpl());
         st.ignored_params.push_back(p);
       }
+      for (const auto& b : ig->buffers()) st.ignored_buffers.insert(b.unsafeGetTensorImpl());
     }
   }
 

@@ -138,7 +138,7 @@ void FsdpState::cast_buffers_once() {
   if (!dtype) return;
   at::NoGradGuard no_grad;
   for (auto& b : root_module->buffers()) {
-    if (!b.is_floating_point()) continue;
+    if (!b.is_floating_point() || ignored_buffers.count(b.unsafeGetTensorImpl())) continue;
     buffer_orig_dtypes.emplace(b.unsafeGetTensorImpl(), b.scalar_type());
     b.set_data(b.to(*dtype));
   }
@@ -176,6 +176,7 @@ void FsdpState::pre_forward(int idx) {
   }
   if (!u.handle) return;
   u.handle->set_training_state(HandleTrainingState::FORWARD);
+  u.handle->reset_flat_param_grad_info_if_needed();
   u.handle->unshard();
   if (torch::GradMode::is_enabled()) hook_grad_accumulators(u);
   if (options.forward_prefetch() && order_recorded) prefetch(neighbour_in_order(idx, +1));

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <map>
+#include <unordered_set>
 
 #include "fsdp/fully_sharded.h"
 #include "fsdp/model_state_dict.h"
@@ -56,6 +57,8 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   std::shared_ptr<torch::nn::Module> root_module;
   dist::ProcessGroup world_group;  // all data-parallel ranks (shard x replicate)
   std::vector<at::Tensor> ignored_params;
+  // Buffers of ignored modules: never cast to buffer_dtype (PyTorch skips _ignored_buffer_names).
+  std::unordered_set<const c10::TensorImpl*> ignored_buffers;
   std::map<const c10::TensorImpl*, at::ScalarType> buffer_orig_dtypes;  // set by buffer_dtype casts
 
   StateDictType state_dict_type = StateDictType::FULL_STATE_DICT;

@@ -1,0 +1,205 @@
+// Runtime behaviours the core review (issue 7) found wrong at the edges, each checked against an
+// unwrapped single-process reference: buffers of ignored modules under buffer_dtype, requires_grad
+// changed after wrapping, gradients cleared with set_to_none while a unit was unsharded.
+#include <gtest/gtest.h>
+
+#include "fsdp/errors.h"
+#include "fsdp/fully_sharded.h"
+#include "fsdp/model_state_dict.h"
+#include "multi_rank.h"
+#include "tiny_lm.h"
+
+using fsdp::FullyShardedDataParallel;
+using fsdp::FullyShardedOptions;
+using fsdp::ShardingStrategy;
+using fsdp::dist::ProcessGroup;
+using fsdp::testing::BlockImpl;
+using fsdp::testing::run_ranks;
+using fsdp::testing::TinyLM;
+using fsdp::testing::TinyLMImpl;
+
+namespace {
+
+torch::Tensor tokens(int64_t rows, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return torch::randint(TinyLMImpl::kVocab, {rows, 5}, gen, torch::kLong);
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, TinyLMImpl::kVocab}),
+                                              target.reshape({-1}));
+}
+
+FullyShardedOptions lm_options(TinyLM& m) {
+  return FullyShardedOptions()
+      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
+      .units({m->frozen.ptr()});
+}
+
+std::map<std::string, torch::Tensor> full_params(FullyShardedDataParallel& model) {
+  fsdp::SummonFullParamsGuard g(model, false);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : model->module()->named_parameters())
+    out[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+// optimizer.zero_grad(set_to_none=true), whatever the LibTorch version's default is (1.13 zeroes
+// in place, 2.x sets to none).
+void zero_grad_set_to_none(torch::optim::Optimizer& opt) {
+  for (auto& group : opt.param_groups()) {
+    for (auto& p : group.params()) p.mutable_grad().reset();
+  }
+}
+
+// A module with a float buffer, to be ignored by FSDP.
+struct StatsImpl : torch::nn::Module {
+  torch::Tensor running;
+  StatsImpl() { running = register_buffer("running", torch::linspace(0.1, 0.9, 8) / 3.0); }
+  torch::Tensor forward(const torch::Tensor& x) { return x * running.to(x.scalar_type()); }
+};
+TORCH_MODULE(Stats);
+
+struct WithStatsImpl : TinyLMImpl {
+  Stats stats{nullptr};
+  WithStatsImpl() : TinyLMImpl(21) { stats = register_module("stats", Stats()); }
+  torch::Tensor forward(const torch::Tensor& idx) {
+    return TinyLMImpl::forward(idx) + stats(torch::ones({8})).sum();
+  }
+};
+TORCH_MODULE(WithStats);
+
+}  // namespace
+
+// PyTorch never casts buffers of ignored modules to buffer_dtype (they are outside FSDP's care),
+// and its state-dict hook leaves them alone. Casting loses precision even if cast back later.
+TEST(RuntimeRegressions, IgnoredModuleBuffersKeepTheirDtypeUnderBufferDtype) {
+  run_ranks(2, [](ProcessGroup&) {
+    WithStats m;
+    const torch::Tensor before = m->stats->running.clone();
+    FullyShardedDataParallel model(
+        m, FullyShardedOptions()
+               .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
+               .units({m->frozen.ptr()})
+               .ignored_modules({m->stats.ptr()})
+               .mixed_precision(fsdp::MixedPrecision().buffer_dtype(at::kBFloat16)));
+    auto idx = tokens(2, 3);
+    lm_loss(model->forward(idx), idx).backward();
+    EXPECT_EQ(m->scale.scalar_type(), at::kBFloat16);  // a managed buffer is cast
+    EXPECT_EQ(m->stats->running.scalar_type(), at::kFloat);
+    EXPECT_TRUE(torch::equal(m->stats->running, before));  // bit-exact, never round-tripped
+    fsdp::StateDictTypeGuard guard(model, fsdp::StateDictType::FULL_STATE_DICT);
+    auto sd = fsdp::state_dict(model);
+    EXPECT_TRUE(torch::equal(sd.at("stats.running").tensor(), before));
+  });
+}
+
+// The seed recomputes flat_param.requires_grad every iteration (_reset_flat_param_grad_info_if_
+// needed). A unit whose parameters were all frozen at wrap time and are unfrozen later must train
+// like the unwrapped model does.
+TEST(RuntimeRegressions, UnfreezingAUnitFrozenAtWrapTimeTrainsIt) {
+  for (int W : {2, 3}) {
+    run_ranks(W, [](ProcessGroup& pg) {
+      const int W = pg.size();
+      TinyLM m(31);
+      TinyLM ref(31);
+      FullyShardedDataParallel model(m, lm_options(m).use_orig_params(true));
+      for (auto& p : m->frozen->parameters()) p.set_requires_grad(true);
+      for (auto& p : ref->frozen->parameters()) p.set_requires_grad(true);
+      torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
+      torch::optim::SGD ref_opt(fsdp::testing::unique_params(ref->parameters()), 0.5);
+      for (int step = 0; step < 3; ++step) {
+        auto idx = tokens(2 * W, 90 + step);
+        opt.zero_grad();
+        lm_loss(model->forward(idx.narrow(0, 2 * pg.rank(), 2)), idx.narrow(0, 2 * pg.rank(), 2))
+            .backward();
+        opt.step();
+        ref_opt.zero_grad();
+        lm_loss(ref->forward(idx), idx).backward();
+        ref_opt.step();
+      }
+      const auto got = full_params(model);
+      const TinyLM init(31);
+      for (const auto& p : ref->named_parameters()) {
+        const auto& v = got.at(p.key());
+        EXPECT_TRUE(torch::allclose(v, p.value(), 1e-5, 1e-6))
+            << p.key() << " max diff " << (v - p.value()).abs().max().item<float>();
+      }
+      // The control: the unfrozen weights did move (a skipped reduce would leave them, or leave
+      // ranks apart).
+      EXPECT_FALSE(torch::equal(got.at("frozen.weight"), init->frozen->weight));
+    });
+  }
+}
+
+// And freezing after wrapping: the frozen parameters stay put while the rest trains.
+TEST(RuntimeRegressions, FreezingAfterWrapStopsTheUpdates) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(32);
+    FullyShardedDataParallel model(m, lm_options(m).use_orig_params(true));
+    auto b0 = m->blocks->ptr<BlockImpl>(0);
+    for (auto& p : b0->parameters()) p.set_requires_grad(false);
+    torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
+    const auto before = full_params(model);
+    for (int step = 0; step < 2; ++step) {
+      auto idx = tokens(2, 95 + step + 7 * pg.rank());
+      opt.zero_grad();
+      lm_loss(model->forward(idx), idx).backward();
+      opt.step();
+    }
+    const auto after = full_params(model);
+    EXPECT_TRUE(torch::equal(after.at("blocks.0.fc1.weight"), before.at("blocks.0.fc1.weight")));
+    EXPECT_FALSE(torch::equal(after.at("blocks.1.fc1.weight"), before.at("blocks.1.fc1.weight")));
+    int seen = 0;
+    for (auto* h : model->handles()) {
+      if (h->layout().fqns[0] != "blocks.0.fc1.weight") continue;
+      EXPECT_FALSE(h->flat_param().requires_grad());
+      ++seen;
+    }
+    EXPECT_EQ(seen, 1);
+  });
+}
+
+// zero_grad(set_to_none) issued while a unit is unsharded (the root stays unsharded after a
+// forward under grad mode that no backward followed) must clear its gradient: the stale sharded
+// gradient must not come back on the next reshard and be added to the next step's.
+class ClearedGradsAfterEvalForward : public ::testing::TestWithParam<ShardingStrategy> {};
+
+TEST_P(ClearedGradsAfterEvalForward, MatchTrainingWithoutTheExtraForward) {
+  const ShardingStrategy strategy = GetParam();
+  run_ranks(2, [strategy](ProcessGroup& pg) {
+    auto train = [&](bool eval_between, bool set_to_none) {
+      TinyLM m(13);
+      FullyShardedDataParallel model(m,
+                                     lm_options(m).use_orig_params(true).sharding_strategy(strategy));
+      torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.3);
+      for (int step = 0; step < 3; ++step) {
+        if (set_to_none) {
+          zero_grad_set_to_none(opt);
+        } else {
+          for (auto& p : opt.param_groups()[0].params()) {
+            if (p.grad().defined()) p.mutable_grad().zero_();
+          }
+        }
+        auto idx = tokens(2, 70 + step + 10 * pg.rank());
+        lm_loss(model->forward(idx), idx).backward();
+        opt.step();
+        if (eval_between) model->forward(tokens(2, 5));  // no backward
+      }
+      return full_params(model);
+    };
+    for (bool set_to_none : {true, false}) {
+      const auto plain = train(false, set_to_none);
+      const auto with_eval = train(true, set_to_none);
+      for (const auto& [k, v] : plain) {
+        EXPECT_TRUE(torch::equal(with_eval.at(k), v)) << k << " set_to_none=" << set_to_none;
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, ClearedGradsAfterEvalForward,
+                         ::testing::Values(ShardingStrategy::FULL_SHARD,
+                                           ShardingStrategy::SHARD_GRAD_OP,
+                                           ShardingStrategy::NO_SHARD),
+                         [](const auto& info) { return fsdp::to_string(info.param); });
