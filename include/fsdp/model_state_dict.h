@@ -75,14 +75,22 @@ struct LoadResult {
   std::vector<std::string> unexpected_keys;
 };
 
-/// The model's state dict in its current type. Collective. Not allowed during forward/backward.
+/// The model's state dict in its current type (FULL on a NO_SHARD model, see load_state_dict).
+/// Collective. Not allowed during forward/backward.
 StateDict state_dict(FullyShardedDataParallel& model);
 
 /// Loads `sd` (of the model's current type). With `strict`, missing or unexpected keys raise
-/// ValueError listing them; otherwise they are returned and the rest is loaded. A shape or dtype
-/// mismatch raises ValueError naming the key. Collective; all-or-nothing across ranks.
+/// ValueError listing them; otherwise they are returned and the rest is loaded. A shape mismatch
+/// raises ValueError naming the key. Values of another dtype are cast on copy, as PyTorch's
+/// `_load_from_state_dict` does (e.g. bfloat16 weights into a float32 model); with
+/// `strict_dtype` a dtype mismatch raises ValueError naming the key instead. Original parameters
+/// replaced since the last unshard (use_orig_params) are written back first, so the loaded values
+/// win. Collective; all-or-nothing across ranks.
+///
+/// On a model with NO_SHARD units, SHARDED and LOCAL act as FULL with a default config (a warning
+/// says so), for both state_dict and load_state_dict, as in PyTorch.
 LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
-                           bool strict = true);
+                           bool strict = true, bool strict_dtype = false);
 
 namespace detail {
 /// Test hook: called while each unit is unsharded during FULL/SHARDED gathering.

@@ -75,8 +75,11 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
   reduce_dtype_ = options_.reduce_dtype().value_or(options_.param_dtype().value_or(orig));
 
   const bool sharded = uses_sharded_strategy();
+  // 16-byte alignment of the unsharded parameters in the dtype they are computed in (PyTorch's
+  // _get_aligned_numel(_fwd_bwd_param_dtype)): fp32 parameters with a bf16 param_dtype align
+  // every 8 elements, so padding and shard sizes match PyTorch's.
   const int64_t aligned =
-      options_.use_orig_params() ? 16 / static_cast<int64_t>(c10::elementSize(orig)) : 0;
+      options_.use_orig_params() ? 16 / static_cast<int64_t>(c10::elementSize(fwd_bwd_dtype_)) : 0;
   std::vector<std::string> fqns;
   std::vector<std::vector<int64_t>> shapes;
   for (size_t i = 0; i < params_.size(); ++i) {

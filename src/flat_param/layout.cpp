@@ -68,7 +68,9 @@ FlatParamLayout FlatParamLayout::compute(const std::vector<std::string>& fqns,
     l.is_padding_mask.push_back(false);
     total += numel;
   }
-  if (aligned_numel > 0 && sharded) {
+  // With alignment (use_orig_params) the seed pads to a multiple of the world size whatever the
+  // strategy, NO_SHARD included.
+  if (aligned_numel > 0) {
     const int64_t to_pad = world_size - total % world_size;
     if (to_pad > 0 && to_pad < world_size) pad(to_pad);
   }

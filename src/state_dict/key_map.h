@@ -11,6 +11,23 @@
 namespace fsdp {
 namespace detail {
 
+/// While alive, a SHARDED or LOCAL state-dict type on a model with NO_SHARD units acts as FULL
+/// with a default config (PyTorch's _replace_with_full_state_dict_type), with a warning.
+class NoShardFallback {
+ public:
+  explicit NoShardFallback(FsdpState& st);
+  ~NoShardFallback();
+  NoShardFallback(const NoShardFallback&) = delete;
+  NoShardFallback& operator=(const NoShardFallback&) = delete;
+
+ private:
+  FsdpState& st_;
+  bool active_ = false;
+  StateDictType prev_type_ = StateDictType::FULL_STATE_DICT;
+  FullStateDictConfig prev_full_;
+};
+
+
 // Where a managed parameter lives: unit index and index in its handle.
 struct ParamLoc {
   int unit = -1;

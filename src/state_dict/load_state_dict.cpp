@@ -21,7 +21,8 @@ using detail::ParamLoc;
 using detail::shape_str;
 
 struct Plan {
-  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // dst <- src
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // dst <- src (copy_ casts)
+  bool strict_dtype = false;                              // reject instead of casting
   std::string error;                                      // first problem found on this rank
   LoadResult result;
   void fail(const std::string& e) {
@@ -51,7 +52,7 @@ void check_shape_dtype(const std::string& key, at::IntArrayRef got, at::ScalarTy
     plan.fail("size mismatch for '" + key + "': copying a param with shape " + shape_str(got) +
               " from the state dict, the shape in the current model is " + shape_str(want) +
               " (rank " + std::to_string(rank) + ")");
-  } else if (got_dtype != want_dtype) {
+  } else if (got_dtype != want_dtype && plan.strict_dtype) {
     plan.fail(std::string("dtype mismatch for '") + key + "': the state dict has " +
               c10::toString(got_dtype) + ", the model " + c10::toString(want_dtype) + " (rank " +
               std::to_string(rank) + ")");
@@ -202,8 +203,20 @@ StateDict exchange_pieces(FsdpState& st, const KeyMap& km, const StateDict& sd, 
   return out;
 }
 
-Plan plan_load(FsdpState& st, const StateDict& sd_in) {
+Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
   Plan plan;
+  plan.strict_dtype = strict_dtype;
+  // As the seed loads inside an unshard with writeback: parameters the user replaced (set_data)
+  // since the last unshard are written into the flat parameter first, or the next unshard would
+  // copy them over what this load writes.
+  for (const auto& u : st.units) {
+    if (!u->handle) continue;
+    try {
+      u->handle->writeback_orig_params();
+    } catch (const std::exception& e) {
+      plan.fail(e.what());
+    }
+  }
   const KeyMap km = key_map(st);
   const int rank = st.world_group.rank();
   const StateDict& sd = st.state_dict_type == StateDictType::SHARDED_STATE_DICT
@@ -248,7 +261,7 @@ Plan plan_load(FsdpState& st, const StateDict& sd_in) {
         }
       }
       if (t.size() != std::vector<int64_t>{l.unpadded_unsharded_numel} ||
-          t.dtype() != h.orig_dtype() || (valid > 0 && mine == nullptr)) {
+          (plan.strict_dtype && t.dtype() != h.orig_dtype()) || (valid > 0 && mine == nullptr)) {
         plan.fail("'" + fk + "' does not match this rank's flat parameter (rank " +
                   std::to_string(h.rank()) + " of " + std::to_string(h.world_size()) + ", " +
                   std::to_string(l.unpadded_unsharded_numel) + " elements, shard at " +
@@ -308,15 +321,17 @@ std::string key_list(const std::vector<std::string>& keys) {
 }
 }  // namespace
 
-LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd, bool strict) {
+LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd, bool strict,
+                           bool strict_dtype) {
   FsdpState& st = *model->runtime_state();
   detail::require_idle(st, "load_state_dict");
+  detail::NoShardFallback fallback(st);
   if (st.state_dict_type != StateDictType::FULL_STATE_DICT) {
     detail::require_sharded(st, st.state_dict_type == StateDictType::LOCAL_STATE_DICT
                                     ? "LOCAL_STATE_DICT"
                                     : "SHARDED_STATE_DICT");
   }
-  Plan plan = plan_load(st, sd);
+  Plan plan = plan_load(st, sd, strict_dtype);
   if (plan.error.empty() && strict &&
       (!plan.result.missing_keys.empty() || !plan.result.unexpected_keys.empty())) {
     plan.error = "Error(s) in loading state_dict:";

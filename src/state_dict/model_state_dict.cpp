@@ -204,9 +204,32 @@ StateDict local_state_dict(FsdpState& st) {
 }
 }  // namespace
 
+namespace detail {
+NoShardFallback::NoShardFallback(FsdpState& st) : st_(st) {
+  if (st.state_dict_type == StateDictType::FULL_STATE_DICT) return;
+  bool no_shard = false;
+  for (const auto& u : st.units) no_shard |= u->handle && !u->handle->uses_sharded_strategy();
+  if (!no_shard) return;
+  // PyTorch's _replace_with_full_state_dict_type: NO_SHARD has nothing to shard, so the other
+  // types fall back to FULL (with a default config) and say so.
+  TORCH_WARN("When using NO_SHARD for ShardingStrategy, full_state_dict will be returned.");
+  active_ = true;
+  prev_type_ = st.state_dict_type;
+  prev_full_ = st.full_config;
+  st.state_dict_type = StateDictType::FULL_STATE_DICT;
+  st.full_config = FullStateDictConfig();
+}
+NoShardFallback::~NoShardFallback() {
+  if (!active_) return;
+  st_.state_dict_type = prev_type_;
+  st_.full_config = prev_full_;
+}
+}  // namespace detail
+
 StateDict state_dict(FullyShardedDataParallel& model) {
   FsdpState& st = *model->runtime_state();
   detail::require_idle(st, "state_dict");
+  detail::NoShardFallback fallback(st);
   switch (st.state_dict_type) {
     case StateDictType::FULL_STATE_DICT:
       return full_state_dict(st);

@@ -1,0 +1,249 @@
+// State dicts at the edges the core review (issue 7) named: loads after parameters were replaced,
+// dtype casts on load, NO_SHARD falling back to FULL, layout alignment in the compute dtype and
+// NO_SHARD padding, and awkward parameter layouts (0-d, empty, dim0 < W, a rank with an empty
+// shard, frozen and trainable parameters in one unit, a weight tied across two units).
+#include <gtest/gtest.h>
+
+#include "flat_param_model.h"
+#include "fsdp/errors.h"
+#include "fsdp/flat_param.h"
+#include "fsdp/model_state_dict.h"
+#include "multi_rank.h"
+#include "tiny_lm.h"
+
+using fsdp::FlatParamHandle;
+using fsdp::FlatParamHandleOptions;
+using fsdp::FullyShardedDataParallel;
+using fsdp::FullyShardedOptions;
+using fsdp::ShardingStrategy;
+using fsdp::StateDict;
+using fsdp::StateDictType;
+using fsdp::StateValue;
+using fsdp::dist::ProcessGroup;
+using fsdp::testing::BlockImpl;
+using fsdp::testing::run_ranks;
+using fsdp::testing::TinyLM;
+
+namespace {
+
+FullyShardedOptions opts_for(TinyLM& m, ShardingStrategy s, bool orig) {
+  return FullyShardedOptions()
+      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
+      .units({m->frozen.ptr()})
+      .sharding_strategy(s)
+      .use_orig_params(orig);
+}
+
+StateDict full_of(FullyShardedDataParallel& model) {
+  fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT);
+  return fsdp::state_dict(model);
+}
+
+void expect_equal(const StateDict& a, const StateDict& b, const std::string& what) {
+  ASSERT_EQ(a.keys(), b.keys()) << what;
+  for (const auto& [k, v] : a) {
+    EXPECT_EQ(v.tensor().scalar_type(), b.at(k).tensor().scalar_type()) << what << " " << k;
+    EXPECT_TRUE(torch::equal(v.tensor(), b.at(k).tensor())) << what << " " << k;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+// The seed loads inside an unshard with writeback: a parameter replaced with set_data before the
+// load is written back first, so the loaded value wins over it (before the fix the next unshard
+// copied the stale replacement over the loaded value).
+TEST(StateDictEdges, LoadAfterSetDataKeepsTheLoadedValues) {
+  run_ranks(2, [](ProcessGroup&) {
+    for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
+      TinyLM a(61);
+      FullyShardedDataParallel src(a, opts_for(a, ShardingStrategy::FULL_SHARD, true));
+      const StateDict expect = full_of(src);
+      StateDict saved;
+      {
+        fsdp::StateDictTypeGuard g(src, type);
+        saved = fsdp::state_dict(src);
+      }
+      TinyLM b(62);
+      FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::FULL_SHARD, true));
+      {
+        torch::NoGradGuard no_grad;
+        auto w = b->blocks->ptr<BlockImpl>(1)->fc1->weight;  // a shard view under use_orig_params
+        w.set_data(torch::full(w.sizes(), 5.0f));            // no longer aliases the flat shard
+      }
+      {
+        fsdp::StateDictTypeGuard g(dst, type);
+        fsdp::load_state_dict(dst, saved);
+      }
+      expect_equal(full_of(dst), expect, "after load");
+    }
+  });
+}
+
+// PyTorch's _load_from_state_dict copies with a cast: bfloat16 weights load into a float32 model.
+// strict_dtype refuses instead, naming the key, on every rank.
+TEST(StateDictEdges, LoadCastsDtypesUnlessStrictDtype) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
+      TinyLM a(63);
+      FullyShardedDataParallel src(a, opts_for(a, ShardingStrategy::FULL_SHARD, false));
+      StateDict bf16 = full_of(src);
+      StateDict expect = bf16;
+      for (auto& [k, v] : bf16) v = StateValue(v.tensor().to(at::kBFloat16));
+      for (auto& [k, v] : expect) v = StateValue(v.tensor().to(at::kBFloat16).to(at::kFloat));
+      StateDict to_load = bf16;
+      if (type == StateDictType::SHARDED_STATE_DICT) {
+        for (auto& [k, v] : to_load) {
+          if (k == "scale") continue;  // buffers stay plain tensors
+          v = StateValue(fsdp::chunk_sharded(v.tensor(), pg.rank(), pg.size()));
+        }
+      }
+      TinyLM b(64);
+      FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::FULL_SHARD, false));
+      fsdp::StateDictTypeGuard g(dst, type);
+      try {
+        fsdp::load_state_dict(dst, to_load, /*strict=*/true, /*strict_dtype=*/true);
+        ADD_FAILURE() << "strict_dtype accepted bfloat16 values";
+      } catch (const fsdp::ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find("dtype mismatch for '"), std::string::npos)
+            << e.what();
+      }
+      fsdp::load_state_dict(dst, to_load);
+      expect_equal(full_of(dst), expect, "bf16 cast");
+    }
+  });
+}
+
+// The seed falls back to FULL (with a warning) for SHARDED and LOCAL under NO_SHARD.
+TEST(StateDictEdges, NoShardFallsBackToFull) {
+  run_ranks(2, [](ProcessGroup&) {
+    for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
+      TinyLM a(65);
+      FullyShardedDataParallel model(a, opts_for(a, ShardingStrategy::NO_SHARD, true));
+      const StateDict expect = full_of(model);
+      StateDict got;
+      {
+        fsdp::StateDictTypeGuard g(model, type);
+        got = fsdp::state_dict(model);
+      }
+      expect_equal(got, expect, "NO_SHARD fallback");
+      TinyLM b(66);
+      FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::NO_SHARD, true));
+      {
+        fsdp::StateDictTypeGuard g(dst, type);
+        fsdp::load_state_dict(dst, got);
+      }
+      expect_equal(full_of(dst), expect, "NO_SHARD load");
+    }
+  });
+}
+
+// PyTorch aligns use_orig_params parameters to 16 bytes of the *compute* dtype: with float32
+// parameters and a bfloat16 param_dtype every parameter starts at a multiple of 8 elements. And
+// the flat parameter is padded to a multiple of the world size whatever the strategy.
+TEST(StateDictEdges, AlignmentFollowsTheComputeDtypeAndNoShardIsPadded) {
+  run_ranks(3, [](ProcessGroup& pg) {
+    struct Case {
+      ShardingStrategy strategy;
+      std::optional<at::ScalarType> param_dtype;
+      int64_t align;
+    };
+    for (const Case& c : {Case{ShardingStrategy::FULL_SHARD, at::kBFloat16, 8},
+                          Case{ShardingStrategy::FULL_SHARD, std::nullopt, 4},
+                          Case{ShardingStrategy::NO_SHARD, at::kBFloat16, 8},
+                          Case{ShardingStrategy::NO_SHARD, std::nullopt, 4}}) {
+      fsdp::testing::Net net(3);
+      FlatParamHandle h(fsdp::collect_params(net.ptr()), pg,
+                        FlatParamHandleOptions()
+                            .sharding_strategy(c.strategy)
+                            .use_orig_params(true)
+                            .param_dtype(c.param_dtype));
+      const auto& l = h.layout();
+      bool any_padding_for_alignment = false;
+      for (size_t i = 0; i < l.fqns.size(); ++i) {
+        EXPECT_EQ(l.param_offset(i) % c.align, 0) << l.fqns[i] << " align " << c.align;
+        any_padding_for_alignment |= l.param_offset(i) % 8 != 0;
+      }
+      // Net's sizes (1, 0, 7, 15, 5, 15) make the two alignments differ: the control.
+      EXPECT_EQ(any_padding_for_alignment, c.align == 4);
+      EXPECT_EQ(l.unpadded_unsharded_numel % pg.size(), 0) << fsdp::to_string(c.strategy);
+    }
+  });
+}
+
+// Every state-dict type round-trips on a model with every awkward layout at once, at W 1-4.
+struct AwkwardImpl : torch::nn::Module {
+  torch::Tensor scalar, empty, rows;  // 0-d, 0 elements, dim0 = 2 < W (for W 3, 4)
+  torch::nn::Linear mixed{nullptr};   // weight trainable, bias frozen: one unit (use_orig_params)
+  torch::nn::Linear a{nullptr};
+  fsdp::testing::TiedHead b{nullptr};  // its weight is a's: tied across two units
+  AwkwardImpl() {
+    torch::manual_seed(70);
+    scalar = register_parameter("scalar", torch::randn({}));
+    empty = register_parameter("empty", torch::empty({0, 3}));
+    rows = register_parameter("rows", torch::randn({2, 3}));
+    mixed = register_module("mixed", torch::nn::Linear(3, 3));
+    mixed->bias.set_requires_grad(false);
+    a = register_module("a", torch::nn::Linear(3, 2));
+    b = register_module("b", fsdp::testing::TiedHead(a->weight));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = fsdp::forward(mixed, x) * scalar + rows.sum() + empty.sum();
+    return fsdp::forward(a, h) + fsdp::forward(b, h);
+  }
+};
+TORCH_MODULE(Awkward);
+
+class AwkwardWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(AwkwardWorld, EveryTypeRoundTripsAndTrainsOn) {
+  run_ranks(GetParam(), [](ProcessGroup& pg) {
+    auto make = [](Awkward& m) {
+      return FullyShardedDataParallel(
+          m, FullyShardedOptions().units({m->mixed.ptr(), m->a.ptr(), m->b.ptr()})
+                 .use_orig_params(true));
+    };
+    for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT,
+                      StateDictType::LOCAL_STATE_DICT}) {
+      Awkward m;
+      auto model = make(m);
+      {
+        torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.1);
+        auto x = fsdp::testing::seeded_randn({2, 3}, 500 + pg.rank());
+        model->forward(x).pow(2).sum().backward();
+        opt.step();
+      }
+      const StateDict expect = full_of(model);
+      ASSERT_TRUE(expect.contains("a.weight") && expect.contains("b.weight"));
+      EXPECT_TRUE(torch::equal(expect.at("a.weight").tensor(), expect.at("b.weight").tensor()));
+      EXPECT_EQ(expect.at("scalar").tensor().dim(), 0);
+      StateDict saved;
+      {
+        fsdp::StateDictTypeGuard g(model, type);
+        saved = fsdp::state_dict(model);
+      }
+      Awkward n;
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : n->parameters()) p.add_(1.0);
+      }
+      auto dst = make(n);
+      {
+        fsdp::StateDictTypeGuard g(dst, type);
+        fsdp::load_state_dict(dst, saved);
+      }
+      expect_equal(full_of(dst), expect, "awkward round trip");
+      // The tie survives: one more step moves both names together.
+      torch::optim::SGD opt(fsdp::testing::unique_params(dst->parameters()), 0.1);
+      dst->forward(fsdp::testing::seeded_randn({2, 3}, 600)).pow(2).sum().backward();
+      opt.step();
+      const StateDict after = full_of(dst);
+      EXPECT_TRUE(torch::equal(after.at("a.weight").tensor(), after.at("b.weight").tensor()));
+      EXPECT_TRUE(torch::equal(after.at("mixed.bias").tensor(), expect.at("mixed.bias").tensor()));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, AwkwardWorld, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "W" + std::to_string(info.param); });
+
+}  // namespace
