@@ -170,6 +170,97 @@ TEST(StateDictEdges, AlignmentFollowsTheComputeDtypeAndNoShardIsPadded) {
   });
 }
 
+// SHARDED loads where the ranks must exchange pieces. Pieces may be any boxes (here column
+// blocks, not dim-0 chunks), one rank may hold everything and the others nothing, and one rank's
+// malformed pieces must make every rank raise (no rank may index with another's metadata, crash
+// or wait for a timeout) while nothing is loaded.
+StateDict as_column_blocks(const StateDict& full, int rank, int world, bool everything) {
+  StateDict out;
+  for (const auto& [k, v] : full) {
+    const at::Tensor& t = v.tensor();
+    if (k == "scale") {
+      out.insert_or_assign(k, t);
+      continue;
+    }
+    std::vector<fsdp::Shard> pieces;
+    const int64_t cols = t.dim() == 2 ? t.size(1) : 0;
+    for (int r = 0; r < world; ++r) {
+      if (!everything && r != rank) continue;
+      if (t.dim() == 2) {
+        // torch.chunk along dim 1: column blocks, each a box that is not a flat run.
+        const int64_t chunk = (cols + world - 1) / world;
+        const int64_t c0 = std::min<int64_t>(r * chunk, cols);
+        const int64_t c1 = std::min<int64_t>(c0 + chunk, cols);
+        if (c1 <= c0) continue;
+        pieces.push_back(fsdp::Shard{t.narrow(1, c0, c1 - c0).contiguous(),
+                                     {{0, c0}, {t.size(0), c1 - c0}, r}});
+      } else {
+        auto ch = fsdp::chunk_sharded(t, r, world);
+        for (auto& s : ch.local_shards()) pieces.push_back(s);
+      }
+    }
+    out.insert_or_assign(k, fsdp::ShardedTensor(t.sizes().vec(), t.scalar_type(), pieces));
+  }
+  return out;
+}
+
+TEST(StateDictEdges, ShardedLoadExchangesAnyBoxesFromAnyHolder) {
+  run_ranks(3, [](ProcessGroup& pg) {
+    TinyLM a(71);
+    FullyShardedDataParallel src(a, opts_for(a, ShardingStrategy::FULL_SHARD, false));
+    const StateDict expect = full_of(src);
+    for (int mode = 0; mode < 2; ++mode) {
+      // mode 0: every rank its own column blocks; mode 1: rank 0 all of them, others none.
+      const bool everything = mode == 1 && pg.rank() == 0;
+      StateDict sd = as_column_blocks(expect, pg.rank(), pg.size(), everything);
+      if (mode == 1 && pg.rank() != 0) sd = as_column_blocks(expect, pg.rank(), 0, false);
+      for (bool orig : {false, true}) {
+        TinyLM b(72);
+        FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::SHARD_GRAD_OP, orig));
+        {
+          fsdp::StateDictTypeGuard g(dst, StateDictType::SHARDED_STATE_DICT);
+          fsdp::load_state_dict(dst, sd);
+        }
+        expect_equal(full_of(dst), expect, "mode " + std::to_string(mode));
+      }
+    }
+  });
+}
+
+TEST(StateDictEdges, MalformedPiecesOnOneRankFailEveryRankAndLoadNothing) {
+  fsdp::testing::RunOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(20000);
+  run_ranks(
+      3,
+      [](ProcessGroup& pg) {
+        TinyLM a(73);
+        FullyShardedDataParallel src(a, opts_for(a, ShardingStrategy::FULL_SHARD, false));
+        const StateDict truth = full_of(src);
+        StateDict sd = as_column_blocks(truth, pg.rank(), pg.size(), false);
+        if (pg.rank() == 1) {
+          // A 2-D parameter described as 1-D: its metadata has the wrong dimension count.
+          const at::Tensor w = truth.at("blocks.0.fc1.weight").tensor().reshape({-1});
+          sd.insert_or_assign("blocks.0.fc1.weight", fsdp::chunk_sharded(w, 1, 3));
+        }
+        TinyLM b(74);
+        FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::FULL_SHARD, false));
+        const StateDict before = full_of(dst);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          fsdp::StateDictTypeGuard g(dst, StateDictType::SHARDED_STATE_DICT);
+          fsdp::load_state_dict(dst, sd);
+          ADD_FAILURE() << "a malformed piece on rank 1 was accepted";
+        } catch (const fsdp::ValueError& e) {
+          EXPECT_NE(std::string(e.what()).find("blocks.0.fc1.weight"), std::string::npos)
+              << e.what();
+        }
+        // Raised promptly, from the verdict exchange, not from a collective's timeout.
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(10000));
+        expect_equal(full_of(dst), before, "after the refused load");
+      },
+      opts);
+}
+
 // Every state-dict type round-trips on a model with every awkward layout at once, at W 1-4.
 struct AwkwardImpl : torch::nn::Module {
   torch::Tensor scalar, empty, rows;  // 0-d, 0 elements, dim0 = 2 < W (for W 3, 4)

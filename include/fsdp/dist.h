@@ -152,6 +152,14 @@ class ProcessGroup {
                                    ReduceOp op = ReduceOp::SUM,
                                    ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);
 
+  /// Rank r's `input` is split into W consecutive runs of input_split_sizes[q] elements; run q goes
+  /// to rank q, and `output` receives, in rank order, output_split_sizes[r] elements from each
+  /// rank r (PyTorch's all_to_all_single). Sizes must agree pairwise across ranks; empty split
+  /// lists mean equal splits. Any dtype (data moves as bytes where the backend lacks the type).
+  void all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                         const std::vector<int64_t>& output_split_sizes,
+                         const std::vector<int64_t>& input_split_sizes);
+
   /// In place: `tensor` becomes the reduction over all ranks.
   void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::SUM);
   Work all_reduce_async(const at::Tensor& tensor, ReduceOp op = ReduceOp::SUM);

@@ -278,6 +278,64 @@ void ProcessGroup::reduce_scatter_tensor(const at::Tensor& output, const at::Ten
 }
 
 // ---------------------------------------------------------------------------------------------
+// All-to-all
+
+void ProcessGroup::all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                                     const std::vector<int64_t>& output_split_sizes,
+                                     const std::vector<int64_t>& input_split_sizes) {
+  const char* op = "all_to_all_single";
+  State& s = checked_state(op);
+  check_flat(op, *this, output, "output");
+  check_flat(op, *this, input, "input");
+  auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t,
+                          const char* which) {
+    if (splits.empty()) {
+      if (t.numel() % s.size != 0) {
+        throw ValueError(describe(op, *this) + ": " + which + " has " +
+                         std::to_string(t.numel()) + " elements, not divisible into equal splits");
+      }
+      return;
+    }
+    int64_t total = 0;
+    for (int64_t n : splits) {
+      if (n < 0) throw ValueError(describe(op, *this) + ": negative " + which + " split size");
+      total += n;
+    }
+    if (static_cast<int>(splits.size()) != s.size || total != t.numel()) {
+      throw ValueError(describe(op, *this) + ": " + std::to_string(splits.size()) + " " + which +
+                       " split sizes summing to " + std::to_string(total) + " for " +
+                       std::to_string(t.numel()) + " elements and " + std::to_string(s.size) +
+                       " ranks");
+    }
+  };
+  check_splits(output_split_sizes, output, "output");
+  check_splits(input_split_sizes, input, "input");
+  if (output.scalar_type() != input.scalar_type()) {
+    throw ValueError(describe(op, *this) + ": input and output dtypes differ");
+  }
+  if (s.size == 1) {
+    output.view(-1).copy_(input.view(-1));
+    return;
+  }
+  // Bytes on the wire: dtype-blind, and every backend moves uint8.
+  const int64_t esz = static_cast<int64_t>(input.element_size());
+  auto scaled = [esz](const std::vector<int64_t>& splits) {
+    std::vector<int64_t> out;
+    for (int64_t n : splits) out.push_back(n * esz);
+    return out;
+  };
+  std::vector<int64_t> out_splits = scaled(output_split_sizes);
+  std::vector<int64_t> in_splits = scaled(input_split_sizes);
+  at::Tensor out_bytes = output.view(-1).view(at::kByte);
+  at::Tensor in_bytes = input.view(-1).view(at::kByte);
+  c10d::AllToAllOptions opts;
+  opts.timeout = s.timeout;
+  launch(op, FSDP_START(op, s.backend->alltoall_base(out_bytes, in_bytes, out_splits, in_splits,
+                                                      opts)))
+      .wait();
+}
+
+// ---------------------------------------------------------------------------------------------
 // All-reduce, broadcast, barrier
 
 Work ProcessGroup::all_reduce_async(const at::Tensor& tensor, ReduceOp op_kind) {
