@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -169,6 +171,23 @@ std::vector<RankResult> run_ranks(int world_size, const RankBody& body, const Ru
     }
   }
   return results;
+}
+
+TempDir::TempDir() : owner_pid_(static_cast<int>(::getpid())) {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/fsdp_test_XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (::mkdtemp(buf.data()) == nullptr) {
+    throw std::runtime_error("TempDir: mkdtemp(" + tmpl + ") failed: " + std::strerror(errno));
+  }
+  path_ = buf.data();
+}
+
+TempDir::~TempDir() {
+  if (static_cast<int>(::getpid()) != owner_pid_) return;  // a forked rank: the parent cleans up
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
 }
 
 }  // namespace testing

@@ -48,6 +48,23 @@ using RankBody = std::function<void(dist::ProcessGroup& pg)>;
 std::vector<RankResult> run_ranks(int world_size, const RankBody& body,
                                   const RunOptions& opts = RunOptions());
 
+/// A fresh directory for one test's files, removed (with its contents) when the object that made
+/// it is destroyed in the process that made it: create it in the test body before run_ranks, so
+/// the forked ranks share it. Tests never share files, so any one runs alone or shuffled.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+  int owner_pid_ = 0;
+};
+
 /// Convenience: fixed-seed random tensor that every rank can reproduce without communication.
 at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat);
 

@@ -252,9 +252,13 @@ TEST(Dist, DeadPeerBecomesDistErrorNotHang) {
   auto results = run_ranks(
       3,
       [](ProcessGroup& pg) {
-        // Dies mid-job. (No collective just before: rank 2 could leave it before its last
-        // message reached the others, who would then fail there, outside the check below.)
-        if (pg.rank() == 2) ::raise(SIGKILL);
+        // Dies mid-job. Not right after a collective (init's barrier is one): rank 2 could leave
+        // it before its last message reached the others, who would then fail there, outside the
+        // check below (seen on a loaded machine). The pause lets them finish it first.
+        if (pg.rank() == 2) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(500));
+          ::raise(SIGKILL);
+        }
         auto t0 = std::chrono::steady_clock::now();
         EXPECT_THROW(pg.all_reduce(at::ones({1 << 16})), fsdp::DistError);
         EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2 * 3000));

@@ -299,9 +299,9 @@ TEST(ModelStateDict, FullGatheringHoldsAtMostOneUnitUnsharded) {
 }
 
 // SHARDED pieces written by each rank to files, then loaded at other world sizes.
-void save_pieces(const StateDict& sd, int rank) {
+void save_pieces(const StateDict& sd, int rank, const std::string& dir) {
   std::vector<torch::Tensor> tensors;
-  std::ofstream meta("/tmp/fsdp_sd_meta_" + std::to_string(rank) + ".txt");
+  std::ofstream meta(dir + "/meta_" + std::to_string(rank) + ".txt");
   for (const auto& [k, v] : sd) {
     if (v.is_tensor()) {
       meta << k << " T";
@@ -318,18 +318,18 @@ void save_pieces(const StateDict& sd, int rank) {
     }
     meta << "\n";
   }
-  torch::save(tensors, "/tmp/fsdp_sd_data_" + std::to_string(rank) + ".pt");
+  torch::save(tensors, dir + "/data_" + std::to_string(rank) + ".pt");
 }
 
-StateDict load_pieces(int saved_world) {
+StateDict load_pieces(int saved_world, const std::string& dir) {
   StateDict sd;
   std::map<std::string, std::vector<fsdp::Shard>> pieces;
   std::map<std::string, std::vector<int64_t>> shapes;
   std::vector<std::string> order;
   for (int r = 0; r < saved_world; ++r) {
     std::vector<torch::Tensor> tensors;
-    torch::load(tensors, "/tmp/fsdp_sd_data_" + std::to_string(r) + ".pt");
-    std::ifstream meta("/tmp/fsdp_sd_meta_" + std::to_string(r) + ".txt");
+    torch::load(tensors, dir + "/data_" + std::to_string(r) + ".pt");
+    std::ifstream meta(dir + "/meta_" + std::to_string(r) + ".txt");
     size_t ti = 0;
     for (std::string line; std::getline(meta, line);) {
       std::istringstream is(line);
@@ -366,30 +366,37 @@ StateDict load_pieces(int saved_world) {
   return out;
 }
 
-TEST(ModelStateDict, ShardedSavedAtTwoLoadsAtThreeAndOne) {
-  run_ranks(2, [](ProcessGroup& pg) {
+// Trains at W=2 and writes the SHARDED pieces of each rank, and rank 0's FULL values, to `dir`.
+void write_sharded_checkpoint_at_two(const std::string& dir) {
+  run_ranks(2, [&dir](ProcessGroup& pg) {
     TinyLM m(41);
     FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, false));
     train_step(model, pg.rank());
     StateDict full = full_of(model);
     fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
-    save_pieces(fsdp::state_dict(model), pg.rank());
+    save_pieces(fsdp::state_dict(model), pg.rank(), dir);
     if (pg.rank() == 0) {
       std::vector<torch::Tensor> vals;
       for (const auto& [k, v] : full) vals.push_back(v.tensor());
-      torch::save(vals, "/tmp/fsdp_sd_expected.pt");
+      torch::save(vals, dir + "/expected.pt");
     }
   });
+}
+
+TEST(ModelStateDict, ShardedSavedAtTwoLoadsAtThreeAndOne) {
+  fsdp::testing::TempDir tmp;
+  const std::string dir = tmp.path();
+  write_sharded_checkpoint_at_two(dir);
   for (int world : {3, 1}) {
     for (bool orig : {false, true}) {
-      run_ranks(world, [orig](ProcessGroup&) {
+      run_ranks(world, [orig, &dir](ProcessGroup&) {
         std::vector<torch::Tensor> expected;
-        torch::load(expected, "/tmp/fsdp_sd_expected.pt");
+        torch::load(expected, dir + "/expected.pt");
         TinyLM m(99);
         FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, orig));
         {
           fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
-          fsdp::load_state_dict(model, load_pieces(2));
+          fsdp::load_state_dict(model, load_pieces(2, dir));
         }
         StateDict got = full_of(model);
         ASSERT_EQ(got.size(), expected.size());
@@ -403,10 +410,13 @@ TEST(ModelStateDict, ShardedSavedAtTwoLoadsAtThreeAndOne) {
 // One rank holds every piece (read from storage), the other only its own: the ranks exchange
 // pieces, the duplicates that creates must not confuse coverage.
 TEST(ModelStateDict, ShardedLoadWithUnevenlySuppliedPieces) {
-  run_ranks(2, [](ProcessGroup& pg) {
+  fsdp::testing::TempDir tmp;
+  const std::string dir = tmp.path();
+  write_sharded_checkpoint_at_two(dir);  // this test's own files: it runs alone or shuffled
+  run_ranks(2, [&dir](ProcessGroup& pg) {
     std::vector<torch::Tensor> expected;
-    torch::load(expected, "/tmp/fsdp_sd_expected.pt");  // written by ShardedSavedAtTwo...
-    StateDict all = load_pieces(2);
+    torch::load(expected, dir + "/expected.pt");
+    StateDict all = load_pieces(2, dir);
     StateDict sd = all;
     if (pg.rank() == 1) {
       for (auto& [k, v] : sd) {
