@@ -19,6 +19,10 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# ccache: hit across clones (CI builds a fresh clone each time) and with the precompiled header.
+export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
+export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-2}
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then

@@ -1,8 +1,70 @@
 #!/usr/bin/env bash
-# The test command: installs dependencies if missing, builds, and runs the whole test suite.
-# Multi-rank tests fork real processes talking Gloo over loopback; they run one at a time.
+# The test command (what CI runs through .ci/run): builds and runs the whole suite twice,
+#   1. against the host's LibTorch (Debian 12: 1.13.1) in build/, and
+#   2. against LibTorch 2.6 inside the Debian trixie chroot of scripts/torch2-env.sh, in
+#      build-trixie/ (created on first use, then reused from /var/cache/fsdp-cpp). That build also
+#      runs the Python FSDP oracle test (PyTorch 2.6's own FSDP as the reference).
+# Each installs what it needs. Multi-rank tests fork real processes talking Gloo over loopback;
+# they run one at a time. Extra arguments go to both ctest runs.
+#
+#   FSDP_TEST_TORCH2=0   skip the LibTorch 2.x run (e.g. on a machine that cannot chroot)
+#   FSDP_TORCH2_RELEASE  chroot release for the second run (default trixie; sid = 2.14)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-"$(dirname "$0")/setup.sh"
-cd "${BUILD_DIR:-build}"
-ctest --output-on-failure --timeout 300 "$@"
+
+summary=()
+failed=0
+
+# record LABEL CTEST_LOG: parses ctest's closing line into "LABEL: N passed, M failed".
+record() {
+  local label="$1" log="$2" line passed total
+  line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$log" | tail -1 || true)
+  if [ -z "$line" ]; then
+    summary+=("$label: no test result (build or set-up failed)")
+    failed=1
+    return
+  fi
+  total=$(sed -E 's/.*out of ([0-9]+).*/\1/' <<<"$line")
+  local nfail; nfail=$(sed -E 's/.*tests passed, ([0-9]+) tests failed.*/\1/' <<<"$line")
+  passed=$((total - nfail))
+  summary+=("$label: $passed passed, $nfail failed")
+  ((nfail == 0)) || failed=1
+}
+
+# 1. Host LibTorch.
+./scripts/setup.sh
+host_log=$(mktemp)
+(cd "${BUILD_DIR:-build}" && ctest --output-on-failure --timeout 300 "$@") 2>&1 | tee "$host_log" || true
+host_version=$(grep -oE 'LibTorch [0-9.]+' "${BUILD_DIR:-build}/fsdp_torch_version.txt" 2>/dev/null ||
+  echo "LibTorch (host)")
+record "$host_version (host)" "$host_log"
+
+# 2. LibTorch 2.x in a Debian chroot.
+if [ "${FSDP_TEST_TORCH2:-1}" != "0" ]; then
+  release=${FSDP_TORCH2_RELEASE:-trixie}
+  t2_log=$(mktemp)
+  if scripts/torch2-env.sh --release "$release" -- true; then
+    scripts/torch2-env.sh --release "$release" -- /bin/bash -c \
+      'BUILD_DIR=build-'"$release"' ./scripts/setup.sh && cd build-'"$release"' && ctest --output-on-failure --timeout 600 "$@"' \
+      ctest-in-chroot "$@" 2>&1 | tee "$t2_log" || true
+    t2_version=$(grep -oE 'LibTorch [0-9.]+' "build-$release/fsdp_torch_version.txt" 2>/dev/null ||
+      echo "LibTorch 2.x")
+    record "$t2_version ($release chroot)" "$t2_log"
+  else
+    summary+=("LibTorch 2.x ($release chroot): could not create the chroot")
+    failed=1
+  fi
+fi
+
+echo
+echo "== fsdp-cpp test summary =="
+for s in "${summary[@]}"; do echo "$s"; done
+total_passed=0 total_failed=0
+for s in "${summary[@]}"; do
+  if [[ $s =~ ([0-9]+)\ passed,\ ([0-9]+)\ failed ]]; then
+    total_passed=$((total_passed + BASH_REMATCH[1]))
+    total_failed=$((total_failed + BASH_REMATCH[2]))
+  fi
+done
+echo "all: $total_passed passed, $total_failed failed"
+exit "$failed"

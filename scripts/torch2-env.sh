@@ -71,8 +71,13 @@ create() {
     touch "$ROOT/.debootstrap-done"
   fi
   echo "torch2-env: installing ${PACKAGES[*]} in the $RELEASE chroot"
-  in_chroot "" /bin/sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-    --no-install-recommends ${PACKAGES[*]} >/var/log/fsdp-cpp-install.log 2>&1" \
+  # The registry may serve a dated snapshot; sid's Release files expire within days of their
+  # date, so expiry is not checked (signatures still are).
+  # dpkg --configure -a first: finishes an installation that an earlier run left interrupted.
+  in_chroot "" /bin/sh -c "DEBIAN_FRONTEND=noninteractive dpkg --configure -a >/dev/null 2>&1; \
+    apt-get -o Acquire::Check-Valid-Until=false update -qq \
+    >/var/log/fsdp-cpp-install.log 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    --no-install-recommends ${PACKAGES[*]} >>/var/log/fsdp-cpp-install.log 2>&1" \
     || { tail -20 "$ROOT/var/log/fsdp-cpp-install.log" >&2 2>/dev/null
          die "installing packages in the $RELEASE chroot failed (is the Debian registry reachable?)"; }
   echo "$WANT" >"$MARKER"
