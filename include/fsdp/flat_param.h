@@ -92,6 +92,7 @@ struct ShardParamInfo {
 /// This rank's shard, described by the parameters it touches (PyTorch's FlatParamShardMetadata):
 /// parameters without data here are left out; padding is not listed.
 struct FlatParamShardMetadata {
+  /// FQNs, relative to the same module as FlatParamLayout::fqns (see there).
   std::vector<std::string> param_names;
   std::vector<std::vector<int64_t>> param_shapes;
   std::vector<int64_t> param_numels;
@@ -102,7 +103,10 @@ struct FlatParamShardMetadata {
 /// The layout of a flat parameter, independent of any rank's data. Computed by the handle; also
 /// usable on its own to plan resharding (see FlatParamLayout::compute).
 struct FlatParamLayout {
-  /// FQNs relative to the handle's root module, one per original (non-padding) parameter.
+  /// One FQN per original (non-padding) parameter, as given to the handle: relative to the module
+  /// handed to collect_params (for FullyShardedDataParallel, the wrapped model, so they are the
+  /// canonical names a user sees, not names relative to the unit). PyTorch keeps them relative
+  /// to the unit's module; prepend the unit's FQN to compare.
   std::vector<std::string> fqns;
   std::vector<std::vector<int64_t>> shapes;
   /// Per original parameter.
