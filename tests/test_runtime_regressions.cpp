@@ -3,6 +3,8 @@
 // changed after wrapping, gradients cleared with set_to_none while a unit was unsharded.
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "fsdp/errors.h"
 #include "fsdp/fully_sharded.h"
 #include "fsdp/model_state_dict.h"
@@ -203,3 +205,75 @@ INSTANTIATE_TEST_SUITE_P(Strategies, ClearedGradsAfterEvalForward,
                                            ShardingStrategy::SHARD_GRAD_OP,
                                            ShardingStrategy::NO_SHARD),
                          [](const auto& info) { return fsdp::to_string(info.param); });
+
+// PyTorch's _get_param_to_fqns: every parameter an optimizer can hold, once, with canonical FQNs
+// (tied: the first owner's name first), covering every name of the unwrapped model exactly once.
+TEST(RuntimeRegressions, ParamFqnsCoverEveryParameterOnce) {
+  run_ranks(2, [](ProcessGroup&) {
+    for (bool orig : {false, true}) {
+      TinyLM m(41);
+      std::set<std::string> names;
+      for (const auto& p : TinyLM(41)->named_parameters()) names.insert(p.key());
+      FullyShardedDataParallel model(
+          m, lm_options(m).use_orig_params(orig).ignored_modules({m->blocks[2]}));
+      const auto entries = model->param_fqns();
+      std::multiset<std::string> listed;
+      std::set<const c10::TensorImpl*> params;
+      for (const auto& e : entries) {
+        ASSERT_FALSE(e.fqns.empty());
+        listed.insert(e.fqns.begin(), e.fqns.end());
+        EXPECT_TRUE(params.insert(e.param.unsafeGetTensorImpl()).second) << e.fqns[0];
+      }
+      // A flat parameter lists its original parameters, not the other owners of a tied one
+      // (head.weight is tok.weight's second name; PyTorch's flat_param._fqns omit it too).
+      if (!orig) names.erase("head.weight");
+      EXPECT_EQ(std::set<std::string>(listed.begin(), listed.end()), names) << "orig=" << orig;
+      EXPECT_EQ(listed.size(), names.size()) << "each name once";
+      // The optimizer's parameters are exactly the listed ones.
+      std::set<const c10::TensorImpl*> opt;
+      for (const auto& p : fsdp::testing::unique_params(model->parameters()))
+        opt.insert(p.unsafeGetTensorImpl());
+      EXPECT_EQ(opt, params) << "orig=" << orig;
+      if (orig) {
+        bool tie = false;
+        for (const auto& e : entries) {
+          if (e.fqns[0] != "tok.weight") continue;
+          EXPECT_EQ(e.fqns, (std::vector<std::string>{"tok.weight", "head.weight"}));
+          tie = true;
+        }
+        EXPECT_TRUE(tie);
+      }
+    }
+  });
+}
+
+// The layout's flatten and unflat_views (what optimizer-state flattening uses) are inverse, with
+// padding where the layout says.
+TEST(RuntimeRegressions, LayoutFlattenAndUnflatViewsRoundTrip) {
+  std::vector<std::vector<int64_t>> shapes{{}, {0}, {7}, {5, 3}, {5}};
+  std::vector<std::string> fqns{"s", "e", "o", "w", "b"};
+  for (int64_t align : {0, 4}) {
+    auto l = fsdp::FlatParamLayout::compute(fqns, shapes, align, 3, true);
+    EXPECT_EQ(l.aligned_numel, align);
+    std::vector<at::Tensor> ts;
+    for (size_t i = 0; i < shapes.size(); ++i)
+      ts.push_back(fsdp::testing::seeded_randn(shapes[i], 10 + i));
+    at::Tensor flat = l.flatten(ts, -7.0);
+    ASSERT_EQ(flat.numel(), l.unpadded_unsharded_numel);
+    auto views = l.unflat_views(flat);
+    for (size_t i = 0; i < ts.size(); ++i) EXPECT_TRUE(torch::equal(views[i], ts[i])) << fqns[i];
+    int64_t pad = 0, off = 0;
+    for (size_t k = 0; k < l.numels_with_padding.size(); ++k) {
+      if (l.is_padding_mask[k]) {
+        EXPECT_TRUE((flat.narrow(0, off, l.numels_with_padding[k]) == -7.0).all().item<bool>());
+        pad += l.numels_with_padding[k];
+      }
+      off += l.numels_with_padding[k];
+    }
+    EXPECT_EQ(pad > 0, align > 0);
+    ts[3] = ts[3].reshape({15, 1});  // any shape with the right numel flattens
+    EXPECT_NO_THROW(l.flatten(ts));
+    ts[3] = at::zeros({4});
+    EXPECT_THROW(l.flatten(ts), fsdp::ValueError);
+  }
+}

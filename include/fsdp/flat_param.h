@@ -121,6 +121,9 @@ struct FlatParamLayout {
   /// sharded_numel * world_size.
   int64_t padded_unsharded_numel = 0;
   int world_size = 1;
+  /// Each parameter starts at a multiple of this many elements (0: packed). PyTorch's
+  /// _aligned_numel: 16 bytes of the compute dtype under use_orig_params.
+  int64_t aligned_numel = 0;
 
   /// Lays out parameters of the given shapes. `aligned_numel` > 0 (use_orig_params) pads so each
   /// parameter starts at a multiple of it and the total is a multiple of world_size; 0 packs them.
@@ -134,6 +137,14 @@ struct FlatParamLayout {
   std::vector<std::pair<int64_t, int64_t>> flat_param_offsets() const;
   /// Offset of original parameter i in the unsharded flat parameter.
   int64_t param_offset(size_t i) const;
+  /// PyTorch's flatten_tensors: the unsharded flat tensor (unpadded_unsharded_numel elements) of
+  /// `tensors` (one per parameter, any shapes with the layout's numels, one dtype and device), with
+  /// padding segments set to `padding_value`. What a handle shards, and what optimizer state is
+  /// flattened with.
+  at::Tensor flatten(const std::vector<at::Tensor>& tensors, double padding_value = 0.0) const;
+  /// The inverse: each parameter's full-shaped view into `flat` (at least
+  /// unpadded_unsharded_numel elements, e.g. the padded unsharded buffer).
+  std::vector<at::Tensor> unflat_views(const at::Tensor& flat) const;
   /// Shard infos of `rank`, one per original parameter.
   std::vector<ShardParamInfo> shard_param_infos(int rank) const;
   /// Elements of padding at the end of `rank`'s shard (torch.chunk tail or empty chunk).

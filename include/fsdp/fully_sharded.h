@@ -232,6 +232,19 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   /// Group parameters are sharded across (the shard group under hybrid sharding).
   dist::ProcessGroup& process_group();
 
+  /// A parameter an optimizer over this model's parameters() holds, with its canonical FQNs.
+  struct ParamFqns {
+    at::Tensor param;
+    /// Without use_orig_params, the FQNs of the flat parameter's original parameters in flat
+    /// order; with it, the one parameter's FQNs (a tied parameter: the first owner's FQN in
+    /// module order first, then every other). Names as in the unwrapped model.
+    std::vector<std::string> fqns;
+  };
+  /// Every distinct parameter of parameters() (flat parameters or original parameters, and
+  /// ignored ones) once, with its FQNs: PyTorch's _get_param_to_fqns, what optimizer state dicts
+  /// key by. Order: units as in handles(), parameters in flat order, then ignored parameters.
+  std::vector<ParamFqns> param_fqns() const;
+
   /// Clips gradients by their global norm over all ranks and all units (PyTorch's
   /// FSDP.clip_grad_norm_): the true norm of the full gradient, not of this rank's shard. Returns
   /// the total norm before clipping. Collective. `norm_type` may be infinity.

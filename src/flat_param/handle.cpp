@@ -102,18 +102,8 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
   at::Tensor flat;
   {
     at::NoGradGuard no_grad;
-    const at::Device src_device = params_[0].device();
-    const auto opts = at::TensorOptions().dtype(orig).device(src_device);
-    std::vector<at::Tensor> pieces;
-    size_t idx = 0;
-    for (size_t k = 0; k < layout_.numels_with_padding.size(); ++k) {
-      if (layout_.is_padding_mask[k]) {
-        pieces.push_back(at::full({layout_.numels_with_padding[k]}, kPaddingValue, opts));
-      } else {
-        pieces.push_back(params_[idx++].detach().reshape({-1}));
-      }
-    }
-    flat = at::cat(pieces);
+    const auto opts = at::TensorOptions().dtype(orig).device(params_[0].device());
+    flat = layout_.flatten(params_, kPaddingValue);
     at::Tensor shard;
     if (sharded) {
       const int64_t start = std::min<int64_t>(rank_ * layout_.sharded_numel, flat.numel());
@@ -315,10 +305,8 @@ void FlatParamHandle::abandon_unshard() {
 }
 
 void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t off = layout_.param_offset(i);
-    set_param_data(params_[i], flat.narrow(0, off, layout_.numels[i]).view(layout_.shapes[i]));
-  }
+  const std::vector<at::Tensor> views = layout_.unflat_views(flat);
+  for (size_t i = 0; i < params_.size(); ++i) set_param_data(params_[i], views[i]);
   unsharded_views_ = true;
 }
 

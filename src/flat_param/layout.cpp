@@ -48,6 +48,7 @@ FlatParamLayout FlatParamLayout::compute(const std::vector<std::string>& fqns,
   l.fqns = fqns;
   l.shapes = shapes;
   l.world_size = sharded ? world_size : 1;
+  l.aligned_numel = aligned_numel;
   int64_t total = 0;
   auto pad = [&](int64_t n) {
     l.numels_with_padding.push_back(n);
@@ -83,6 +84,45 @@ FlatParamLayout FlatParamLayout::compute(const std::vector<std::string>& fqns,
     l.padded_unsharded_numel = total;
   }
   return l;
+}
+
+at::Tensor FlatParamLayout::flatten(const std::vector<at::Tensor>& tensors,
+                                   double padding_value) const {
+  if (tensors.size() != numels.size()) {
+    throw ValueError("FlatParamLayout::flatten: expects " + std::to_string(numels.size()) +
+                     " tensors but got " + std::to_string(tensors.size()));
+  }
+  if (tensors.empty()) return at::empty({0});
+  const auto opts = tensors[0].options();
+  std::vector<at::Tensor> pieces;
+  size_t idx = 0;
+  for (size_t k = 0; k < numels_with_padding.size(); ++k) {
+    if (is_padding_mask[k]) {
+      pieces.push_back(at::full({numels_with_padding[k]}, padding_value, opts));
+      continue;
+    }
+    const at::Tensor& t = tensors[idx];
+    if (t.numel() != numels[idx]) {
+      throw ValueError("FlatParamLayout::flatten: '" + fqns[idx] + "' has " +
+                       std::to_string(t.numel()) + " elements, the layout " +
+                       std::to_string(numels[idx]));
+    }
+    pieces.push_back(t.detach().reshape({-1}));
+    ++idx;
+  }
+  return at::cat(pieces);
+}
+
+std::vector<at::Tensor> FlatParamLayout::unflat_views(const at::Tensor& flat) const {
+  if (flat.dim() != 1 || flat.numel() < unpadded_unsharded_numel) {
+    throw ValueError("FlatParamLayout::unflat_views: expects a 1-D tensor of at least " +
+                     std::to_string(unpadded_unsharded_numel) + " elements");
+  }
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    out.push_back(flat.narrow(0, param_offset(i), numels[i]).view(shapes[i]));
+  }
+  return out;
 }
 
 std::vector<std::pair<int64_t, int64_t>> FlatParamLayout::flat_param_offsets() const {

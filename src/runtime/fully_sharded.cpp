@@ -230,6 +230,51 @@ std::vector<FlatParamHandle*> FullyShardedDataParallelImpl::handles() const {
   return out;
 }
 
+std::vector<FullyShardedDataParallelImpl::ParamFqns> FullyShardedDataParallelImpl::param_fqns()
+    const {
+  std::vector<ParamFqns> out;
+  std::unordered_set<Impl> seen;
+  for (const auto& u : state_->units) {
+    if (!u->handle) continue;
+    const FlatParamHandle& h = *u->handle;
+    const auto& l = h.layout();
+    if (!options_.use_orig_params()) {
+      out.push_back(ParamFqns{h.flat_param(), l.fqns});
+      seen.insert(h.flat_param().unsafeGetTensorImpl());
+      continue;
+    }
+    const auto params = h.orig_params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      ParamFqns e{params[i], {l.fqns[i]}};
+      for (const auto& sp : h.shared_param_infos()) {
+        if (sp.prim_index == static_cast<int>(i)) {
+          e.fqns.push_back(sp.module_name.empty() ? sp.param_name
+                                                  : sp.module_name + "." + sp.param_name);
+        }
+      }
+      seen.insert(params[i].unsafeGetTensorImpl());
+      out.push_back(std::move(e));
+    }
+  }
+  // Ignored parameters, under their names in the wrapped module (all owners of a tied one).
+  std::unordered_map<Impl, size_t> at_index;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    Impl impl = item.value().unsafeGetTensorImpl();
+    if (seen.count(impl)) continue;
+    bool ignored = false;
+    for (const auto& p : state_->ignored_params) ignored |= p.unsafeGetTensorImpl() == impl;
+    if (!ignored) continue;
+    auto it = at_index.find(impl);
+    if (it == at_index.end()) {
+      at_index.emplace(impl, out.size());
+      out.push_back(ParamFqns{item.value(), {item.key()}});
+    } else {
+      out[it->second].fqns.push_back(item.key());
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> FullyShardedDataParallelImpl::unit_names() const {
   std::vector<std::string> out;
   for (const auto& u : state_->units) out.push_back(u->fqn);
