@@ -1,6 +1,9 @@
 // FlatParamHandle over real Gloo processes at world sizes 1-4: round trips, storage accounting,
 // gradient reduction against a computed average, mixed precision, offload, write-back, errors.
 #include <gtest/gtest.h>
+#include <signal.h>
+
+#include <thread>
 
 #include "flat_param_model.h"
 #include "fsdp/errors.h"
@@ -408,3 +411,30 @@ TEST(FlatParamHandle, RanksThatDisagreeOnTheModelAllRaiseNamingTheParameter) {
 }
 
 }  // namespace
+
+// After an unshard's collective fails (a peer died), the backend may still write into the
+// unsharded buffer: reshard must not free it, and the handle refuses further unshards instead of
+// starting another gather into the same memory.
+TEST(FlatParamFailure, FailedUnshardKeepsItsBufferAndRefusesMore) {
+  fsdp::testing::RunOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(3000);
+  opts.report = false;
+  auto results = run_ranks(
+      2,
+      [](ProcessGroup& pg) {
+        Net net(5);
+        FlatParamHandle h(fsdp::collect_params(net.ptr()), pg, FlatParamHandleOptions());
+        if (pg.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(500));  // let rank 0 finish init
+          ::raise(SIGKILL);
+        }
+        EXPECT_THROW(h.unshard(), fsdp::DistError);
+        EXPECT_TRUE(h.comm_failed());
+        h.reshard(true);
+        EXPECT_GT(h.unsharded_storage_bytes(), 0) << "a buffer a failed gather targets was freed";
+        EXPECT_THROW(h.unshard(), fsdp::StateError);
+      },
+      opts);
+  EXPECT_TRUE(results[0].ok) << results[0].message;
+  EXPECT_FALSE(results[1].ok);
+}

@@ -233,8 +233,13 @@ class FlatParamHandle {
   void reshard(bool free_unsharded = true);
   /// True while the original parameters point at the unsharded flat parameter.
   bool is_unsharded() const { return unsharded_views_; }
-  /// Bytes currently allocated for unsharded parameter storage (0 after reshard).
+  /// Bytes currently allocated for unsharded parameter storage (0 after reshard, unless a
+  /// collective failed: see comm_failed()).
   int64_t unsharded_storage_bytes() const;
+  /// True once an unshard's collective failed (DistError). From then on the unsharded buffers are
+  /// never freed or reused, because the backend may still write into them; the process group is
+  /// unusable, and the handle is only good for destruction.
+  bool comm_failed() const { return comm_failed_; }
 
   // ---------------------------------------------------------------------------------------
   // Gradients
@@ -335,6 +340,7 @@ class FlatParamHandle {
   void use_sharded_views();
   void use_sharded_grad_views();
   void absorb_cleared_grad_views();
+  void release_unsharded_storage();
   void validate_and_describe(const std::vector<at::Tensor>& tensors);
 
   FlatParamHandleOptions options_;
@@ -367,6 +373,7 @@ class FlatParamHandle {
   // no_sync) and must be neither written back nor replaced by shard views.
   bool grads_unreduced_ = false;
   bool buffer_valid_ = false;  // the unsharded buffer holds the result of a successful gather
+  bool comm_failed_ = false;   // an unshard's collective failed: never free its buffers
   std::vector<bool>
       is_grad_none_;  // per parameter: its gradient was reset to undefined by the user
   // Per parameter: its .grad() is a view of the sharded gradient that we attached. If such a

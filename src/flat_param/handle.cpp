@@ -236,6 +236,11 @@ void FlatParamHandle::unshard() {
 
 void FlatParamHandle::unshard_async() {
   if (pending_unshard_) throw StateError("FlatParamHandle::unshard_async: an unshard is pending");
+  if (comm_failed_) {
+    throw StateError("FlatParamHandle::unshard: an earlier collective of this handle failed (rank " +
+                     std::to_string(rank_) + ", group '" + group_.name() +
+                     "'); the process group is unusable");
+  }
   if (unsharded_views_) return;
   // Write-back reads the original parameters and updates the shard; it must precede the gather.
   if (options_.use_orig_params()) writeback_orig_params();
@@ -255,7 +260,7 @@ void FlatParamHandle::unshard_async() {
   at::Tensor& buf = unsharded_buffer();
   if (full_prec && fwd_bwd_dtype_ != orig_dtype_) {
     // The low-precision copy may be stale once full-precision parameters are edited.
-    free_storage(full_param_padded_);
+    if (!comm_failed_) free_storage(full_param_padded_);
     buffer_valid_ = false;
   }
   // Kept from forward (SHARD_GRAD_OP) and filled by a gather that succeeded: nothing to gather.
@@ -272,8 +277,13 @@ void FlatParamHandle::wait_unshard() {
   if (pending_unshard_) {
     std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
     // On failure the buffer stays allocated but invalid: after a timeout the backend may still
-    // write into it, so it must not be freed; the group is unusable anyway (DistError).
-    w->wait();
+    // write into it, so it is never freed from then on; the group is unusable anyway (DistError).
+    try {
+      w->wait();
+    } catch (...) {
+      comm_failed_ = true;
+      throw;
+    }
     buffer_valid_ = true;
   }
   finish_unshard();
@@ -294,13 +304,17 @@ void FlatParamHandle::finish_unshard() {
 void FlatParamHandle::abandon_unshard() {
   if (!pending_unshard_) return;
   std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
-  w->wait();  // the peers sent their shards; receive them, then drop them
+  try {
+    w->wait();  // the peers sent their shards; receive them, then drop them
+  } catch (...) {
+    comm_failed_ = true;  // see wait_unshard: the buffer must outlive the failed collective
+    throw;
+  }
   buffer_valid_ = false;
   unsharded_flat_ = at::Tensor();
   mp_shard_ = at::Tensor();
   if (uses_sharded_strategy()) {
-    free_storage(full_param_padded_);
-    free_storage(full_prec_full_param_padded_);
+    release_unsharded_storage();
   }
 }
 
@@ -331,8 +345,7 @@ void FlatParamHandle::reshard(bool free_unsharded) {
   unsharded_flat_ = at::Tensor();
   mp_shard_ = at::Tensor();
   if (free_unsharded && uses_sharded_strategy()) {
-    free_storage(full_param_padded_);
-    free_storage(full_prec_full_param_padded_);
+    release_unsharded_storage();
     buffer_valid_ = false;
   }
 }
@@ -353,6 +366,15 @@ void FlatParamHandle::use_sharded_views() {
     set_param_data(params_[i],
                    s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard) : empty);
   }
+}
+
+void FlatParamHandle::release_unsharded_storage() {
+  // After a failed collective c10d may still be writing into these buffers (Gloo keeps the
+  // output tensors, not their memory, alive): freeing them would be a use-after-free. They are
+  // kept until the handle is destroyed, which is all that is left to do with a broken group.
+  if (comm_failed_) return;
+  free_storage(full_param_padded_);
+  free_storage(full_prec_full_param_padded_);
 }
 
 int64_t FlatParamHandle::unsharded_storage_bytes() const {
