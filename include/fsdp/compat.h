@@ -17,6 +17,8 @@
 //    (Debian's) then throw; we default it to false (see make_tcp_store).
 //  * The key type of torch::optim's per-parameter state map (std::string of the TensorImpl address
 //    in 1.13, void* since about 2.2).
+//  * The handle to an autograd node (std::shared_ptr<Node> up to 2.6, c10::intrusive_ptr<Node> in
+//    2.14): `compat::AutogradNodePtr`, taken from grad_accumulator's own return type.
 //
 // Thread safety: everything here is stateless.
 #pragma once
@@ -33,6 +35,7 @@
 #include <utility>
 
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -150,6 +153,11 @@ inline BackendPtr make_nccl_backend(const StorePtr& store, int rank, int size,
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
 }
 #endif
+
+/// An owning handle to an autograd node, as grad_accumulator returns it (shared_ptr or
+/// intrusive_ptr depending on the release): detected, not inferred from version numbers.
+using AutogradNodePtr =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 /// Key under which torch::optim keeps a parameter's state in `Optimizer::state()`.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)

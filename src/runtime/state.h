@@ -23,11 +23,11 @@ struct Unit {
   std::unique_ptr<FlatParamHandle> handle;  // null for a root without parameters of its own
   // The AccumulateGrad node carrying our post hook, per original parameter (the latest one).
   // Holding it keeps the hook alive across iterations (autograd keeps only a weak reference).
-  std::vector<std::shared_ptr<torch::autograd::Node>> hooked;
+  std::vector<compat::AutogradNodePtr> hooked;
   // Every AccumulateGrad node this iteration's forwards hooked: usually one per parameter, more
   // when a unit runs twice and set_data (dtype or device change) made autograd create new ones.
   // post-backward runs once all of them have fired.
-  std::vector<std::shared_ptr<torch::autograd::Node>> iter_nodes;
+  std::vector<compat::AutogradNodePtr> iter_nodes;
 
   // Per iteration.
   bool forward_done = false;
