@@ -277,3 +277,47 @@ TEST(RuntimeRegressions, LayoutFlattenAndUnflatViewsRoundTrip) {
     EXPECT_THROW(l.flatten(ts), fsdp::ValueError);
   }
 }
+
+// PyTorch's FSDP_USE_FULL_PREC_IN_EVAL=1: a model in eval mode computes in full precision despite
+// param_dtype (and training goes back to it). Without the variable, eval stays in bfloat16: the
+// control that shows the comparison can fail.
+TEST(RuntimeRegressions, FullPrecisionInEvalWithTheEnvironmentVariable) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+      for (bool env : {true, false}) {
+        if (env) {
+          ::setenv("FSDP_USE_FULL_PREC_IN_EVAL", "1", 1);
+        } else {
+          ::unsetenv("FSDP_USE_FULL_PREC_IN_EVAL");
+        }
+        TinyLM m(51);
+        TinyLM ref(51);
+        FullyShardedDataParallel model(
+            m, lm_options(m).sharding_strategy(strategy).mixed_precision(
+                   fsdp::MixedPrecision().param_dtype(at::kBFloat16).buffer_dtype(at::kBFloat16)));
+        auto idx = tokens(2, 60 + pg.rank());
+        model->eval();
+        for (bool grad : {false, true}) {  // eval with and without grad mode
+          torch::AutoGradMode mode(grad);
+          const at::Tensor out = model->forward(idx);
+          const at::Tensor want = ref->forward(idx);
+          const double diff = (out.to(at::kFloat) - want).abs().max().item<double>();
+          if (env) {
+            EXPECT_EQ(out.scalar_type(), at::kFloat);
+            EXPECT_LT(diff, 1e-5) << fsdp::to_string(strategy) << " grad=" << grad;
+          } else {
+            EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+            EXPECT_GT(diff, 1e-3) << "bfloat16 eval should differ from float32";
+          }
+        }
+        model->train();
+        const at::Tensor logits = model->forward(idx);
+        EXPECT_EQ(logits.scalar_type(), at::kBFloat16);  // training keeps param_dtype
+        EXPECT_EQ(m->scale.scalar_type(), at::kBFloat16);  // and buffer_dtype
+        lm_loss(logits.to(at::kFloat), idx).backward();
+        for (auto* h : model->handles()) EXPECT_EQ(h->unsharded_storage_bytes(), 0);
+      }
+    }
+    ::unsetenv("FSDP_USE_FULL_PREC_IN_EVAL");
+  });
+}

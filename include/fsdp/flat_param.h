@@ -324,6 +324,9 @@ class FlatParamHandle {
 
   HandleTrainingState training_state() const { return training_state_; }
   void set_training_state(HandleTrainingState s) { training_state_ = s; }
+  /// Unshard in full precision although param_dtype is set (PyTorch's FSDP_USE_FULL_PREC_IN_EVAL
+  /// for modules in eval mode); the runtime sets it before each unit's forward.
+  void set_full_precision_in_eval(bool on) { full_prec_in_eval_ = on; }
   /// The factor gradients are divided by before the reduce-scatter; the rest of the averaging
   /// (dp_size / predivide) happens after it. dp_size counts replicate_group ranks too.
   double gradient_predivide_factor() const { return predivide_; }
@@ -374,6 +377,7 @@ class FlatParamHandle {
   bool grads_unreduced_ = false;
   bool buffer_valid_ = false;  // the unsharded buffer holds the result of a successful gather
   bool comm_failed_ = false;   // an unshard's collective failed: never free its buffers
+  bool full_prec_in_eval_ = false;
   std::vector<bool>
       is_grad_none_;  // per parameter: its gradient was reset to undefined by the user
   // Per parameter: its .grad() is a view of the sharded gradient that we attached. If such a

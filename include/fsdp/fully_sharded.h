@@ -146,6 +146,10 @@ template <typename T>
 void track(ForwardScope&, const T&) {}  // non-tensor outputs carry no gradient
 
 /// Root-forward argument casting for mixed precision: floating tensors to `dtype`, the rest as is.
+/// PyTorch's FSDP_USE_FULL_PREC_IN_EVAL: with the environment variable set to "1", units of a model
+/// in eval mode (train(false)) compute in the parameters' own dtype despite a param_dtype.
+bool full_precision_in_eval();
+
 inline at::Tensor cast_arg(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
   return dtype && t.defined() && t.is_floating_point() ? t.to(*dtype) : t;
 }
@@ -213,9 +217,12 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   template <typename Out, typename... Args>
   Out forward_as(Args&&... args) {
     detail::ForwardScope scope(module_.get());
-    const std::optional<at::ScalarType> cast = options_.mixed_precision().cast_root_forward_inputs()
-                                                   ? options_.mixed_precision().param_dtype()
-                                                   : std::nullopt;
+    // In eval with FSDP_USE_FULL_PREC_IN_EVAL=1 the units compute in full precision: no cast.
+    const bool full_prec = !is_training() && detail::full_precision_in_eval();
+    const std::optional<at::ScalarType> cast =
+        options_.mixed_precision().cast_root_forward_inputs() && !full_prec
+            ? options_.mixed_precision().param_dtype()
+            : std::nullopt;
     Out out = run_inner<Out>(detail::cast_arg(std::forward<Args>(args), cast)...);
     detail::track(scope, out);
     scope.post_forward();

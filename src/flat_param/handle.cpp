@@ -221,7 +221,8 @@ void FlatParamHandle::validate_and_describe(const std::vector<at::Tensor>& tenso
 
 bool FlatParamHandle::force_full_precision() const {
   const bool mixed = fwd_bwd_dtype_ != orig_dtype_ || reduce_dtype_ != orig_dtype_;
-  return mixed && training_state_ == HandleTrainingState::SUMMON_FULL_PARAMS;
+  return mixed &&
+         (training_state_ == HandleTrainingState::SUMMON_FULL_PARAMS || full_prec_in_eval_);
 }
 
 at::Tensor& FlatParamHandle::unsharded_buffer() {
@@ -344,7 +345,9 @@ void FlatParamHandle::reshard(bool free_unsharded) {
   unsharded_views_ = false;
   unsharded_flat_ = at::Tensor();
   mp_shard_ = at::Tensor();
-  if (free_unsharded && uses_sharded_strategy()) {
+  // A full-precision gather (summon, eval) is never kept: the next forward may want low precision
+  // and checks only the low-precision buffer's validity.
+  if ((free_unsharded || force_full_precision()) && uses_sharded_strategy()) {
     release_unsharded_storage();
     buffer_valid_ = false;
   }

@@ -12,6 +12,7 @@
 // Every decision depends only on the forward/backward sequence, which all ranks share, so every
 // rank issues the same collectives in the same order.
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <unordered_map>
 
@@ -131,16 +132,24 @@ at::Tensor forward_sequential(torch::nn::Sequential& seq, const at::Tensor& inpu
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-void FsdpState::cast_buffers_once() {
-  if (buffers_cast) return;
-  buffers_cast = true;
+bool full_precision_in_eval() {
+  const char* v = std::getenv("FSDP_USE_FULL_PREC_IN_EVAL");
+  return v != nullptr && std::string(v) == "1";
+}
+
+void FsdpState::cast_buffers(bool full_precision) {
   const auto dtype = options.mixed_precision().buffer_dtype();
-  if (!dtype) return;
+  if (!dtype || (buffers_cast && buffers_full_precision == full_precision)) return;
+  buffers_cast = true;
+  buffers_full_precision = full_precision;
   at::NoGradGuard no_grad;
   for (auto& b : root_module->buffers()) {
     if (!b.is_floating_point() || ignored_buffers.count(b.unsafeGetTensorImpl())) continue;
-    buffer_orig_dtypes.emplace(b.unsafeGetTensorImpl(), b.scalar_type());
-    b.set_data(b.to(*dtype));
+    // The first cast records the original dtype; FSDP_USE_FULL_PREC_IN_EVAL casts back to it for
+    // evaluation and to buffer_dtype again for training, as PyTorch's root pre-forward does.
+    auto it = buffer_orig_dtypes.emplace(b.unsafeGetTensorImpl(), b.scalar_type()).first;
+    const at::ScalarType want = full_precision ? it->second : *dtype;
+    if (b.scalar_type() != want) b.set_data(b.to(want));
   }
 }
 
@@ -168,7 +177,7 @@ void FsdpState::pre_forward(int idx) {
     // A new iteration starts at the root. Anything a forward without backward left unsharded
     // (eval under grad mode, an exception) is resharded first.
     reset_iteration();
-    cast_buffers_once();
+    cast_buffers(!root_module->is_training() && full_precision_in_eval());
   }
   u.forward_done = true;
   if (!order_recorded && (forward_order.empty() || forward_order.back() != idx)) {
@@ -176,6 +185,7 @@ void FsdpState::pre_forward(int idx) {
   }
   if (!u.handle) return;
   u.handle->set_training_state(HandleTrainingState::FORWARD);
+  u.handle->set_full_precision_in_eval(!u.module->is_training() && full_precision_in_eval());
   u.handle->reset_flat_param_grad_info_if_needed();
   u.handle->unshard();
   if (torch::GradMode::is_enabled()) hook_grad_accumulators(u);

@@ -54,6 +54,7 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   bool in_backward = false;  // from the first pre-backward hook to the end-of-backward callback
   bool in_summon = false;
   bool buffers_cast = false;
+  bool buffers_full_precision = false;  // buffers currently in their original dtypes
   std::shared_ptr<torch::nn::Module> root_module;
   dist::ProcessGroup world_group;  // all data-parallel ranks (shard x replicate)
   std::vector<at::Tensor> ignored_params;
@@ -81,7 +82,7 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   void hook_grad_accumulators(Unit& unit);
   void prefetch(int u);
   int neighbour_in_order(int u, int step) const;
-  void cast_buffers_once();
+  void cast_buffers(bool full_precision);
 };
 
 }  // namespace detail
