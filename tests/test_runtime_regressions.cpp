@@ -321,3 +321,50 @@ TEST(RuntimeRegressions, FullPrecisionInEvalWithTheEnvironmentVariable) {
     ::unsetenv("FSDP_USE_FULL_PREC_IN_EVAL");
   });
 }
+
+// Summoning with gradients (PyTorch's summon_full_params(with_grads=True), unshard_grad): every
+// trainable parameter's grad() is its full, averaged gradient, equal to the unwrapped model's on
+// the whole batch; afterwards the sharded gradients are exactly as before.
+TEST(RuntimeRegressions, SummonWithGradsShowsFullGradients) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP,
+                          ShardingStrategy::NO_SHARD}) {
+      TinyLM m(81);
+      TinyLM ref(81);
+      FullyShardedDataParallel model(m,
+                                     lm_options(m).use_orig_params(true).sharding_strategy(strategy));
+      auto idx = tokens(4, 82);
+      lm_loss(model->forward(idx.narrow(0, 2 * pg.rank(), 2)), idx.narrow(0, 2 * pg.rank(), 2))
+          .backward();
+      lm_loss(ref->forward(idx), idx).backward();
+      std::vector<at::Tensor> before;
+      for (auto* h : model->handles()) {
+        before.push_back(h->sharded_grad().defined() ? h->sharded_grad().clone() : at::Tensor());
+      }
+      {
+        fsdp::SummonFullParamsGuard g(model, /*writeback=*/false, /*with_grads=*/true);
+        for (const auto& p : ref->named_parameters()) {
+          const at::Tensor got = m->named_parameters()[p.key()].grad();
+          if (!p.value().requires_grad()) {
+            EXPECT_FALSE(got.defined()) << p.key();
+            continue;
+          }
+          ASSERT_TRUE(got.defined()) << p.key();
+          EXPECT_EQ(got.sizes(), p.value().sizes()) << p.key();
+          EXPECT_TRUE(torch::allclose(got, p.value().grad(), 1e-5, 1e-7))
+              << fsdp::to_string(strategy) << " " << p.key() << " max diff "
+              << (got - p.value().grad()).abs().max().item<float>();
+        }
+      }
+      size_t i = 0;
+      for (auto* h : model->handles()) {
+        const at::Tensor g = h->sharded_grad();
+        EXPECT_EQ(g.defined(), before[i].defined());
+        if (g.defined()) {
+          EXPECT_TRUE(torch::equal(g, before[i]));
+        }
+        ++i;
+      }
+    }
+  });
+}

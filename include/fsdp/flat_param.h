@@ -266,6 +266,13 @@ class FlatParamHandle {
   /// gradients are neither replaced by shard views on reshard() nor written back. A caller that
   /// drives the handle by hand calls reduce_grad() before reshard(), or calls this first.
   void mark_grads_unreduced();
+  /// PyTorch's unshard_grad (use_orig_params, while unsharded): all-gathers the sharded gradient
+  /// and makes each original parameter's gradient a full-shaped view of it. A rank without a
+  /// gradient contributes zeros; if no rank has one, the gradients stay undefined. Collective.
+  void unshard_grad();
+  /// Undoes unshard_grad(): the original parameters' gradients are views of the sharded gradient
+  /// again (edits to the unsharded gradients are not written back, as in PyTorch).
+  void reshard_grad();
   /// PyTorch's `_reset_flat_param_grad_info_if_needed` (use_orig_params only; a no-op otherwise):
   /// drops the sharded gradient if every original parameter's gradient is undefined (an
   /// optimizer's zero_grad(set_to_none)), and recomputes flat_param().requires_grad() as "any
@@ -378,6 +385,7 @@ class FlatParamHandle {
   bool buffer_valid_ = false;  // the unsharded buffer holds the result of a successful gather
   bool comm_failed_ = false;   // an unshard's collective failed: never free its buffers
   bool full_prec_in_eval_ = false;
+  at::Tensor unsharded_grad_;  // set between unshard_grad() and reshard_grad()
   std::vector<bool>
       is_grad_none_;  // per parameter: its gradient was reset to undefined by the user
   // Per parameter: its .grad() is a view of the sharded gradient that we attached. If such a

@@ -303,7 +303,10 @@ class NoSyncGuard {
 /// into the shards when the scope ends. Collective. Not allowed during forward/backward.
 class SummonFullParamsGuard {
  public:
-  explicit SummonFullParamsGuard(FullyShardedDataParallel& model, bool writeback = true);
+  /// `with_grads` (use_orig_params only, as in PyTorch) also unshards the gradients: every
+  /// parameter's grad() is then its full gradient (zeros where a rank had none).
+  explicit SummonFullParamsGuard(FullyShardedDataParallel& model, bool writeback = true,
+                                 bool with_grads = false);
   ~SummonFullParamsGuard() noexcept(false);
   SummonFullParamsGuard(const SummonFullParamsGuard&) = delete;
   SummonFullParamsGuard& operator=(const SummonFullParamsGuard&) = delete;
@@ -311,6 +314,7 @@ class SummonFullParamsGuard {
  private:
   std::shared_ptr<detail::FsdpState> state_;
   bool writeback_;
+  bool with_grads_;
   int uncaught_ = 0;  // std::uncaught_exceptions() at construction
 };
 

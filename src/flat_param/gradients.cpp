@@ -47,6 +47,39 @@ void FlatParamHandle::absorb_cleared_grad_views() {
   if (all_none && fg.defined()) flat_param_.mutable_grad().reset();
 }
 
+void FlatParamHandle::unshard_grad() {
+  if (!options_.use_orig_params()) {
+    throw StateError("unshard_grad: gradients can be unsharded only with use_orig_params=true");
+  }
+  if (!unsharded_views_) throw StateError("unshard_grad: the handle is not unsharded");
+  if (unsharded_grad_.defined()) return;
+  at::NoGradGuard no_grad;
+  const at::Tensor g = flat_param_.grad();
+  // Every rank takes part in the gather; one without a gradient sends zeros.
+  at::Tensor any = at::full({1}, g.defined() ? 1 : 0, at::kInt);
+  group_.all_reduce(any, dist::ReduceOp::MAX);
+  if (any.item<int>() == 0) return;
+  const auto opts = at::TensorOptions().dtype(orig_dtype_).device(options_.device());
+  at::Tensor shard = g.defined() ? g.detach().to(opts) : at::zeros({flat_param_.numel()}, opts);
+  if (uses_sharded_strategy()) {
+    unsharded_grad_ = at::empty({layout_.padded_unsharded_numel}, opts);
+    group_.all_gather_into_tensor(unsharded_grad_, shard.contiguous());
+  } else {
+    unsharded_grad_ = shard.clone();
+  }
+  const std::vector<at::Tensor> views = layout_.unflat_views(unsharded_grad_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].requires_grad()) params_[i].mutable_grad() = views[i];
+  }
+}
+
+void FlatParamHandle::reshard_grad() {
+  if (!unsharded_grad_.defined()) return;
+  unsharded_grad_ = at::Tensor();
+  for (auto& p : params_) p.mutable_grad().reset();
+  use_sharded_grad_views();  // back to what it was before unshard_grad
+}
+
 void FlatParamHandle::reset_flat_param_grad_info_if_needed() {
   if (!options_.use_orig_params()) return;
   absorb_cleared_grad_views();

@@ -337,10 +337,14 @@ NoSyncGuard::NoSyncGuard(FullyShardedDataParallel& model)
 
 NoSyncGuard::~NoSyncGuard() { state_->sync_gradients = prev_; }
 
-SummonFullParamsGuard::SummonFullParamsGuard(FullyShardedDataParallel& model, bool writeback)
-    : state_(model->state_), writeback_(writeback) {
+SummonFullParamsGuard::SummonFullParamsGuard(FullyShardedDataParallel& model, bool writeback,
+                                             bool with_grads)
+    : state_(model->state_), writeback_(writeback), with_grads_(with_grads) {
   auto& st = *state_;
   if (st.in_summon) throw StateError("SummonFullParamsGuard: already summoned");
+  if (with_grads && !st.options.use_orig_params()) {
+    throw ValueError("SummonFullParamsGuard: with_grads=true requires use_orig_params=true");
+  }
   st.reset_iteration();
   st.in_summon = true;
   try {
@@ -348,6 +352,7 @@ SummonFullParamsGuard::SummonFullParamsGuard(FullyShardedDataParallel& model, bo
       if (!u->handle) continue;
       u->handle->set_training_state(HandleTrainingState::SUMMON_FULL_PARAMS);
       u->handle->unshard();
+      if (with_grads) u->handle->unshard_grad();
     }
   } catch (...) {
     // Leave the model usable: everything back to sharded, no summon in progress.
@@ -355,6 +360,7 @@ SummonFullParamsGuard::SummonFullParamsGuard(FullyShardedDataParallel& model, bo
     for (auto& u : st.units) {
       if (!u->handle) continue;
       try {
+        u->handle->reshard_grad();
         u->handle->reshard(true);
       } catch (...) {
       }
@@ -379,6 +385,7 @@ SummonFullParamsGuard::~SummonFullParamsGuard() noexcept(false) {
     } catch (...) {
       if (!first) first = std::current_exception();
     }
+    if (with_grads_) u->handle->reshard_grad();
     try {
       u->handle->reshard(true);
     } catch (...) {
