@@ -350,6 +350,12 @@ class FlatParamHandle {
   void use_sharded_views();
   void use_sharded_grad_views();
   void absorb_cleared_grad_views();
+  // {offset, numel} of original parameter i in the local flat parameter: its piece of the shard,
+  // or the whole parameter under NO_SHARD. Meaningful only where shard_param_infos_[i].in_shard.
+  std::pair<int64_t, int64_t> local_range(size_t i) const;
+  // zero_grad(set_to_none) leaves every original gradient undefined: drop the flat gradient too
+  // (unless it holds full gradients awaiting reduction). use_orig_params only.
+  void drop_flat_grad_if_all_none();
   void release_unsharded_storage();
   void validate_and_describe(const std::vector<at::Tensor>& tensors);
 

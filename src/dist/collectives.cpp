@@ -67,7 +67,7 @@ at::Tensor as_wire(const at::Tensor& t) { return t.view(at::kByte); }
 // Collectives that only move data (all-gather, broadcast) send bytes on Gloo whatever the dtype:
 // which dtypes a Gloo build accepts varies (LibTorch 2.14's native all-gather rejects float16),
 // bytes always work, and moving them is the same copy.
-bool move_as_bytes(const std::string& backend, at::ScalarType) { return backend == "gloo"; }
+bool move_as_bytes(const std::string& backend) { return backend == "gloo"; }
 
 }  // namespace
 
@@ -156,7 +156,7 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   }
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
-  if (move_as_bytes(s.backend_name, input.scalar_type())) {
+  if (move_as_bytes(s.backend_name)) {
     out_flat = as_wire(out_flat);
     in_flat = as_wire(in_flat);
   }
@@ -385,8 +385,7 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int src) {
   c10d::BroadcastOptions opts;
   opts.rootRank = src;
   opts.timeout = s.timeout;
-  std::vector<at::Tensor> ts{move_as_bytes(s.backend_name, tensor.scalar_type()) ? as_wire(tensor)
-                                                                              : tensor};
+  std::vector<at::Tensor> ts{move_as_bytes(s.backend_name) ? as_wire(tensor) : tensor};
   launch(op, FSDP_START(op, s.backend->broadcast(ts, opts))).wait();
 }
 

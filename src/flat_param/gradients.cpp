@@ -33,18 +33,29 @@ void FlatParamHandle::absorb_cleared_grad_views() {
     if (grad_view_attached_[i] && !params_[i].grad().defined()) {
       // Cleared by the user while we were not looking (e.g. while unsharded for an eval forward):
       // as in writeback_orig_params, its slice of the sharded gradient is zero from now on.
-      const ShardParamInfo& s = shard_param_infos_[i];
-      if (fg.defined() && s.in_shard) {
-        const int64_t off = uses_sharded_strategy() ? s.offset_in_shard : layout_.param_offset(i);
-        const int64_t n = uses_sharded_strategy() ? s.numel_in_shard : layout_.numels[i];
+      if (fg.defined() && shard_param_infos_[i].in_shard) {
+        const auto [off, n] = local_range(i);
         fg.narrow(0, off, n).zero_();
       }
       is_grad_none_[i] = true;
       grad_view_attached_[i] = false;
     }
+    // Not drop_flat_grad_if_all_none's test: right after a reduce while unsharded no original
+    // parameter has a gradient yet, but the fresh sharded gradient must stay.
     all_none &= is_grad_none_[i] || !params_[i].requires_grad();
   }
   if (all_none && fg.defined()) flat_param_.mutable_grad().reset();
+}
+
+void FlatParamHandle::drop_flat_grad_if_all_none() {
+  bool all_none = true;
+  for (const auto& p : params_) all_none &= !p.grad().defined();
+  if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
+}
+
+std::pair<int64_t, int64_t> FlatParamHandle::local_range(size_t i) const {
+  if (!uses_sharded_strategy()) return {layout_.param_offset(i), layout_.numels[i]};
+  return {shard_param_infos_[i].offset_in_shard, shard_param_infos_[i].numel_in_shard};
 }
 
 void FlatParamHandle::unshard_grad() {
@@ -83,13 +94,9 @@ void FlatParamHandle::reshard_grad() {
 void FlatParamHandle::reset_flat_param_grad_info_if_needed() {
   if (!options_.use_orig_params()) return;
   absorb_cleared_grad_views();
-  bool all_none = true;
+  drop_flat_grad_if_all_none();
   bool requires_grad = false;
-  for (const auto& p : params_) {
-    all_none &= !p.grad().defined();
-    requires_grad |= p.requires_grad();
-  }
-  if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
+  for (const auto& p : params_) requires_grad |= p.requires_grad();
   flat_param_.set_requires_grad(requires_grad);
 }
 

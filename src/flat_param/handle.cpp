@@ -292,13 +292,8 @@ void FlatParamHandle::wait_unshard() {
 
 void FlatParamHandle::finish_unshard() {
   if (uses_sharded_strategy()) mp_shard_ = at::Tensor();  // the low-precision shard was gathered
-  if (options_.use_orig_params()) {
-    // zero_grad(set_to_none) leaves every original gradient undefined: drop the flat gradient too.
-    // (Done when the views switch, not when a prefetch starts: a prefetch may be abandoned.)
-    bool all_none = true;
-    for (const auto& p : params_) all_none &= !p.grad().defined();
-    if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
-  }
+  // Done when the views switch, not when a prefetch starts: a prefetch may be abandoned.
+  if (options_.use_orig_params()) drop_flat_grad_if_all_none();
   use_unsharded_views(unsharded_flat_);
 }
 
@@ -424,10 +419,8 @@ bool FlatParamHandle::writeback_orig_params() {
       params_[i] = registered;
       detail::mark_flattened(params_[i], false);
     }
-    const ShardParamInfo& s = shard_param_infos_[i];
-    if (!s.in_shard) continue;
-    const int64_t off = uses_sharded_strategy() ? s.offset_in_shard : layout_.param_offset(i);
-    const int64_t numel = uses_sharded_strategy() ? s.numel_in_shard : layout_.numels[i];
+    if (!shard_param_infos_[i].in_shard) continue;
+    const auto [off, numel] = local_range(i);
     const std::vector<int64_t> expected_shape =
         uses_sharded_strategy() ? std::vector<int64_t>{numel} : layout_.shapes[i];
     at::Tensor p = params_[i];

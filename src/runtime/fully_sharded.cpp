@@ -248,8 +248,7 @@ std::vector<FullyShardedDataParallelImpl::ParamFqns> FullyShardedDataParallelImp
       ParamFqns e{params[i], {l.fqns[i]}};
       for (const auto& sp : h.shared_param_infos()) {
         if (sp.prim_index == static_cast<int>(i)) {
-          e.fqns.push_back(sp.module_name.empty() ? sp.param_name
-                                                  : sp.module_name + "." + sp.param_name);
+          e.fqns.push_back(ParamInfo{sp.param_name, sp.module, sp.module_name}.fqn());
         }
       }
       seen.insert(params[i].unsafeGetTensorImpl());

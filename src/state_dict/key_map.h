@@ -44,8 +44,6 @@ struct KeyMap {
 KeyMap key_map(FsdpState& st);
 /// Throws StateError during backward or summon; reshards whatever a forward left unsharded.
 void require_idle(FsdpState& st, const char* what);
-/// Throws StateError naming the unit if any unit uses NO_SHARD.
-void require_sharded(FsdpState& st, const char* what);
 /// "<unit fqn>._flat_param", or "_flat_param" for the root.
 std::string flat_key(const Unit& u);
 std::string shape_str(at::IntArrayRef s);

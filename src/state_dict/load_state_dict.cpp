@@ -135,10 +135,11 @@ struct KeyMeta {
 };
 
 bool known_dtype(int dt) {
+  if (dt < 0 || dt >= static_cast<int>(at::ScalarType::NumOptions)) return false;
   switch (static_cast<at::ScalarType>(dt)) {
     case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16: case at::kByte:
     case at::kChar: case at::kShort: case at::kInt: case at::kLong: case at::kBool:
-      return dt >= 0;
+      return true;
     default:
       return false;
   }
@@ -517,12 +518,7 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
                            bool strict_dtype) {
   FsdpState& st = *model->runtime_state();
   detail::require_idle(st, "load_state_dict");
-  detail::NoShardFallback fallback(st);
-  if (st.state_dict_type != StateDictType::FULL_STATE_DICT) {
-    detail::require_sharded(st, st.state_dict_type == StateDictType::LOCAL_STATE_DICT
-                                    ? "LOCAL_STATE_DICT"
-                                    : "SHARDED_STATE_DICT");
-  }
+  detail::NoShardFallback fallback(st);  // SHARDED/LOCAL on NO_SHARD units load as FULL
   Plan plan = plan_load(st, sd, strict_dtype);
   if (plan.error.empty() && strict &&
       (!plan.result.missing_keys.empty() || !plan.result.unexpected_keys.empty())) {

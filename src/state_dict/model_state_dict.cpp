@@ -63,16 +63,6 @@ void require_idle(FsdpState& st, const char* what) {
   st.reset_iteration();
 }
 
-void require_sharded(FsdpState& st, const char* what) {
-  for (const auto& u : st.units) {
-    if (u->handle && !u->handle->uses_sharded_strategy()) {
-      throw StateError(std::string(what) +
-                       " can only be used when parameters are flattened and sharded (unit '" +
-                       u->fqn + "' uses NO_SHARD)");
-    }
-  }
-}
-
 std::string flat_key(const detail::Unit& u) {
   return u.fqn.empty() ? "_flat_param" : u.fqn + "._flat_param";
 }
@@ -85,7 +75,6 @@ using detail::flat_key;
 using detail::FsdpState;
 using detail::key_map;
 using detail::KeyMap;
-using detail::require_sharded;
 
 // The value of an ignored parameter or a buffer as saved: cloned, in its original dtype.
 at::Tensor unmanaged_value(FsdpState& st, const at::Tensor& t, bool offload) {
@@ -141,8 +130,9 @@ StateDict full_state_dict(FsdpState& st) {
   return sd;
 }
 
+// SHARDED and LOCAL run only on fully sharded models: NoShardFallback (state_dict) turned any
+// request on a model with NO_SHARD units into FULL.
 StateDict sharded_state_dict(FsdpState& st) {
-  require_sharded(st, "SHARDED_STATE_DICT");
   const bool offload = st.sharded_config.offload_to_cpu();
   const KeyMap km = key_map(st);
   const int rank = st.shard_group.rank(), world = st.shard_group.size();
@@ -183,7 +173,6 @@ ShardedTensor local_flat_value(const FlatParamHandle& h, bool offload) {
 }
 
 StateDict local_state_dict(FsdpState& st) {
-  require_sharded(st, "LOCAL_STATE_DICT");
   const bool offload = st.local_config.offload_to_cpu();
   const KeyMap km = key_map(st);
   StateDict sd;
