@@ -19,18 +19,12 @@ using fsdp::testing::run_ranks;
 using fsdp::testing::seeded_randn;
 using fsdp::testing::TinyLM;
 using fsdp::testing::TinyLMImpl;
+using fsdp::testing::full_params;
+using fsdp::testing::lm_loss;
+using fsdp::testing::lm_options;
+using fsdp::testing::lm_tokens;
 
 namespace {
-
-torch::Tensor tokens(int64_t rows, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return torch::randint(TinyLMImpl::kVocab, {rows, 5}, gen, torch::kLong);
-}
-
-torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, TinyLMImpl::kVocab}),
-                                              target.reshape({-1}));
-}
 
 // Worst element-wise difference allowed between bfloat16 training at W=2 and the same wrapper at
 // W=1: a few bfloat16 roundings (2^-8 relative) of parameters of magnitude ~0.5. Measured worst:
@@ -38,20 +32,6 @@ torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) 
 // them by 0.20 and 0.054, which the negative controls require to exceed the bound.
 constexpr double kMixedPrecisionTol = 1e-2;
 constexpr double kMixedPrecisionTwiceTol = 5e-3;
-
-FullyShardedOptions lm_options(TinyLM& m) {
-  return FullyShardedOptions()
-      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
-      .units({m->frozen.ptr()});
-}
-
-std::map<std::string, torch::Tensor> full_params(FullyShardedDataParallel& model) {
-  fsdp::SummonFullParamsGuard g(model, false);
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& p : model->module()->named_parameters())
-    out[p.key()] = p.value().detach().clone();
-  return out;
-}
 
 TEST(FsdpRuntime, ForwardKeepsAtMostTwoUnitsUnsharded) {
   run_ranks(2, [](ProcessGroup& pg) {
@@ -70,7 +50,7 @@ TEST(FsdpRuntime, ForwardKeepsAtMostTwoUnitsUnsharded) {
       ++probes;
     };
     for (int step = 0; step < 2; ++step) {
-      auto idx = tokens(3, 10 + pg.rank());
+      auto idx = lm_tokens(3, 10 + pg.rank());
       lm_loss(model->forward(idx), idx).backward();
       for (auto* h : handles)
         EXPECT_EQ(h->unsharded_storage_bytes(), 0);  // all freed after backward
@@ -107,7 +87,7 @@ TEST(FsdpRuntime, RankDyingMidStepFailsTheOthersWithinTheTimeout) {
         auto t0 = std::chrono::steady_clock::now();
         try {
           for (int step = 0; step < 3; ++step) {
-            auto idx = tokens(4, step);
+            auto idx = lm_tokens(4, step);
             lm_loss(model->forward(idx), idx).backward();
           }
           ADD_FAILURE() << "training went on without rank 2";
@@ -133,7 +113,7 @@ TEST(FsdpRuntime, NoSyncAccumulatesLocallyThenReducesEverything) {
       TinyLM ref(4);
       for (int mb = 0; mb < 3; ++mb) {
         for (int r = 0; r < pg.size(); ++r) {
-          auto idx = tokens(2, 100 * mb + r);
+          auto idx = lm_tokens(2, 100 * mb + r);
           (lm_loss(ref->forward(idx), idx) / pg.size()).backward();
         }
       }
@@ -146,11 +126,11 @@ TEST(FsdpRuntime, NoSyncAccumulatesLocallyThenReducesEverything) {
       {
         fsdp::NoSyncGuard no_sync(model);
         for (int mb = 0; mb < 2; ++mb) {
-          auto idx = tokens(2, 100 * mb + pg.rank());
+          auto idx = lm_tokens(2, 100 * mb + pg.rank());
           lm_loss(model->forward(idx), idx).backward();
         }
       }
-      auto idx = tokens(2, 200 + pg.rank());
+      auto idx = lm_tokens(2, 200 + pg.rank());
       lm_loss(model->forward(idx), idx).backward();
       opt.step();
       auto got = full_params(model);
@@ -167,7 +147,7 @@ TEST(FsdpRuntime, ClipGradNormUsesTheGlobalNorm) {
     run_ranks(3, [strategy](ProcessGroup& pg) {
       TinyLM ref(6);
       for (int r = 0; r < pg.size(); ++r) {
-        auto idx = tokens(2, 300 + r);
+        auto idx = lm_tokens(2, 300 + r);
         (lm_loss(ref->forward(idx), idx) / pg.size()).backward();
       }
       auto params = fsdp::testing::unique_params(ref->parameters());
@@ -181,7 +161,7 @@ TEST(FsdpRuntime, ClipGradNormUsesTheGlobalNorm) {
 
       TinyLM m(6);
       FullyShardedDataParallel model(m, lm_options(m).sharding_strategy(strategy));
-      auto idx = tokens(2, 300 + pg.rank());
+      auto idx = lm_tokens(2, 300 + pg.rank());
       lm_loss(model->forward(idx), idx).backward();
       const double norm = model->clip_grad_norm_(0.1);
       EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
@@ -268,7 +248,7 @@ TEST(FsdpRuntime, MixedPrecisionMatchesASingleProcessCastingTheSameWay) {
     torch::optim::SGD opt(model->parameters(), 0.2);
     for (int step = 0; step < 3; ++step) {
       opt.zero_grad();
-      auto idx = tokens(4, 40 + step).narrow(0, pg.rank() * rows_per_rank, rows_per_rank);
+      auto idx = lm_tokens(4, 40 + step).narrow(0, pg.rank() * rows_per_rank, rows_per_rank);
       auto logits = model->forward(idx);
       EXPECT_EQ(logits.scalar_type(), at::kBFloat16);
       auto loss = lm_loss(logits.to(at::kFloat), idx);
@@ -330,7 +310,7 @@ TEST(FsdpRuntime, EvalForwardWithoutGradReshardsEverything) {
     model->eval();
     EXPECT_FALSE(m->blocks->ptr<BlockImpl>(0)->is_training());
     torch::NoGradGuard no_grad;
-    auto idx = tokens(2, 5);
+    auto idx = lm_tokens(2, 5);
     auto out = model->forward(idx);
     EXPECT_TRUE(torch::allclose(out, ref->forward(idx), 1e-6, 1e-6));
     for (auto* h : model->handles()) EXPECT_EQ(h->unsharded_storage_bytes(), 0);
@@ -346,7 +326,7 @@ TEST(FsdpRuntime, IgnoredModulesStayWholeAndUnmanaged) {
     EXPECT_FALSE(fsdp::is_fsdp_flattened(m->frozen->weight));
     auto names = model->unit_names();
     EXPECT_EQ(std::count(names.begin(), names.end(), "frozen"), 0);
-    auto idx = tokens(2, 5 + pg.rank());
+    auto idx = lm_tokens(2, 5 + pg.rank());
     lm_loss(model->forward(idx), idx).backward();
   });
 }
@@ -365,7 +345,7 @@ TEST(FsdpRuntime, PrefetchModesGiveBitIdenticalTraining) {
       torch::optim::Adam opt(fsdp::testing::unique_params(model->parameters()), 1e-2);
       for (int step = 0; step < 3; ++step) {
         opt.zero_grad();
-        auto idx = tokens(3, 60 + 10 * step + pg.rank());
+        auto idx = lm_tokens(3, 60 + 10 * step + pg.rank());
         lm_loss(model->forward(idx), idx).backward();
         opt.step();
         for (auto* h : model->handles()) {
@@ -403,10 +383,10 @@ TEST(FsdpRuntime, ForwardWithoutBackwardBetweenStepsLeavesNoStaleGradients) {
       torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.3);
       for (int step = 0; step < 3; ++step) {
         opt.zero_grad();
-        auto idx = tokens(2, 70 + step + 10 * pg.rank());
+        auto idx = lm_tokens(2, 70 + step + 10 * pg.rank());
         lm_loss(model->forward(idx), idx).backward();
         opt.step();
-        if (eval_between) model->forward(tokens(2, 5));  // no backward
+        if (eval_between) model->forward(lm_tokens(2, 5));  // no backward
       }
       return full_params(model);
     };

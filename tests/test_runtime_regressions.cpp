@@ -19,32 +19,12 @@ using fsdp::testing::BlockImpl;
 using fsdp::testing::run_ranks;
 using fsdp::testing::TinyLM;
 using fsdp::testing::TinyLMImpl;
+using fsdp::testing::full_params;
+using fsdp::testing::lm_loss;
+using fsdp::testing::lm_options;
+using fsdp::testing::lm_tokens;
 
 namespace {
-
-torch::Tensor tokens(int64_t rows, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return torch::randint(TinyLMImpl::kVocab, {rows, 5}, gen, torch::kLong);
-}
-
-torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, TinyLMImpl::kVocab}),
-                                              target.reshape({-1}));
-}
-
-FullyShardedOptions lm_options(TinyLM& m) {
-  return FullyShardedOptions()
-      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
-      .units({m->frozen.ptr()});
-}
-
-std::map<std::string, torch::Tensor> full_params(FullyShardedDataParallel& model) {
-  fsdp::SummonFullParamsGuard g(model, false);
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& p : model->module()->named_parameters())
-    out[p.key()] = p.value().detach().clone();
-  return out;
-}
 
 // optimizer.zero_grad(set_to_none=true), whatever the LibTorch version's default is (1.13 zeroes
 // in place, 2.x sets to none).
@@ -85,7 +65,7 @@ TEST(RuntimeRegressions, IgnoredModuleBuffersKeepTheirDtypeUnderBufferDtype) {
                .units({m->frozen.ptr()})
                .ignored_modules({m->stats.ptr()})
                .mixed_precision(fsdp::MixedPrecision().buffer_dtype(at::kBFloat16)));
-    auto idx = tokens(2, 3);
+    auto idx = lm_tokens(2, 3);
     lm_loss(model->forward(idx), idx).backward();
     EXPECT_EQ(m->scale.scalar_type(), at::kBFloat16);  // a managed buffer is cast
     EXPECT_EQ(m->stats->running.scalar_type(), at::kFloat);
@@ -111,7 +91,7 @@ TEST(RuntimeRegressions, UnfreezingAUnitFrozenAtWrapTimeTrainsIt) {
       torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
       torch::optim::SGD ref_opt(fsdp::testing::unique_params(ref->parameters()), 0.5);
       for (int step = 0; step < 3; ++step) {
-        auto idx = tokens(2 * W, 90 + step);
+        auto idx = lm_tokens(2 * W, 90 + step);
         opt.zero_grad();
         lm_loss(model->forward(idx.narrow(0, 2 * pg.rank(), 2)), idx.narrow(0, 2 * pg.rank(), 2))
             .backward();
@@ -144,7 +124,7 @@ TEST(RuntimeRegressions, FreezingAfterWrapStopsTheUpdates) {
     torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
     const auto before = full_params(model);
     for (int step = 0; step < 2; ++step) {
-      auto idx = tokens(2, 95 + step + 7 * pg.rank());
+      auto idx = lm_tokens(2, 95 + step + 7 * pg.rank());
       opt.zero_grad();
       lm_loss(model->forward(idx), idx).backward();
       opt.step();
@@ -183,10 +163,10 @@ TEST_P(ClearedGradsAfterEvalForward, MatchTrainingWithoutTheExtraForward) {
             if (p.grad().defined()) p.mutable_grad().zero_();
           }
         }
-        auto idx = tokens(2, 70 + step + 10 * pg.rank());
+        auto idx = lm_tokens(2, 70 + step + 10 * pg.rank());
         lm_loss(model->forward(idx), idx).backward();
         opt.step();
-        if (eval_between) model->forward(tokens(2, 5));  // no backward
+        if (eval_between) model->forward(lm_tokens(2, 5));  // no backward
       }
       return full_params(model);
     };
@@ -295,7 +275,7 @@ TEST(RuntimeRegressions, FullPrecisionInEvalWithTheEnvironmentVariable) {
         FullyShardedDataParallel model(
             m, lm_options(m).sharding_strategy(strategy).mixed_precision(
                    fsdp::MixedPrecision().param_dtype(at::kBFloat16).buffer_dtype(at::kBFloat16)));
-        auto idx = tokens(2, 60 + pg.rank());
+        auto idx = lm_tokens(2, 60 + pg.rank());
         model->eval();
         for (bool grad : {false, true}) {  // eval with and without grad mode
           torch::AutoGradMode mode(grad);
@@ -333,7 +313,7 @@ TEST(RuntimeRegressions, SummonWithGradsShowsFullGradients) {
       TinyLM ref(81);
       FullyShardedDataParallel model(m,
                                      lm_options(m).use_orig_params(true).sharding_strategy(strategy));
-      auto idx = tokens(4, 82);
+      auto idx = lm_tokens(4, 82);
       lm_loss(model->forward(idx.narrow(0, 2 * pg.rank(), 2)), idx.narrow(0, 2 * pg.rank(), 2))
           .backward();
       lm_loss(ref->forward(idx), idx).backward();

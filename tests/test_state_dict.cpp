@@ -8,6 +8,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
 #include "multi_rank.h"
+#include "state_dict_testing.h"
 #include "tiny_lm.h"
 
 using fsdp::FullyShardedDataParallel;
@@ -21,6 +22,9 @@ using fsdp::dist::ProcessGroup;
 using fsdp::testing::BlockImpl;
 using fsdp::testing::run_ranks;
 using fsdp::testing::TinyLM;
+using fsdp::testing::expect_same;
+using fsdp::testing::full_of;
+using fsdp::testing::lm_options;
 
 namespace {
 
@@ -101,28 +105,6 @@ TEST(ShardedTensor, ChunkFollowsTorchChunkAndFlatRangesReassemble) {
 // ---------------------------------------------------------------------------------------------
 // Wrapped models
 
-FullyShardedOptions opts_for(TinyLM& m, ShardingStrategy s, bool orig) {
-  return FullyShardedOptions()
-      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
-      .units({m->frozen.ptr()})
-      .sharding_strategy(s)
-      .use_orig_params(orig);
-}
-
-void expect_same(const StateDict& a, const StateDict& b, const std::string& what) {
-  ASSERT_EQ(a.keys(), b.keys()) << what;
-  for (const auto& [k, v] : a) {
-    const auto& w = b.at(k).tensor();
-    EXPECT_EQ(v.tensor().scalar_type(), w.scalar_type()) << what << " " << k;
-    EXPECT_TRUE(torch::equal(v.tensor(), w)) << what << " " << k;
-  }
-}
-
-StateDict full_of(FullyShardedDataParallel& model) {
-  fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT);
-  return fsdp::state_dict(model);
-}
-
 // Moves every parameter away from its initial value, through a real training step.
 void train_step(FullyShardedDataParallel& model, int rank) {
   auto idx = torch::randint(TinyLM::Impl::kVocab, {2, 5},
@@ -149,7 +131,7 @@ TEST_P(StateDictWorld, FullEqualsUnwrappedModelBitExactly) {
     TinyLM plain(21);
     const StateDict expect = fsdp::module_state_dict(*plain);
     TinyLM m(21);
-    FullyShardedDataParallel model(m, opts_for(m, c.strategy, c.orig));
+    FullyShardedDataParallel model(m, lm_options(m, c.strategy, c.orig));
     const StateDict got = full_of(model);
     expect_same(got, expect, "FULL vs unwrapped");
     EXPECT_TRUE(got.contains("tok.weight") && got.contains("head.weight"));  // tied: both FQNs
@@ -167,7 +149,7 @@ TEST_P(StateDictWorld, EveryTypeRoundTrips) {
     }
     for (auto type : types) {
       TinyLM a(31);
-      FullyShardedDataParallel src(a, opts_for(a, c.strategy, c.orig));
+      FullyShardedDataParallel src(a, lm_options(a, c.strategy, c.orig));
       train_step(src, pg.rank());
       const StateDict expect = full_of(src);
       StateDict saved;
@@ -176,7 +158,7 @@ TEST_P(StateDictWorld, EveryTypeRoundTrips) {
         saved = fsdp::state_dict(src);
       }
       TinyLM b(32);  // different initial values
-      FullyShardedDataParallel dst(b, opts_for(b, c.strategy, c.orig));
+      FullyShardedDataParallel dst(b, lm_options(b, c.strategy, c.orig));
       {
         fsdp::StateDictTypeGuard g(dst, type);
         auto res = fsdp::load_state_dict(dst, saved);
@@ -211,7 +193,7 @@ TEST(ModelStateDict, Rank0OnlyAndOffload) {
   run_ranks(3, [](ProcessGroup& pg) {
     for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
       TinyLM m(4);
-      FullyShardedDataParallel model(m, opts_for(m, strategy, false));
+      FullyShardedDataParallel model(m, lm_options(m, strategy, false));
       const StateDict expect = full_of(model);
       StateDict sd;
       {
@@ -238,7 +220,7 @@ TEST(ModelStateDict, MixedPrecisionStateDictKeepsOriginalDtypes) {
   run_ranks(2, [](ProcessGroup& pg) {
     TinyLM m(5);
     auto opts =
-        opts_for(m, ShardingStrategy::FULL_SHARD, false)
+        lm_options(m, ShardingStrategy::FULL_SHARD, false)
             .mixed_precision(
                 fsdp::MixedPrecision().param_dtype(at::kBFloat16).buffer_dtype(at::kBFloat16));
     FullyShardedDataParallel model(m, opts);
@@ -277,7 +259,7 @@ TEST(ModelStateDict, MixedPrecisionStateDictKeepsOriginalDtypes) {
 TEST(ModelStateDict, FullGatheringHoldsAtMostOneUnitUnsharded) {
   run_ranks(2, [](ProcessGroup&) {
     TinyLM m(6);
-    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, true));
+    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, true));
     auto handles = model->handles();
     int64_t largest = 0, peak = 0;
     int calls = 0;
@@ -370,7 +352,7 @@ StateDict load_pieces(int saved_world, const std::string& dir) {
 void write_sharded_checkpoint_at_two(const std::string& dir) {
   run_ranks(2, [&dir](ProcessGroup& pg) {
     TinyLM m(41);
-    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, false));
+    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, false));
     train_step(model, pg.rank());
     StateDict full = full_of(model);
     fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
@@ -393,7 +375,7 @@ TEST(ModelStateDict, ShardedSavedAtTwoLoadsAtThreeAndOne) {
         std::vector<torch::Tensor> expected;
         torch::load(expected, dir + "/expected.pt");
         TinyLM m(99);
-        FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, orig));
+        FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, orig));
         {
           fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
           fsdp::load_state_dict(model, load_pieces(2, dir));
@@ -428,7 +410,7 @@ TEST(ModelStateDict, ShardedLoadWithUnevenlySuppliedPieces) {
       }
     }
     TinyLM m(98);
-    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, false));
+    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, false));
     {
       fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
       fsdp::load_state_dict(model, sd);
@@ -442,7 +424,7 @@ TEST(ModelStateDict, ShardedLoadWithUnevenlySuppliedPieces) {
 TEST(ModelStateDict, StrictnessShapesDtypesAndAllOrNothing) {
   run_ranks(2, [](ProcessGroup& pg) {
     TinyLM m(7);
-    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, true));
+    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, true));
     const StateDict good = full_of(model);
     auto expect_error = [&](const StateDict& sd, const std::string& needle, bool strict = true,
                             bool strict_dtype = false) {
@@ -483,7 +465,7 @@ TEST(ModelStateDict, StrictnessShapesDtypesAndAllOrNothing) {
 TEST(ModelStateDict, LocalNeedsTheSameWorldSizeAndShardedNeedsSharding) {
   run_ranks(2, [](ProcessGroup&) {
     TinyLM m(8);
-    FullyShardedDataParallel model(m, opts_for(m, ShardingStrategy::FULL_SHARD, false));
+    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, false));
     StateDict local;
     {
       fsdp::StateDictTypeGuard g(model, StateDictType::LOCAL_STATE_DICT);
@@ -510,7 +492,7 @@ TEST(ModelStateDict, HybridShardRoundTripsFullAndSharded) {
     for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
       TinyLM a(51);
       FullyShardedDataParallel src(
-          a, opts_for(a, ShardingStrategy::HYBRID_SHARD, false).hybrid_shard_size(2));
+          a, lm_options(a, ShardingStrategy::HYBRID_SHARD, false).hybrid_shard_size(2));
       train_step(src, pg.rank());
       const StateDict expect = full_of(src);
       EXPECT_EQ(expect.keys(), fsdp::module_state_dict(*TinyLM(51)).keys());
@@ -521,7 +503,7 @@ TEST(ModelStateDict, HybridShardRoundTripsFullAndSharded) {
       }
       TinyLM b(52);
       FullyShardedDataParallel dst(
-          b, opts_for(b, ShardingStrategy::HYBRID_SHARD, true).hybrid_shard_size(2));
+          b, lm_options(b, ShardingStrategy::HYBRID_SHARD, true).hybrid_shard_size(2));
       {
         fsdp::StateDictTypeGuard g(dst, type);
         fsdp::load_state_dict(dst, saved);

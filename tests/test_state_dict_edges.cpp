@@ -9,6 +9,7 @@
 #include "fsdp/flat_param.h"
 #include "fsdp/model_state_dict.h"
 #include "multi_rank.h"
+#include "state_dict_testing.h"
 #include "tiny_lm.h"
 
 using fsdp::FlatParamHandle;
@@ -23,29 +24,11 @@ using fsdp::dist::ProcessGroup;
 using fsdp::testing::BlockImpl;
 using fsdp::testing::run_ranks;
 using fsdp::testing::TinyLM;
+using fsdp::testing::expect_same;
+using fsdp::testing::full_of;
+using fsdp::testing::lm_options;
 
 namespace {
-
-FullyShardedOptions opts_for(TinyLM& m, ShardingStrategy s, bool orig) {
-  return FullyShardedOptions()
-      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
-      .units({m->frozen.ptr()})
-      .sharding_strategy(s)
-      .use_orig_params(orig);
-}
-
-StateDict full_of(FullyShardedDataParallel& model) {
-  fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT);
-  return fsdp::state_dict(model);
-}
-
-void expect_equal(const StateDict& a, const StateDict& b, const std::string& what) {
-  ASSERT_EQ(a.keys(), b.keys()) << what;
-  for (const auto& [k, v] : a) {
-    EXPECT_EQ(v.tensor().scalar_type(), b.at(k).tensor().scalar_type()) << what << " " << k;
-    EXPECT_TRUE(torch::equal(v.tensor(), b.at(k).tensor())) << what << " " << k;
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 
@@ -56,7 +39,7 @@ TEST(StateDictEdges, LoadAfterSetDataKeepsTheLoadedValues) {
   run_ranks(2, [](ProcessGroup&) {
     for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
       TinyLM a(61);
-      FullyShardedDataParallel src(a, opts_for(a, ShardingStrategy::FULL_SHARD, true));
+      FullyShardedDataParallel src(a, lm_options(a, ShardingStrategy::FULL_SHARD, true));
       const StateDict expect = full_of(src);
       StateDict saved;
       {
@@ -64,7 +47,7 @@ TEST(StateDictEdges, LoadAfterSetDataKeepsTheLoadedValues) {
         saved = fsdp::state_dict(src);
       }
       TinyLM b(62);
-      FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::FULL_SHARD, true));
+      FullyShardedDataParallel dst(b, lm_options(b, ShardingStrategy::FULL_SHARD, true));
       {
         torch::NoGradGuard no_grad;
         auto w = b->blocks->ptr<BlockImpl>(1)->fc1->weight;  // a shard view under use_orig_params
@@ -74,7 +57,7 @@ TEST(StateDictEdges, LoadAfterSetDataKeepsTheLoadedValues) {
         fsdp::StateDictTypeGuard g(dst, type);
         fsdp::load_state_dict(dst, saved);
       }
-      expect_equal(full_of(dst), expect, "after load");
+      expect_same(full_of(dst), expect, "after load");
     }
   });
 }
@@ -85,7 +68,7 @@ TEST(StateDictEdges, LoadCastsDtypesUnlessStrictDtype) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
       TinyLM a(63);
-      FullyShardedDataParallel src(a, opts_for(a, ShardingStrategy::FULL_SHARD, false));
+      FullyShardedDataParallel src(a, lm_options(a, ShardingStrategy::FULL_SHARD, false));
       StateDict bf16 = full_of(src);
       StateDict expect = bf16;
       for (auto& [k, v] : bf16) v = StateValue(v.tensor().to(at::kBFloat16));
@@ -98,7 +81,7 @@ TEST(StateDictEdges, LoadCastsDtypesUnlessStrictDtype) {
         }
       }
       TinyLM b(64);
-      FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::FULL_SHARD, false));
+      FullyShardedDataParallel dst(b, lm_options(b, ShardingStrategy::FULL_SHARD, false));
       fsdp::StateDictTypeGuard g(dst, type);
       try {
         fsdp::load_state_dict(dst, to_load, /*strict=*/true, /*strict_dtype=*/true);
@@ -108,7 +91,7 @@ TEST(StateDictEdges, LoadCastsDtypesUnlessStrictDtype) {
             << e.what();
       }
       fsdp::load_state_dict(dst, to_load);
-      expect_equal(full_of(dst), expect, "bf16 cast");
+      expect_same(full_of(dst), expect, "bf16 cast");
     }
   });
 }
@@ -118,21 +101,21 @@ TEST(StateDictEdges, NoShardFallsBackToFull) {
   run_ranks(2, [](ProcessGroup&) {
     for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {
       TinyLM a(65);
-      FullyShardedDataParallel model(a, opts_for(a, ShardingStrategy::NO_SHARD, true));
+      FullyShardedDataParallel model(a, lm_options(a, ShardingStrategy::NO_SHARD, true));
       const StateDict expect = full_of(model);
       StateDict got;
       {
         fsdp::StateDictTypeGuard g(model, type);
         got = fsdp::state_dict(model);
       }
-      expect_equal(got, expect, "NO_SHARD fallback");
+      expect_same(got, expect, "NO_SHARD fallback");
       TinyLM b(66);
-      FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::NO_SHARD, true));
+      FullyShardedDataParallel dst(b, lm_options(b, ShardingStrategy::NO_SHARD, true));
       {
         fsdp::StateDictTypeGuard g(dst, type);
         fsdp::load_state_dict(dst, got);
       }
-      expect_equal(full_of(dst), expect, "NO_SHARD load");
+      expect_same(full_of(dst), expect, "NO_SHARD load");
     }
   });
 }
@@ -207,7 +190,7 @@ StateDict as_column_blocks(const StateDict& full, int rank, int world, bool ever
 TEST(StateDictEdges, ShardedLoadExchangesAnyBoxesFromAnyHolder) {
   run_ranks(3, [](ProcessGroup& pg) {
     TinyLM a(71);
-    FullyShardedDataParallel src(a, opts_for(a, ShardingStrategy::FULL_SHARD, false));
+    FullyShardedDataParallel src(a, lm_options(a, ShardingStrategy::FULL_SHARD, false));
     const StateDict expect = full_of(src);
     for (int mode = 0; mode < 2; ++mode) {
       // mode 0: every rank its own column blocks; mode 1: rank 0 all of them, others none.
@@ -216,12 +199,12 @@ TEST(StateDictEdges, ShardedLoadExchangesAnyBoxesFromAnyHolder) {
       if (mode == 1 && pg.rank() != 0) sd = as_column_blocks(expect, pg.rank(), 0, false);
       for (bool orig : {false, true}) {
         TinyLM b(72);
-        FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::SHARD_GRAD_OP, orig));
+        FullyShardedDataParallel dst(b, lm_options(b, ShardingStrategy::SHARD_GRAD_OP, orig));
         {
           fsdp::StateDictTypeGuard g(dst, StateDictType::SHARDED_STATE_DICT);
           fsdp::load_state_dict(dst, sd);
         }
-        expect_equal(full_of(dst), expect, "mode " + std::to_string(mode));
+        expect_same(full_of(dst), expect, "mode " + std::to_string(mode));
       }
     }
   });
@@ -234,7 +217,7 @@ TEST(StateDictEdges, MalformedPiecesOnOneRankFailEveryRankAndLoadNothing) {
       3,
       [](ProcessGroup& pg) {
         TinyLM a(73);
-        FullyShardedDataParallel src(a, opts_for(a, ShardingStrategy::FULL_SHARD, false));
+        FullyShardedDataParallel src(a, lm_options(a, ShardingStrategy::FULL_SHARD, false));
         const StateDict truth = full_of(src);
         StateDict sd = as_column_blocks(truth, pg.rank(), pg.size(), false);
         if (pg.rank() == 1) {
@@ -243,7 +226,7 @@ TEST(StateDictEdges, MalformedPiecesOnOneRankFailEveryRankAndLoadNothing) {
           sd.insert_or_assign("blocks.0.fc1.weight", fsdp::chunk_sharded(w, 1, 3));
         }
         TinyLM b(74);
-        FullyShardedDataParallel dst(b, opts_for(b, ShardingStrategy::FULL_SHARD, false));
+        FullyShardedDataParallel dst(b, lm_options(b, ShardingStrategy::FULL_SHARD, false));
         const StateDict before = full_of(dst);
         const auto t0 = std::chrono::steady_clock::now();
         try {
@@ -256,7 +239,7 @@ TEST(StateDictEdges, MalformedPiecesOnOneRankFailEveryRankAndLoadNothing) {
         }
         // Raised promptly, from the verdict exchange, not from a collective's timeout.
         EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(10000));
-        expect_equal(full_of(dst), before, "after the refused load");
+        expect_same(full_of(dst), before, "after the refused load");
       },
       opts);
 }
@@ -322,7 +305,7 @@ TEST_P(AwkwardWorld, EveryTypeRoundTripsAndTrainsOn) {
         fsdp::StateDictTypeGuard g(dst, type);
         fsdp::load_state_dict(dst, saved);
       }
-      expect_equal(full_of(dst), expect, "awkward round trip");
+      expect_same(full_of(dst), expect, "awkward round trip");
       // The tie survives: one more step moves both names together.
       torch::optim::SGD opt(fsdp::testing::unique_params(dst->parameters()), 0.1);
       dst->forward(fsdp::testing::seeded_randn({2, 3}, 600)).pow(2).sum().backward();

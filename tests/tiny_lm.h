@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
+#include <string>
 #include <unordered_set>
 #include <vector>
 
@@ -71,6 +73,38 @@ struct TinyLMImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(TinyLM);
+
+/// A reproducible batch of `rows` sequences of 5 token ids, the same on every rank for a seed.
+inline torch::Tensor lm_tokens(int64_t rows, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return torch::randint(TinyLMImpl::kVocab, {rows, 5}, gen, torch::kLong);
+}
+
+/// Next-token-style loss of TinyLM's logits against the tokens (mean cross-entropy).
+inline torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, TinyLMImpl::kVocab}),
+                                              target.reshape({-1}));
+}
+
+/// TinyLM's usual wrapping: `frozen` and every block are units, the root holds the rest.
+inline FullyShardedOptions lm_options(TinyLM& m,
+                                      ShardingStrategy s = ShardingStrategy::FULL_SHARD,
+                                      bool use_orig_params = false) {
+  return FullyShardedOptions()
+      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())
+      .units({m->frozen.ptr()})
+      .sharding_strategy(s)
+      .use_orig_params(use_orig_params);
+}
+
+/// Every parameter's full value by FQN, cloned (summoned without write-back). Collective.
+inline std::map<std::string, torch::Tensor> full_params(FullyShardedDataParallel& model) {
+  fsdp::SummonFullParamsGuard g(model, false);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : model->module()->named_parameters())
+    out[p.key()] = p.value().detach().clone();
+  return out;
+}
 
 /// LibTorch lists a tied parameter once per owner; an optimizer must see it once.
 inline std::vector<torch::Tensor> unique_params(const std::vector<torch::Tensor>& ps) {
