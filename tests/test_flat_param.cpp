@@ -417,7 +417,8 @@ TEST(FlatParamHandle, RanksThatDisagreeOnTheModelAllRaiseNamingTheParameter) {
 // starting another gather into the same memory.
 TEST(FlatParamFailure, FailedUnshardKeepsItsBufferAndRefusesMore) {
   fsdp::testing::RunOptions opts;
-  opts.collective_timeout = std::chrono::milliseconds(3000);
+  opts.collective_timeout = std::chrono::milliseconds(10000);  // not to expire during start-up
+  opts.grace = 4 * opts.collective_timeout;
   opts.report = false;
   auto results = run_ranks(
       2,
