@@ -24,6 +24,8 @@ using fsdp::testing::run_ranks;
 using fsdp::testing::TinyLM;
 using fsdp::testing::expect_same;
 using fsdp::testing::full_of;
+using fsdp::testing::load_pieces;
+using fsdp::testing::save_pieces;
 using fsdp::testing::lm_options;
 
 namespace {
@@ -278,74 +280,6 @@ TEST(ModelStateDict, FullGatheringHoldsAtMostOneUnitUnsharded) {
     EXPECT_GT(peak, 0);
     EXPECT_LE(peak, largest);
   });
-}
-
-// SHARDED pieces written by each rank to files, then loaded at other world sizes.
-void save_pieces(const StateDict& sd, int rank, const std::string& dir) {
-  std::vector<torch::Tensor> tensors;
-  std::ofstream meta(dir + "/meta_" + std::to_string(rank) + ".txt");
-  for (const auto& [k, v] : sd) {
-    if (v.is_tensor()) {
-      meta << k << " T";
-      tensors.push_back(v.tensor());
-    } else {
-      const auto& st = v.sharded_tensor();
-      meta << k << " S " << st.size().size();
-      for (auto d : st.size()) meta << " " << d;
-      meta << " " << st.local_shards().size();
-      for (const auto& s : st.local_shards()) {
-        for (auto o : s.metadata.offsets) meta << " " << o;
-        tensors.push_back(s.tensor);
-      }
-    }
-    meta << "\n";
-  }
-  torch::save(tensors, dir + "/data_" + std::to_string(rank) + ".pt");
-}
-
-StateDict load_pieces(int saved_world, const std::string& dir) {
-  StateDict sd;
-  std::map<std::string, std::vector<fsdp::Shard>> pieces;
-  std::map<std::string, std::vector<int64_t>> shapes;
-  std::vector<std::string> order;
-  for (int r = 0; r < saved_world; ++r) {
-    std::vector<torch::Tensor> tensors;
-    torch::load(tensors, dir + "/data_" + std::to_string(r) + ".pt");
-    std::ifstream meta(dir + "/meta_" + std::to_string(r) + ".txt");
-    size_t ti = 0;
-    for (std::string line; std::getline(meta, line);) {
-      std::istringstream is(line);
-      std::string key, kind;
-      is >> key >> kind;
-      if (r == 0) order.push_back(key);
-      if (kind == "T") {
-        if (r == 0) sd.insert_or_assign(key, tensors[ti]);
-        ++ti;
-        continue;
-      }
-      size_t dims, n;
-      is >> dims;
-      std::vector<int64_t> shape(dims);
-      for (auto& d : shape) is >> d;
-      shapes[key] = shape;
-      is >> n;
-      for (size_t i = 0; i < n; ++i) {
-        std::vector<int64_t> off(dims);
-        for (auto& o : off) is >> o;
-        const auto& t = tensors[ti++];
-        pieces[key].push_back(fsdp::Shard{t, {off, t.sizes().vec(), r}});
-      }
-    }
-  }
-  StateDict out;
-  for (const auto& k : order) {
-    if (sd.contains(k)) {
-      out.insert_or_assign(k, sd.at(k));
-    } else {
-      out.insert_or_assign(k, ShardedTensor(shapes[k], torch::kFloat, pieces[k]));
-    }
-  }
-  return out;
 }
 
 // Trains at W=2 and writes the SHARDED pieces of each rank, and rank 0's FULL values, to `dir`.

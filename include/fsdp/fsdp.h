@@ -7,4 +7,5 @@
 #include "fsdp/flat_param.h"
 #include "fsdp/fully_sharded.h"
 #include "fsdp/model_state_dict.h"
+#include "fsdp/optim_state_dict.h"
 #include "fsdp/state_dict.h"

@@ -47,8 +47,22 @@ struct LocalStateDictConfig {
   TORCH_ARG(bool, offload_to_cpu) = false;
 };
 
-/// Sets the state-dict type (and its config) of `model` for its lifetime; restores the previous
-/// one on destruction. The default type is FULL_STATE_DICT with a default config.
+/// How FULL optimizer state dicts are produced (see fsdp/optim_state_dict.h). PyTorch's defaults.
+struct FullOptimStateDictConfig {
+  /// Move values to the CPU as they are gathered.
+  TORCH_ARG(bool, offload_to_cpu) = true;
+  /// Only rank 0 returns values; other ranks return an empty dict (they still take part).
+  TORCH_ARG(bool, rank0_only) = false;
+};
+
+/// How SHARDED optimizer state dicts are produced.
+struct ShardedOptimStateDictConfig {
+  TORCH_ARG(bool, offload_to_cpu) = true;
+};
+
+/// Sets the state-dict type (and its configs, for model and optimizer state dicts) of `model`
+/// for its lifetime; restores the previous ones on destruction (PyTorch's
+/// FSDP.state_dict_type). The default type is FULL_STATE_DICT with default configs.
 class StateDictTypeGuard {
  public:
   StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
@@ -57,6 +71,10 @@ class StateDictTypeGuard {
                      ShardedStateDictConfig config);
   StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
                      LocalStateDictConfig config);
+  StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
+                     FullStateDictConfig config, FullOptimStateDictConfig optim_config);
+  StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
+                     ShardedStateDictConfig config, ShardedOptimStateDictConfig optim_config);
   ~StateDictTypeGuard();
   StateDictTypeGuard(const StateDictTypeGuard&) = delete;
   StateDictTypeGuard& operator=(const StateDictTypeGuard&) = delete;
@@ -67,6 +85,8 @@ class StateDictTypeGuard {
   FullStateDictConfig prev_full_;
   ShardedStateDictConfig prev_sharded_;
   LocalStateDictConfig prev_local_;
+  FullOptimStateDictConfig prev_full_optim_;
+  ShardedOptimStateDictConfig prev_sharded_optim_;
 };
 
 /// Keys a non-strict load skipped.

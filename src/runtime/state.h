@@ -66,6 +66,8 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   FullStateDictConfig full_config;
   ShardedStateDictConfig sharded_config;
   LocalStateDictConfig local_config;
+  FullOptimStateDictConfig full_optim_config;
+  ShardedOptimStateDictConfig sharded_optim_config;
 
   void pre_forward(int u);
   void post_forward(int u);

@@ -238,7 +238,9 @@ StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDic
       prev_type_(state_->state_dict_type),
       prev_full_(state_->full_config),
       prev_sharded_(state_->sharded_config),
-      prev_local_(state_->local_config) {
+      prev_local_(state_->local_config),
+      prev_full_optim_(state_->full_optim_config),
+      prev_sharded_optim_(state_->sharded_optim_config) {
   state_->state_dict_type = type;
   state_->full_config = config;
 }
@@ -257,7 +259,23 @@ StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDic
   state_->local_config = config;
 }
 
+StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
+                                       FullStateDictConfig config,
+                                       FullOptimStateDictConfig optim_config)
+    : StateDictTypeGuard(model, type, config) {
+  state_->full_optim_config = optim_config;
+}
+
+StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
+                                       ShardedStateDictConfig config,
+                                       ShardedOptimStateDictConfig optim_config)
+    : StateDictTypeGuard(model, type, config) {
+  state_->sharded_optim_config = optim_config;
+}
+
 StateDictTypeGuard::~StateDictTypeGuard() {
+  state_->full_optim_config = prev_full_optim_;
+  state_->sharded_optim_config = prev_sharded_optim_;
   state_->state_dict_type = prev_type_;
   state_->full_config = prev_full_;
   state_->sharded_config = prev_sharded_;

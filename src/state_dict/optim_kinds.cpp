@@ -1,0 +1,306 @@
+// The optimizer table (see optim_kinds.h): LibTorch's *ParamState / *Options members under
+// PyTorch's names. State names and group keys follow torch.optim 2.x; "step" is a 0-d float32
+// tensor in PyTorch's dicts and an int64 in LibTorch's state.
+#include "state_dict/optim_kinds.h"
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <c10/util/Type.h>
+
+#include <typeinfo>
+
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace detail {
+namespace {
+
+namespace to = torch::optim;
+
+// One hyperparameter: how to read and set it on LibTorch's options, or (get == nullptr) a key
+// only PyTorch has, exported with PyTorch's default.
+template <class O>
+struct Hyper {
+  const char* name;
+  StateValue (*get)(const O&);
+  bool (*set)(O&, const StateValue&);  // false: the value has the wrong kind
+  StateValue pytorch_default;
+};
+
+bool is_number(const StateValue& v) { return v.is_double() || v.is_int(); }
+
+// A number, a bool, or a pair of numbers (betas), read from LibTorch options by a member getter.
+#define FSDP_NUM(O, field)                                             \
+  Hyper<O> {                                                           \
+    #field, [](const O& o) { return StateValue(double(o.field())); },  \
+        [](O& o, const StateValue& v) {                                \
+          if (!is_number(v)) return false;                             \
+          o.field(v.to_double());                                      \
+          return true;                                                 \
+        },                                                             \
+        StateValue()                                                   \
+  }
+#define FSDP_BOOL(O, field)                                    \
+  Hyper<O> {                                                   \
+    #field, [](const O& o) { return StateValue(o.field()); },  \
+        [](O& o, const StateValue& v) {                        \
+          if (!v.is_bool()) return false;                      \
+          o.field(v.to_bool());                                \
+          return true;                                         \
+        },                                                     \
+        StateValue()                                           \
+  }
+template <class O>
+Hyper<O> betas() {
+  return Hyper<O>{"betas",
+                  [](const O& o) {
+                    return StateValue(StateList{std::get<0>(o.betas()), std::get<1>(o.betas())});
+                  },
+                  [](O& o, const StateValue& v) {
+                    if (!v.is_list() || v.list().size() != 2 || !is_number(v.list()[0]) ||
+                        !is_number(v.list()[1]))
+                      return false;
+                    o.betas(std::make_tuple(v.list()[0].to_double(), v.list()[1].to_double()));
+                    return true;
+                  },
+                  StateValue()};
+}
+template <class O>
+Hyper<O> pytorch_only(const char* name, StateValue def) {
+  return Hyper<O>{name, nullptr, nullptr, std::move(def)};
+}
+
+// PyTorch's per-optimizer group keys, in the order torch.optim 2.6 lists them.
+template <class O>
+const std::vector<Hyper<O>>& hypers();
+
+template <>
+const std::vector<Hyper<to::AdamOptions>>& hypers() {
+  using O = to::AdamOptions;
+  static const std::vector<Hyper<O>> h{
+      FSDP_NUM(O, lr), betas<O>(), FSDP_NUM(O, eps), FSDP_NUM(O, weight_decay),
+      FSDP_BOOL(O, amsgrad), pytorch_only<O>("maximize", false), pytorch_only<O>("foreach", {}),
+      pytorch_only<O>("capturable", false), pytorch_only<O>("differentiable", false),
+      pytorch_only<O>("fused", {})};
+  return h;
+}
+template <>
+const std::vector<Hyper<to::AdamWOptions>>& hypers() {
+  using O = to::AdamWOptions;
+  static const std::vector<Hyper<O>> h{
+      FSDP_NUM(O, lr), betas<O>(), FSDP_NUM(O, eps), FSDP_NUM(O, weight_decay),
+      FSDP_BOOL(O, amsgrad), pytorch_only<O>("foreach", {}), pytorch_only<O>("maximize", false),
+      pytorch_only<O>("capturable", false), pytorch_only<O>("differentiable", false),
+      pytorch_only<O>("fused", {})};
+  return h;
+}
+template <>
+const std::vector<Hyper<to::SGDOptions>>& hypers() {
+  using O = to::SGDOptions;
+  static const std::vector<Hyper<O>> h{
+      FSDP_NUM(O, lr), FSDP_NUM(O, momentum), FSDP_NUM(O, dampening), FSDP_NUM(O, weight_decay),
+      FSDP_BOOL(O, nesterov), pytorch_only<O>("maximize", false), pytorch_only<O>("foreach", {}),
+      pytorch_only<O>("differentiable", false), pytorch_only<O>("fused", {})};
+  return h;
+}
+template <>
+const std::vector<Hyper<to::AdagradOptions>>& hypers() {
+  using O = to::AdagradOptions;
+  static const std::vector<Hyper<O>> h{
+      FSDP_NUM(O, lr), FSDP_NUM(O, lr_decay), FSDP_NUM(O, eps), FSDP_NUM(O, weight_decay),
+      FSDP_NUM(O, initial_accumulator_value), pytorch_only<O>("foreach", {}),
+      pytorch_only<O>("maximize", false), pytorch_only<O>("differentiable", false),
+      pytorch_only<O>("fused", {})};
+  return h;
+}
+template <>
+const std::vector<Hyper<to::RMSpropOptions>>& hypers() {
+  using O = to::RMSpropOptions;
+  static const std::vector<Hyper<O>> h{
+      FSDP_NUM(O, lr), FSDP_NUM(O, momentum), FSDP_NUM(O, alpha), FSDP_NUM(O, eps),
+      FSDP_BOOL(O, centered), FSDP_NUM(O, weight_decay), pytorch_only<O>("capturable", false),
+      pytorch_only<O>("foreach", {}), pytorch_only<O>("maximize", false),
+      pytorch_only<O>("differentiable", false)};
+  return h;
+}
+#undef FSDP_NUM
+#undef FSDP_BOOL
+
+template <class O>
+std::vector<std::pair<std::string, StateValue>> group_items(const to::OptimizerOptions& base) {
+  const O& o = static_cast<const O&>(base);
+  std::vector<std::pair<std::string, StateValue>> out;
+  for (const auto& h : hypers<O>()) out.emplace_back(h.name, h.get ? h.get(o) : h.pytorch_default);
+  return out;
+}
+
+template <class O>
+std::unique_ptr<to::OptimizerOptions> apply_group(const to::OptimizerOptions& base,
+                                                  const StateDict& group, std::string& error) {
+  auto out = std::make_unique<O>(static_cast<const O&>(base));
+  for (const auto& h : hypers<O>()) {
+    if (!h.set) continue;  // PyTorch-only: accepted and ignored
+    if (!group.contains(h.name)) {
+      error += std::string(error.empty() ? "" : "; ") + "missing hyperparameter '" + h.name + "'";
+      continue;
+    }
+    const StateValue& v = group.at(h.name);
+    if (!h.set(*out, v)) {
+      error += std::string(error.empty() ? "" : "; ") + "hyperparameter '" + h.name +
+               "' has the wrong kind (" + to_string(v.kind()) + ")";
+    }
+  }
+  return out;
+}
+
+// Per-parameter state: step (if counted) and the tensors, by PyTorch name.
+template <class S>
+struct TensorField {
+  at::Tensor (*get)(const S&);
+  void (*set)(S&, const at::Tensor&);
+};
+#define FSDP_TENSOR(S, field) \
+  TensorField<S> { [](const S& s) { return s.field(); }, [](S& s, const at::Tensor& t) { s.field(t); } }
+
+template <class S>
+const std::vector<TensorField<S>>& tensor_fields();
+template <>
+const std::vector<TensorField<to::AdamParamState>>& tensor_fields() {
+  using S = to::AdamParamState;
+  static const std::vector<TensorField<S>> f{FSDP_TENSOR(S, exp_avg), FSDP_TENSOR(S, exp_avg_sq),
+                                             FSDP_TENSOR(S, max_exp_avg_sq)};
+  return f;
+}
+template <>
+const std::vector<TensorField<to::AdamWParamState>>& tensor_fields() {
+  using S = to::AdamWParamState;
+  static const std::vector<TensorField<S>> f{FSDP_TENSOR(S, exp_avg), FSDP_TENSOR(S, exp_avg_sq),
+                                             FSDP_TENSOR(S, max_exp_avg_sq)};
+  return f;
+}
+template <>
+const std::vector<TensorField<to::SGDParamState>>& tensor_fields() {
+  using S = to::SGDParamState;
+  static const std::vector<TensorField<S>> f{FSDP_TENSOR(S, momentum_buffer)};
+  return f;
+}
+template <>
+const std::vector<TensorField<to::AdagradParamState>>& tensor_fields() {
+  using S = to::AdagradParamState;
+  static const std::vector<TensorField<S>> f{FSDP_TENSOR(S, sum)};
+  return f;
+}
+template <>
+const std::vector<TensorField<to::RMSpropParamState>>& tensor_fields() {
+  using S = to::RMSpropParamState;
+  static const std::vector<TensorField<S>> f{FSDP_TENSOR(S, square_avg),
+                                             FSDP_TENSOR(S, momentum_buffer),
+                                             FSDP_TENSOR(S, grad_avg)};
+  return f;
+}
+#undef FSDP_TENSOR
+
+// SGD counts no steps; the others keep an int64 step.
+template <class S>
+constexpr bool kHasStep = !std::is_same_v<S, to::SGDParamState>;
+
+template <class S>
+ParamOptimState read_state(const to::OptimizerParamState& base) {
+  const S& s = static_cast<const S&>(base);
+  ParamOptimState out;
+  if constexpr (kHasStep<S>) out.step = s.step();
+  for (const auto& f : tensor_fields<S>()) out.tensors.push_back(f.get(s));
+  return out;
+}
+
+template <class S>
+std::unique_ptr<to::OptimizerParamState> make_state(const ParamOptimState& st) {
+  auto s = std::make_unique<S>();
+  if constexpr (kHasStep<S>) s->step(st.step.value_or(0));
+  const auto& fields = tensor_fields<S>();
+  for (size_t i = 0; i < fields.size() && i < st.tensors.size(); ++i) {
+    if (st.tensors[i].defined()) fields[i].set(*s, st.tensors[i]);
+  }
+  return s;
+}
+
+template <class Opt>
+bool is(const to::Optimizer& o) {
+  return dynamic_cast<const Opt*>(&o) != nullptr;
+}
+
+template <class Opt, class O, class S>
+OptimKind make_kind(const char* name, std::vector<std::string> tensor_names,
+                    std::vector<bool> (*required)(const to::OptimizerOptions&)) {
+  OptimKind k;
+  k.name = name;
+  k.has_step = kHasStep<S>;
+  k.tensor_names = std::move(tensor_names);
+  k.matches = &is<Opt>;
+  k.read = &read_state<S>;
+  k.make = &make_state<S>;
+  k.group_items = &group_items<O>;
+  k.apply_group = &apply_group<O>;
+  k.required = required;
+  return k;
+}
+
+OptimKind adagrad() {
+  OptimKind k = make_kind<to::Adagrad, to::AdagradOptions, to::AdagradParamState>(
+      "Adagrad", {"sum"}, [](const to::OptimizerOptions&) { return std::vector<bool>{true}; });
+  k.initial = [](const at::Tensor& p, const to::OptimizerOptions& o) {
+    auto s = std::make_unique<to::AdagradParamState>();
+    s->step(0);
+    s->sum(at::full_like(p.detach(),
+                         static_cast<const to::AdagradOptions&>(o).initial_accumulator_value()));
+    return std::unique_ptr<to::OptimizerParamState>(std::move(s));
+  };
+  return k;
+}
+
+const std::vector<OptimKind>& table() {
+  static const std::vector<OptimKind> t{
+      make_kind<to::Adam, to::AdamOptions, to::AdamParamState>(
+          "Adam", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+          [](const to::OptimizerOptions& o) {
+            return std::vector<bool>{true, true, static_cast<const to::AdamOptions&>(o).amsgrad()};
+          }),
+      make_kind<to::AdamW, to::AdamWOptions, to::AdamWParamState>(
+          "AdamW", {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+          [](const to::OptimizerOptions& o) {
+            return std::vector<bool>{true, true, static_cast<const to::AdamWOptions&>(o).amsgrad()};
+          }),
+      make_kind<to::SGD, to::SGDOptions, to::SGDParamState>(
+          "SGD", {"momentum_buffer"},
+          [](const to::OptimizerOptions& o) {
+            return std::vector<bool>{static_cast<const to::SGDOptions&>(o).momentum() != 0};
+          }),
+      adagrad(),
+      make_kind<to::RMSprop, to::RMSpropOptions, to::RMSpropParamState>(
+          "RMSprop", {"square_avg", "momentum_buffer", "grad_avg"},
+          [](const to::OptimizerOptions& o) {
+            const auto& r = static_cast<const to::RMSpropOptions&>(o);
+            return std::vector<bool>{true, r.momentum() > 0, r.centered()};
+          }),
+  };
+  return t;
+}
+
+}  // namespace
+
+const OptimKind& optim_kind(const torch::optim::Optimizer& optimizer) {
+  for (const auto& k : table()) {
+    if (k.matches(optimizer)) return k;
+  }
+  throw ValueError(std::string("optimizer state dicts: unsupported optimizer ") +
+                   c10::demangle(typeid(optimizer).name()) +
+                   "; supported are torch::optim Adam, AdamW, SGD, Adagrad and RMSprop "
+                   "(add an entry to src/state_dict/optim_kinds.cpp)");
+}
+
+}  // namespace detail
+}  // namespace fsdp

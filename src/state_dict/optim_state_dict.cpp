@@ -1,0 +1,418 @@
+// Exporting optimizer state dicts keyed by canonical FQNs (seed 000, _optim_utils.py:
+// _optim_state_dict, _convert_state_with_flat_params / _with_orig_params, _unflatten_param_groups)
+// and re-keying them. Loading is in optim_load.cpp.
+#include <sstream>
+#include <unordered_set>
+
+#include "fsdp/errors.h"
+#include "fsdp/optim_state_dict.h"
+#include "state_dict/key_map.h"
+#include "state_dict/optim_entries.h"
+
+namespace fsdp {
+
+std::function<void(int64_t)>& detail::optim_gather_probe() {
+  static std::function<void(int64_t)> probe;
+  return probe;
+}
+
+namespace detail {
+
+std::string shape_text(at::IntArrayRef s) { return shape_str(s); }
+
+OptModel::Local OptModel::local(const OptEntry& e, size_t p) const {
+  const FlatParamHandle& h = *st->units[e.unit]->handle;
+  const size_t i = e.indices[p];
+  if (!h.uses_sharded_strategy()) {
+    return Local{0, h.layout().numels[i], h.layout().param_offset(i)};
+  }
+  const ShardParamInfo& s = h.shard_param_infos()[i];
+  if (!s.in_shard) return Local{0, 0, 0};
+  return Local{s.intra_param_start_idx, s.numel_in_shard, s.offset_in_shard};
+}
+
+OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module* plain,
+                        torch::optim::Optimizer& optimizer) {
+  using Impl = const c10::TensorImpl*;
+  OptModel om;
+  if (model) {
+    FsdpState& st = *(*model)->runtime_state();
+    om.st = &st;
+    // Where each flat or original parameter lives.
+    std::unordered_map<Impl, std::pair<int, int>> loc;  // impl -> (unit, index; -1 = flat)
+    for (const auto& u : st.units) {
+      if (!u->handle) continue;
+      loc[u->handle->flat_param().unsafeGetTensorImpl()] = {u->index, -1};
+      const auto params = u->handle->orig_params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        loc[params[i].unsafeGetTensorImpl()] = {u->index, static_cast<int>(i)};
+      }
+    }
+    for (const auto& pf : (*model)->param_fqns()) {
+      OptEntry e;
+      e.param = pf.param;
+      auto it = loc.find(pf.param.unsafeGetTensorImpl());
+      if (it == loc.end()) {  // ignored parameter: plain
+        e.fqns = {pf.fqns.front()};
+        e.shapes = {pf.param.sizes().vec()};
+      } else {
+        e.unit = it->second.first;
+        const FlatParamHandle& h = *st.units[e.unit]->handle;
+        const auto& l = h.layout();
+        e.flat = it->second.second < 0;
+        if (e.flat) {
+          for (size_t i = 0; i < l.fqns.size(); ++i) e.indices.push_back(i);
+        } else {
+          e.indices = {static_cast<size_t>(it->second.second)};
+        }
+        for (size_t i : e.indices) {
+          e.fqns.push_back(l.fqns[i]);
+          e.shapes.push_back(l.shapes[i]);
+        }
+      }
+      om.entries.push_back(std::move(e));
+    }
+  } else {
+    std::unordered_set<Impl> seen;
+    for (const auto& item : plain->named_parameters(/*recurse=*/true)) {
+      if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied: first FQN
+      OptEntry e;
+      e.param = item.value();
+      e.fqns = {item.key()};
+      e.shapes = {item.value().sizes().vec()};
+      om.entries.push_back(std::move(e));
+    }
+  }
+  std::unordered_map<Impl, size_t> by_impl;
+  for (size_t e = 0; e < om.entries.size(); ++e) {
+    by_impl[om.entries[e].param.unsafeGetTensorImpl()] = e;
+    for (size_t p = 0; p < om.entries[e].fqns.size(); ++p) om.by_fqn[om.entries[e].fqns[p]] = {e, p};
+  }
+  const auto& groups = optimizer.param_groups();
+  om.groups.resize(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t j = 0; j < groups[g].params().size(); ++j) {
+      const at::Tensor& p = groups[g].params()[j];
+      auto it = by_impl.find(p.unsafeGetTensorImpl());
+      if (it == by_impl.end()) {
+        throw ValueError("optimizer state dicts: parameter " + std::to_string(j) +
+                         " of the optimizer's param group " + std::to_string(g) + " (shape " +
+                         shape_str(p.sizes()) + ") is not a parameter of the model" +
+                         (model && !(*model)->options().use_orig_params()
+                              ? " (without use_orig_params, build the optimizer over the wrapped "
+                                "model's parameters(): its flat parameters)"
+                              : ""));
+      }
+      OptEntry& e = om.entries[it->second];
+      if (e.group >= 0) {
+        throw ValueError("optimizer state dicts: the parameter '" + e.fqns.front() +
+                         "' is in the optimizer's param groups " + std::to_string(e.group) +
+                         " and " + std::to_string(g));
+      }
+      e.group = static_cast<int>(g);
+      om.groups[g].push_back(it->second);
+    }
+  }
+  return om;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::FsdpState;
+using detail::OptEntry;
+using detail::OptimKind;
+using detail::OptModel;
+using detail::ParamOptimState;
+
+const torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& opt,
+                                                    const at::Tensor& p) {
+  auto it = opt.state().find(compat::optim_state_key(p));
+  return it == opt.state().end() ? nullptr : it->second.get();
+}
+
+StateValue step_value(int64_t step) {
+  return StateValue(at::scalar_tensor(static_cast<double>(step), at::kFloat));
+}
+
+// What the ranks know about one managed entry's state, merged over the shard group.
+struct Merged {
+  bool has = false;
+  int64_t step = 0;
+  std::vector<int> dtype;  // per tensor name; -1: no rank has it
+};
+
+// One exchange of every managed entry's local state description over `pg`.
+std::vector<Merged> merge_presence(const OptModel& om, const OptimKind& kind,
+                                   const std::vector<std::optional<ParamOptimState>>& local,
+                                   dist::ProcessGroup& pg) {
+  std::ostringstream os;
+  for (size_t e = 0; e < om.entries.size(); ++e) {
+    if (om.entries[e].unit < 0) continue;
+    if (!local[e]) {
+      os << "0\n";
+      continue;
+    }
+    os << "1 " << local[e]->step.value_or(0);
+    for (const auto& t : local[e]->tensors) os << " " << (t.defined() ? int(t.scalar_type()) : -1);
+    os << "\n";
+  }
+  const auto all = pg.all_gather_bytes(os.str());
+  std::vector<Merged> out(om.entries.size());
+  for (auto& m : out) m.dtype.assign(kind.tensor_names.size(), -1);
+  for (const auto& blob : all) {
+    std::istringstream is(blob);
+    for (size_t e = 0; e < om.entries.size(); ++e) {
+      if (om.entries[e].unit < 0) continue;
+      std::string line;
+      std::getline(is, line);
+      std::istringstream ls(line);
+      int has = 0;
+      ls >> has;
+      if (!has) continue;
+      int64_t step = 0;
+      ls >> step;
+      Merged& m = out[e];
+      // A rank holding no elements of an original parameter gets no gradient for it and does
+      // not step it; the ranks that hold elements agree, and count highest.
+      m.step = m.has ? std::max(m.step, step) : step;
+      m.has = true;
+      for (auto& d : m.dtype) {
+        int dt = -1;
+        ls >> dt;
+        if (d < 0) d = dt;
+      }
+    }
+  }
+  return out;
+}
+
+StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool sharded, bool offload,
+                     bool rank0_only) {
+  const OptimKind& kind = detail::optim_kind(opt);
+  std::vector<std::optional<ParamOptimState>> local(om.entries.size());
+  for (size_t e = 0; e < om.entries.size(); ++e) {
+    if (om.entries[e].group < 0) continue;
+    if (const auto* s = find_state(opt, om.entries[e].param)) local[e] = kind.read(*s);
+  }
+  const bool keep = !rank0_only || !om.st || om.st->world_group.rank() == 0;
+  auto out_tensor = [&](const at::Tensor& t) {
+    return offload ? t.to(at::kCPU).clone() : t.clone();
+  };
+  std::map<std::string, StateDict> per_fqn;
+  auto start = [&](const std::string& fqn, int64_t step) -> StateDict& {
+    StateDict& d = per_fqn[fqn];
+    if (kind.has_step && !d.contains("step")) d.insert_or_assign("step", step_value(step));
+    return d;
+  };
+
+  // Managed entries: gather one unit's state tensor at a time.
+  if (om.st) {
+    FsdpState& st = *om.st;
+    const std::vector<Merged> merged = merge_presence(om, kind, local, st.shard_group);
+    for (const auto& u : st.units) {
+      if (!u->handle) continue;
+      FlatParamHandle& h = *u->handle;
+      const auto& l = h.layout();
+      std::vector<size_t> mine;  // entries of this unit with state somewhere
+      for (size_t e = 0; e < om.entries.size(); ++e) {
+        if (om.entries[e].unit == u->index && merged[e].has) mine.push_back(e);
+      }
+      if (mine.empty()) continue;
+      if (keep) {
+        for (size_t e : mine)
+          for (const auto& fqn : om.entries[e].fqns) start(fqn, merged[e].step);
+      }
+      const int64_t local_numel = h.flat_param().numel();
+      for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
+        int dtype = -1;
+        for (size_t e : mine) dtype = dtype >= 0 ? dtype : merged[e].dtype[n];
+        if (dtype < 0) continue;  // no parameter of this unit has this state
+        const auto opts = at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype));
+        at::Tensor shard;
+        if (mine.size() == 1 && om.entries[mine[0]].flat && local[mine[0]] &&
+            local[mine[0]]->tensors[n].defined()) {
+          shard = local[mine[0]]->tensors[n].reshape({-1}).to(opts);
+        } else {  // original parameters (or a rank without the state): assemble the flat shard
+          shard = at::zeros({local_numel}, opts);
+          for (size_t e : mine) {
+            if (!local[e] || !local[e]->tensors[n].defined()) continue;
+            const auto r = om.local(om.entries[e], 0);
+            if (r.n > 0) shard.narrow(0, r.offset, r.n).copy_(local[e]->tensors[n].reshape({-1}));
+          }
+        }
+        at::Tensor full = shard;
+        if (h.uses_sharded_strategy() && h.world_size() > 1) {
+          full = at::empty({l.padded_unsharded_numel}, opts);
+          h.process_group().all_gather_into_tensor(full, shard.contiguous());
+        }
+        if (detail::optim_gather_probe()) {
+          const int64_t held = full.numel() + (full.is_same(shard) ? 0 : shard.numel());
+          detail::optim_gather_probe()(held * static_cast<int64_t>(full.element_size()));
+        }
+        if (!keep) continue;
+        const std::vector<at::Tensor> views = l.unflat_views(full);
+        for (size_t e : mine) {
+          if (merged[e].dtype[n] < 0) continue;
+          const OptEntry& en = om.entries[e];
+          for (size_t p = 0; p < en.indices.size(); ++p) {
+            const at::Tensor& v = views[en.indices[p]];
+            StateValue value = sharded ? StateValue(chunk_sharded(v, h.process_group().rank(),
+                                                                  h.process_group().size()))
+                                       : StateValue(out_tensor(v));
+            if (sharded && offload) value = StateValue(value.sharded_tensor().to(at::kCPU));
+            per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n], std::move(value));
+          }
+        }
+      }
+    }
+  }
+  StateDict osd;
+  if (!keep) return osd;
+  // Plain entries (ignored parameters, unwrapped models): their own full state.
+  for (size_t e = 0; e < om.entries.size(); ++e) {
+    const OptEntry& en = om.entries[e];
+    if (en.unit >= 0 || !local[e]) continue;
+    StateDict& d = start(en.fqns[0], local[e]->step.value_or(0));
+    for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
+      if (local[e]->tensors[n].defined())
+        d.insert_or_assign(kind.tensor_names[n], out_tensor(local[e]->tensors[n]));
+    }
+  }
+  // In the optimizer's order, as PyTorch lists them.
+  StateDict state;
+  StateList groups;
+  for (size_t g = 0; g < om.groups.size(); ++g) {
+    StateList params;
+    for (size_t e : om.groups[g]) {
+      for (const auto& fqn : om.entries[e].fqns) {
+        params.emplace_back(fqn);
+        auto it = per_fqn.find(fqn);
+        if (it != per_fqn.end()) state.insert_or_assign(fqn, std::move(it->second));
+      }
+    }
+    StateDict group;
+    for (auto& [k, v] : kind.group_items(opt.param_groups()[g].options())) {
+      group.insert_or_assign(k, std::move(v));
+    }
+    group.insert_or_assign("params", std::move(params));
+    groups.emplace_back(std::move(group));
+  }
+  osd.insert_or_assign("state", std::move(state));
+  osd.insert_or_assign("param_groups", std::move(groups));
+  return osd;
+}
+
+}  // namespace
+
+StateDict optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
+  FsdpState& st = *model->runtime_state();
+  detail::require_idle(st, "optim_state_dict");
+  if (st.state_dict_type == StateDictType::LOCAL_STATE_DICT) {
+    throw ValueError(
+        "optim_state_dict: LOCAL_STATE_DICT is not supported for optimizer state dicts (as in "
+        "PyTorch); use FULL_STATE_DICT or SHARDED_STATE_DICT");
+  }
+  const bool want_sharded = st.state_dict_type == StateDictType::SHARDED_STATE_DICT;
+  detail::NoShardFallback fallback(st);  // SHARDED on NO_SHARD units acts as FULL
+  const bool sharded = st.state_dict_type == StateDictType::SHARDED_STATE_DICT;
+  const FullOptimStateDictConfig full =
+      want_sharded ? FullOptimStateDictConfig() : st.full_optim_config;
+  const OptModel om = detail::describe_model(&model, nullptr, optimizer);
+  // PyTorch's _reset_flat_param_grad_info_if_needed: requires_grad follows the parameters.
+  for (const auto& u : st.units) {
+    if (u->handle) u->handle->reset_flat_param_grad_info_if_needed();
+  }
+  return export_osd(om, optimizer, sharded,
+                    sharded ? st.sharded_optim_config.offload_to_cpu() : full.offload_to_cpu(),
+                    !sharded && full.rank0_only());
+}
+
+StateDict optim_state_dict(const torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  const OptModel om = detail::describe_model(nullptr, &model, optimizer);
+  return export_osd(om, optimizer, /*sharded=*/false, /*offload=*/false, /*rank0_only=*/false);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Re-keying
+
+namespace {
+
+StateDict rekey(const StateDict& osd, OptimStateKeyType to, const OptModel& om) {
+  // Position in the optimizer's parameter list <-> FQN.
+  std::vector<std::string> fqn_of;
+  for (const auto& g : om.groups) {
+    for (size_t e : g) {
+      if (om.entries[e].fqns.size() != 1) {
+        throw ValueError(
+            "rekey_optim_state_dict: the optimizer holds a flat parameter standing for " +
+            std::to_string(om.entries[e].fqns.size()) +
+            " parameters; parameter IDs need use_orig_params=true");
+      }
+      fqn_of.push_back(om.entries[e].fqns[0]);
+    }
+  }
+  std::map<std::string, int64_t> id_of;
+  for (size_t i = 0; i < fqn_of.size(); ++i) id_of[fqn_of[i]] = static_cast<int64_t>(i);
+  auto convert = [&](const std::string& key) -> std::string {
+    if (to == OptimStateKeyType::PARAM_ID) {
+      auto it = id_of.find(key);
+      if (it == id_of.end())
+        throw ValueError("rekey_optim_state_dict: '" + key + "' is not a parameter the optimizer holds");
+      return std::to_string(it->second);
+    }
+    size_t pos = 0;
+    int64_t id = -1;
+    try {
+      id = std::stoll(key, &pos);
+    } catch (...) {
+      pos = 0;
+    }
+    if (pos != key.size() || id < 0 || id >= static_cast<int64_t>(fqn_of.size())) {
+      throw ValueError("rekey_optim_state_dict: '" + key + "' is not a parameter ID of the optimizer (0.." +
+                       std::to_string(fqn_of.size()) + ")");
+    }
+    return fqn_of[id];
+  };
+  StateDict out;
+  StateDict state;
+  for (const auto& [k, v] : osd.at("state").dict()) state.insert_or_assign(convert(k), v);
+  out.insert_or_assign("state", std::move(state));
+  if (osd.contains("param_groups")) {
+    StateList groups;
+    for (const auto& gv : osd.at("param_groups").list()) {
+      StateDict g = gv.dict();
+      StateList params;
+      for (const auto& p : g.at("params").list()) {
+        const std::string key = p.is_string() ? p.string() : std::to_string(p.to_int());
+        const std::string k = convert(key);
+        if (to == OptimStateKeyType::PARAM_ID) {
+          params.emplace_back(static_cast<int64_t>(std::stoll(k)));
+        } else {
+          params.emplace_back(k);
+        }
+      }
+      g.insert_or_assign("params", std::move(params));
+      groups.emplace_back(std::move(g));
+    }
+    out.insert_or_assign("param_groups", std::move(groups));
+  }
+  return out;
+}
+
+}  // namespace
+
+StateDict rekey_optim_state_dict(const StateDict& osd, OptimStateKeyType key_type,
+                                 FullyShardedDataParallel& model,
+                                 torch::optim::Optimizer& optimizer) {
+  return rekey(osd, key_type, detail::describe_model(&model, nullptr, optimizer));
+}
+
+StateDict rekey_optim_state_dict(const StateDict& osd, OptimStateKeyType key_type,
+                                 const torch::nn::Module& model,
+                                 torch::optim::Optimizer& optimizer) {
+  return rekey(osd, key_type, detail::describe_model(nullptr, &model, optimizer));
+}
+
+}  // namespace fsdp
