@@ -1,7 +1,10 @@
 #include "multi_rank.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -40,8 +43,12 @@ std::string read_all(int fd) {
   return out;
 }
 
-[[noreturn]] void child_main(int rank, int world, uint16_t port, int fd, const RankBody& body,
-                             const RunOptions& opts) {
+[[noreturn]] void child_main(int rank, int world, uint16_t port, int fd, int go_fd,
+                             const RankBody& body, const RunOptions& opts) {
+  // Wait for the parent's store to be up (see run_ranks); EOF means the parent gave up on us.
+  char go = 0;
+  if (::read(go_fd, &go, 1) != 1) ::_exit(4);
+  ::close(go_fd);
   // One intra-op thread per rank: ranks share two cores, and libgomp's pool does not survive fork.
   at::set_num_threads(1);
   ::setenv("FSDP_TEST_RANK", std::to_string(rank).c_str(), 1);
@@ -89,33 +96,83 @@ at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dty
   return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat)).to(dtype);
 }
 
+namespace {
+
+// A port free right now on loopback (the OS picks it). Another process could take it before the
+// store binds it; run_ranks then tries again with another.
+uint16_t free_port() {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (s < 0) throw std::runtime_error("socket failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    ::close(s);
+    throw std::runtime_error("cannot find a free port");
+  }
+  ::close(s);
+  return ntohs(addr.sin_port);
+}
+
+struct Child {
+  pid_t pid = -1;
+  int fd = -1;
+  bool done = false;
+};
+
+}  // namespace
+
 std::vector<RankResult> run_ranks(int world_size, const RankBody& body, const RunOptions& opts) {
-  // The parent hosts the store, as torchrun's agent does; port 0 lets the OS pick a free port.
-  auto server = compat::make_tcp_store("127.0.0.1", 0, true, world_size, opts.collective_timeout);
-  const uint16_t port = server->getPort();
+  // The parent hosts the store, as torchrun's agent does, but starts it only after forking every
+  // rank: a store server runs a background thread, and a child forked while that thread holds a
+  // lock can block on it forever (seen with LibTorch 2.6: now and then the last rank hung in
+  // init_process_group and the others timed out). The ranks' clients retry connecting until the
+  // server is up. If another process took the port meanwhile, the ranks are killed and started
+  // again on another.
   std::fflush(stdout);
   std::fflush(stderr);
-
-  struct Child {
-    pid_t pid = -1;
-    int fd = -1;
-    bool done = false;
-  };
+  c10::intrusive_ptr<c10d::TCPStore> server;
   std::vector<Child> kids(world_size);
   std::vector<RankResult> results(world_size);
-  for (int r = 0; r < world_size; ++r) {
-    int fds[2];
-    if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
-    pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error("fork failed");
-    if (pid == 0) {
-      ::close(fds[0]);
-      child_main(r, world_size, port, fds[1], body, opts);
+  for (int attempt = 0; !server; ++attempt) {
+    const uint16_t port = free_port();
+    std::vector<int> go(world_size, -1);
+    for (int r = 0; r < world_size; ++r) {
+      int fds[2], gfd[2];
+      if (::pipe(fds) != 0 || ::pipe(gfd) != 0) throw std::runtime_error("pipe failed");
+      pid_t pid = ::fork();
+      if (pid < 0) throw std::runtime_error("fork failed");
+      if (pid == 0) {
+        ::close(fds[0]);
+        ::close(gfd[1]);
+        for (int q = 0; q < r; ++q) ::close(go[q]);
+        child_main(r, world_size, port, fds[1], gfd[0], body, opts);
+      }
+      ::close(fds[1]);
+      ::close(gfd[0]);
+      go[r] = gfd[1];
+      kids[r] = Child{pid, fds[0], false};
+      results[r].rank = r;
     }
-    ::close(fds[1]);
-    kids[r].pid = pid;
-    kids[r].fd = fds[0];
-    results[r].rank = r;
+    std::string failure;
+    try {
+      server = compat::make_tcp_store("127.0.0.1", port, true, world_size, opts.collective_timeout);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    for (int r = 0; r < world_size; ++r) {
+      if (server) write_all(go[r], "g");
+      ::close(go[r]);  // without the byte: the child exits
+    }
+    if (!server) {
+      for (auto& k : kids) {
+        ::waitpid(k.pid, nullptr, 0);
+        ::close(k.fd);
+      }
+      if (attempt == 4) throw std::runtime_error("run_ranks: cannot host the store: " + failure);
+    }
   }
 
   using clock = std::chrono::steady_clock;

@@ -19,8 +19,12 @@ namespace testing {
 
 /// The optimizer variants the suites run: each state name of the five optimizers occurs.
 inline const std::vector<std::string>& optimizer_kinds() {
-  static const std::vector<std::string> k{"Adam",     "AdamW_amsgrad", "SGD",
-                                          "SGD_momentum", "Adagrad", "RMSprop",
+  static const std::vector<std::string> k{"Adam",
+                                          "AdamW_amsgrad",
+                                          "SGD",
+                                          "SGD_momentum",
+                                          "Adagrad",
+                                          "RMSprop",
                                           "RMSprop_momentum_centered"};
   return k;
 }
@@ -134,8 +138,10 @@ inline void save_osd(const StateDict& osd, int rank, const std::string& dir) {
       if (v.is_list()) {
         groups << " l " << v.list().size();
         for (const auto& e : v.list()) {
-          if (e.is_string()) groups << " s " << e.string();
-          else groups << " d " << e.to_double();
+          if (e.is_string())
+            groups << " s " << e.string();
+          else
+            groups << " d " << e.to_double();
         }
       }
       groups << "\n";

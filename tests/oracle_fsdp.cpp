@@ -18,6 +18,11 @@
 //   grad-sum         every rank's loss is multiplied by W: the reduction sums instead of averaging
 //   padding          rank W-1 reports one element more of padding (and one less of data) for
 //                    blocks.0's flat parameter, in its LOCAL state dict and its layout
+//   optim-state      before the optimizer state dicts are taken, rank 1 scales its shard of
+//                    every exp_avg by 1.01 (the model state dicts stay right)
+//
+// It also writes the optimizer state dicts (issue 9): optim_full.safetensors (rank 0, FULL) and
+// optim_sharded_r<r>.{json,safetensors} (SHARDED), "state" flattened to "<fqn>/<state>" keys.
 #include <torch/torch.h>
 
 #include <sys/stat.h>
@@ -59,7 +64,7 @@ struct Args {
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "oracle_fsdp: " << why
             << "\nusage: oracle_fsdp --data DIR --out ROOT "
-               "[--fault drop-grad-rank1|grad-sum|padding] STRATEGY:0|1 ...\n";
+               "[--fault drop-grad-rank1|grad-sum|padding|optim-state] STRATEGY:0|1 ...\n";
   std::exit(2);
 }
 
@@ -84,7 +89,7 @@ Args parse_args(int argc, char** argv) {
   }
   if (a.data.empty() || a.out.empty() || a.cases.empty()) usage("missing arguments");
   if (!a.fault.empty() && a.fault != "drop-grad-rank1" && a.fault != "grad-sum" &&
-      a.fault != "padding")
+      a.fault != "padding" && a.fault != "optim-state")
     usage("unknown fault " + a.fault);
   return a;
 }
@@ -209,6 +214,78 @@ void write_described(FullyShardedDataParallel& model, StateDictType type, const 
   st::write(dir + "/" + stem + "_r" + std::to_string(rank) + ".safetensors", tensors);
 }
 
+// A StateValue of a param group as JSON (numbers, bools, None, strings and lists of them), the
+// way Python's json.dumps writes the same group.
+std::string json_value(const fsdp::StateValue& v) {
+  if (v.is_none()) return "null";
+  if (v.is_bool()) return v.to_bool() ? "true" : "false";
+  if (v.is_int()) return std::to_string(v.to_int());
+  if (v.is_string()) return json::quote(v.string());
+  if (v.is_double()) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.17g", v.to_double());
+    std::string out = buf;
+    if (out.find_first_of(".eEn") == std::string::npos) out += ".0";  // json.dumps(1.0) = "1.0"
+    return out;
+  }
+  if (v.is_list()) {
+    std::string out = "[";
+    for (size_t i = 0; i < v.list().size(); ++i) out += (i ? ", " : "") + json_value(v.list()[i]);
+    return out + "]";
+  }
+  throw std::runtime_error(std::string("param group value of kind ") + fsdp::to_string(v.kind()));
+}
+
+// "state" of an optimizer state dict flattened to "<fqn>/<state>" keys.
+StateDict flatten_osd(const StateDict& osd) {
+  StateDict flat;
+  for (const auto& [fqn, st] : osd.at("state").dict())
+    for (const auto& [k, v] : st.dict()) flat.insert_or_assign(fqn + "/" + k, v);
+  return flat;
+}
+
+void write_optim(FullyShardedDataParallel& model, torch::optim::Optimizer& opt,
+                 const std::string& dir, int rank) {
+  {
+    fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT, fsdp::FullStateDictConfig(),
+                               fsdp::FullOptimStateDictConfig().offload_to_cpu(false));
+    const StateDict osd = fsdp::optim_state_dict(model, opt);
+    if (rank == 0) {
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      std::string order = "[";
+      for (const auto& [k, v] : flatten_osd(osd)) {
+        order += (tensors.empty() ? "" : ", ") + json::quote(k);
+        tensors.emplace_back(k, v.tensor().contiguous());
+      }
+      std::string groups = "[";
+      for (const auto& g : osd.at("param_groups").list()) {
+        groups += groups.size() > 1 ? ", {" : "{";
+        bool first = true;
+        for (const auto& [k, v] : g.dict()) {
+          groups += (first ? "" : ", ") + json::quote(k) + ": " + json_value(v);
+          first = false;
+        }
+        groups += "}";
+      }
+      st::write(dir + "/optim_full.safetensors", tensors,
+                {{"order", order + "]"}, {"param_groups", groups + "]"}});
+    }
+  }
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::string desc;
+  try {
+    fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT,
+                               fsdp::ShardedStateDictConfig(),
+                               fsdp::ShardedOptimStateDictConfig().offload_to_cpu(false));
+    desc = describe(flatten_osd(fsdp::optim_state_dict(model, opt)), tensors, "");
+  } catch (const fsdp::Error& e) {
+    desc = "{\"error\": " + json::quote(e.what()) + "}\n";
+    tensors.clear();
+  }
+  write_text(dir + "/optim_sharded_r" + std::to_string(rank) + ".json", desc);
+  st::write(dir + "/optim_sharded_r" + std::to_string(rank) + ".safetensors", tensors);
+}
+
 std::string describe_layouts(FullyShardedDataParallel& model, bool fault_padding) {
   auto handles = model->handles();
   auto names = model->unit_names();
@@ -288,6 +365,13 @@ void run_case(const std::string& spec, const Args& args, const Config& cfg, cons
                   fault_padding ? "blocks.0._flat_param" : "");
   write_text(dir + "/layout_r" + std::to_string(rank) + ".json",
              describe_layouts(model, args.fault == "padding"));
+  if (args.fault == "optim-state" && rank == 1) {
+    torch::NoGradGuard ng;
+    for (auto& [key, state] : opt.state()) {
+      static_cast<torch::optim::AdamParamState&>(*state).exp_avg().mul_(1.01);
+    }
+  }
+  write_optim(model, opt, dir, rank);
   pg.barrier();
 }
 

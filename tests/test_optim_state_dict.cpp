@@ -48,8 +48,7 @@ void ref_step(TinyLM& ref, torch::optim::Optimizer& opt, int step, int world) {
   opt.step();
 }
 
-void fsdp_step(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, int step,
-               int rank) {
+void fsdp_step(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, int step, int rank) {
   opt.zero_grad();
   auto idx = lm_tokens(2, 1000 * step + rank);
   lm_loss(model->forward(idx).to(at::kFloat), idx).backward();
@@ -134,9 +133,10 @@ TEST_P(FullOsdWorld, EqualsTheSingleProcessOptimizer) {
       EXPECT_TRUE(got.at("state").dict().contains("tok.weight"));
     }
     if (pg.rank() == 0) {
-      std::printf("largest difference from the single process: FSDP %.3g, hand-written data "
-                  "parallelism %.3g\n",
-                  worst, dp_drift);
+      std::printf(
+          "largest difference from the single process: FSDP %.3g, hand-written data "
+          "parallelism %.3g\n",
+          worst, dp_drift);
     }
   });
 }
@@ -176,8 +176,7 @@ TEST(OptimStateDict, ShardedAtTwoResumesAtThreeAndUnwrapped) {
     auto opt = make_optimizer("Adam", unique_params(model->parameters()));
     for (int s = 0; s < kBefore; ++s) fsdp_step(model, *opt, s, pg.rank());
     fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT,
-                               fsdp::ShardedStateDictConfig(),
-                               fsdp::ShardedOptimStateDictConfig());
+                               fsdp::ShardedStateDictConfig(), fsdp::ShardedOptimStateDictConfig());
     fsdp::testing::save_pieces(fsdp::state_dict(model), pg.rank(), dir, "model_");
     const StateDict osd = fsdp::optim_state_dict(model, *opt);
     for (const auto& [fqn, v] : osd.at("state").dict()) {
@@ -190,7 +189,8 @@ TEST(OptimStateDict, ShardedAtTwoResumesAtThreeAndUnwrapped) {
   auto reference = [](int world_after) {
     TinyLM ref(7);
     auto opt = make_optimizer("Adam", unique_params(ref->parameters()));
-    for (int s = 0; s < kBefore + kAfter; ++s) ref_step(ref, *opt, s, s < kBefore ? 2 : world_after);
+    for (int s = 0; s < kBefore + kAfter; ++s)
+      ref_step(ref, *opt, s, s < kBefore ? 2 : world_after);
     return std::make_pair(ref, std::move(opt));
   };
   run_ranks(3, [&dir, &reference](ProcessGroup& pg) {
@@ -207,44 +207,47 @@ TEST(OptimStateDict, ShardedAtTwoResumesAtThreeAndUnwrapped) {
     for (int s = kBefore; s < kBefore + kAfter; ++s) fsdp_step(model, *opt, s, pg.rank());
     auto [ref, ref_opt] = reference(3);
     expect_params_close(model, ref);
-    EXPECT_EQ(osd_diff(fsdp::optim_state_dict(model, *opt),
-                       fsdp::optim_state_dict(*ref, *ref_opt), kRtol, kAtol),
+    EXPECT_EQ(osd_diff(fsdp::optim_state_dict(model, *opt), fsdp::optim_state_dict(*ref, *ref_opt),
+                       kRtol, kAtol),
               "");
   });
-  // Unwrapped, single process: the pieces of both saved ranks cover every tensor.
-  TinyLM m(99);
-  {
-    const StateDict saved = fsdp::testing::load_pieces(2, dir, "model_");
-    at::NoGradGuard no_grad;
-    for (auto& [k, v] : fsdp::module_state_dict(*m)) {
-      const StateValue& s = saved.at(k);
-      if (s.is_tensor()) {
-        v.tensor().copy_(s.tensor());
-      } else {
-        at::Tensor t = v.tensor();
-        s.sharded_tensor().copy_into(t);
+  // Unwrapped, single process: the pieces of both saved ranks cover every tensor. (In a child:
+  // LibTorch 2.x refuses autograd in processes forked after the parent used it.)
+  run_ranks(1, [&dir, &reference](ProcessGroup&) {
+    TinyLM m(99);
+    {
+      const StateDict saved = fsdp::testing::load_pieces(2, dir, "model_");
+      at::NoGradGuard no_grad;
+      for (auto& [k, v] : fsdp::module_state_dict(*m)) {
+        const StateValue& s = saved.at(k);
+        if (s.is_tensor()) {
+          v.tensor().copy_(s.tensor());
+        } else {
+          at::Tensor t = v.tensor();
+          s.sharded_tensor().copy_into(t);
+        }
       }
     }
-  }
-  auto opt = make_optimizer("Adam", unique_params(m->parameters()));
-  fsdp::load_optim_state_dict(*m, *opt, fsdp::testing::load_osd(2, dir));
-  for (int s = kBefore; s < kBefore + kAfter; ++s) ref_step(m, *opt, s, 1);
-  auto [ref, ref_opt] = reference(1);
-  for (const auto& p : ref->named_parameters()) {
-    EXPECT_TRUE(torch::allclose(m->named_parameters()[p.key()], p.value(), kRtol, kAtol))
-        << p.key();
-  }
-  // Negative control: without the optimizer state, resuming gives other parameters.
-  TinyLM fresh(7);
-  auto fresh_opt = make_optimizer("Adam", unique_params(fresh->parameters()));
-  for (int s = 0; s < kBefore; ++s) ref_step(fresh, *fresh_opt, s, 2);
-  fresh_opt = make_optimizer("Adam", unique_params(fresh->parameters()));  // state lost
-  for (int s = kBefore; s < kBefore + kAfter; ++s) ref_step(fresh, *fresh_opt, s, 1);
-  bool all_close = true;
-  for (const auto& p : ref->named_parameters()) {
-    all_close &= torch::allclose(fresh->named_parameters()[p.key()], p.value(), kRtol, kAtol);
-  }
-  EXPECT_FALSE(all_close) << "losing the optimizer state must show";
+    auto opt = make_optimizer("Adam", unique_params(m->parameters()));
+    fsdp::load_optim_state_dict(*m, *opt, fsdp::testing::load_osd(2, dir));
+    for (int s = kBefore; s < kBefore + kAfter; ++s) ref_step(m, *opt, s, 1);
+    auto [ref, ref_opt] = reference(1);
+    for (const auto& p : ref->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(m->named_parameters()[p.key()], p.value(), kRtol, kAtol))
+          << p.key();
+    }
+    // Negative control: without the optimizer state, resuming gives other parameters.
+    TinyLM fresh(7);
+    auto fresh_opt = make_optimizer("Adam", unique_params(fresh->parameters()));
+    for (int s = 0; s < kBefore; ++s) ref_step(fresh, *fresh_opt, s, 2);
+    fresh_opt = make_optimizer("Adam", unique_params(fresh->parameters()));  // state lost
+    for (int s = kBefore; s < kBefore + kAfter; ++s) ref_step(fresh, *fresh_opt, s, 1);
+    bool all_close = true;
+    for (const auto& p : ref->named_parameters()) {
+      all_close &= torch::allclose(fresh->named_parameters()[p.key()], p.value(), kRtol, kAtol);
+    }
+    EXPECT_FALSE(all_close) << "losing the optimizer state must show";
+  });
 }
 
 // SHARDED export and import at the same world size give back the same state bit for bit, under
@@ -293,19 +296,20 @@ TEST_P(ShardedOsdRoundTrip, ReloadsBitExactly) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Strategies, ShardedOsdRoundTrip,
-    ::testing::Values(RoundTrip{ShardingStrategy::FULL_SHARD, false, false},
-                      RoundTrip{ShardingStrategy::FULL_SHARD, true, true},
-                      RoundTrip{ShardingStrategy::SHARD_GRAD_OP, true, false},
-                      RoundTrip{ShardingStrategy::NO_SHARD, false, false},
-                      RoundTrip{ShardingStrategy::NO_SHARD, true, false},
-                      RoundTrip{ShardingStrategy::HYBRID_SHARD, false, true},
-                      RoundTrip{ShardingStrategy::HYBRID_SHARD_ZERO2, true, false}),
-    [](const auto& info) {
-      return std::string(fsdp::to_string(info.param.strategy)) +
-             (info.param.orig ? "_orig" : "_flat") + (info.param.mixed ? "_mixed_offload" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(Strategies, ShardedOsdRoundTrip,
+                         ::testing::Values(RoundTrip{ShardingStrategy::FULL_SHARD, false, false},
+                                           RoundTrip{ShardingStrategy::FULL_SHARD, true, true},
+                                           RoundTrip{ShardingStrategy::SHARD_GRAD_OP, true, false},
+                                           RoundTrip{ShardingStrategy::NO_SHARD, false, false},
+                                           RoundTrip{ShardingStrategy::NO_SHARD, true, false},
+                                           RoundTrip{ShardingStrategy::HYBRID_SHARD, false, true},
+                                           RoundTrip{ShardingStrategy::HYBRID_SHARD_ZERO2, true,
+                                                     false}),
+                         [](const auto& info) {
+                           return std::string(fsdp::to_string(info.param.strategy)) +
+                                  (info.param.orig ? "_orig" : "_flat") +
+                                  (info.param.mixed ? "_mixed_offload" : "");
+                         });
 
 // Several param groups with their own hyperparameters, one unit's parameters split between them
 // (use_orig_params), and a parameter frozen inside a trainable unit.
@@ -375,10 +379,11 @@ TEST(OptimStateDict, FullExportHoldsOneUnitsStateAtATime) {
     // All state of all units at once would be far more (two state tensors per unit).
     EXPECT_LT(peak, 2 * all_units * 4);
     if (pg.rank() == 0) {
-      std::printf("peak gather bytes %lld; one unit's unsharded state tensor %lld; all units' "
-                  "state %lld\n",
-                  static_cast<long long>(peak), static_cast<long long>(largest_unit * 4),
-                  static_cast<long long>(2 * all_units * 4));
+      std::printf(
+          "peak gather bytes %lld; one unit's unsharded state tensor %lld; all units' "
+          "state %lld\n",
+          static_cast<long long>(peak), static_cast<long long>(largest_unit * 4),
+          static_cast<long long>(2 * all_units * 4));
     }
   });
 }
@@ -448,8 +453,8 @@ TEST(OptimStateDict, ErrorsOnOneRankFailEveryRankAndChangeNothing) {
         auto opt = make_optimizer("Adam", unique_params(model->parameters()));
         fsdp_step(model, *opt, 0, pg.rank());
         const StateDict before = fsdp::optim_state_dict(model, *opt);
-        fsdp::StateDictTypeGuard g(model, sharded ? StateDictType::SHARDED_STATE_DICT
-                                                  : StateDictType::FULL_STATE_DICT);
+        fsdp::StateDictTypeGuard g(
+            model, sharded ? StateDictType::SHARDED_STATE_DICT : StateDictType::FULL_STATE_DICT);
         StateDict osd = fsdp::optim_state_dict(model, *opt);
         fsdp_step(model, *opt, 1, pg.rank());  // the state moves on; a failed load keeps it
         const StateDict moved = [&] {
@@ -505,18 +510,20 @@ TEST(OptimStateDict, ShardedPiecesMissingOnEveryRankFail) {
 
 // Re-keying between FQNs and parameter IDs round-trips, and needs one FQN per parameter.
 TEST(OptimStateDict, RekeyBetweenNamesAndIds) {
-  TinyLM m(7);
-  auto opt = make_optimizer("Adam", unique_params(m->parameters()));
-  ref_step(m, *opt, 0, 1);
-  const StateDict by_name = fsdp::optim_state_dict(*m, *opt);
-  const StateDict by_id =
-      fsdp::rekey_optim_state_dict(by_name, fsdp::OptimStateKeyType::PARAM_ID, *m, *opt);
-  EXPECT_TRUE(by_id.at("state").dict().contains("0"));  // tok.weight, the first parameter
-  EXPECT_TRUE(by_id.at("param_groups").list()[0].dict().at("params").list()[0].is_int());
-  const StateDict back =
-      fsdp::rekey_optim_state_dict(by_id, fsdp::OptimStateKeyType::PARAM_NAME, *m, *opt);
-  EXPECT_EQ(osd_diff(back, by_name, 0, 0), "");
-  EXPECT_THROW(fsdp::load_optim_state_dict(*m, *opt, by_id), fsdp::ValueError);
+  run_ranks(1, [](ProcessGroup&) {
+    TinyLM m(7);
+    auto opt = make_optimizer("Adam", unique_params(m->parameters()));
+    ref_step(m, *opt, 0, 1);
+    const StateDict by_name = fsdp::optim_state_dict(*m, *opt);
+    const StateDict by_id =
+        fsdp::rekey_optim_state_dict(by_name, fsdp::OptimStateKeyType::PARAM_ID, *m, *opt);
+    EXPECT_TRUE(by_id.at("state").dict().contains("0"));  // tok.weight, the first parameter
+    EXPECT_TRUE(by_id.at("param_groups").list()[0].dict().at("params").list()[0].is_int());
+    const StateDict back =
+        fsdp::rekey_optim_state_dict(by_id, fsdp::OptimStateKeyType::PARAM_NAME, *m, *opt);
+    EXPECT_EQ(osd_diff(back, by_name, 0, 0), "");
+    EXPECT_THROW(fsdp::load_optim_state_dict(*m, *opt, by_id), fsdp::ValueError);
+  });
   run_ranks(2, [](ProcessGroup&) {
     TinyLM m(7);
     FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, false));

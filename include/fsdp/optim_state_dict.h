@@ -3,7 +3,8 @@
 //
 //   {
 //     fsdp::StateDictTypeGuard g(model, fsdp::StateDictType::SHARDED_STATE_DICT,
-//                                fsdp::ShardedStateDictConfig(), fsdp::ShardedOptimStateDictConfig());
+//                                fsdp::ShardedStateDictConfig(),
+//                                fsdp::ShardedOptimStateDictConfig());
 //     fsdp::StateDict osd = fsdp::optim_state_dict(model, optimizer);     // collective
 //     ...                                                              // (save it, later:)
 //     fsdp::load_optim_state_dict(model, optimizer, osd);             // any world size/strategy
@@ -18,8 +19,8 @@
 // * FULL: every state tensor has its parameter's shape. SHARDED: every positive-dimension state
 //   tensor is a ShardedTensor chunked on dim 0 across the shard group, like its parameter in the
 //   SHARDED model state dict; "step" and state of ignored parameters stay plain. LOCAL is not
-//   supported (as in PyTorch). On models with NO_SHARD units SHARDED acts as FULL (a warning says
-//   so), as for model state dicts.
+//   supported (as in PyTorch). Under NO_SHARD, as in the seed, flat parameters' state is still
+//   chunked (each rank cuts its chunk locally) while original parameters' state stays plain.
 // * Optimizers: torch::optim Adam, AdamW, SGD, Adagrad, RMSprop, with PyTorch's state names (see
 //   docs/optim_state_dict.md). Group keys LibTorch lacks (maximize, foreach, ...) get PyTorch's
 //   defaults on export and are ignored on import. Any other optimizer: ValueError naming it.

@@ -202,11 +202,17 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
   if (options_.use_orig_params()) {
     register_module("_fsdp_wrapped_module", module_);
   } else {
+    // In module order (pre-order of the units' modules), as PyTorch's nested FSDP modules list
+    // their flat parameters: an optimizer built over parameters() then orders its state and
+    // param groups as PyTorch's would.
     int k = 0;
-    for (const auto& u : st.units) {
-      if (!u->handle) continue;
-      register_parameter("_flat_param_" + std::to_string(k++), u->handle->flat_param(),
-                         u->handle->flat_param().requires_grad());
+    for (const auto& [mfqn, m] : tree.modules) {
+      for (const auto& u : st.units) {
+        if (u->handle && u->fqn == mfqn) {
+          register_parameter("_flat_param_" + std::to_string(k++), u->handle->flat_param(),
+                             u->handle->flat_param().requires_grad());
+        }
+      }
     }
     int j = 0;
     for (const auto& p : options_.ignored_params()) {

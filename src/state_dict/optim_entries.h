@@ -19,18 +19,18 @@ namespace detail {
 
 /// One tensor of the model that an optimizer may hold.
 struct OptEntry {
-  at::Tensor param;  // as the optimizer holds it (flat parameter, original parameter, or plain)
-  int unit = -1;     // index of the unit whose handle manages it; -1: plain (full-shaped state)
-  bool flat = false;               // the unit's flat parameter (stands for all its parameters)
-  std::vector<size_t> indices;     // handle parameter indices it stands for (unit >= 0)
-  std::vector<std::string> fqns;   // canonical FQN per index (plain: the first FQN)
+  at::Tensor param;   // as the optimizer holds it (flat parameter, original parameter, or plain)
+  int unit = -1;      // index of the unit whose handle manages it; -1: plain (full-shaped state)
+  bool flat = false;  // the unit's flat parameter (stands for all its parameters)
+  std::vector<size_t> indices;               // handle parameter indices it stands for (unit >= 0)
+  std::vector<std::string> fqns;             // canonical FQN per index (plain: the first FQN)
   std::vector<std::vector<int64_t>> shapes;  // full shape per FQN
-  int group = -1;                  // optimizer param group; -1: not in the optimizer
+  int group = -1;                            // optimizer param group; -1: not in the optimizer
 };
 
 /// The entries of a model, and how the optimizer's groups refer to them.
 struct OptModel {
-  FsdpState* st = nullptr;  // null for a plain module
+  FsdpState* st = nullptr;        // null for a plain module
   std::vector<OptEntry> entries;  // managed ones in unit order, then plain ones (same on all ranks)
   std::map<std::string, std::pair<size_t, size_t>> by_fqn;  // FQN -> (entry, position)
   std::vector<std::vector<size_t>> groups;  // per optimizer group: its entries, in its order

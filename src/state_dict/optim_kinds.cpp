@@ -34,25 +34,25 @@ struct Hyper {
 bool is_number(const StateValue& v) { return v.is_double() || v.is_int(); }
 
 // A number, a bool, or a pair of numbers (betas), read from LibTorch options by a member getter.
-#define FSDP_NUM(O, field)                                             \
-  Hyper<O> {                                                           \
-    #field, [](const O& o) { return StateValue(double(o.field())); },  \
+#define FSDP_NUM(O, field)                                           \
+  Hyper<O> {                                                         \
+#field, [](const O& o) { return StateValue(double(o.field())); },  \
         [](O& o, const StateValue& v) {                                \
           if (!is_number(v)) return false;                             \
           o.field(v.to_double());                                      \
           return true;                                                 \
         },                                                             \
-        StateValue()                                                   \
+        StateValue() \
   }
-#define FSDP_BOOL(O, field)                                    \
-  Hyper<O> {                                                   \
-    #field, [](const O& o) { return StateValue(o.field()); },  \
+#define FSDP_BOOL(O, field)                                  \
+  Hyper<O> {                                                 \
+#field, [](const O& o) { return StateValue(o.field()); },  \
         [](O& o, const StateValue& v) {                        \
           if (!v.is_bool()) return false;                      \
           o.field(v.to_bool());                                \
           return true;                                         \
         },                                                     \
-        StateValue()                                           \
+        StateValue() \
   }
 template <class O>
 Hyper<O> betas() {
@@ -81,50 +81,74 @@ const std::vector<Hyper<O>>& hypers();
 template <>
 const std::vector<Hyper<to::AdamOptions>>& hypers() {
   using O = to::AdamOptions;
-  static const std::vector<Hyper<O>> h{
-      FSDP_NUM(O, lr), betas<O>(), FSDP_NUM(O, eps), FSDP_NUM(O, weight_decay),
-      FSDP_BOOL(O, amsgrad), pytorch_only<O>("maximize", false), pytorch_only<O>("foreach", {}),
-      pytorch_only<O>("capturable", false), pytorch_only<O>("differentiable", false),
-      pytorch_only<O>("fused", {})};
+  static const std::vector<Hyper<O>> h{FSDP_NUM(O, lr),
+                                       betas<O>(),
+                                       FSDP_NUM(O, eps),
+                                       FSDP_NUM(O, weight_decay),
+                                       FSDP_BOOL(O, amsgrad),
+                                       pytorch_only<O>("maximize", false),
+                                       pytorch_only<O>("foreach", {}),
+                                       pytorch_only<O>("capturable", false),
+                                       pytorch_only<O>("differentiable", false),
+                                       pytorch_only<O>("fused", {})};
   return h;
 }
 template <>
 const std::vector<Hyper<to::AdamWOptions>>& hypers() {
   using O = to::AdamWOptions;
-  static const std::vector<Hyper<O>> h{
-      FSDP_NUM(O, lr), betas<O>(), FSDP_NUM(O, eps), FSDP_NUM(O, weight_decay),
-      FSDP_BOOL(O, amsgrad), pytorch_only<O>("foreach", {}), pytorch_only<O>("maximize", false),
-      pytorch_only<O>("capturable", false), pytorch_only<O>("differentiable", false),
-      pytorch_only<O>("fused", {})};
+  static const std::vector<Hyper<O>> h{FSDP_NUM(O, lr),
+                                       betas<O>(),
+                                       FSDP_NUM(O, eps),
+                                       FSDP_NUM(O, weight_decay),
+                                       FSDP_BOOL(O, amsgrad),
+                                       pytorch_only<O>("foreach", {}),
+                                       pytorch_only<O>("maximize", false),
+                                       pytorch_only<O>("capturable", false),
+                                       pytorch_only<O>("differentiable", false),
+                                       pytorch_only<O>("fused", {})};
   return h;
 }
 template <>
 const std::vector<Hyper<to::SGDOptions>>& hypers() {
   using O = to::SGDOptions;
-  static const std::vector<Hyper<O>> h{
-      FSDP_NUM(O, lr), FSDP_NUM(O, momentum), FSDP_NUM(O, dampening), FSDP_NUM(O, weight_decay),
-      FSDP_BOOL(O, nesterov), pytorch_only<O>("maximize", false), pytorch_only<O>("foreach", {}),
-      pytorch_only<O>("differentiable", false), pytorch_only<O>("fused", {})};
+  static const std::vector<Hyper<O>> h{FSDP_NUM(O, lr),
+                                       FSDP_NUM(O, momentum),
+                                       FSDP_NUM(O, dampening),
+                                       FSDP_NUM(O, weight_decay),
+                                       FSDP_BOOL(O, nesterov),
+                                       pytorch_only<O>("maximize", false),
+                                       pytorch_only<O>("foreach", {}),
+                                       pytorch_only<O>("differentiable", false),
+                                       pytorch_only<O>("fused", {})};
   return h;
 }
 template <>
 const std::vector<Hyper<to::AdagradOptions>>& hypers() {
   using O = to::AdagradOptions;
-  static const std::vector<Hyper<O>> h{
-      FSDP_NUM(O, lr), FSDP_NUM(O, lr_decay), FSDP_NUM(O, eps), FSDP_NUM(O, weight_decay),
-      FSDP_NUM(O, initial_accumulator_value), pytorch_only<O>("foreach", {}),
-      pytorch_only<O>("maximize", false), pytorch_only<O>("differentiable", false),
-      pytorch_only<O>("fused", {})};
+  static const std::vector<Hyper<O>> h{FSDP_NUM(O, lr),
+                                       FSDP_NUM(O, lr_decay),
+                                       FSDP_NUM(O, eps),
+                                       FSDP_NUM(O, weight_decay),
+                                       FSDP_NUM(O, initial_accumulator_value),
+                                       pytorch_only<O>("foreach", {}),
+                                       pytorch_only<O>("maximize", false),
+                                       pytorch_only<O>("differentiable", false),
+                                       pytorch_only<O>("fused", {})};
   return h;
 }
 template <>
 const std::vector<Hyper<to::RMSpropOptions>>& hypers() {
   using O = to::RMSpropOptions;
-  static const std::vector<Hyper<O>> h{
-      FSDP_NUM(O, lr), FSDP_NUM(O, momentum), FSDP_NUM(O, alpha), FSDP_NUM(O, eps),
-      FSDP_BOOL(O, centered), FSDP_NUM(O, weight_decay), pytorch_only<O>("capturable", false),
-      pytorch_only<O>("foreach", {}), pytorch_only<O>("maximize", false),
-      pytorch_only<O>("differentiable", false)};
+  static const std::vector<Hyper<O>> h{FSDP_NUM(O, lr),
+                                       FSDP_NUM(O, momentum),
+                                       FSDP_NUM(O, alpha),
+                                       FSDP_NUM(O, eps),
+                                       FSDP_BOOL(O, centered),
+                                       FSDP_NUM(O, weight_decay),
+                                       pytorch_only<O>("capturable", false),
+                                       pytorch_only<O>("foreach", {}),
+                                       pytorch_only<O>("maximize", false),
+                                       pytorch_only<O>("differentiable", false)};
   return h;
 }
 #undef FSDP_NUM
@@ -163,8 +187,10 @@ struct TensorField {
   at::Tensor (*get)(const S&);
   void (*set)(S&, const at::Tensor&);
 };
-#define FSDP_TENSOR(S, field) \
-  TensorField<S> { [](const S& s) { return s.field(); }, [](S& s, const at::Tensor& t) { s.field(t); } }
+#define FSDP_TENSOR(S, field)                                                           \
+  TensorField<S> {                                                                      \
+    [](const S& s) { return s.field(); }, [](S& s, const at::Tensor& t) { s.field(t); } \
+  }
 
 template <class S>
 const std::vector<TensorField<S>>& tensor_fields();
@@ -197,9 +223,8 @@ const std::vector<TensorField<to::AdagradParamState>>& tensor_fields() {
 template <>
 const std::vector<TensorField<to::RMSpropParamState>>& tensor_fields() {
   using S = to::RMSpropParamState;
-  static const std::vector<TensorField<S>> f{FSDP_TENSOR(S, square_avg),
-                                             FSDP_TENSOR(S, momentum_buffer),
-                                             FSDP_TENSOR(S, grad_avg)};
+  static const std::vector<TensorField<S>> f{
+      FSDP_TENSOR(S, square_avg), FSDP_TENSOR(S, momentum_buffer), FSDP_TENSOR(S, grad_avg)};
   return f;
 }
 #undef FSDP_TENSOR

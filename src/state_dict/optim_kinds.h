@@ -17,7 +17,7 @@ namespace detail {
 
 /// One parameter's optimizer state in PyTorch's terms.
 struct ParamOptimState {
-  std::optional<int64_t> step;     // set for optimizers that count steps
+  std::optional<int64_t> step;      // set for optimizers that count steps
   std::vector<at::Tensor> tensors;  // aligned with OptimKind::tensor_names; undefined = absent
 };
 

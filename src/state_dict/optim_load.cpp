@@ -24,7 +24,7 @@ using detail::shape_text;
 struct LoadPlan {
   std::string error;
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options;  // per group
-  std::vector<std::optional<ParamOptimState>> states;                     // per entry
+  std::vector<std::optional<ParamOptimState>> states;                    // per entry
   void fail(const std::string& e) {
     if (error.empty()) error = e;
   }
@@ -47,8 +47,8 @@ void plan_groups(const OptModel& om, torch::optim::Optimizer& opt, const OptimKi
   }
   const StateList& groups = osd.at("param_groups").list();
   if (groups.size() != om.groups.size()) {
-    plan.fail("the dict has " + std::to_string(groups.size()) +
-              " param groups, the optimizer " + std::to_string(om.groups.size()));
+    plan.fail("the dict has " + std::to_string(groups.size()) + " param groups, the optimizer " +
+              std::to_string(om.groups.size()));
     return;
   }
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -99,8 +99,7 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
   FqnState s;
   s.values.assign(kind.tensor_names.size(), nullptr);
   if (!v.is_dict()) {
-    plan.fail("the state of '" + fqn + "' is " + to_string(v.kind()) +
-              ", not a dict");
+    plan.fail("the state of '" + fqn + "' is " + to_string(v.kind()) + ", not a dict");
     return s;
   }
   s.present = true;
@@ -113,16 +112,16 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
       } else if (x.is_int() || x.is_double()) {
         s.step = static_cast<int64_t>(x.to_double());
       } else {
-        plan.fail("state 'step' of '" + fqn + "' is " +
-                  to_string(x.kind()) + ", not a number or a 0-d tensor");
+        plan.fail("state 'step' of '" + fqn + "' is " + to_string(x.kind()) +
+                  ", not a number or a 0-d tensor");
       }
       continue;
     }
     size_t n = 0;
     while (n < kind.tensor_names.size() && kind.tensor_names[n] != k) ++n;
     if (n == kind.tensor_names.size()) {
-      plan.fail("unexpected state '" + k + "' for '" + fqn + "' (" +
-                kind.name + " keeps " + names + ")");
+      plan.fail("unexpected state '" + k + "' for '" + fqn + "' (" + kind.name + " keeps " + names +
+                ")");
       continue;
     }
     if (x.is_none()) continue;  // PyTorch 1.x SGD without momentum saves None
@@ -132,13 +131,12 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
     } else if (x.is_sharded_tensor()) {
       got = x.sharded_tensor().size();
     } else {
-      plan.fail("state '" + k + "' of '" + fqn + "' is " +
-                to_string(x.kind()) + ", not a tensor");
+      plan.fail("state '" + k + "' of '" + fqn + "' is " + to_string(x.kind()) + ", not a tensor");
       continue;
     }
     if (got != shape) {
-      plan.fail("state '" + k + "' of '" + fqn + "' has shape " +
-                shape_text(got) + ", the parameter " + shape_text(shape));
+      plan.fail("state '" + k + "' of '" + fqn + "' has shape " + shape_text(got) +
+                ", the parameter " + shape_text(shape));
       continue;
     }
     s.values[n] = &x;
@@ -149,8 +147,8 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
   const std::vector<bool> req = kind.required(options);
   for (size_t n = 0; n < req.size(); ++n) {
     if (req[n] && !s.values[n]) {
-      plan.fail("missing state '" + kind.tensor_names[n] + "' for '" +
-                fqn + "' (" + kind.name + " keeps " + names + " with these hyperparameters)");
+      plan.fail("missing state '" + kind.tensor_names[n] + "' for '" + fqn + "' (" + kind.name +
+                " keeps " + names + " with these hyperparameters)");
     }
   }
   return s;
@@ -172,8 +170,7 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
   for (const auto& [fqn, v] : *state) {
     auto it = om.by_fqn.find(fqn);
     if (it == om.by_fqn.end() || om.entries[it->second.first].group < 0) {
-      plan.fail("unknown FQN '" + fqn +
-                "' in \"state\": not a parameter the optimizer holds");
+      plan.fail("unknown FQN '" + fqn + "' in \"state\": not a parameter the optimizer holds");
     }
   }
   // Check each FQN's state against its parameter and its group's (new) hyperparameters.
@@ -182,12 +179,12 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
     const OptEntry& en = om.entries[e];
     fs[e].resize(en.fqns.size());
     if (en.group < 0) continue;
-    const auto& options = plan.options[en.group] ? *plan.options[en.group]
-                                                 : opt.param_groups()[en.group].options();
+    const auto& options =
+        plan.options[en.group] ? *plan.options[en.group] : opt.param_groups()[en.group].options();
     for (size_t p = 0; p < en.fqns.size(); ++p) {
       if (state->contains(en.fqns[p])) {
-        fs[e][p] = check_fqn_state(en.fqns[p], en.shapes[p], state->at(en.fqns[p]), kind,
-                                   options, plan);
+        fs[e][p] =
+            check_fqn_state(en.fqns[p], en.shapes[p], state->at(en.fqns[p]), kind, options, plan);
       }
     }
   }
@@ -238,8 +235,8 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
     try {
       return v->sharded_tensor().flat_range(lo, len, "'" + om.entries[e].fqns[p] + "'");
     } catch (const ValueError& ex) {
-      plan.fail(std::string("state '") + kind.tensor_names[n] + "' of '" +
-                om.entries[e].fqns[p] + "': " + ex.what());
+      plan.fail(std::string("state '") + kind.tensor_names[n] + "' of '" + om.entries[e].fqns[p] +
+                "': " + ex.what());
       return at::Tensor();
     }
   };
@@ -255,9 +252,11 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       all &= fs[e][p].present;
       if (!fs[e][p].present || !fs[e][p].step) continue;
       if (step && *step != *fs[e][p].step) {
-        plan.fail("the parameters of one flat parameter must have the same "
-                  "'step', but '" + en.fqns[0] + "' has " + std::to_string(*step) + " and '" +
-                  en.fqns[p] + "' " + std::to_string(*fs[e][p].step));
+        plan.fail(
+            "the parameters of one flat parameter must have the same "
+            "'step', but '" +
+            en.fqns[0] + "' has " + std::to_string(*step) + " and '" + en.fqns[p] + "' " +
+            std::to_string(*fs[e][p].step));
       }
       step = fs[e][p].step;
     }
@@ -266,8 +265,10 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       std::vector<std::string> without;
       for (size_t p = 0; p < en.fqns.size(); ++p)
         if (!fs[e][p].present) without.push_back(en.fqns[p]);
-      plan.fail("a flat parameter mixes parameters with and without "
-                "state: " + list_text(without) + " have none, so 'step' cannot be flattened");
+      plan.fail(
+          "a flat parameter mixes parameters with and without "
+          "state: " +
+          list_text(without) + " have none, so 'step' cannot be flattened");
       continue;
     }
     ParamOptimState ns;
@@ -287,9 +288,8 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       if (!en.flat) {  // an original parameter: its piece of this rank's shard
         const auto r = om.local(en, 0);
         if (r.n != en.param.numel()) {
-          plan.fail("'" + en.fqns[0] + "' holds " +
-                    std::to_string(en.param.numel()) + " elements on this rank, its shard " +
-                    std::to_string(r.n));
+          plan.fail("'" + en.fqns[0] + "' holds " + std::to_string(en.param.numel()) +
+                    " elements on this rank, its shard " + std::to_string(r.n));
           continue;
         }
         at::Tensor t = range_of(e, 0, n, r.lo, r.n);

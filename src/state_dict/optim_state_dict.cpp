@@ -86,7 +86,8 @@ OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module
   std::unordered_map<Impl, size_t> by_impl;
   for (size_t e = 0; e < om.entries.size(); ++e) {
     by_impl[om.entries[e].param.unsafeGetTensorImpl()] = e;
-    for (size_t p = 0; p < om.entries[e].fqns.size(); ++p) om.by_fqn[om.entries[e].fqns[p]] = {e, p};
+    for (size_t p = 0; p < om.entries[e].fqns.size(); ++p)
+      om.by_fqn[om.entries[e].fqns[p]] = {e, p};
   }
   const auto& groups = optimizer.param_groups();
   om.groups.resize(groups.size());
@@ -252,16 +253,20 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
           detail::optim_gather_probe()(held * static_cast<int64_t>(full.element_size()));
         }
         if (!keep) continue;
+        // As the seed: SHARDED chunks the state of flat parameters under every strategy (under
+        // NO_SHARD too, where each rank holds it whole), and of original parameters only where
+        // they are sharded (NO_SHARD then gives plain tensors, as _convert_state_with_orig_params).
+        const bool chunk = sharded && (h.uses_sharded_strategy() || om.entries[mine[0]].flat);
         const std::vector<at::Tensor> views = l.unflat_views(full);
         for (size_t e : mine) {
           if (merged[e].dtype[n] < 0) continue;
           const OptEntry& en = om.entries[e];
           for (size_t p = 0; p < en.indices.size(); ++p) {
             const at::Tensor& v = views[en.indices[p]];
-            StateValue value = sharded ? StateValue(chunk_sharded(v, h.process_group().rank(),
-                                                                  h.process_group().size()))
-                                       : StateValue(out_tensor(v));
-            if (sharded && offload) value = StateValue(value.sharded_tensor().to(at::kCPU));
+            StateValue value = chunk ? StateValue(chunk_sharded(v, h.process_group().rank(),
+                                                                h.process_group().size()))
+                                     : StateValue(out_tensor(v));
+            if (chunk && offload) value = StateValue(value.sharded_tensor().to(at::kCPU));
             per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n], std::move(value));
           }
         }
@@ -314,11 +319,8 @@ StateDict optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimi
         "optim_state_dict: LOCAL_STATE_DICT is not supported for optimizer state dicts (as in "
         "PyTorch); use FULL_STATE_DICT or SHARDED_STATE_DICT");
   }
-  const bool want_sharded = st.state_dict_type == StateDictType::SHARDED_STATE_DICT;
-  detail::NoShardFallback fallback(st);  // SHARDED on NO_SHARD units acts as FULL
   const bool sharded = st.state_dict_type == StateDictType::SHARDED_STATE_DICT;
-  const FullOptimStateDictConfig full =
-      want_sharded ? FullOptimStateDictConfig() : st.full_optim_config;
+  const FullOptimStateDictConfig& full = st.full_optim_config;
   const OptModel om = detail::describe_model(&model, nullptr, optimizer);
   // PyTorch's _reset_flat_param_grad_info_if_needed: requires_grad follows the parameters.
   for (const auto& u : st.units) {
@@ -359,7 +361,8 @@ StateDict rekey(const StateDict& osd, OptimStateKeyType to, const OptModel& om) 
     if (to == OptimStateKeyType::PARAM_ID) {
       auto it = id_of.find(key);
       if (it == id_of.end())
-        throw ValueError("rekey_optim_state_dict: '" + key + "' is not a parameter the optimizer holds");
+        throw ValueError("rekey_optim_state_dict: '" + key +
+                         "' is not a parameter the optimizer holds");
       return std::to_string(it->second);
     }
     size_t pos = 0;
@@ -370,7 +373,8 @@ StateDict rekey(const StateDict& osd, OptimStateKeyType to, const OptModel& om) 
       pos = 0;
     }
     if (pos != key.size() || id < 0 || id >= static_cast<int64_t>(fqn_of.size())) {
-      throw ValueError("rekey_optim_state_dict: '" + key + "' is not a parameter ID of the optimizer (0.." +
+      throw ValueError("rekey_optim_state_dict: '" + key +
+                       "' is not a parameter ID of the optimizer (0.." +
                        std::to_string(fqn_of.size()) + ")");
     }
     return fqn_of[id];

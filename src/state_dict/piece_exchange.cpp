@@ -74,8 +74,16 @@ struct RankMeta {
 bool known_dtype(int dt) {
   if (dt < 0 || dt >= static_cast<int>(at::ScalarType::NumOptions)) return false;
   switch (static_cast<at::ScalarType>(dt)) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16: case at::kByte:
-    case at::kChar: case at::kShort: case at::kInt: case at::kLong: case at::kBool:
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kByte:
+    case at::kChar:
+    case at::kShort:
+    case at::kInt:
+    case at::kLong:
+    case at::kBool:
       return true;
     default:
       return false;
@@ -140,8 +148,8 @@ std::string describe_pieces(const RangeRequest& q, std::vector<at::Tensor>& flat
     return line.str();
   }
   const ShardedTensor& t = *q.pieces;
-  line << "+ " << q.lo << " " << q.n << " " << static_cast<int>(t.dtype()) << " "
-       << t.size().size() << " " << t.local_shards().size();
+  line << "+ " << q.lo << " " << q.n << " " << static_cast<int>(t.dtype()) << " " << t.size().size()
+       << " " << t.local_shards().size();
   for (const auto& piece : t.local_shards()) {
     if (piece.tensor.numel() != piece.metadata.numel() ||
         piece.metadata.offsets.size() != t.size().size() ||
@@ -212,8 +220,9 @@ std::vector<at::Tensor> exchange_ranges(dist::ProcessGroup& pg,
         ms[r].error = "no metadata";
       }
       if (!ms[r].valid) {
-        if (problem.empty()) problem = "rank " + std::to_string(r) + "'s pieces of " + q.name +
-                                       " are invalid: " + ms[r].error;
+        if (problem.empty())
+          problem = "rank " + std::to_string(r) + "'s pieces of " + q.name +
+                    " are invalid: " + ms[r].error;
         continue;
       }
       anyone |= ms[r].have;
@@ -243,11 +252,10 @@ std::vector<at::Tensor> exchange_ranges(dist::ProcessGroup& pg,
           for (const Run& run : box_runs(q.shape, b)) {
             for (int d = 0; d < W; ++d) {
               const int64_t lo = std::max(run.global_start, ms[d].need_lo);
-              const int64_t hi =
-                  std::min(run.global_start + run.len, ms[d].need_lo + ms[d].need_n);
+              const int64_t hi = std::min(run.global_start + run.len, ms[d].need_lo + ms[d].need_n);
               if (lo >= hi) continue;
-              to[d].push_back(
-                  Seg{r, bi, run.local_start + (lo - run.global_start), hi - lo, lo - ms[d].need_lo});
+              to[d].push_back(Seg{r, bi, run.local_start + (lo - run.global_start), hi - lo,
+                                  lo - ms[d].need_lo});
             }
           }
         }

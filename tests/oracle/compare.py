@@ -15,6 +15,10 @@ that no step may change (the frozen unit, the buffer) must be bit-identical, and
 weight must be identical under both names.
 
 Layouts (keys, order, dtypes, shapes, pieces, padding) are compared exactly.
+
+Optimizer state dicts (FULL and SHARDED, "state" flattened to "<fqn>/<state>") are compared the
+same way, with the tolerance computed from the optimizer states' own drifts; "step" and the param
+groups must be identical.
 """
 
 import json
@@ -78,7 +82,7 @@ def tolerance(single, dp, py_full):
 
 class Result:
     def __init__(self):
-        self.fails = {"FULL": [], "SHARDED": [], "LOCAL": []}
+        self.fails = {"FULL": [], "SHARDED": [], "LOCAL": [], "OPTIM": [], "OPTIM_SHARDED": []}
         self.notes = []
         self.numbers = {}
 
@@ -143,8 +147,68 @@ def _describe_error(d):
     return d.get("error") if isinstance(d, dict) else None
 
 
+def compare_optim_full(res, py_dir, cpp_dir, single_osd, dp_osd):
+    """FULL optimizer state dicts: the same "<fqn>/<state>" keys in the same order, dtypes,
+    shapes, steps (exactly) and param groups (keys and values exactly); state values within the
+    bound computed as for FULL model values, from the optimizer states' own drifts."""
+    aspect = "OPTIM"
+    py_order, py = read_full(os.path.join(py_dir, "optim_full.safetensors"))
+    cpp_order, cpp = read_full(os.path.join(cpp_dir, "optim_full.safetensors"))
+    py_groups = json.loads(read_st(os.path.join(py_dir, "optim_full.safetensors"))[1]["param_groups"])
+    cpp_groups = json.loads(read_st(os.path.join(cpp_dir, "optim_full.safetensors"))[1]["param_groups"])
+    if sorted(py_order) != sorted(single_osd):
+        res.fail(aspect, f"Python FSDP's keys {py_order} differ from the single process's "
+                         f"{sorted(single_osd)} (oracle problem)")
+    # Dict order carries no meaning here and differs within PyTorch itself (flat parameters:
+    # optimizer order, "step" last; original parameters: FQNs sorted, "step" first): compared as
+    # sets, the difference noted.
+    if sorted(cpp_order) != sorted(py_order):
+        res.fail(aspect, f"keys differ: cpp has {sorted(set(cpp_order) - set(py_order))} more, "
+                         f"python {sorted(set(py_order) - set(cpp_order))}")
+        return None
+    if cpp_order != py_order:
+        res.notes.append("FULL optimizer state key order differs (not checked)")
+    for k in py_order:
+        if cpp[k].dtype != py[k].dtype or cpp[k].shape != py[k].shape:
+            res.fail(aspect, f"{k}: cpp {cpp[k].dtype} {tuple(cpp[k].shape)} vs python "
+                             f"{py[k].dtype} {tuple(py[k].shape)}")
+    # "params" lists FQNs in the optimizer's order, which follows each wrapper's parameters():
+    # compared as sets; every other group key exactly.
+    def canon(groups):
+        return [dict(g, params=sorted(g.get("params", []))) for g in groups]
+    if canon(py_groups) != canon(cpp_groups):
+        res.fail(aspect, f"param groups differ: cpp {canon(cpp_groups)} vs python {canon(py_groups)}")
+    elif py_groups != cpp_groups:
+        res.notes.append("param-group params order differs (not checked)")
+    if res.fails[aspect]:
+        return None
+    values = [k for k in py_order if not k.endswith("/step")]
+    for k in py_order:
+        if k.endswith("/step") and not (torch.equal(cpp[k], py[k]) and torch.equal(py[k], single_osd[k])):
+            res.fail(aspect, f"{k}: cpp {cpp[k].item()} python {py[k].item()} single "
+                             f"{single_osd[k].item()}")
+    drift_dp, _ = max_diff(dp_osd, single_osd, values)
+    drift_py, _ = max_diff(py, single_osd, values)
+    tol = 2 * max(drift_dp, drift_py)
+    res.numbers.update({"optim_drift": max(drift_dp, drift_py), "optim_tol": tol})
+    if max(drift_dp, drift_py) > SANITY:
+        res.fail(aspect, f"optimizer reference drift {max(drift_dp, drift_py):.3g} exceeds "
+                         f"{SANITY} (oracle unreliable)")
+    worst = 0.0
+    for k in values:
+        for name, other in (("cpp - python", py), ("cpp - single", single_osd)):
+            d, ratio = excess(cpp[k], other[k], single_osd[k], tol)
+            worst = max(worst, d)
+            if ratio > 1:
+                res.fail(aspect, f"{k}: |{name}| = {d:.3g} exceeds the bound (tol {tol:.3g}, or "
+                                 f"4 ulps) by {ratio:.3g}x")
+    res.numbers["optim_max"] = worst
+    return tol
+
+
 def compare_described(res, aspect, py_dir, cpp_dir, world, tol, exact_keys):
-    """SHARDED (aspect "SHARDED") or LOCAL (aspect "LOCAL") state dicts of every rank."""
+    """SHARDED ("SHARDED"), LOCAL ("LOCAL") or SHARDED optimizer ("OPTIM_SHARDED") state dicts of
+    every rank."""
     stem = aspect.lower()
     worst = 0.0
     for r in range(world):
@@ -177,6 +241,12 @@ def compare_described(res, aspect, py_dir, cpp_dir, world, tol, exact_keys):
                 res.notes.append(f"LOCAL key lists differ (not checked): python {p_order} vs "
                                  f"cpp {c_order}")
             keys = [k for k in p_order if k in ck]
+        elif aspect == "OPTIM_SHARDED":  # order carries no meaning (see compare_optim_full)
+            if sorted(p_order) != sorted(c_order):
+                res.fail(aspect, f"rank {r}: keys cpp has {sorted(set(c_order) - set(p_order))} "
+                                 f"more, python {sorted(set(p_order) - set(c_order))}")
+                continue
+            keys = p_order
         else:  # SHARDED, or a LOCAL request answered with the FULL dict (NO_SHARD)
             if p_order != c_order:
                 res.fail(aspect, f"rank {r}: keys cpp {c_order} vs python {p_order}")
@@ -199,7 +269,7 @@ def compare_described(res, aspect, py_dir, cpp_dir, world, tol, exact_keys):
                     res.fail(aspect, f"rank {r} {n}: value shape {tuple(cv[n].shape)} vs "
                                      f"{tuple(pv[n].shape)}")
                     continue
-                if k in exact_keys:
+                if k in exact_keys or k.endswith("/step"):
                     if not torch.equal(pv[n], cv[n]):
                         res.fail(aspect, f"rank {r} {n}: differs (must be bit-identical)")
                     continue
@@ -230,7 +300,7 @@ def compare_layouts(res, py_dir, cpp_dir, world):
                                       f"{cv} vs python {pv}")
 
 
-def compare_case(py_dir, cpp_dir, world, single, single_order, dp, init):
+def compare_case(py_dir, cpp_dir, world, single, single_order, dp, init, single_osd, dp_osd):
     res = Result()
     for d in (py_dir, cpp_dir):
         if not os.path.exists(os.path.join(d, "full.safetensors")):
@@ -241,4 +311,6 @@ def compare_case(py_dir, cpp_dir, world, single, single_order, dp, init):
     compare_described(res, "SHARDED", py_dir, cpp_dir, world, tol, exact)
     compare_described(res, "LOCAL", py_dir, cpp_dir, world, tol, exact)
     compare_layouts(res, py_dir, cpp_dir, world)
+    otol = compare_optim_full(res, py_dir, cpp_dir, single_osd, dp_osd)
+    compare_described(res, "OPTIM_SHARDED", py_dir, cpp_dir, world, otol, set())
     return res

@@ -14,6 +14,11 @@ Files written by the FSDP worker (and, in the same format, by tests/oracle_fsdp.
   sharded_r<r>.safetensors  its values: plain tensors under their key, piece i under "<key>#<i>"
   local_r<r>.json / local_r<r>.safetensors   the same for the LOCAL state dict
   layout_r<r>.json        every unit's flat-parameter layout as rank r holds it
+  optim_full.safetensors  rank 0's FULL optimizer state dict, "state" flattened to
+                          "<fqn>/<state>" keys; __metadata__["order"] = those keys in order,
+                          __metadata__["param_groups"] = the param groups as JSON
+  optim_sharded_r<r>.json / .safetensors   rank r's SHARDED optimizer state dict, flattened
+                          the same way, described like sharded_r<r>
 A state dict that raised is described as {"error": "<message>"}.
 
 Nothing here is executed from the files: tensors cross as safetensors, descriptions as JSON.
@@ -166,9 +171,22 @@ def make_adam(params, cfg):
 # References computed in one process
 
 
+def optim_state_by_fqn(model, opt):
+    """The optimizer's state of an unwrapped model as {"<fqn>/<state>": tensor}, FQNs as
+    named_parameters() gives them (the tied weight once, as tok.weight)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for k, v in opt.state.get(p, {}).items():
+                out[f"{names[id(p)]}/{k}"] = v.detach().clone()
+    return out
+
+
 def train_single(data_dir):
     """Plain training of the unwrapped model on each whole global batch. Returns its state dict
-    (tied weight under both names, as nn.Module.state_dict gives it)."""
+    (tied weight under both names, as nn.Module.state_dict gives it) and its optimizer state
+    (optim_state_by_fqn)."""
     cfg, init, batches = load_data(data_dir)
     model = TinyLM()
     load_init(model, init)
@@ -177,12 +195,14 @@ def train_single(data_dir):
         opt.zero_grad()
         loss_fn(model(batches[f"idx_{k}"]), batches[f"tgt_{k}"]).backward()
         opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            optim_state_by_fqn(model, opt))
 
 
 def train_data_parallel(data_dir, world):
     """Data parallelism written by hand: each simulated rank's gradient on its rows, summed in rank
-    order and divided by W (what an all-reduce average does), then one Adam step."""
+    order and divided by W (what an all-reduce average does), then one Adam step. Returns what
+    train_single returns."""
     cfg, init, batches = load_data(data_dir)
     model = TinyLM()
     load_init(model, init)
@@ -201,7 +221,8 @@ def train_data_parallel(data_dir, world):
                 total += grads[r][i]
             p.grad = total / world
         opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            optim_state_by_fqn(model, opt))
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,6 +275,23 @@ def write_described(sd_or_error, out_dir, stem, rank):
     save_file(tensors, os.path.join(out_dir, f"{stem}_r{rank}.safetensors"))
 
 
+def flatten_osd(osd):
+    """An optimizer state dict's "state" as {"<fqn>/<state>": value} (the form compared)."""
+    return {f"{fqn}/{k}": v for fqn, st in osd["state"].items() for k, v in st.items()}
+
+
+def groups_json(osd):
+    """Param groups as JSON (tuples become lists)."""
+    return json.dumps([{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+                       for g in osd["param_groups"]])
+
+
+def write_optim_full(osd, path):
+    flat = flatten_osd(osd)
+    save_file({k: v.detach().clone().contiguous() for k, v in flat.items()}, path,
+              metadata={"order": json.dumps(list(flat)), "param_groups": groups_json(osd)})
+
+
 def describe_layouts(fsdp_model):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp._common_utils import clean_tensor_name
@@ -283,8 +321,9 @@ def describe_layouts(fsdp_model):
 
 def fsdp_worker(data_dir, out_root, cases):
     import torch.distributed as dist
-    from torch.distributed.fsdp import (FullStateDictConfig, FullyShardedDataParallel as FSDP,
-                                        ShardingStrategy, StateDictType)
+    from torch.distributed.fsdp import (FullOptimStateDictConfig, FullStateDictConfig,
+                                        FullyShardedDataParallel as FSDP, ShardedOptimStateDictConfig,
+                                        ShardedStateDictConfig, ShardingStrategy, StateDictType)
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
     import warnings
 
@@ -326,6 +365,22 @@ def fsdp_worker(data_dir, out_root, cases):
             except Exception as e:  # recorded and compared, as the C++ side does
                 sd = e
             write_described(sd, out_dir, stem, rank)
+        # Optimizer state dicts (issue 9): FULL from rank 0, SHARDED from every rank.
+        with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT,
+                                  FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+                                  FullOptimStateDictConfig(offload_to_cpu=False,
+                                                           rank0_only=False)):
+            osd = FSDP.optim_state_dict(fsdp, opt)
+        if rank == 0:
+            write_optim_full(osd, os.path.join(out_dir, "optim_full.safetensors"))
+        try:
+            with FSDP.state_dict_type(fsdp, StateDictType.SHARDED_STATE_DICT,
+                                      ShardedStateDictConfig(offload_to_cpu=False),
+                                      ShardedOptimStateDictConfig(offload_to_cpu=False)):
+                sosd = flatten_osd(FSDP.optim_state_dict(fsdp, opt))
+        except Exception as e:
+            sosd = e
+        write_described(sosd, out_dir, "optim_sharded", rank)
         with open(os.path.join(out_dir, f"layout_r{rank}.json"), "w") as f:
             json.dump(describe_layouts(fsdp), f, indent=1)
         dist.barrier()

@@ -117,10 +117,12 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     data = os.path.join(work, "data")
     fsdp_oracle.generate(data, args.steps, args.batch, args.seq, args.lr, args.eps)
-    single = fsdp_oracle.train_single(data)
+    single, single_osd = fsdp_oracle.train_single(data)
     single_order = list(single)
     init, _ = compare.read_st(os.path.join(data, "init.safetensors"))
-    dp = {w: fsdp_oracle.train_data_parallel(data, w) for w in args.worlds}
+    dp_both = {w: fsdp_oracle.train_data_parallel(data, w) for w in args.worlds}
+    dp = {w: v[0] for w, v in dp_both.items()}
+    dp_osd = {w: v[1] for w, v in dp_both.items()}
     print(f"oracle: torch {torch.__version__}, {args.steps} Adam steps (lr {args.lr}, eps "
           f"{args.eps}), global batch "
           f"{args.batch}x{args.seq}, worlds {args.worlds}; inputs in {data}", flush=True)
@@ -138,9 +140,11 @@ def main():
     print("columns: max |difference| of FULL values (cpp-py, cpp-single; the measured drifts "
           "py-single, dp-single),\n  tol = 2 * max(drifts), worst = max |diff| / max(tol, 4 ulps) "
           "over FULL elements (<= 1 passes),\n  max |cpp - py| over SHARDED and LOCAL pieces; "
-          "verdicts per state-dict type")
+          "optimizer state: max |cpp - py or single| of FULL values and its tol (2 x drift);\n"
+          "  verdicts per state-dict type (OPTIM = FULL, OSH = SHARDED optimizer state dicts)")
     header = (f"{'case':<24} {'cpp-py':>9} {'cpp-single':>10} {'py-single':>9} {'dp-single':>9} "
-              f"{'tol':>9} {'worst':>6} {'sharded':>9} {'local':>9}  FULL SHARDED LOCAL")
+              f"{'tol':>9} {'worst':>6} {'sharded':>9} {'local':>9} {'optim':>9} {'otol':>9}  "
+              f"FULL SHARDED LOCAL OPTIM OSH")
     print(header)
     print("-" * len(header))
     all_ok, notes = True, []
@@ -148,13 +152,17 @@ def main():
         for spec in CASES:
             name = case_dir(w, spec)
             res = compare.compare_case(os.path.join(py_root, name), os.path.join(cpp_root, name),
-                                       w, single, single_order, dp[w], init)
+                                       w, single, single_order, dp[w], init, single_osd,
+                                       dp_osd[w])
             n = res.numbers
             print(f"{name:<24} {fmt(n.get('cpp_vs_py')):>9} {fmt(n.get('cpp_vs_single')):>10} "
                   f"{fmt(n.get('drift_py')):>9} {fmt(n.get('drift_dp')):>9} {fmt(n.get('tol')):>9} "
                   f"{n.get('ratio', float('nan')):>6.2f} "
-                  f"{fmt(n.get('sharded_max')):>9} {fmt(n.get('local_max')):>9}  "
-                  f"{res.verdict('FULL'):<4} {res.verdict('SHARDED'):<7} {res.verdict('LOCAL')}")
+                  f"{fmt(n.get('sharded_max')):>9} {fmt(n.get('local_max')):>9} "
+                  f"{fmt(n.get('optim_max')):>9} {fmt(n.get('optim_tol')):>9}  "
+                  f"{res.verdict('FULL'):<4} {res.verdict('SHARDED'):<7} "
+                  f"{res.verdict('LOCAL'):<5} {res.verdict('OPTIM'):<5} "
+                  f"{res.verdict('OPTIM_SHARDED')}")
             for aspect, msgs in res.fails.items():
                 for m in msgs[:6]:
                     print(f"    {aspect} FAIL: {m}")
@@ -175,7 +183,9 @@ def main():
                     ("drop-grad-rank1", 3, "NO_SHARD:1", "FULL"),
                     ("grad-sum", 2, "FULL_SHARD:0", "FULL"),
                     ("grad-sum", 3, "SHARD_GRAD_OP:1", "FULL"),
-                    ("padding", 3, "FULL_SHARD:1", "LOCAL")]
+                    ("padding", 3, "FULL_SHARD:1", "LOCAL"),
+                    ("optim-state", 2, "FULL_SHARD:1", "OPTIM"),
+                    ("optim-state", 3, "FULL_SHARD:0", "OPTIM_SHARDED")]
         for fault, w, spec, aspect in controls:
             if w not in args.worlds:
                 continue
@@ -185,7 +195,7 @@ def main():
             timings[f"control {fault} W={w}"] = time.monotonic() - t
             name = case_dir(w, spec)
             res = compare.compare_case(os.path.join(py_root, name), os.path.join(out, name), w,
-                                       single, single_order, dp[w], init)
+                                       single, single_order, dp[w], init, single_osd, dp_osd[w])
             caught = bool(res.fails[aspect])
             controls_ok = controls_ok and caught
             first = res.fails[aspect][0] if caught else "nothing"
