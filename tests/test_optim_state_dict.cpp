@@ -311,6 +311,76 @@ INSTANTIATE_TEST_SUITE_P(Strategies, ShardedOsdRoundTrip,
                                   (info.param.mixed ? "_mixed_offload" : "");
                          });
 
+// Odd layouts: a 0-d parameter, an empty one, a 3-D one, sizes not divisible by the world size,
+// and (with use_orig_params) a frozen bias in a trainable unit.
+struct OddImpl : torch::nn::Module {
+  torch::Tensor scalar, empty, cube, seven;
+  torch::nn::Linear lin{nullptr};
+  explicit OddImpl(bool freeze_bias) {
+    torch::manual_seed(5);
+    scalar = register_parameter("scalar", torch::randn({}));
+    empty = register_parameter("empty", torch::empty({0, 3}));
+    cube = register_parameter("cube", torch::randn({3, 2, 5}));
+    seven = register_parameter("seven", torch::randn({7}));
+    lin = register_module("lin", torch::nn::Linear(5, 3));
+    if (freeze_bias) lin->bias.set_requires_grad(false);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = fsdp::forward(lin, x).pow(2).mean() * scalar.exp();
+    return y + (cube.sum(0) * x.narrow(1, 0, 2).mean()).pow(2).sum() +
+           seven.pow(2).sum() * x.abs().mean() + empty.sum();
+  }
+};
+TORCH_MODULE(Odd);
+
+TEST(OptimStateDict, OddLayoutsAtEveryWorldSize) {
+  for (bool orig : {false, true}) {
+    for (int world = 1; world <= 4; ++world) {
+      run_ranks(world, [orig](ProcessGroup& pg) {
+        auto batch = [&](int step, int r) {
+          return fsdp::testing::seeded_randn({2, 5}, 77 * step + r);
+        };
+        Odd ref(orig);
+        torch::optim::Adam ref_opt(unique_params(ref->parameters()),
+                                   torch::optim::AdamOptions(0.01).eps(1e-3));
+        Odd m(orig);
+        FullyShardedDataParallel model(
+            m, fsdp::FullyShardedOptions().units({m->lin.ptr()}).use_orig_params(orig));
+        torch::optim::Adam opt(unique_params(model->parameters()),
+                               torch::optim::AdamOptions(0.01).eps(1e-3));
+        for (int s = 0; s < 3; ++s) {
+          ref_opt.zero_grad();
+          for (int r = 0; r < pg.size(); ++r) (ref->forward(batch(s, r)) / pg.size()).backward();
+          ref_opt.step();
+          opt.zero_grad();
+          model->forward(batch(s, pg.rank())).backward();
+          opt.step();
+        }
+        const StateDict full = fsdp::optim_state_dict(model, opt);
+        EXPECT_EQ(osd_diff(full, fsdp::optim_state_dict(*ref, ref_opt), kRtol, kAtol), "")
+            << "W" << pg.size() << (orig ? " orig" : " flat");
+        StateDict sharded;
+        {
+          fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
+          sharded = fsdp::optim_state_dict(model, opt);
+        }
+        const StateDict& st = sharded.at("state").dict();
+        EXPECT_TRUE(st.at("scalar").dict().at("exp_avg").is_tensor()) << "0-d state stays plain";
+        EXPECT_TRUE(st.at("cube").dict().at("exp_avg").is_sharded_tensor());
+        Odd m2(orig);
+        FullyShardedDataParallel model2(
+            m2, fsdp::FullyShardedOptions().units({m2->lin.ptr()}).use_orig_params(orig));
+        torch::optim::Adam opt2(unique_params(model2->parameters()), torch::optim::AdamOptions(1));
+        {
+          fsdp::StateDictTypeGuard g(model2, StateDictType::SHARDED_STATE_DICT);
+          fsdp::load_optim_state_dict(model2, opt2, sharded);
+        }
+        EXPECT_EQ(osd_diff(fsdp::optim_state_dict(model2, opt2), full, 0, 0), "");
+      });
+    }
+  }
+}
+
 // Several param groups with their own hyperparameters, one unit's parameters split between them
 // (use_orig_params), and a parameter frozen inside a trainable unit.
 TEST(OptimStateDict, ParamGroupsSplitWithinAUnitAndFrozenParameters) {
@@ -369,9 +439,18 @@ TEST(OptimStateDict, FullExportHoldsOneUnitsStateAtATime) {
       peak = std::max(peak, bytes);
       ++calls;
     };
-    fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT, fsdp::FullStateDictConfig(),
-                               fsdp::FullOptimStateDictConfig().offload_to_cpu(true));
-    const StateDict osd = fsdp::optim_state_dict(model, *opt);
+    {
+      fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT, fsdp::FullStateDictConfig(),
+                                 fsdp::FullOptimStateDictConfig().offload_to_cpu(true));
+      const StateDict osd = fsdp::optim_state_dict(model, *opt);
+    }
+    // SHARDED routes pieces of the flat shards to the chunks: no unit is ever gathered.
+    const int64_t full_calls = calls;
+    {
+      fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
+      const StateDict osd = fsdp::optim_state_dict(model, *opt);
+    }
+    EXPECT_EQ(calls, full_calls);
     fsdp::detail::optim_gather_probe() = nullptr;
     EXPECT_GT(calls, 0);
     // One unsharded flat state tensor of the largest unit, plus the shard it is assembled in.

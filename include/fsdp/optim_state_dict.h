@@ -25,12 +25,14 @@
 //   docs/optim_state_dict.md). Group keys LibTorch lacks (maximize, foreach, ...) get PyTorch's
 //   defaults on export and are ignored on import. Any other optimizer: ValueError naming it.
 //
-// Memory (per rank, beyond the shards and the returned dict): export gathers one state tensor of
-// one unit at a time, so the peak is one unit's padded unsharded flat numel times the state's
-// element size (twice that with use_orig_params, which first assembles the local flat shard).
-// Import of FULL dicts communicates nothing; SHARDED pieces move with piece exchanges (one
-// metadata all-gather per call, then per state tensor only the elements a rank needs), whose
-// peak is what a rank sends for one tensor plus twice its range of it.
+// Memory and traffic (per rank, beyond the shards and the returned dict): FULL export gathers one
+// state tensor of one unit at a time, so the peak is one unit's padded unsharded flat numel times
+// the state's element size (plus the local flat shard it assembles with use_orig_params). SHARDED
+// export and import move pieces with the piece exchange: one metadata all-gather per call, then
+// per state tensor one all_to_all_single carrying only the elements a rank's chunk (export) or
+// shard (import) needs; peak: what a rank sends for one tensor plus twice its range of it. No unit
+// is ever whole. FULL import communicates nothing beyond the verdict. Presence, dtypes and steps
+// of all state travel in one metadata all-gather per export.
 //
 // All functions taking a FullyShardedDataParallel are collective over its process group; the
 // overloads taking a plain torch::nn::Module are local, so a single-process run produces and

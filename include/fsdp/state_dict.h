@@ -83,6 +83,10 @@ class ShardedTensor {
 /// is held whole by rank 0.
 ShardedTensor chunk_sharded(const at::Tensor& full, int rank, int world);
 
+/// The pieces chunk_sharded cuts a tensor of `shape` into (every rank's; ranks past the last
+/// row get none; a 0-d or empty tensor is one piece on rank 0).
+std::vector<ShardMetadata> chunk_metadata(const std::vector<int64_t>& shape, int world);
+
 /// An insertion-ordered map of string keys to StateValue.
 class StateDict {
  public:

@@ -1,6 +1,7 @@
 // Exporting optimizer state dicts keyed by canonical FQNs (seed 000, _optim_utils.py:
 // _optim_state_dict, _convert_state_with_flat_params / _with_orig_params, _unflatten_param_groups)
 // and re-keying them. Loading is in optim_load.cpp.
+#include <deque>
 #include <sstream>
 #include <unordered_set>
 
@@ -8,6 +9,7 @@
 #include "fsdp/optim_state_dict.h"
 #include "state_dict/key_map.h"
 #include "state_dict/optim_entries.h"
+#include "state_dict/piece_exchange.h"
 
 namespace fsdp {
 
@@ -208,7 +210,19 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
     return d;
   };
 
-  // Managed entries: gather one unit's state tensor at a time.
+  // Managed entries. FULL (and state that stays whole): gather one unit's state tensor at a
+  // time. SHARDED: route each parameter's piece of every rank's flat shard straight to the ranks
+  // whose dim-0 chunk needs it (one piece exchange for the whole call); no unit is ever whole.
+  struct ChunkJob {
+    std::string fqn;
+    size_t name;
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+    int rank, world;
+  };
+  std::vector<ChunkJob> jobs;
+  std::vector<detail::RangeRequest> reqs;
+  std::deque<ShardedTensor> held;  // the pieces reqs point to
   if (om.st) {
     FsdpState& st = *om.st;
     const std::vector<Merged> merged = merge_presence(om, kind, local, st.shard_group);
@@ -226,11 +240,58 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
           for (const auto& fqn : om.entries[e].fqns) start(fqn, merged[e].step);
       }
       const int64_t local_numel = h.flat_param().numel();
+      // As the seed: SHARDED chunks the state of flat parameters under every strategy (under
+      // NO_SHARD too, where each rank holds it whole), and of original parameters only where
+      // they are sharded (NO_SHARD then gives plain tensors, as _convert_state_with_orig_params).
+      const bool chunk = sharded && (h.uses_sharded_strategy() || om.entries[mine[0]].flat);
       for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
         int dtype = -1;
         for (size_t e : mine) dtype = dtype >= 0 ? dtype : merged[e].dtype[n];
         if (dtype < 0) continue;  // no parameter of this unit has this state
         const auto opts = at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype));
+        if (chunk) {
+          const int rank = h.process_group().rank(), world = h.process_group().size();
+          for (size_t e : mine) {
+            if (merged[e].dtype[n] < 0) continue;
+            const OptEntry& en = om.entries[e];
+            // This rank's flat state (the flat parameter's, or this parameter's piece).
+            at::Tensor flat;
+            if (local[e] && local[e]->tensors[n].defined()) {
+              flat = local[e]->tensors[n].reshape({-1}).to(opts);
+            }
+            for (size_t p = 0; p < en.indices.size(); ++p) {
+              const auto r = om.local(en, p);
+              const std::vector<int64_t>& shape = en.shapes[p];
+              std::vector<Shard> pieces;
+              int64_t pos = en.flat ? r.offset : 0;
+              for (auto& b : detail::flat_range_boxes(shape, r.lo, r.n)) {
+                const int64_t k = b.numel();
+                at::Tensor data = flat.defined() ? flat.narrow(0, pos, k) : at::zeros({k}, opts);
+                pos += k;
+                b.placement_rank = rank;
+                pieces.push_back(Shard{data.view(b.sizes), b});
+              }
+              held.emplace_back(shape, static_cast<at::ScalarType>(dtype), std::move(pieces));
+              detail::RangeRequest q;
+              q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
+              q.shape = shape;
+              // A 0-d state stays plain (as PyTorch keeps zero-dim state): every rank needs it.
+              if (shape.empty()) q.n = 1;
+              for (const auto& m : chunk_metadata(shape, world)) {
+                if (shape.empty() || m.placement_rank != rank) continue;
+                int64_t row = 1;
+                for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
+                q.lo = shape.empty() ? 0 : m.offsets[0] * row;
+                q.n = m.numel();
+              }
+              q.pieces = &held.back();
+              reqs.push_back(std::move(q));
+              jobs.push_back(
+                  ChunkJob{en.fqns[p], n, shape, static_cast<at::ScalarType>(dtype), rank, world});
+            }
+          }
+          continue;
+        }
         at::Tensor shard;
         if (mine.size() == 1 && om.entries[mine[0]].flat && local[mine[0]] &&
             local[mine[0]]->tensors[n].defined()) {
@@ -253,23 +314,39 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
           detail::optim_gather_probe()(held * static_cast<int64_t>(full.element_size()));
         }
         if (!keep) continue;
-        // As the seed: SHARDED chunks the state of flat parameters under every strategy (under
-        // NO_SHARD too, where each rank holds it whole), and of original parameters only where
-        // they are sharded (NO_SHARD then gives plain tensors, as _convert_state_with_orig_params).
-        const bool chunk = sharded && (h.uses_sharded_strategy() || om.entries[mine[0]].flat);
         const std::vector<at::Tensor> views = l.unflat_views(full);
         for (size_t e : mine) {
           if (merged[e].dtype[n] < 0) continue;
           const OptEntry& en = om.entries[e];
           for (size_t p = 0; p < en.indices.size(); ++p) {
-            const at::Tensor& v = views[en.indices[p]];
-            StateValue value = chunk ? StateValue(chunk_sharded(v, h.process_group().rank(),
-                                                                h.process_group().size()))
-                                     : StateValue(out_tensor(v));
-            if (chunk && offload) value = StateValue(value.sharded_tensor().to(at::kCPU));
-            per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n], std::move(value));
+            per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n],
+                                                 out_tensor(views[en.indices[p]]));
           }
         }
+      }
+    }
+    if (!reqs.empty()) {
+      // Over the shard group: every rank of it holds pieces of the same flat shards. (Under
+      // hybrid sharding each replica group exchanges within itself.)
+      std::string error;
+      const std::vector<at::Tensor> got = detail::exchange_ranges(st.shard_group, reqs, error);
+      if (!error.empty()) throw StateError("optim_state_dict: " + error);  // a bug, not input
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        const ChunkJob& j = jobs[i];
+        if (j.shape.empty()) {
+          per_fqn[j.fqn].insert_or_assign(kind.tensor_names[j.name], out_tensor(got[i].reshape(at::IntArrayRef{})));
+          continue;
+        }
+        std::vector<ShardMetadata> all = chunk_metadata(j.shape, j.world);
+        std::vector<Shard> mine;
+        for (const auto& m : all) {
+          if (m.placement_rank != j.rank) continue;
+          at::Tensor t = got[i].view(m.sizes);
+          mine.push_back(Shard{offload ? t.to(at::kCPU) : t, m});
+        }
+        per_fqn[j.fqn].insert_or_assign(
+            kind.tensor_names[j.name],
+            ShardedTensor(j.shape, j.dtype, std::move(mine), std::move(all)));
       }
     }
   }

@@ -147,15 +147,9 @@ ShardedTensor ShardedTensor::to(at::Device device) const {
   return ShardedTensor(global_shape_, dtype_, std::move(shards), global_metadata_);
 }
 
-ShardedTensor chunk_sharded(const at::Tensor& full, int rank, int world) {
-  const std::vector<int64_t> shape = full.sizes().vec();
+std::vector<ShardMetadata> chunk_metadata(const std::vector<int64_t>& shape, int world) {
+  if (shape.empty()) return {ShardMetadata{{}, {}, 0}};  // 0-d: cannot be chunked; rank 0 holds it
   std::vector<ShardMetadata> all;
-  std::vector<Shard> mine;
-  if (shape.empty()) {  // 0-d: cannot be chunked; rank 0 holds it
-    all.push_back(ShardMetadata{{}, {}, 0});
-    if (rank == 0) mine.push_back(Shard{full.detach().clone(), all[0]});
-    return ShardedTensor(shape, full.scalar_type(), std::move(mine), std::move(all));
-  }
   const int64_t n = shape[0];
   const int64_t chunk = (n + world - 1) / world;  // torch.chunk's size; ranks past the end get none
   for (int r = 0; r < world; ++r) {
@@ -170,7 +164,19 @@ ShardedTensor chunk_sharded(const at::Tensor& full, int rank, int world) {
     m.sizes[0] = len;
     m.placement_rank = r;
     all.push_back(m);
-    if (r == rank) mine.push_back(Shard{full.detach().narrow(0, start, len).clone(), m});
+  }
+  return all;
+}
+
+ShardedTensor chunk_sharded(const at::Tensor& full, int rank, int world) {
+  const std::vector<int64_t> shape = full.sizes().vec();
+  std::vector<ShardMetadata> all = chunk_metadata(shape, world);
+  std::vector<Shard> mine;
+  for (const auto& m : all) {
+    if (m.placement_rank != rank) continue;
+    at::Tensor piece = shape.empty() ? full.detach().clone()
+                                     : full.detach().narrow(0, m.offsets[0], m.sizes[0]).clone();
+    mine.push_back(Shard{piece, m});
   }
   return ShardedTensor(shape, full.scalar_type(), std::move(mine), std::move(all));
 }
