@@ -8,4 +8,5 @@
 #include "fsdp/fully_sharded.h"
 #include "fsdp/model_state_dict.h"
 #include "fsdp/optim_state_dict.h"
+#include "fsdp/state_dict_utils.h"
 #include "fsdp/state_dict.h"

@@ -1,0 +1,69 @@
+// fsdp/state_dict_utils.h: utilities that work on any StateDict (seed 003,
+// torch/distributed/_state_dict_utils.py): flattening nested dicts to dotted keys and back,
+// comparing structures, moving values to the CPU or into a preallocated companion dict, and
+// turning SHARDED values into full tensors (gather) or full tensors into this rank's pieces
+// (distribute).
+//
+// A StateDict nests StateDicts and StateLists; "terminal" values are everything else (tensors,
+// ShardedTensors, numbers, strings, None). Functions taking a ProcessGroup are collective: every
+// rank of the group calls them with dicts of the same structure.
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "fsdp/dist.h"
+#include "fsdp/state_dict.h"
+
+namespace fsdp {
+
+/// One step of the path to a terminal value: a dict key or a list index.
+using PathElement = std::variant<std::string, int64_t>;
+using ObjPath = std::vector<PathElement>;
+/// Flattened key -> the path it came from.
+using FlattenMapping = std::map<std::string, ObjPath>;
+
+/// PyTorch's _flatten_state_dict: every terminal value under a key made of its path joined with
+/// "." ({"a": {"b": x, "c": [y, z]}} -> "a.b", "a.c.0", "a.c.1"), and the mapping that undoes it.
+/// Empty dicts and lists have no terminal value and vanish, as in PyTorch. Throws ValueError
+/// naming the key if two paths flatten to the same key (e.g. "a.b" and {"a": {"b": ...}}).
+std::pair<StateDict, FlattenMapping> flatten_state_dict(const StateDict& sd);
+
+/// The inverse: rebuilds the nested dict from `flat` and `mapping` (lists are extended with None
+/// where an index is skipped). Throws ValueError naming a key of `flat` missing from `mapping`.
+StateDict unflatten_state_dict(const StateDict& flat, const FlattenMapping& mapping);
+
+/// True if `a` and `b` have the same keys, list lengths and value kinds everywhere, and every
+/// tensor (or ShardedTensor) the same shape and dtype (PyTorch's _check_state_dict_similarity).
+bool check_state_dict_similarity(const StateDict& a, const StateDict& b);
+
+/// A copy of `sd` whose tensors (and ShardedTensor pieces) are on the CPU (shared, not copied,
+/// where they already are).
+StateDict offload_state_dict_to_cpu(const StateDict& sd);
+
+/// A companion for `sd`: the same structure, with a fresh zero-initialised CPU tensor (and
+/// ShardedTensor pieces) for each tensor, pinned where a CUDA device makes that possible.
+StateDict create_cpu_state_dict(const StateDict& sd);
+
+/// Copies every tensor of `src` into the tensor at the same place in `companion` (which keeps its
+/// own storage; non_blocking where the devices allow). Throws ValueError naming the path where
+/// the structures, shapes or dtypes differ. Non-tensor values are copied by value.
+void copy_state_dict(const StateDict& src, StateDict& companion, bool non_blocking = false);
+
+/// PyTorch's _gather_state_dict: every ShardedTensor of `sd` as a full tensor, one tensor at a
+/// time, on the ranks in `ranks_only` (all ranks if empty; the others get an empty dict), moved to
+/// the CPU with `cpu_offload`. Pieces move with the piece exchange (each target rank receives
+/// only what it lacks), so peak extra memory is about one full tensor. Collective over `pg`.
+StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
+                            const std::vector<int>& ranks_only = {}, bool cpu_offload = false);
+
+/// PyTorch's _distribute_state_dict: fills `local` (a SHARDED template, e.g. this rank's own
+/// state dict) from `full` (full tensors, on every rank): each ShardedTensor's local pieces are
+/// copied from the full tensor at their offsets, plain tensors copied whole. Local, no
+/// communication. Throws ValueError naming the key where `full` lacks a value or shapes differ.
+void distribute_state_dict(const StateDict& full, StateDict& local);
+
+}  // namespace fsdp
