@@ -13,6 +13,7 @@
 
 #include <typeinfo>
 
+#include "fsdp/compat.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {
@@ -74,6 +75,15 @@ Hyper<O> pytorch_only(const char* name, StateValue def) {
   return Hyper<O>{name, nullptr, nullptr, std::move(def)};
 }
 
+// PyTorch 2.7 on adds "decoupled_weight_decay" last to Adam's (false) and AdamW's (true) groups.
+template <class O>
+std::vector<Hyper<O>> adam_family(std::vector<Hyper<O>> h, bool decoupled) {
+  if (compat::kAdamHasDecoupledWeightDecay) {
+    h.push_back(pytorch_only<O>("decoupled_weight_decay", decoupled));
+  }
+  return h;
+}
+
 // PyTorch's per-optimizer group keys, in the order torch.optim 2.6 lists them.
 template <class O>
 const std::vector<Hyper<O>>& hypers();
@@ -81,31 +91,23 @@ const std::vector<Hyper<O>>& hypers();
 template <>
 const std::vector<Hyper<to::AdamOptions>>& hypers() {
   using O = to::AdamOptions;
-  static const std::vector<Hyper<O>> h{FSDP_NUM(O, lr),
-                                       betas<O>(),
-                                       FSDP_NUM(O, eps),
-                                       FSDP_NUM(O, weight_decay),
-                                       FSDP_BOOL(O, amsgrad),
-                                       pytorch_only<O>("maximize", false),
-                                       pytorch_only<O>("foreach", {}),
-                                       pytorch_only<O>("capturable", false),
-                                       pytorch_only<O>("differentiable", false),
-                                       pytorch_only<O>("fused", {})};
+  static const std::vector<Hyper<O>> h =
+      adam_family<O>({FSDP_NUM(O, lr), betas<O>(), FSDP_NUM(O, eps), FSDP_NUM(O, weight_decay),
+                      FSDP_BOOL(O, amsgrad), pytorch_only<O>("maximize", false),
+                      pytorch_only<O>("foreach", {}), pytorch_only<O>("capturable", false),
+                      pytorch_only<O>("differentiable", false), pytorch_only<O>("fused", {})},
+                     false);
   return h;
 }
 template <>
 const std::vector<Hyper<to::AdamWOptions>>& hypers() {
   using O = to::AdamWOptions;
-  static const std::vector<Hyper<O>> h{FSDP_NUM(O, lr),
-                                       betas<O>(),
-                                       FSDP_NUM(O, eps),
-                                       FSDP_NUM(O, weight_decay),
-                                       FSDP_BOOL(O, amsgrad),
-                                       pytorch_only<O>("foreach", {}),
-                                       pytorch_only<O>("maximize", false),
-                                       pytorch_only<O>("capturable", false),
-                                       pytorch_only<O>("differentiable", false),
-                                       pytorch_only<O>("fused", {})};
+  static const std::vector<Hyper<O>> h =
+      adam_family<O>({FSDP_NUM(O, lr), betas<O>(), FSDP_NUM(O, eps), FSDP_NUM(O, weight_decay),
+                      FSDP_BOOL(O, amsgrad), pytorch_only<O>("foreach", {}),
+                      pytorch_only<O>("maximize", false), pytorch_only<O>("capturable", false),
+                      pytorch_only<O>("differentiable", false), pytorch_only<O>("fused", {})},
+                     true);
   return h;
 }
 template <>
