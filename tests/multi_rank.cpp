@@ -96,10 +96,6 @@ at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dty
   return at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat)).to(dtype);
 }
 
-namespace {
-
-// A port free right now on loopback (the OS picks it). Another process could take it before the
-// store binds it; run_ranks then tries again with another.
 uint16_t free_port() {
   int s = ::socket(AF_INET, SOCK_STREAM, 0);
   if (s < 0) throw std::runtime_error("socket failed");
@@ -115,6 +111,8 @@ uint16_t free_port() {
   ::close(s);
   return ntohs(addr.sin_port);
 }
+
+namespace {
 
 struct Child {
   pid_t pid = -1;

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -64,6 +65,10 @@ class TempDir {
   std::string path_;
   int owner_pid_ = 0;
 };
+
+/// A TCP port free right now on loopback (the OS picks it; another process may take it before
+/// it is bound again).
+uint16_t free_port();
 
 /// Convenience: fixed-seed random tensor that every rank can reproduce without communication.
 at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat);

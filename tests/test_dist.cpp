@@ -1,8 +1,6 @@
 // fsdp::dist over real Gloo processes: every collective at world sizes 1-4 with element counts
 // 0, 1 and sizes not divisible by anything convenient, sub-groups, and failure behaviour.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <thread>
@@ -62,7 +60,8 @@ TEST_P(DistWorld, ReduceScatterEveryAlgorithmAndOp) {
               ASSERT_FALSE(expect_native) << "native SUM refused: " << e.what();
               continue;
             }
-            ASSERT_TRUE(expect_native) << "native reduce-scatter accepted op " << static_cast<int>(op);
+            ASSERT_TRUE(expect_native)
+                << "native reduce-scatter accepted op " << static_cast<int>(op);
           } else {
             pg.reduce_scatter_tensor(out, in, op, algo);
           }
@@ -274,16 +273,8 @@ TEST(Dist, DeadPeerBecomesDistErrorNotHang) {
 }
 
 TEST(Dist, InitFromTorchrunEnvironment) {
-  // Find a free port for rank 0's TCPStore; the children read it from MASTER_PORT.
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
-  ::close(s);
+  // A free port for rank 0's TCPStore; the children read it from MASTER_PORT.
+  const int port = fsdp::testing::free_port();
   fsdp::testing::RunOptions opts;
   opts.init_group = false;
   // Each child sets the variables torchrun would have set, then initialises from them alone.

@@ -47,7 +47,5 @@ struct OptModel {
 OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module* plain,
                         torch::optim::Optimizer& optimizer);
 
-std::string shape_text(at::IntArrayRef s);
-
 }  // namespace detail
 }  // namespace fsdp

@@ -19,7 +19,7 @@ using detail::OptEntry;
 using detail::OptimKind;
 using detail::OptModel;
 using detail::ParamOptimState;
-using detail::shape_text;
+using detail::shape_str;
 
 struct LoadPlan {
   std::string error;
@@ -135,8 +135,8 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
       continue;
     }
     if (got != shape) {
-      plan.fail("state '" + k + "' of '" + fqn + "' has shape " + shape_text(got) +
-                ", the parameter " + shape_text(shape));
+      plan.fail("state '" + k + "' of '" + fqn + "' has shape " + shape_str(got) +
+                ", the parameter " + shape_str(shape));
       continue;
     }
     s.values[n] = &x;

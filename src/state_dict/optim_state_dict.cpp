@@ -20,8 +20,6 @@ std::function<void(int64_t)>& detail::optim_gather_probe() {
 
 namespace detail {
 
-std::string shape_text(at::IntArrayRef s) { return shape_str(s); }
-
 OptModel::Local OptModel::local(const OptEntry& e, size_t p) const {
   const FlatParamHandle& h = *st->units[e.unit]->handle;
   const size_t i = e.indices[p];
@@ -218,7 +216,8 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
     size_t name;
     std::vector<int64_t> shape;
     at::ScalarType dtype;
-    int rank, world;
+    int rank;
+    std::vector<ShardMetadata> chunks;  // every rank's dim-0 chunk (chunk_metadata)
   };
   std::vector<ChunkJob> jobs;
   std::vector<detail::RangeRequest> reqs;
@@ -275,19 +274,23 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
               detail::RangeRequest q;
               q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
               q.shape = shape;
-              // A 0-d state stays plain (as PyTorch keeps zero-dim state): every rank needs it.
-              if (shape.empty()) q.n = 1;
-              for (const auto& m : chunk_metadata(shape, world)) {
-                if (shape.empty() || m.placement_rank != rank) continue;
-                int64_t row = 1;
-                for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
-                q.lo = shape.empty() ? 0 : m.offsets[0] * row;
-                q.n = m.numel();
-              }
               q.pieces = &held.back();
+              ChunkJob job{en.fqns[p], n,
+                           shape,      static_cast<at::ScalarType>(dtype),
+                           rank,       chunk_metadata(shape, world)};
+              if (shape.empty()) {
+                q.n = 1;  // a 0-d state stays plain (as PyTorch keeps zero-dim state): all need it
+              } else {
+                int64_t row = 1;  // elements per index of dim 0
+                for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
+                for (const auto& m : job.chunks) {
+                  if (m.placement_rank != rank) continue;
+                  q.lo = m.offsets[0] * row;
+                  q.n = m.numel();
+                }
+              }
               reqs.push_back(std::move(q));
-              jobs.push_back(
-                  ChunkJob{en.fqns[p], n, shape, static_cast<at::ScalarType>(dtype), rank, world});
+              jobs.push_back(std::move(job));
             }
           }
           continue;
@@ -310,8 +313,8 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
           h.process_group().all_gather_into_tensor(full, shard.contiguous());
         }
         if (detail::optim_gather_probe()) {
-          const int64_t held = full.numel() + (full.is_same(shard) ? 0 : shard.numel());
-          detail::optim_gather_probe()(held * static_cast<int64_t>(full.element_size()));
+          const int64_t elements = full.numel() + (full.is_same(shard) ? 0 : shard.numel());
+          detail::optim_gather_probe()(elements * static_cast<int64_t>(full.element_size()));
         }
         if (!keep) continue;
         const std::vector<at::Tensor> views = l.unflat_views(full);
@@ -332,21 +335,21 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
       const std::vector<at::Tensor> got = detail::exchange_ranges(st.shard_group, reqs, error);
       if (!error.empty()) throw StateError("optim_state_dict: " + error);  // a bug, not input
       for (size_t i = 0; i < jobs.size(); ++i) {
-        const ChunkJob& j = jobs[i];
+        ChunkJob& j = jobs[i];
         if (j.shape.empty()) {
-          per_fqn[j.fqn].insert_or_assign(kind.tensor_names[j.name], out_tensor(got[i].reshape(at::IntArrayRef{})));
+          per_fqn[j.fqn].insert_or_assign(kind.tensor_names[j.name],
+                                          out_tensor(got[i].reshape(at::IntArrayRef{})));
           continue;
         }
-        std::vector<ShardMetadata> all = chunk_metadata(j.shape, j.world);
         std::vector<Shard> mine;
-        for (const auto& m : all) {
+        for (const auto& m : j.chunks) {
           if (m.placement_rank != j.rank) continue;
           at::Tensor t = got[i].view(m.sizes);
           mine.push_back(Shard{offload ? t.to(at::kCPU) : t, m});
         }
         per_fqn[j.fqn].insert_or_assign(
             kind.tensor_names[j.name],
-            ShardedTensor(j.shape, j.dtype, std::move(mine), std::move(all)));
+            ShardedTensor(j.shape, j.dtype, std::move(mine), std::move(j.chunks)));
       }
     }
   }

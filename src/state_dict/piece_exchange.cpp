@@ -11,16 +11,11 @@
 #include <sstream>
 
 #include "fsdp/errors.h"
+#include "state_dict/key_map.h"
 
 namespace fsdp {
 namespace detail {
 namespace {
-
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
 
 // A box's elements as runs contiguous in both the global row-major order and the box's own.
 struct Run {
@@ -131,8 +126,8 @@ RankMeta parse_meta(const std::string& line, const std::vector<int64_t>& shape) 
       if (!(is >> z)) return bad("truncated piece");
     for (size_t d = 0; d < nd; ++d) {
       if (b.offsets[d] < 0 || b.sizes[d] < 0 || b.offsets[d] + b.sizes[d] > shape[d]) {
-        return bad("piece at " + shape_text(b.offsets) + " of size " + shape_text(b.sizes) +
-                   " lies outside the shape " + shape_text(shape));
+        return bad("piece at " + shape_str(b.offsets) + " of size " + shape_str(b.sizes) +
+                   " lies outside the shape " + shape_str(shape));
       }
     }
     m.boxes.push_back(std::move(b));
