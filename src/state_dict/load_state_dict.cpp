@@ -124,9 +124,8 @@ Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
   const int rank = st.world_group.rank();
   // SHARDED: each rank's range of each parameter, where the ranks had to exchange pieces.
   const std::map<std::string, at::Tensor> ranges =
-      st.state_dict_type == StateDictType::SHARDED_STATE_DICT
-          ? exchange_pieces(st, km, sd_in, plan)
-          : std::map<std::string, at::Tensor>{};
+      st.state_dict_type == StateDictType::SHARDED_STATE_DICT ? exchange_pieces(st, km, sd_in, plan)
+                                                              : std::map<std::string, at::Tensor>{};
   const StateDict& sd = sd_in;
   std::map<std::string, bool> expected;
   auto expect = [&](const std::string& k) {
@@ -206,22 +205,18 @@ Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
       const ShardedTensor& t = v.sharded_tensor();
       check_shape_dtype(k, t.size(), t.dtype(), shape, h.orig_dtype(), rank, plan);
       if (!plan.error.empty()) continue;
+      // The exchange gives every rank holding the key exactly its range, which starts at its
+      // intra-param start; it is absent only where the exchange already failed the plan.
       auto got = ranges.find(k);
-      if (got != ranges.end()) {
-        // Exchanged: exactly this rank's range, which starts at its intra-param start.
-        const ShardParamInfo& s = h.shard_param_infos()[loc.index];
-        const int64_t lo = s.in_shard ? s.intra_param_start_idx : 0;
-        plan_param(
-            st, loc, [&](int64_t start, int64_t n) { return got->second.narrow(0, start - lo, n); },
-            plan);
+      if (got == ranges.end()) {
+        plan.fail("'" + k + "': no range assembled (rank " + std::to_string(rank) + ")");
         continue;
       }
-      try {
-        plan_param(
-            st, loc, [&](int64_t start, int64_t n) { return t.flat_range(start, n, k); }, plan);
-      } catch (const ValueError& e) {
-        plan.fail(std::string(e.what()) + " (rank " + std::to_string(rank) + ")");
-      }
+      const ShardParamInfo& s = h.shard_param_infos()[loc.index];
+      const int64_t lo = s.in_shard ? s.intra_param_start_idx : 0;
+      plan_param(
+          st, loc, [&](int64_t start, int64_t n) { return got->second.narrow(0, start - lo, n); },
+          plan);
     }
   }
   for (const auto& [k, v] : sd) {
@@ -258,7 +253,9 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
   // different models. (`strict` is the same on every rank, so all or none take part. A rank that
   // already failed sends a marker and is not compared: its own error is reported below.)
   if (!strict) {
-    const std::string failed = "\x01" "failed";
+    const std::string failed =
+        "\x01"
+        "failed";
     const std::string mine = plan.error.empty() ? key_list(plan.result.missing_keys) + "|" +
                                                       key_list(plan.result.unexpected_keys)
                                                 : failed;
