@@ -158,4 +158,74 @@ TEST(StateDictUtils, GatherAndDistributeShardedModelStateDicts) {
   });
 }
 
+// broadcast_state_dict from rank 1 of 3: every rank's template (plain tensors, SHARDED pieces,
+// 0-d tensors, numbers and strings in nested dicts and lists) receives the source's values in its
+// own storage; a template that does not fit fails every rank before anything is copied.
+TEST(StateDictUtils, BroadcastStateDictFillsEveryRanksTemplate) {
+  run_ranks(3, [](ProcessGroup& pg) {
+    const StateDict src = nested();
+    const at::Tensor big = at::arange(35, at::kFloat).view({7, 5});
+    // The template: zeros of the same structure, with "big" cut into dim-0 chunks.
+    auto template_of = [&] {
+      StateDict t = fsdp::create_cpu_state_dict(nested());
+      t.insert_or_assign("big", fsdp::chunk_sharded(at::zeros({7, 5}), pg.rank(), pg.size()));
+      t.insert_or_assign("groups", StateList{StateValue(StateDict()), StateValue(int64_t{0})});
+      t.at("groups").list()[0].dict().insert_or_assign("lr", 0.5);
+      t.at("groups").list()[0].dict().insert_or_assign("params",
+                                                       StateList{StateValue("?"), StateValue("?")});
+      t.insert_or_assign("only_here", at::ones({2}));
+      return t;
+    };
+    StateDict full = src;
+    full.insert_or_assign("big", big);
+    full.insert_or_assign("only_there", at::ones({3}));
+    StateDict local = template_of();
+    const at::Tensor w_storage = local.at("state").dict().at("a").dict().at("w").tensor();
+    const fsdp::LoadResult r =
+        fsdp::broadcast_state_dict(pg.rank() == 1 ? full : StateDict(), local, pg, /*src=*/1);
+    EXPECT_EQ(r.missing_keys, std::vector<std::string>{"only_here"});
+    EXPECT_EQ(r.unexpected_keys, std::vector<std::string>{"only_there"});
+    const StateDict& a = local.at("state").dict().at("a").dict();
+    EXPECT_TRUE(torch::equal(a.at("w").tensor(), at::arange(6, at::kFloat).view({2, 3})));
+    EXPECT_TRUE(a.at("w").tensor().is_same(w_storage)) << "copied into the template's tensor";
+    EXPECT_EQ(a.at("step").tensor().item<double>(), 3.0);
+    EXPECT_EQ(local.at("groups").list()[0].dict().at("lr").to_double(), 0.01);
+    EXPECT_EQ(local.at("groups").list()[0].dict().at("params").list()[1].string(), "b");
+    EXPECT_EQ(local.at("groups").list()[1].to_int(), 7);
+    EXPECT_EQ(local.at("name").string(), "x");
+    for (const auto& piece : local.at("big").sharded_tensor().local_shards()) {
+      const auto& m = piece.metadata;
+      EXPECT_TRUE(torch::equal(piece.tensor, big.narrow(0, m.offsets[0], m.sizes[0])));
+    }
+    EXPECT_TRUE(torch::equal(local.at("only_here").tensor(), at::ones({2})));
+
+    // strict: the template's extra key fails every rank, and nothing is copied.
+    StateDict strict_local = template_of();
+    StateDict all_but_extra = full;
+    all_but_extra.erase("only_there");
+    const std::string err = [&] {
+      try {
+        fsdp::broadcast_state_dict(pg.rank() == 1 ? all_but_extra : StateDict(), strict_local, pg,
+                                   1, /*strict=*/true);
+      } catch (const fsdp::ValueError& e) {
+        return std::string(e.what());
+      }
+      return std::string("(no error)");
+    }();
+    EXPECT_NE(err.find("only_here"), std::string::npos) << err;
+    EXPECT_EQ(strict_local.at("state").dict().at("a").dict().at("w").tensor().sum().item<double>(),
+              0.0);
+    // A template whose shape differs on rank 2 only: every rank fails, naming rank 2.
+    StateDict odd = template_of();
+    if (pg.rank() == 2) odd.insert_or_assign("big", at::zeros({5, 7}));
+    try {
+      fsdp::broadcast_state_dict(pg.rank() == 1 ? full : StateDict(), odd, pg, 1);
+      ADD_FAILURE() << "a mismatched template must fail";
+    } catch (const fsdp::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 2"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(odd.at("state").dict().at("a").dict().at("w").tensor().sum().item<double>(), 0.0);
+  });
+}
+
 }  // namespace

@@ -89,11 +89,13 @@ class StateDictTypeGuard {
   ShardedOptimStateDictConfig prev_sharded_optim_;
 };
 
-/// Keys a non-strict load skipped.
-struct LoadResult {
-  std::vector<std::string> missing_keys;
-  std::vector<std::string> unexpected_keys;
-};
+/// PyTorch's `module.load_state_dict(sd, strict)` for an unwrapped LibTorch module: copies every
+/// key of module_state_dict(module) found in `sd` into the module's tensor (cast to its dtype).
+/// A ShardedTensor value loads if the pieces held here cover it. Missing or unexpected keys
+/// raise ValueError with `strict` and are returned otherwise; a shape mismatch or a non-tensor
+/// value raises ValueError naming the key. Nothing is written unless every key fits. Local.
+LoadResult load_module_state_dict(torch::nn::Module& module, const StateDict& sd,
+                                  bool strict = true);
 
 /// The model's state dict in its current type (FULL on a NO_SHARD model, see load_state_dict).
 /// Collective. Not allowed during forward/backward.

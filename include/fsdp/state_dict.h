@@ -87,6 +87,12 @@ ShardedTensor chunk_sharded(const at::Tensor& full, int rank, int world);
 /// row get none; a 0-d or empty tensor is one piece on rank 0).
 std::vector<ShardMetadata> chunk_metadata(const std::vector<int64_t>& shape, int world);
 
+/// Keys a non-strict load skipped (PyTorch's _IncompatibleKeys).
+struct LoadResult {
+  std::vector<std::string> missing_keys;
+  std::vector<std::string> unexpected_keys;
+};
+
 /// An insertion-ordered map of string keys to StateValue.
 class StateDict {
  public:

@@ -66,4 +66,21 @@ StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
 /// communication. Throws ValueError naming the key where `full` lacks a value or shapes differ.
 void distribute_state_dict(const StateDict& full, StateDict& local);
 
+/// PyTorch's _broadcast_state_dict: rank `src` holds `full` (full tensors and other values; the
+/// other ranks' `full` is ignored), every rank holds `local`, a template of the same structure
+/// (e.g. its own state dict, SHARDED or not). Each value of `full` is written into the template
+/// where it has that key: a tensor is copied into the template's tensor (cast to its dtype), a
+/// ShardedTensor's local pieces get their boxes of it, other values are replaced. Keys only in
+/// `full` are skipped (returned as unexpected_keys), keys only in `local` kept (missing_keys);
+/// with `strict` either raises ValueError (PyTorch's strict only drops the template's extra keys,
+/// leaving the error to the load that follows). Shapes must match.
+///
+/// Tensors travel one at a time (peak extra memory: the largest tensor), after the structure,
+/// non-tensor values and 0-d tensors went in one broadcast. Every rank checks the structure
+/// against its template and the ranks agree before any tensor moves: a mismatch raises
+/// ValueError naming the key and rank on every rank, with no template changed. Tensors are
+/// broadcast on the device of the template's first tensor (CPU if none). Collective over `pg`.
+LoadResult broadcast_state_dict(const StateDict& full, StateDict& local, dist::ProcessGroup& pg,
+                                int src = 0, bool strict = false);
+
 }  // namespace fsdp

@@ -48,5 +48,6 @@ void require_idle(FsdpState& st, const char* what);
 std::string flat_key(const Unit& u);
 std::string shape_str(at::IntArrayRef s);
 
+
 }  // namespace detail
 }  // namespace fsdp

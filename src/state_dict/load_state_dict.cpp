@@ -3,11 +3,14 @@
 // unless all of them succeeded.
 #include <algorithm>
 #include <map>
+#include <set>
 #include <sstream>
+#include <tuple>
 
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
 #include "runtime/state.h"
+#include "state_dict/from_rank0.h"
 #include "state_dict/key_map.h"
 #include "state_dict/piece_exchange.h"
 
@@ -281,4 +284,119 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
   return plan.result;
 }
 
+namespace detail {
+
+LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const StateDict& sd,
+                                      bool strict) {
+  FsdpState& st = *model->runtime_state();
+  require_idle(st, "load_state_dict (broadcast_from_rank0)");
+  dist::ProcessGroup& pg = st.world_group;
+  const bool root = pg.rank() == 0;
+  Plan plan;  // only its error and result are used: copies are made as tensors arrive
+  for (const auto& u : st.units) {
+    if (!u->handle) continue;
+    try {
+      u->handle->writeback_orig_params();
+    } catch (const std::exception& e) {
+      plan.fail(e.what());
+    }
+  }
+  const KeyMap km = key_map(st);
+  // What each key must be: shape, dtype and device of the model's own tensor.
+  auto target = [&](const std::string& k) {
+    auto m = km.managed.find(k);
+    if (m != km.managed.end()) {
+      const FlatParamHandle& h = *st.units[m->second.unit]->handle;
+      return std::make_tuple(h.layout().shapes[m->second.index], h.orig_dtype(),
+                             h.flat_param().device());
+    }
+    const at::Tensor& t = km.unmanaged.at(k);
+    auto it = st.buffer_orig_dtypes.find(t.unsafeGetTensorImpl());
+    return std::make_tuple(t.sizes().vec(),
+                           it == st.buffer_orig_dtypes.end() ? t.scalar_type() : it->second,
+                           t.device());
+  };
+  // Rank 0 checks its dict against the model (which every rank shares), then tells the others
+  // which keys it will send; nothing moves unless every rank agrees.
+  if (root) {
+    for (const auto& k : km.order) {
+      if (!sd.contains(k)) {
+        plan.result.missing_keys.push_back(k);
+        continue;
+      }
+      const StateValue& v = sd.at(k);
+      if (!v.is_tensor()) {
+        plan.fail("'" + k + "' must be a Tensor in a full state dict, it is " +
+                  to_string(v.kind()));
+        continue;
+      }
+      const auto [shape, dtype, device] = target(k);
+      check_shape_dtype(k, v.tensor().sizes(), v.tensor().scalar_type(), shape, dtype, 0, plan);
+    }
+    for (const auto& [k, v] : sd) {
+      if (!km.managed.count(k) && !km.unmanaged.count(k)) plan.result.unexpected_keys.push_back(k);
+    }
+    if (plan.error.empty() && strict &&
+        (!plan.result.missing_keys.empty() || !plan.result.unexpected_keys.empty())) {
+      plan.error = "Error(s) in loading state_dict:";
+      if (!plan.result.missing_keys.empty())
+        plan.error += " Missing key(s) in state_dict: " + key_list(plan.result.missing_keys) + ".";
+      if (!plan.result.unexpected_keys.empty())
+        plan.error +=
+            " Unexpected key(s) in state_dict: " + key_list(plan.result.unexpected_keys) + ".";
+    }
+  }
+  const auto errors = pg.all_gather_bytes(plan.error);
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    if (!plan.error.empty()) throw ValueError("load_state_dict: " + plan.error);
+    throw ValueError("load_state_dict aborted, nothing was loaded: rank " + std::to_string(r) +
+                     " failed: " + errors[r]);
+  }
+  // The skipped keys, one per line: missing, then a blank line, then unexpected.
+  std::string lists;
+  if (root) {
+    for (const auto& k : plan.result.missing_keys) lists += k + "\n";
+    lists += "\n";
+    for (const auto& k : plan.result.unexpected_keys) lists += k + "\n";
+  }
+  lists = pg.broadcast_bytes(lists, 0);
+  LoadResult result;
+  {
+    std::vector<std::string>* into = &result.missing_keys;
+    size_t start = 0;
+    for (size_t nl; (nl = lists.find('\n', start)) != std::string::npos; start = nl + 1) {
+      if (nl == start && into == &result.missing_keys) {
+        into = &result.unexpected_keys;
+        continue;
+      }
+      into->push_back(lists.substr(start, nl - start));
+    }
+  }
+  const std::set<std::string> missing(result.missing_keys.begin(), result.missing_keys.end());
+  // One tensor in flight at a time; each rank copies only its range of it into its shard.
+  std::set<std::pair<int, size_t>> done;  // a tied parameter arrives once
+  at::NoGradGuard no_grad;
+  for (const auto& k : km.order) {
+    if (missing.count(k)) continue;
+    auto m = km.managed.find(k);
+    if (m != km.managed.end() && !done.insert({m->second.unit, m->second.index}).second) continue;
+    const auto [shape, dtype, device] = target(k);
+    at::Tensor buf = root ? sd.at(k).tensor().detach().to(device, dtype).contiguous()
+                          : at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+    pg.broadcast(buf, 0);
+    if (m == km.managed.end()) {
+      km.unmanaged.at(k).detach().copy_(buf);
+      continue;
+    }
+    Plan one;
+    plan_param(
+        st, m->second,
+        [&](int64_t start, int64_t n) { return buf.reshape({-1}).narrow(0, start, n); }, one);
+    for (auto& [dst, src] : one.copies) dst.copy_(src);
+  }
+  return result;
+}
+
+}  // namespace detail
 }  // namespace fsdp

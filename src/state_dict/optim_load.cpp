@@ -7,6 +7,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
+#include "state_dict/from_rank0.h"
 #include "state_dict/key_map.h"
 #include "state_dict/optim_entries.h"
 #include "state_dict/piece_exchange.h"
@@ -154,7 +155,12 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
   return s;
 }
 
-void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict& osd) {
+// `from_rank0`: `osd` is rank 0's dict there and its structure elsewhere (tensors as empty
+// ShardedTensors, see detail::broadcast_structure); each tensor state is broadcast from rank 0
+// when its turn comes and this rank keeps its range. The order of those broadcasts depends only
+// on the structure and the model, so every rank makes the same ones.
+void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict& osd,
+               bool from_rank0 = false) {
   const OptimKind& kind = detail::optim_kind(opt);
   LoadPlan plan;
   FsdpState* st = om.st;
@@ -191,7 +197,7 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
   // ShardedTensor values of managed parameters: fetch this rank's ranges (collective; the same
   // requests on every rank: every managed FQN times every tensor state name).
   std::map<std::pair<size_t, size_t>, std::vector<at::Tensor>> fetched;  // (entry, pos) -> per name
-  if (st) {
+  if (st && !from_rank0) {
     std::vector<detail::RangeRequest> reqs;
     std::vector<std::tuple<size_t, size_t, size_t>> where;
     for (size_t e = 0; e < om.entries.size(); ++e) {
@@ -227,6 +233,18 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
   auto range_of = [&](size_t e, size_t p, size_t n, int64_t lo, int64_t len) -> at::Tensor {
     const StateValue* v = fs[e][p].values[n];
     if (!v) return at::Tensor();
+    if (from_rank0) {  // one full tensor in flight; the caller keeps only the range
+      dist::ProcessGroup& pg = st->world_group;
+      const std::vector<int64_t>& shape = om.entries[e].shapes[p];
+      const at::Tensor& param = om.entries[e].param;
+      at::Tensor buf =
+          pg.rank() == 0
+              ? v->tensor().detach().to(param.device()).contiguous()
+              : at::empty(shape,
+                          param.options().dtype(v->sharded_tensor().dtype()).requires_grad(false));
+      pg.broadcast(buf, 0);
+      return buf.reshape({-1}).narrow(0, lo, len);
+    }
     if (v->is_tensor()) return v->tensor().reshape({-1}).narrow(0, lo, len);
     if (om.entries[e].unit >= 0) {
       auto it = fetched.find({e, p});
@@ -287,12 +305,12 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       }
       if (!en.flat) {  // an original parameter: its piece of this rank's shard
         const auto r = om.local(en, 0);
+        at::Tensor t = range_of(e, 0, n, r.lo, r.n);  // first: collective under from_rank0
         if (r.n != en.param.numel()) {
           plan.fail("'" + en.fqns[0] + "' holds " + std::to_string(en.param.numel()) +
                     " elements on this rank, its shard " + std::to_string(r.n));
           continue;
         }
-        at::Tensor t = range_of(e, 0, n, r.lo, r.n);
         if (t.defined()) ns.tensors[n] = t.reshape(en.param.sizes()).to(popts).clone();
         continue;
       }
@@ -301,9 +319,9 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       at::Tensor flat = at::zeros({en.param.numel()}, popts);
       for (size_t p = 0; p < en.fqns.size(); ++p) {
         const auto r = om.local(en, p);
-        if (r.n == 0 || !fs[e][p].present) continue;
-        at::Tensor t = range_of(e, p, n, r.lo, r.n);
-        if (t.defined()) flat.narrow(0, r.offset, r.n).copy_(t);
+        if (!fs[e][p].present) continue;
+        at::Tensor t = range_of(e, p, n, r.lo, r.n);  // also where r.n == 0: collective
+        if (t.defined() && r.n > 0) flat.narrow(0, r.offset, r.n).copy_(t);
       }
       ns.tensors[n] = flat;
     }
@@ -353,5 +371,24 @@ void load_optim_state_dict(const torch::nn::Module& model, torch::optim::Optimiz
                            const StateDict& osd) {
   load_impl(detail::describe_model(nullptr, &model, optimizer), optimizer, osd);
 }
+
+namespace detail {
+
+void load_optim_state_dict_from_rank0(FullyShardedDataParallel& model,
+                                      torch::optim::Optimizer& optimizer, const StateDict& osd) {
+  FsdpState& st = *model->runtime_state();
+  detail::require_idle(st, "load_optim_state_dict (broadcast_from_rank0)");
+  StateDict structure = broadcast_structure(osd, st.world_group, 0);
+  for (const char* k : {"state", "param_groups"}) {  // empty ones vanish in transit
+    if (!structure.contains(k)) {
+      structure.insert_or_assign(
+          k, std::string(k) == "state" ? StateValue(StateDict()) : StateValue(StateList()));
+    }
+  }
+  load_impl(detail::describe_model(&model, nullptr, optimizer), optimizer,
+            st.world_group.rank() == 0 ? osd : structure, /*from_rank0=*/true);
+}
+
+}  // namespace detail
 
 }  // namespace fsdp

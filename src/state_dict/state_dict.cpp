@@ -1,9 +1,10 @@
-// StateDict / StateValue, ShardedTensor, and the unwrapped module's state dict.
+// StateDict / StateValue, ShardedTensor, and the unwrapped module's state dict (save and load).
 #include "fsdp/state_dict.h"
 
 #include <sstream>
 
 #include "fsdp/errors.h"
+#include "fsdp/model_state_dict.h"
 
 namespace fsdp {
 namespace {
@@ -309,6 +310,66 @@ StateDict module_state_dict(const torch::nn::Module& module) {
     }
   }
   return sd;
+}
+
+LoadResult load_module_state_dict(torch::nn::Module& module, const StateDict& sd, bool strict) {
+  const StateDict own = module_state_dict(module);
+  LoadResult result;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // dst <- src, applied only if all fit
+  std::string error;
+  for (const auto& [key, dst] : own) {
+    if (!sd.contains(key)) {
+      result.missing_keys.push_back(key);
+      continue;
+    }
+    const StateValue& v = sd.at(key);
+    at::Tensor src;
+    if (v.is_tensor()) {
+      src = v.tensor();
+    } else if (v.is_sharded_tensor()) {  // usable here only if the local pieces cover it
+      const ShardedTensor& t = v.sharded_tensor();
+      try {
+        src = t.flat_range(0, t.numel(), "'" + key + "'").view(t.size());
+      } catch (const ValueError& e) {
+        if (error.empty()) error = e.what();
+        continue;
+      }
+    } else {
+      if (error.empty()) {
+        error = "'" + key + "' must be a Tensor, the state dict has " + to_string(v.kind());
+      }
+      continue;
+    }
+    if (src.sizes() != dst.tensor().sizes()) {
+      if (error.empty()) {
+        error = "size mismatch for '" + key + "': copying a param with shape " +
+                shape_str(src.sizes()) + " from the state dict, the shape in the current " +
+                "model is " + shape_str(dst.tensor().sizes());
+      }
+      continue;
+    }
+    copies.emplace_back(dst.tensor(), src);
+  }
+  for (const auto& [key, v] : sd) {
+    if (!own.contains(key)) result.unexpected_keys.push_back(key);
+  }
+  if (error.empty() && strict &&
+      (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
+    error = "Error(s) in loading state_dict:";
+    auto list = [](const std::vector<std::string>& keys) {
+      std::string out;
+      for (const auto& k : keys) out += (out.empty() ? "\"" : ", \"") + k + "\"";
+      return out;
+    };
+    if (!result.missing_keys.empty())
+      error += " Missing key(s) in state_dict: " + list(result.missing_keys) + ".";
+    if (!result.unexpected_keys.empty())
+      error += " Unexpected key(s) in state_dict: " + list(result.unexpected_keys) + ".";
+  }
+  if (!error.empty()) throw ValueError("load_module_state_dict: " + error);
+  at::NoGradGuard no_grad;
+  for (auto& [dst, src] : copies) dst.copy_(src);
+  return result;
 }
 
 }  // namespace fsdp
