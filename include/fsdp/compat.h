@@ -166,6 +166,15 @@ using AutogradNodePtr =
 constexpr bool kAdamHasDecoupledWeightDecay =
     TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7);
 
+/// `c10::Allocator::allocate` is const in 1.13 and not in 2.6 or 2.14 (verified); the change came
+/// with 2.3 by PyTorch's history (not built here). For allocators written outside LibTorch (the
+/// tests' counting allocator): `DataPtr allocate(size_t n) FSDP_ALLOCATE_CONST override`.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define FSDP_ALLOCATE_CONST
+#else
+#define FSDP_ALLOCATE_CONST const
+#endif
+
 /// Key under which torch::optim keeps a parameter's state in `Optimizer::state()`.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
 using OptimStateKey = void*;

@@ -1,0 +1,167 @@
+// fsdp/checkpoint/state_dict.h: one API for the state dicts of a model and its optimizers, whether
+// the model is wrapped in FullyShardedDataParallel or a plain LibTorch module (PyTorch's
+// torch.distributed.checkpoint.state_dict, seed 001).
+//
+//   namespace ckpt = fsdp::checkpoint;
+//   auto [msd, osd] = ckpt::get_state_dict(model, optimizer);           // SHARDED pieces
+//   ...                                                               // save, restart, ...
+//   ckpt::set_state_dict(model, optimizer, msd, osd);                  // any world size
+//
+//   auto opts = ckpt::StateDictOptions().full_state_dict(true).cpu_offload(true);
+//   auto full = ckpt::get_model_state_dict(model, opts);               // values on rank 0 only
+//
+// Keys are canonical FQNs either way: the names of the unwrapped model's named_parameters() and
+// named_buffers(), so a wrapped model and the same model unwrapped give equal dicts (FULL form).
+// Optimizer dicts are PyTorch's {"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn]}]}
+// (see fsdp/optim_state_dict.h), the optimizers' dicts merged into one.
+//
+// On a wrapped model these functions set the model's state-dict type for the call (FULL when
+// full_state_dict, SHARDED otherwise, with configs derived from the options as the seed does)
+// and restore the caller's afterwards; they are collective over its process group. On a plain
+// module they are local, except those that use broadcast_from_rank0 or full_state_dict with
+// cpu_offload, which involve the default process group when one exists.
+//
+// A plain module that contains a wrapped model (or is a unit inside one) is rejected: pass the
+// wrapped model itself (PyTorch's "... contains _flat_param ... not the root module").
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "fsdp/model_state_dict.h"
+#include "fsdp/state_dict.h"
+
+namespace fsdp {
+namespace checkpoint {
+
+/// How get_* and set_* behave (PyTorch's StateDictOptions, same fields and defaults).
+struct StateDictOptions {
+  /// Return full tensors (gathered; no ShardedTensor) instead of this rank's pieces. On load: the
+  /// given dict holds full tensors.
+  TORCH_ARG(bool, full_state_dict) = false;
+  /// Move every tensor to the CPU. With full_state_dict too, only rank 0 receives values; the
+  /// other ranks get empty dicts (to bound host memory, as in PyTorch).
+  TORCH_ARG(bool, cpu_offload) = false;
+  /// Leave out parameters with requires_grad == false (and, for the optimizer, their state).
+  TORCH_ARG(bool, ignore_frozen_params) = false;
+  /// With `submodules`: keep the submodule's prefix in the keys ("blocks.0.fc1.weight") or strip
+  /// it ("fc1.weight").
+  TORCH_ARG(bool, keep_submodule_prefixes) = true;
+  /// On load: missing or unexpected keys raise ValueError (else they are returned).
+  TORCH_ARG(bool, strict) = true;
+  /// On load: rank 0 holds the full dicts, the other ranks pass empty ones; values are
+  /// broadcast a bounded amount at a time and each rank keeps only what it owns. Requires
+  /// full_state_dict.
+  TORCH_ARG(bool, broadcast_from_rank0) = false;
+  /// Optimizer dicts as one flat level: "state.<fqn>.<name>" and "param_groups.<fqn>.<key>"
+  /// (values that are lists, like Adam's betas, stay lists). set_* accepts both forms.
+  TORCH_ARG(bool, flatten_optimizer_state_dict) = false;
+};
+
+/// Submodules to restrict get_* to (pointers into the model's module tree).
+using Submodules = std::vector<std::shared_ptr<torch::nn::Module>>;
+/// The optimizers of a model (not owned).
+using Optimizers = std::vector<torch::optim::Optimizer*>;
+
+/// The model's state dict. With `submodules`, only keys under them (see
+/// keep_submodule_prefixes). Throws ValueError for a submodule not in the model, for
+/// broadcast_from_rank0 without full_state_dict, and if the result is empty though the options
+/// require values (the seed's "model state_dict is required ... but empty").
+StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options = {},
+                               const Submodules& submodules = {});
+
+/// The optimizers' state dict, merged. An optimizer that has no state yet gets it first by one
+/// step with zero learning rate and zero gradients, which leaves the parameters unchanged
+/// (PyTorch's _init_optim_state); that throws StateError if a parameter already has a gradient.
+StateDict get_optimizer_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
+                                   const StateDictOptions& options = {},
+                                   const Submodules& submodules = {});
+StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                   const StateDictOptions& options = {},
+                                   const Submodules& submodules = {});
+
+/// Both: {model state dict, optimizers' state dict}.
+std::pair<StateDict, StateDict> get_state_dict(torch::nn::Module& model,
+                                               const Optimizers& optimizers,
+                                               const StateDictOptions& options = {},
+                                               const Submodules& submodules = {});
+std::pair<StateDict, StateDict> get_state_dict(torch::nn::Module& model,
+                                               torch::optim::Optimizer& optimizer,
+                                               const StateDictOptions& options = {},
+                                               const Submodules& submodules = {});
+
+/// Loads a model state dict (full tensors with full_state_dict, else pieces as get_* returns
+/// them, from any world size). Returns the keys skipped when not strict. An empty dict loads
+/// nothing (and, with strict, raises ValueError unless broadcast_from_rank0 is set). Keys that
+/// name a flat parameter ("_flat_param", a LOCAL state dict) raise ValueError.
+LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& model_state_dict,
+                                const StateDictOptions& options = {});
+
+/// Loads an optimizers' state dict as get_optimizer_state_dict returns it (either form): each
+/// optimizer takes the param groups and state of its own parameters. An empty dict raises
+/// ValueError unless broadcast_from_rank0 (ranks > 0) or full_state_dict with cpu_offload.
+void set_optimizer_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
+                              const StateDict& optim_state_dict,
+                              const StateDictOptions& options = {});
+void set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                              const StateDict& optim_state_dict,
+                              const StateDictOptions& options = {});
+
+/// Both; the optimizers first, as in PyTorch. An empty model dict means "optimizers only".
+/// Returns the model's skipped keys.
+LoadResult set_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
+                          const StateDict& model_state_dict, const StateDict& optim_state_dict,
+                          const StateDictOptions& options = {});
+LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                          const StateDict& model_state_dict, const StateDict& optim_state_dict,
+                          const StateDictOptions& options = {});
+
+/// PyTorch's _flatten_optim_state_dict: {"state": {fqn: {name: v}}, "param_groups": [...]} as
+/// {"state.<fqn>.<name>": v, "param_groups.<fqn>.<key>": v}. Throws ValueError for a state value
+/// that is not a tensor (or ShardedTensor) or a number.
+StateDict flatten_optim_state_dict(const StateDict& osd);
+
+/// The inverse, for `optimizers` over `model`: their param groups in order, each listing the
+/// FQNs of its parameters found in `flat`. Throws ValueError if the parameters of one group
+/// carry different values for a group key.
+StateDict unflatten_optim_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
+                                     const StateDict& flat);
+
+// Module holders (FullyShardedDataParallel, MyModel, ...) are accepted wherever a module is.
+template <typename T, typename... A>
+StateDict get_model_state_dict(torch::nn::ModuleHolder<T>& m, A&&... a) {
+  return get_model_state_dict(*m, std::forward<A>(a)...);
+}
+template <typename T, typename O, typename... A>
+StateDict get_optimizer_state_dict(torch::nn::ModuleHolder<T>& m, O&& o, A&&... a) {
+  return get_optimizer_state_dict(*m, std::forward<O>(o), std::forward<A>(a)...);
+}
+template <typename T, typename O, typename... A>
+std::pair<StateDict, StateDict> get_state_dict(torch::nn::ModuleHolder<T>& m, O&& o, A&&... a) {
+  return get_state_dict(*m, std::forward<O>(o), std::forward<A>(a)...);
+}
+template <typename T, typename... A>
+LoadResult set_model_state_dict(torch::nn::ModuleHolder<T>& m, A&&... a) {
+  return set_model_state_dict(*m, std::forward<A>(a)...);
+}
+template <typename T, typename O, typename... A>
+void set_optimizer_state_dict(torch::nn::ModuleHolder<T>& m, O&& o, A&&... a) {
+  set_optimizer_state_dict(*m, std::forward<O>(o), std::forward<A>(a)...);
+}
+template <typename T, typename O, typename... A>
+LoadResult set_state_dict(torch::nn::ModuleHolder<T>& m, O&& o, A&&... a) {
+  return set_state_dict(*m, std::forward<O>(o), std::forward<A>(a)...);
+}
+template <typename T>
+StateDict unflatten_optim_state_dict(torch::nn::ModuleHolder<T>& m, const Optimizers& o,
+                                     const StateDict& flat) {
+  return unflatten_optim_state_dict(*m, o, flat);
+}
+
+}  // namespace checkpoint
+}  // namespace fsdp
