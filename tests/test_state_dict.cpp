@@ -20,13 +20,13 @@ using fsdp::StateDictType;
 using fsdp::StateValue;
 using fsdp::dist::ProcessGroup;
 using fsdp::testing::BlockImpl;
-using fsdp::testing::run_ranks;
-using fsdp::testing::TinyLM;
 using fsdp::testing::expect_same;
 using fsdp::testing::full_of;
-using fsdp::testing::load_pieces;
-using fsdp::testing::save_pieces;
 using fsdp::testing::lm_options;
+using fsdp::testing::load_pieces;
+using fsdp::testing::run_ranks;
+using fsdp::testing::save_pieces;
+using fsdp::testing::TinyLM;
 
 namespace {
 
@@ -102,6 +102,51 @@ TEST(ShardedTensor, ChunkFollowsTorchChunkAndFlatRangesReassemble) {
                fsdp::ValueError);
   EXPECT_THROW(ShardedTensor({4}, torch::kDouble, {fsdp::Shard{torch::ones({2}), {{0}, {2}, 0}}}),
                fsdp::ValueError);
+}
+
+// The flat-range form of a piece: every range of every small shape becomes at most 2N - 1 boxes
+// that hold exactly its elements in order, and a ShardedTensor built from a range gives it back.
+TEST(ShardedTensor, FlatRangesAreAtMost2NMinus1Boxes) {
+  const std::vector<std::vector<int64_t>> shapes{{},        {0},          {7},          {3, 4},
+                                                 {2, 3, 4}, {2, 1, 3, 2}, {3, 3, 2, 2}, {3, 0, 2}};
+  size_t worst = 0, ranges = 0;
+  for (const auto& shape : shapes) {
+    const at::Tensor full =
+        torch::arange(c10::multiply_integers(shape), torch::kFloat).reshape(shape);
+    const int64_t numel = full.numel();
+    const size_t limit = shape.empty() ? 1 : 2 * shape.size() - 1;
+    for (int64_t lo = 0; lo <= numel; ++lo) {
+      for (int64_t n = 0; lo + n <= numel; ++n) {
+        const auto boxes = fsdp::flat_range_boxes(shape, lo, n, /*rank=*/2);
+        ASSERT_LE(boxes.size(), limit) << "shape " << full.sizes() << " range " << lo << "+" << n;
+        worst = std::max(worst, boxes.size());
+        ++ranges;
+        std::vector<at::Tensor> parts;  // the boxes' elements, in order
+        for (const auto& b : boxes) {
+          EXPECT_EQ(b.placement_rank, 2);
+          at::Tensor part = full;
+          for (size_t d = 0; d < b.offsets.size(); ++d)
+            part = part.narrow(static_cast<int64_t>(d), b.offsets[d], b.sizes[d]);
+          parts.push_back(part.reshape({-1}));
+        }
+        const at::Tensor want = full.reshape({-1}).narrow(0, lo, n);
+        const at::Tensor got = parts.empty() ? torch::empty({0}) : torch::cat(parts);
+        ASSERT_TRUE(torch::equal(got, want))
+            << "shape " << full.sizes() << " range " << lo << "+" << n;
+        const ShardedTensor st = fsdp::sharded_from_flat_range(shape, lo, want.clone(), 2);
+        ASSERT_TRUE(torch::equal(st.flat_range(lo, n, "r"), want));
+      }
+    }
+  }
+  EXPECT_EQ(worst, 7u) << "a 4-D range reaches the bound: 3 boxes each side of a middle one";
+  std::printf("%zu ranges, at most %zu boxes for one\n", ranges, worst);
+  EXPECT_GT(ranges, 500u);
+  // The pieces are views of the data: no copy.
+  const at::Tensor data = torch::arange(5, torch::kFloat);
+  const ShardedTensor st = fsdp::sharded_from_flat_range({3, 4}, 2, data, 0);
+  EXPECT_EQ(st.local_shards().front().tensor.data_ptr(), data.data_ptr());
+  EXPECT_THROW(fsdp::flat_range_boxes({3, 4}, 10, 3), fsdp::ValueError);
+  EXPECT_THROW(fsdp::sharded_from_flat_range({3, 4}, 0, torch::zeros({2, 2}), 0), fsdp::ValueError);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -413,7 +458,6 @@ TEST(ModelStateDict, LocalNeedsTheSameWorldSizeAndShardedNeedsSharding) {
     for (auto& s : st.local_shards()) s.metadata.offsets[0] += 1;
     fsdp::StateDictTypeGuard g(model, StateDictType::LOCAL_STATE_DICT);
     EXPECT_THROW(fsdp::load_state_dict(model, local), fsdp::ValueError);
-
   });
 }
 

@@ -87,6 +87,24 @@ ShardedTensor chunk_sharded(const at::Tensor& full, int rank, int world);
 /// row get none; a 0-d or empty tensor is one piece on rank 0).
 std::vector<ShardMetadata> chunk_metadata(const std::vector<int64_t>& shape, int world);
 
+/// The flat-range form of a piece. Elements [start, start + n) of the row-major flattening of a
+/// tensor of `shape`, as boxes in order: their elements, each box taken row-major, concatenate
+/// to the range. At most 2 * ndim - 1 boxes (one per dimension on each side of a middle box of
+/// whole rows); none when n == 0; a 0-d tensor is one empty-shaped box. Each box is placed on
+/// `rank`. This is how a flat-parameter shard's part of a parameter (a use_orig_params shard
+/// split mid-row), an optimizer state's range, or a checkpoint's byte range of a tensor become
+/// pieces that every ShardedTensor consumer handles. Throws ValueError if the range leaves the
+/// tensor.
+std::vector<ShardMetadata> flat_range_boxes(const std::vector<int64_t>& shape, int64_t start,
+                                            int64_t n, int rank = 0);
+
+/// A ShardedTensor of `global_shape` whose local pieces are elements [start, start +
+/// data.numel()) of its row-major flattening: `data` (1-D) cut along flat_range_boxes, each piece
+/// a view of `data` (no copy). ShardedTensor::flat_range is the inverse.
+ShardedTensor sharded_from_flat_range(std::vector<int64_t> global_shape, int64_t start,
+                                      const at::Tensor& data, int rank,
+                                      std::vector<ShardMetadata> global_metadata = {});
+
 /// Keys a non-strict load skipped (PyTorch's _IncompatibleKeys).
 struct LoadResult {
   std::vector<std::string> missing_keys;

@@ -261,16 +261,9 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
             for (size_t p = 0; p < en.indices.size(); ++p) {
               const auto r = om.local(en, p);
               const std::vector<int64_t>& shape = en.shapes[p];
-              std::vector<Shard> pieces;
-              int64_t pos = en.flat ? r.offset : 0;
-              for (auto& b : detail::flat_range_boxes(shape, r.lo, r.n)) {
-                const int64_t k = b.numel();
-                at::Tensor data = flat.defined() ? flat.narrow(0, pos, k) : at::zeros({k}, opts);
-                pos += k;
-                b.placement_rank = rank;
-                pieces.push_back(Shard{data.view(b.sizes), b});
-              }
-              held.emplace_back(shape, static_cast<at::ScalarType>(dtype), std::move(pieces));
+              const at::Tensor data = flat.defined() ? flat.narrow(0, en.flat ? r.offset : 0, r.n)
+                                                     : at::zeros({r.n}, opts);
+              held.push_back(sharded_from_flat_range(shape, r.lo, data, rank));
               detail::RangeRequest q;
               q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
               q.shape = shape;

@@ -33,12 +33,6 @@ struct RangeRequest {
 /// metadata alone, so all ranks take the same collectives whatever they hold. Problems (malformed
 /// pieces, elements no rank holds) go to `error` (first one kept) and the request is skipped on
 /// every rank alike; the caller must still run its verdict exchange.
-/// Elements [lo, lo + n) of the row-major flattening of a tensor of `shape` as boxes, in order
-/// (their elements, each box row-major, concatenate to the range): at most 2 ndim - 1 boxes. How a
-/// flat-parameter shard's piece of a parameter becomes pieces the exchange can route.
-std::vector<ShardMetadata> flat_range_boxes(const std::vector<int64_t>& shape, int64_t lo,
-                                            int64_t n);
-
 std::vector<at::Tensor> exchange_ranges(dist::ProcessGroup& pg,
                                         const std::vector<RangeRequest>& requests,
                                         std::string& error);

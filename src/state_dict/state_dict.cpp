@@ -297,6 +297,90 @@ StateDict& StateValue::dict() { return get_as<StateDict>(v_, Kind::Dict, kind())
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// flat_range_boxes for dims d.. of `shape`, within the fixed prefix `prefix` (one index per dim
+// before d), over elements [lo, hi) of that sub-tensor.
+void range_boxes(const std::vector<int64_t>& shape, size_t d, std::vector<int64_t>& prefix,
+                 int64_t lo, int64_t hi, std::vector<ShardMetadata>& out) {
+  if (lo >= hi) return;
+  int64_t row = 1;  // elements per index of dim d
+  for (size_t k = d + 1; k < shape.size(); ++k) row *= shape[k];
+  auto box = [&](int64_t first, int64_t count) {  // indices [first, first + count) of dim d
+    ShardMetadata m;
+    m.offsets = prefix;
+    m.sizes.assign(prefix.size(), 1);
+    m.offsets.push_back(first);
+    m.sizes.push_back(count);
+    for (size_t k = d + 1; k < shape.size(); ++k) {
+      m.offsets.push_back(0);
+      m.sizes.push_back(shape[k]);
+    }
+    out.push_back(std::move(m));
+  };
+  const int64_t r0 = lo / row, r1 = (hi - 1) / row;      // first and last index of dim d touched
+  auto partial = [&](int64_t r, int64_t a, int64_t b) {  // part [a, b) of index r
+    prefix.push_back(r);
+    range_boxes(shape, d + 1, prefix, a, b, out);
+    prefix.pop_back();
+  };
+  if (r0 == r1) {
+    if (hi - lo == row) {
+      box(r0, 1);
+    } else {
+      partial(r0, lo - r0 * row, hi - r0 * row);
+    }
+    return;
+  }
+  int64_t full_lo = r0, full_hi = r1 + 1;  // indices of dim d covered whole
+  if (lo % row != 0) {
+    partial(r0, lo - r0 * row, row);
+    full_lo = r0 + 1;
+  }
+  const bool tail = hi % row != 0;
+  if (tail) full_hi = r1;
+  if (full_hi > full_lo) box(full_lo, full_hi - full_lo);
+  if (tail) partial(r1, 0, hi - r1 * row);
+}
+
+}  // namespace
+
+std::vector<ShardMetadata> flat_range_boxes(const std::vector<int64_t>& shape, int64_t start,
+                                            int64_t n, int rank) {
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  if (start < 0 || n < 0 || start + n > numel) {
+    throw ValueError("flat_range_boxes: elements [" + std::to_string(start) + ", " +
+                     std::to_string(start + n) + ") are outside a tensor of shape " +
+                     shape_str(shape) + " (" + std::to_string(numel) + " elements)");
+  }
+  std::vector<ShardMetadata> out;
+  if (n == 0) return out;
+  if (shape.empty()) return {ShardMetadata{{}, {}, rank}};
+  std::vector<int64_t> prefix;
+  range_boxes(shape, 0, prefix, start, start + n, out);
+  for (auto& b : out) b.placement_rank = rank;
+  return out;
+}
+
+ShardedTensor sharded_from_flat_range(std::vector<int64_t> global_shape, int64_t start,
+                                      const at::Tensor& data, int rank,
+                                      std::vector<ShardMetadata> global_metadata) {
+  if (data.dim() != 1) {
+    throw ValueError("sharded_from_flat_range: the data must be 1-D, it has shape " +
+                     shape_str(data.sizes()));
+  }
+  std::vector<Shard> pieces;
+  int64_t pos = 0;
+  for (auto& b : flat_range_boxes(global_shape, start, data.numel(), rank)) {
+    const int64_t k = b.numel();
+    pieces.push_back(Shard{data.narrow(0, pos, k).view(b.sizes), b});
+    pos += k;
+  }
+  return ShardedTensor(std::move(global_shape), data.scalar_type(), std::move(pieces),
+                       std::move(global_metadata));
+}
+
 StateDict module_state_dict(const torch::nn::Module& module) {
   StateDict sd;
   for (const auto& item : module.named_modules("", /*include_self=*/true)) {
