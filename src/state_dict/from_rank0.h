@@ -6,8 +6,40 @@
 #include "fsdp/model_state_dict.h"
 #include "fsdp/state_dict.h"
 
+#include <algorithm>
+#include <vector>
+
 namespace fsdp {
 namespace detail {
+
+/// Receive buffers reused across the tensors of one load from rank 0, one per dtype and device,
+/// sized for the largest tensor. Allocating one per tensor would briefly hold two: c10d's worker
+/// thread may drop its reference to a finished broadcast's tensor only after the caller moved on.
+/// A tensor `get` returns is valid until the next call.
+class ScratchBuffers {
+ public:
+  explicit ScratchBuffers(int64_t max_numel) : max_numel_(max_numel) {}
+  at::Tensor get(at::IntArrayRef shape, at::ScalarType dtype, at::Device device) {
+    const int64_t numel = c10::multiply_integers(shape);
+    for (auto& b : bufs_) {
+      if (b.scalar_type() == dtype && b.device() == device && b.numel() >= numel)
+        return b.narrow(0, 0, numel).view(shape);
+    }
+    bufs_.push_back(
+        at::empty({std::max(numel, max_numel_)}, at::TensorOptions().dtype(dtype).device(device)));
+    return bufs_.back().narrow(0, 0, numel).view(shape);
+  }
+  /// `src` itself if it already has the dtype and device and is contiguous, else a copy of it in
+  /// a scratch buffer (the sending side).
+  at::Tensor as(const at::Tensor& src, at::ScalarType dtype, at::Device device) {
+    if (src.scalar_type() == dtype && src.device() == device && src.is_contiguous()) return src;
+    return get(src.sizes(), dtype, device).copy_(src);
+  }
+
+ private:
+  int64_t max_numel_;
+  std::vector<at::Tensor> bufs_;
+};
 
 /// Rank `src`'s dict on `src`; on the other ranks its structure: the same nested keys and lists,
 /// non-tensor values and 0-d tensors by value, every other tensor as a ShardedTensor of its shape

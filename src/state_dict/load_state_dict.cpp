@@ -376,14 +376,18 @@ LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const Sta
   const std::set<std::string> missing(result.missing_keys.begin(), result.missing_keys.end());
   // One tensor in flight at a time; each rank copies only its range of it into its shard.
   std::set<std::pair<int, size_t>> done;  // a tied parameter arrives once
+  int64_t largest = 0;
+  for (const auto& k : km.order)
+    largest = std::max(largest, c10::multiply_integers(std::get<0>(target(k))));
+  ScratchBuffers scratch(largest);
   at::NoGradGuard no_grad;
   for (const auto& k : km.order) {
     if (missing.count(k)) continue;
     auto m = km.managed.find(k);
     if (m != km.managed.end() && !done.insert({m->second.unit, m->second.index}).second) continue;
     const auto [shape, dtype, device] = target(k);
-    at::Tensor buf = root ? sd.at(k).tensor().detach().to(device, dtype).contiguous()
-                          : at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+    at::Tensor buf = root ? scratch.as(sd.at(k).tensor().detach(), dtype, device)
+                          : scratch.get(shape, dtype, device);
     pg.broadcast(buf, 0);
     if (m == km.managed.end()) {
       km.unmanaged.at(k).detach().copy_(buf);

@@ -228,6 +228,10 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       slot[n] = got[i];
     }
   }
+  int64_t largest = 0;  // receive buffers under from_rank0: one state tensor at a time
+  for (const auto& en : om.entries)
+    for (const auto& shape : en.shapes) largest = std::max(largest, c10::multiply_integers(shape));
+  detail::ScratchBuffers scratch(from_rank0 ? largest : 0);
   // This rank's part of one FQN's tensor state `n`: elements [lo, lo + len) of the flattened
   // tensor (undefined if absent or already reported).
   auto range_of = [&](size_t e, size_t p, size_t n, int64_t lo, int64_t len) -> at::Tensor {
@@ -239,9 +243,8 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       const at::Tensor& param = om.entries[e].param;
       at::Tensor buf =
           pg.rank() == 0
-              ? v->tensor().detach().to(param.device()).contiguous()
-              : at::empty(shape,
-                          param.options().dtype(v->sharded_tensor().dtype()).requires_grad(false));
+              ? scratch.as(v->tensor().detach(), v->tensor().scalar_type(), param.device())
+              : scratch.get(shape, v->sharded_tensor().dtype(), param.device());
       pg.broadcast(buf, 0);
       return buf.reshape({-1}).narrow(0, lo, len);
     }
