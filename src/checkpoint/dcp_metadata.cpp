@@ -1,0 +1,359 @@
+// DCP `.metadata` <-> C++ (see dcp_metadata.h). Reading checks every value's kind and range;
+// writing emits the classes under their 2.3+ module paths, which 2.6 and 2.14 load.
+#include "checkpoint/dcp_metadata.h"
+
+#include <set>
+
+#include "checkpoint/pickle.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace checkpoint {
+namespace dcp {
+namespace {
+
+using pickle::Node;
+using pickle::NodePtr;
+using Kind = Node::Kind;
+
+const char* const kMeta = "torch.distributed.checkpoint.metadata";
+const char* const kOldMeta = "torch.distributed._shard.sharded_tensor.metadata";  // before 2.3
+const char* const kFs = "torch.distributed.checkpoint.filesystem";
+
+const std::vector<std::pair<at::ScalarType, const char*>>& dtype_table() {
+  static const std::vector<std::pair<at::ScalarType, const char*>> t{
+      {at::kFloat, "float32"},
+      {at::kDouble, "float64"},
+      {at::kHalf, "float16"},
+      {at::kBFloat16, "bfloat16"},
+      {at::kLong, "int64"},
+      {at::kInt, "int32"},
+      {at::kShort, "int16"},
+      {at::kChar, "int8"},
+      {at::kByte, "uint8"},
+      {at::kBool, "bool"},
+      {at::kComplexFloat, "complex64"},
+      {at::kComplexDouble, "complex128"}};
+  return t;
+}
+
+const std::set<std::pair<std::string, std::string>>& allowed_globals() {
+  static const std::set<std::pair<std::string, std::string>> g = [] {
+    std::set<std::pair<std::string, std::string>> s;
+    for (const char* c :
+         {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+          "MetadataIndex", "StorageMeta", "TensorProperties", "_MEM_FORMAT_ENCODING"}) {
+      s.insert({kMeta, c});
+    }
+    for (const char* c : {"TensorProperties", "MEM_FORMAT_ENCODING", "_MEM_FORMAT_ENCODING"}) {
+      s.insert({kOldMeta, c});
+    }
+    s.insert({kFs, "_StorageInfo"});
+    s.insert({"torch", "Size"});
+    s.insert({"torch.serialization", "_get_layout"});
+    for (const auto& [t, name] : dtype_table()) s.insert({"torch", name});
+    for (const char* m : {"pathlib", "pathlib._local"}) {  // the module moved in Python 3.13
+      for (const char* c : {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"})
+        s.insert({m, c});
+    }
+    return s;
+  }();
+  return g;
+}
+
+class Parser {
+ public:
+  explicit Parser(std::string what) : what_(std::move(what)) {}
+
+  [[noreturn]] void fail(const std::string& where, const std::string& msg) const {
+    throw ValueError(what_ + ": " + (where.empty() ? "" : where + ": ") + msg);
+  }
+
+  // The attributes of a dataclass instance of one of `classes`: BUILD's dict, or the slots dict
+  // of a (dict-or-None, slots) pair.
+  NodePtr attrs(const NodePtr& obj, const std::vector<std::string>& classes,
+                const std::string& where) const {
+    std::string got =
+        obj ? (obj->is(Kind::Object) ? obj->class_name() : to_string(obj->kind)) : "null";
+    bool ok = obj && obj->is(Kind::Object);
+    if (ok) {
+      ok = false;
+      for (const auto& c : classes) ok = ok || obj->class_name() == c;
+    }
+    if (!ok) fail(where, "expected " + classes.front() + ", found " + got);
+    const NodePtr& st = obj->state;
+    if (!st) return Node::dict({});
+    if (st->is(Kind::Dict)) return st;
+    if (st->is(Kind::Tuple) && st->items.size() == 2 && st->items[1]->is(Kind::Dict)) {
+      std::vector<std::pair<NodePtr, NodePtr>> all;
+      if (st->items[0]->is(Kind::Dict)) all = st->items[0]->entries;
+      all.insert(all.end(), st->items[1]->entries.begin(), st->items[1]->entries.end());
+      return Node::dict(std::move(all));
+    }
+    fail(where, "unexpected state of " + got);
+  }
+
+  NodePtr field(const NodePtr& attrs, const std::string& name, const std::string& where,
+                bool required = true) const {
+    NodePtr v = attrs->get(name);
+    if (!v && required) fail(where, "missing field '" + name + "'");
+    return v;
+  }
+
+  int64_t integer(const NodePtr& n, const std::string& where) const {
+    if (!n || !n->is(Kind::Int)) fail(where, "expected an int");
+    return n->i;
+  }
+
+  std::string str(const NodePtr& n, const std::string& where) const {
+    if (!n || !n->is(Kind::Str)) fail(where, "expected a str");
+    return n->s;
+  }
+
+  // torch.Size((...)) or a plain tuple/list of ints.
+  std::vector<int64_t> ints(const NodePtr& n, const std::string& where) const {
+    const NodePtr* seq = &n;
+    if (n && n->is(Kind::Object) && n->class_name() == "torch.Size") {
+      if (n->items.size() != 1) fail(where, "torch.Size takes one argument");
+      seq = &n->items[0];
+    }
+    if (!*seq || !((*seq)->is(Kind::Tuple) || (*seq)->is(Kind::List)))
+      fail(where, "expected a torch.Size or a tuple of ints");
+    std::vector<int64_t> out;
+    for (const auto& x : (*seq)->items) out.push_back(integer(x, where));
+    return out;
+  }
+
+  at::ScalarType dtype(const NodePtr& n, const std::string& where) const {
+    if (n && n->is(Kind::Global) && n->module == "torch") {
+      for (const auto& [t, name] : dtype_table())
+        if (n->name == name) return t;
+    }
+    fail(where, "unknown dtype " + (n ? n->class_name() : std::string("null")));
+  }
+
+  TensorMeta tensor(const NodePtr& obj, const std::string& key) const {
+    const NodePtr a = attrs(obj, {std::string(kMeta) + ".TensorStorageMetadata"}, key);
+    TensorMeta t;
+    const NodePtr props = field(a, "properties", key);
+    const std::string pw = key + " (properties)";
+    const std::vector<std::string> prop_classes{std::string(kMeta) + ".TensorProperties",
+                                                std::string(kOldMeta) + ".TensorProperties"};
+    if (props->is(Kind::Object) && props->state && props->state->is(Kind::Tuple) &&
+        props->state->items.size() == 5) {
+      // TensorProperties pickles its __getstate__ tuple:
+      // (dtype, layout, requires_grad, memory_format, pin_memory).
+      const std::string c = props->class_name();
+      if (c != prop_classes[0] && c != prop_classes[1])
+        fail(pw, "expected TensorProperties, found " + c);
+      const auto& items = props->state->items;
+      t.dtype = dtype(items[0], pw);
+      if (!items[2]->is(Kind::Bool)) fail(pw, "requires_grad must be a bool");
+      t.requires_grad = items[2]->b;
+    } else {  // a plain dataclass state
+      const NodePtr pa = attrs(props, prop_classes, pw);
+      t.dtype = dtype(field(pa, "dtype", pw), pw);
+      const NodePtr rg = pa->get("requires_grad");
+      t.requires_grad = rg && rg->is(Kind::Bool) && rg->b;
+    }
+    t.size = ints(field(a, "size", key), key + " (size)");
+    for (int64_t s : t.size)
+      if (s < 0) fail(key, "negative size");
+    const NodePtr chunks = field(a, "chunks", key);
+    if (!chunks->is(Kind::List)) fail(key, "chunks must be a list");
+    for (size_t i = 0; i < chunks->items.size(); ++i) {
+      const std::string cw = key + " (chunk " + std::to_string(i) + ")";
+      const NodePtr ca =
+          attrs(chunks->items[i], {std::string(kMeta) + ".ChunkStorageMetadata"}, cw);
+      ChunkMeta c{ints(field(ca, "offsets", cw), cw), ints(field(ca, "sizes", cw), cw)};
+      if (c.offsets.size() != t.size.size() || c.sizes.size() != t.size.size())
+        fail(cw, "has " + std::to_string(c.offsets.size()) + " dims, the tensor " +
+                     std::to_string(t.size.size()));
+      for (size_t d = 0; d < t.size.size(); ++d) {
+        if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] > t.size[d] ||
+            c.sizes[d] > t.size[d] - c.offsets[d])
+          fail(cw, "leaves the tensor in dim " + std::to_string(d));
+      }
+      t.chunks.push_back(std::move(c));
+    }
+    return t;
+  }
+
+  std::string relative_path(const NodePtr& n, const std::string& where) const {
+    std::string p;
+    if (n && n->is(Kind::Str)) {
+      p = n->s;
+    } else if (n && n->is(Kind::Object) &&
+               (n->callee->module == "pathlib" || n->callee->module == "pathlib._local")) {
+      if (n->items.size() != 1) fail(where, "a path of several parts");
+      p = str(n->items[0], where);
+    } else {
+      fail(where, "relative_path must be a str or a pathlib path");
+    }
+    // A single file name: nothing may point outside the checkpoint directory.
+    if (p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
+        p.find('\\') != std::string::npos || p.find('\0') != std::string::npos)
+      fail(where, "relative_path '" + p + "' is not a plain file name in the checkpoint directory");
+    return p;
+  }
+
+  Metadata run(const NodePtr& root) const {
+    Metadata m;
+    const NodePtr a = attrs(root, {std::string(kMeta) + ".Metadata"}, "");
+    const NodePtr sdm = field(a, "state_dict_metadata", "");
+    if (!sdm->is(Kind::Dict)) fail("state_dict_metadata", "must be a dict");
+    for (const auto& [k, v] : sdm->entries) {
+      const std::string key = str(k, "state_dict_metadata key");
+      ItemMeta item;
+      if (v && v->is(Kind::Object) &&
+          v->class_name() == std::string(kMeta) + ".BytesStorageMetadata") {
+        item.bytes = true;
+      } else {
+        item.tensor = tensor(v, "'" + key + "'");
+      }
+      m.state_dict_metadata.emplace_back(key, std::move(item));
+    }
+    if (const NodePtr pd = a->get("planner_data"); pd && pd->is(Kind::Dict)) {
+      for (const auto& [k, v] : pd->entries) {
+        const std::string key = str(k, "planner_data key");
+        std::vector<PathElement> path;
+        if (!v->is(Kind::Tuple) && !v->is(Kind::List))
+          fail("planner_data '" + key + "'", "must be a tuple");
+        for (const auto& e : v->items) {
+          if (e->is(Kind::Str)) {
+            path.emplace_back(e->s);
+          } else {
+            path.emplace_back(integer(e, "planner_data '" + key + "'"));
+          }
+        }
+        m.planner_data.emplace_back(key, std::move(path));
+      }
+    }
+    const NodePtr sd = field(a, "storage_data", "");
+    if (!sd->is(Kind::Dict)) fail("storage_data", "must be a dict");
+    for (size_t i = 0; i < sd->entries.size(); ++i) {
+      const auto& [k, v] = sd->entries[i];
+      const std::string w = "storage_data entry " + std::to_string(i);
+      const NodePtr ka = attrs(k, {std::string(kMeta) + ".MetadataIndex"}, w);
+      Index idx;
+      idx.fqn = str(field(ka, "fqn", w), w + " (fqn)");
+      if (const NodePtr off = ka->get("offset"); off && !off->is(Kind::None))
+        idx.offset = ints(off, w + " (offset)");
+      if (const NodePtr ix = ka->get("index"); ix && !ix->is(Kind::None))
+        idx.index = integer(ix, w + " (index)");
+      const std::string vw = "storage_data '" + idx.fqn + "'";
+      const NodePtr va = attrs(v, {std::string(kFs) + "._StorageInfo"}, vw);
+      StorageInfo info;
+      info.relative_path = relative_path(field(va, "relative_path", vw), vw);
+      info.offset = integer(field(va, "offset", vw), vw + " (offset)");
+      info.length = integer(field(va, "length", vw), vw + " (length)");
+      if (info.offset < 0 || info.length < 0) fail(vw, "negative offset or length");
+      if (const NodePtr td = va->get("transform_descriptors");
+          td && !td->is(Kind::None) && !(td->is(Kind::List) && td->items.empty()) &&
+          !(td->is(Kind::Tuple) && td->items.empty()))
+        fail(vw, "transform_descriptors (compression, ...) are not supported");
+      m.storage_data.emplace_back(std::move(idx), std::move(info));
+    }
+    if (const NodePtr v = a->get("version"); v && v->is(Kind::Str)) m.version = v->s;
+    return m;
+  }
+
+ private:
+  std::string what_;
+};
+
+// ---- writing ----
+
+NodePtr size_node(const std::vector<int64_t>& v) {
+  std::vector<NodePtr> items;
+  for (int64_t x : v) items.push_back(Node::integer(x));
+  return Node::object(Node::global("torch", "Size"), {Node::tuple(std::move(items))}, false);
+}
+
+NodePtr dataclass(const char* module, const char* name,
+                  std::vector<std::pair<NodePtr, NodePtr>> attrs) {
+  return Node::object(Node::global(module, name), {}, true, Node::dict(std::move(attrs)));
+}
+
+NodePtr key(const std::string& s) { return Node::str(s); }
+
+}  // namespace
+
+std::string dtype_name(at::ScalarType t) {
+  for (const auto& [d, name] : dtype_table())
+    if (d == t) return name;
+  throw ValueError(std::string("DCP checkpoints cannot store dtype ") + c10::toString(t));
+}
+
+Metadata parse_metadata(const std::string& bytes, const std::string& what) {
+  pickle::NodePtr root;
+  try {
+    root = pickle::read(bytes, allowed_globals());
+  } catch (const pickle::PickleError& e) {
+    throw ValueError(what + ": " + e.what());
+  }
+  return Parser(what).run(root);
+}
+
+std::string serialize_metadata(const Metadata& m) {
+  std::vector<std::pair<NodePtr, NodePtr>> sdm;
+  for (const auto& [k, item] : m.state_dict_metadata) {
+    if (item.bytes) {
+      sdm.emplace_back(key(k), dataclass(kMeta, "BytesStorageMetadata", {}));
+      continue;
+    }
+    const TensorMeta& t = item.tensor;
+    // TensorProperties pickles its __getstate__ tuple.
+    NodePtr props = Node::object(
+        Node::global(kMeta, "TensorProperties"), {}, true,
+        Node::tuple({Node::global("torch", dtype_name(t.dtype)),
+                     Node::object(Node::global("torch.serialization", "_get_layout"),
+                                  {Node::str("torch.strided")}, false),
+                     Node::boolean(t.requires_grad),
+                     Node::object(Node::global(kMeta, "_MEM_FORMAT_ENCODING"), {Node::integer(0)},
+                                  false),  // TORCH_CONTIGUOUS_FORMAT
+                     Node::boolean(false)}));
+    std::vector<NodePtr> chunks;
+    for (const auto& c : t.chunks) {
+      chunks.push_back(
+          dataclass(kMeta, "ChunkStorageMetadata",
+                    {{key("offsets"), size_node(c.offsets)}, {key("sizes"), size_node(c.sizes)}}));
+    }
+    sdm.emplace_back(key(k), dataclass(kMeta, "TensorStorageMetadata",
+                                       {{key("properties"), props},
+                                        {key("size"), size_node(t.size)},
+                                        {key("chunks"), Node::list(std::move(chunks))}}));
+  }
+  std::vector<std::pair<NodePtr, NodePtr>> pd;
+  for (const auto& [k, path] : m.planner_data) {
+    std::vector<NodePtr> items;
+    for (const auto& e : path) {
+      items.push_back(std::holds_alternative<std::string>(e) ? Node::str(std::get<std::string>(e))
+                                                             : Node::integer(std::get<int64_t>(e)));
+    }
+    pd.emplace_back(key(k), Node::tuple(std::move(items)));
+  }
+  std::vector<std::pair<NodePtr, NodePtr>> sd;
+  for (const auto& [idx, info] : m.storage_data) {
+    NodePtr k = dataclass(kMeta, "MetadataIndex",
+                          {{key("fqn"), Node::str(idx.fqn)},
+                           {key("offset"), idx.offset ? size_node(*idx.offset) : Node::none()},
+                           {key("index"), idx.index ? Node::integer(*idx.index) : Node::none()}});
+    NodePtr v = dataclass(kFs, "_StorageInfo",
+                          {{key("relative_path"), Node::str(info.relative_path)},
+                           {key("offset"), Node::integer(info.offset)},
+                           {key("length"), Node::integer(info.length)}});
+    sd.emplace_back(k, v);
+  }
+  std::vector<std::pair<NodePtr, NodePtr>> attrs{
+      {key("state_dict_metadata"), Node::dict(std::move(sdm))},
+      {key("planner_data"), Node::dict(std::move(pd))},
+      {key("storage_data"), Node::dict(std::move(sd))},
+      {key("storage_meta"), Node::none()}};
+  if (!m.version.empty()) attrs.emplace_back(key("version"), Node::str(m.version));
+  return pickle::write(dataclass(kMeta, "Metadata", std::move(attrs)));
+}
+
+}  // namespace dcp
+}  // namespace checkpoint
+}  // namespace fsdp

@@ -1,0 +1,549 @@
+// The restricted pickle reader and the protocol-2 writer (see pickle.h). Opcodes follow Python's
+// pickletools documentation; only those stock DCP metadata uses (protocols 2 to 5) are read.
+#include "checkpoint/pickle.h"
+
+#include <cstdio>
+#include <cstring>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace fsdp {
+namespace checkpoint {
+namespace pickle {
+
+// ---------------------------------------------------------------------------------------------
+// Nodes
+
+namespace {
+NodePtr make(Node::Kind k) {
+  auto n = std::make_shared<Node>();
+  n->kind = k;
+  return n;
+}
+}  // namespace
+
+NodePtr Node::none() { return make(Kind::None); }
+NodePtr Node::boolean(bool v) {
+  auto n = make(Kind::Bool);
+  n->b = v;
+  return n;
+}
+NodePtr Node::integer(int64_t v) {
+  auto n = make(Kind::Int);
+  n->i = v;
+  return n;
+}
+NodePtr Node::real(double v) {
+  auto n = make(Kind::Float);
+  n->f = v;
+  return n;
+}
+NodePtr Node::str(std::string v) {
+  auto n = make(Kind::Str);
+  n->s = std::move(v);
+  return n;
+}
+NodePtr Node::tuple(std::vector<NodePtr> v) {
+  auto n = make(Kind::Tuple);
+  n->items = std::move(v);
+  return n;
+}
+NodePtr Node::list(std::vector<NodePtr> v) {
+  auto n = make(Kind::List);
+  n->items = std::move(v);
+  return n;
+}
+NodePtr Node::dict(std::vector<std::pair<NodePtr, NodePtr>> v) {
+  auto n = make(Kind::Dict);
+  n->entries = std::move(v);
+  return n;
+}
+NodePtr Node::global(std::string module, std::string name) {
+  auto n = make(Kind::Global);
+  n->module = std::move(module);
+  n->name = std::move(name);
+  return n;
+}
+NodePtr Node::object(NodePtr callee, std::vector<NodePtr> args, bool newobj, NodePtr state) {
+  auto n = make(Kind::Object);
+  n->callee = std::move(callee);
+  n->items = std::move(args);
+  n->newobj = newobj;
+  n->state = std::move(state);
+  return n;
+}
+
+std::string Node::class_name() const {
+  if (kind == Kind::Global) return module + "." + name;
+  if (kind == Kind::Object && callee) return callee->class_name();
+  return "";
+}
+
+NodePtr Node::get(const std::string& key) const {
+  for (const auto& [k, v] : entries) {
+    if (k->kind == Kind::Str && k->s == key) return v;
+  }
+  return nullptr;
+}
+
+const char* to_string(Node::Kind k) {
+  switch (k) {
+    case Node::Kind::None:
+      return "None";
+    case Node::Kind::Bool:
+      return "bool";
+    case Node::Kind::Int:
+      return "int";
+    case Node::Kind::Float:
+      return "float";
+    case Node::Kind::Str:
+      return "str";
+    case Node::Kind::Bytes:
+      return "bytes";
+    case Node::Kind::Tuple:
+      return "tuple";
+    case Node::Kind::List:
+      return "list";
+    case Node::Kind::Dict:
+      return "dict";
+    case Node::Kind::Global:
+      return "global";
+    case Node::Kind::Object:
+      return "object";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading
+
+namespace {
+
+class Reader {
+ public:
+  Reader(const std::string& d, const std::set<std::pair<std::string, std::string>>& allowed,
+         const ReadLimits& limits)
+      : d_(d), allowed_(allowed), limits_(limits) {}
+
+  NodePtr run() {
+    if (d_.size() > limits_.max_bytes) {
+      throw PickleError("pickle: " + std::to_string(d_.size()) + " bytes exceed the limit of " +
+                        std::to_string(limits_.max_bytes));
+    }
+    while (true) {
+      if (pos_ >= d_.size()) fail_at(pos_, "ends without STOP");
+      op_pos_ = pos_;
+      op_ = static_cast<uint8_t>(d_[pos_++]);
+      if (op_ == '.') break;
+      step();
+    }
+    if (stack_.size() != 1 || !marks_.empty())
+      fail("STOP with " + std::to_string(stack_.size()) + " values and " +
+           std::to_string(marks_.size()) + " marks on the stack (expected one value)");
+    return stack_.back();
+  }
+
+ private:
+  [[noreturn]] void fail_at(size_t at, const std::string& what) const {
+    throw PickleError("pickle: " + what + " (offset " + std::to_string(at) + ")");
+  }
+  [[noreturn]] void fail(const std::string& what) const {
+    char op[8];
+    std::snprintf(op, sizeof op, "0x%02x", op_);
+    throw PickleError("pickle: " + what + " (opcode " + op + " at offset " +
+                      std::to_string(op_pos_) + ")");
+  }
+  std::string take(uint64_t n) {
+    if (n > d_.size() - pos_) {
+      fail("a length of " + std::to_string(n) + " runs past the end (" +
+           std::to_string(d_.size() - pos_) + " bytes left)");
+    }
+    std::string out = d_.substr(pos_, n);
+    pos_ += n;
+    return out;
+  }
+  uint64_t le(int bytes) {
+    const std::string b = take(bytes);
+    uint64_t v = 0;
+    for (int k = bytes - 1; k >= 0; --k) v = (v << 8) | static_cast<uint8_t>(b[k]);
+    return v;
+  }
+  std::string line() {
+    const size_t nl = d_.find('\n', pos_);
+    if (nl == std::string::npos || nl - pos_ > 1024) fail("unterminated or overlong name");
+    std::string out = d_.substr(pos_, nl - pos_);
+    pos_ = nl + 1;
+    return out;
+  }
+  NodePtr counted(NodePtr n) {
+    if (++nodes_ > limits_.max_nodes)
+      fail("more than " + std::to_string(limits_.max_nodes) + " values");
+    return n;
+  }
+  void push(NodePtr n) {
+    if (stack_.size() >= limits_.max_stack) fail("stack deeper than the limit");
+    stack_.push_back(std::move(n));
+  }
+  NodePtr pop() {
+    if (stack_.size() <= (marks_.empty() ? 0 : marks_.back())) fail("stack underflow");
+    NodePtr n = std::move(stack_.back());
+    stack_.pop_back();
+    return n;
+  }
+  NodePtr& top() {
+    if (stack_.size() <= (marks_.empty() ? 0 : marks_.back())) fail("stack underflow");
+    return stack_.back();
+  }
+  std::vector<NodePtr> pop_mark() {
+    if (marks_.empty()) fail("no MARK to pop to");
+    const size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<NodePtr> items(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
+    stack_.resize(m);
+    return items;
+  }
+  NodePtr& expect(NodePtr& n, Node::Kind k, const char* what) {
+    if (!n || n->kind != k) fail(std::string(what) + " must be a " + to_string(k));
+    return n;
+  }
+  void set_item(Node& dict, NodePtr k, NodePtr v) {
+    // Python would keep the last value; a file with a repeated key is malformed or hostile.
+    if (k->kind == Node::Kind::Str || k->kind == Node::Kind::Int) {
+      const std::string id = k->kind == Node::Kind::Str ? "s" + k->s : "i" + std::to_string(k->i);
+      if (!keys_[&dict].insert(id).second) {
+        fail("duplicate dict key " +
+             (k->kind == Node::Kind::Str ? "'" + k->s + "'" : std::to_string(k->i)));
+      }
+    }
+    dict.entries.emplace_back(std::move(k), std::move(v));
+  }
+  void put_memo(uint64_t idx) {
+    if (idx > limits_.max_nodes) fail("memo index " + std::to_string(idx) + " beyond the limit");
+    memo_[idx] = top();
+  }
+  void get_memo(uint64_t idx) {
+    auto it = memo_.find(idx);
+    if (it == memo_.end()) fail("memo index " + std::to_string(idx) + " was never stored");
+    push(it->second);
+  }
+  NodePtr global(std::string module, std::string name) {
+    if (!allowed_.count({module, name})) {
+      fail("global '" + module + "." + name + "' is not allowed here");
+    }
+    return counted(Node::global(std::move(module), std::move(name)));
+  }
+  NodePtr call(bool newobj) {
+    NodePtr args = pop();
+    NodePtr callee = pop();
+    expect(args, Node::Kind::Tuple, newobj ? "NEWOBJ's arguments" : "REDUCE's arguments");
+    expect(callee, Node::Kind::Global, newobj ? "NEWOBJ's class" : "REDUCE's callable");
+    return counted(Node::object(callee, args->items, newobj));
+  }
+
+  void step() {
+    switch (op_) {
+      case 0x80: {  // PROTO
+        const uint64_t v = le(1);
+        if (v > 5) fail("protocol " + std::to_string(v) + " is not supported");
+        return;
+      }
+      case 0x95: {  // FRAME: a length prefix only
+        const uint64_t n = le(8);
+        if (n > d_.size() - pos_) fail("frame longer than the rest of the input");
+        return;
+      }
+      case '(':
+        marks_.push_back(stack_.size());
+        if (marks_.size() > limits_.max_stack) fail("too many marks");
+        return;
+      case 'N':
+        push(counted(Node::none()));
+        return;
+      case 0x88:
+        push(counted(Node::boolean(true)));
+        return;
+      case 0x89:
+        push(counted(Node::boolean(false)));
+        return;
+      case 'K':
+        push(counted(Node::integer(static_cast<int64_t>(le(1)))));
+        return;
+      case 'M':
+        push(counted(Node::integer(static_cast<int64_t>(le(2)))));
+        return;
+      case 'J':
+        push(counted(Node::integer(static_cast<int32_t>(static_cast<uint32_t>(le(4))))));
+        return;
+      case 0x8a: {  // LONG1: little-endian two's complement of n bytes
+        const uint64_t n = le(1);
+        if (n > 8) fail("integer of " + std::to_string(n) + " bytes does not fit 64 bits");
+        uint64_t v = n ? le(static_cast<int>(n)) : 0;
+        if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);  // sign
+        push(counted(Node::integer(static_cast<int64_t>(v))));
+        return;
+      }
+      case 'G': {  // BINFLOAT: big-endian double
+        const std::string b = take(8);
+        uint64_t bits = 0;
+        for (char c : b) bits = (bits << 8) | static_cast<uint8_t>(c);
+        double v;
+        std::memcpy(&v, &bits, sizeof v);
+        push(counted(Node::real(v)));
+        return;
+      }
+      case 0x8c:
+        push(counted(Node::str(take(le(1)))));
+        return;  // SHORT_BINUNICODE
+      case 'X':
+        push(counted(Node::str(take(le(4)))));
+        return;  // BINUNICODE
+      case 0x8d:
+        push(counted(Node::str(take(le(8)))));
+        return;     // BINUNICODE8
+      case 'C':     // SHORT_BINBYTES
+      case 'B':     // BINBYTES
+      case 0x8e: {  // BINBYTES8
+        NodePtr n = Node::str(take(le(op_ == 'C' ? 1 : op_ == 'B' ? 4 : 8)));
+        n->kind = Node::Kind::Bytes;
+        push(counted(n));
+        return;
+      }
+      case ')':
+        push(counted(Node::tuple({})));
+        return;
+      case 0x85:
+      case 0x86:
+      case 0x87: {  // TUPLE1..3
+        const size_t n = op_ - 0x84;
+        std::vector<NodePtr> items(n);
+        for (size_t k = n; k-- > 0;) items[k] = pop();
+        push(counted(Node::tuple(std::move(items))));
+        return;
+      }
+      case 't':
+        push(counted(Node::tuple(pop_mark())));
+        return;
+      case ']':
+        push(counted(Node::list({})));
+        return;
+      case 'l':
+        push(counted(Node::list(pop_mark())));
+        return;
+      case 'a': {  // APPEND
+        NodePtr v = pop();
+        expect(top(), Node::Kind::List, "APPEND's target").get()->items.push_back(std::move(v));
+        return;
+      }
+      case 'e': {  // APPENDS
+        std::vector<NodePtr> items = pop_mark();
+        auto& l = expect(top(), Node::Kind::List, "APPENDS' target")->items;
+        l.insert(l.end(), items.begin(), items.end());
+        return;
+      }
+      case '}':
+        push(counted(Node::dict({})));
+        return;
+      case 'd': {  // DICT
+        std::vector<NodePtr> items = pop_mark();
+        if (items.size() % 2) fail("DICT with an odd number of items");
+        NodePtr d = counted(Node::dict({}));
+        for (size_t k = 0; k < items.size(); k += 2) set_item(*d, items[k], items[k + 1]);
+        push(d);
+        return;
+      }
+      case 's': {  // SETITEM
+        NodePtr v = pop();
+        NodePtr k = pop();
+        set_item(*expect(top(), Node::Kind::Dict, "SETITEM's target"), k, v);
+        return;
+      }
+      case 'u': {  // SETITEMS
+        std::vector<NodePtr> items = pop_mark();
+        if (items.size() % 2) fail("SETITEMS with an odd number of items");
+        Node& d = *expect(top(), Node::Kind::Dict, "SETITEMS' target");
+        for (size_t k = 0; k < items.size(); k += 2) set_item(d, items[k], items[k + 1]);
+        return;
+      }
+      case 'c': {  // GLOBAL "module\nname\n"
+        std::string module = line();
+        std::string name = line();
+        push(global(std::move(module), std::move(name)));
+        return;
+      }
+      case 0x93: {  // STACK_GLOBAL
+        NodePtr name = pop();
+        NodePtr module = pop();
+        expect(name, Node::Kind::Str, "STACK_GLOBAL's name");
+        expect(module, Node::Kind::Str, "STACK_GLOBAL's module");
+        push(global(module->s, name->s));
+        return;
+      }
+      case 'R':
+        push(call(false));
+        return;
+      case 0x81:
+        push(call(true));
+        return;
+      case 'b': {  // BUILD
+        NodePtr state = pop();
+        Node& obj = *expect(top(), Node::Kind::Object, "BUILD's target");
+        if (obj.state) fail("BUILD applied twice to one object");
+        obj.state = std::move(state);
+        return;
+      }
+      case 0x94:
+        put_memo(memo_.size());
+        return;  // MEMOIZE
+      case 'q':
+        put_memo(le(1));
+        return;  // BINPUT
+      case 'r':
+        put_memo(le(4));
+        return;  // LONG_BINPUT
+      case 'h':
+        get_memo(le(1));
+        return;  // BINGET
+      case 'j':
+        get_memo(le(4));
+        return;  // LONG_BINGET
+      default:
+        fail("opcode not supported by this reader");
+    }
+  }
+
+  const std::string& d_;
+  const std::set<std::pair<std::string, std::string>>& allowed_;
+  const ReadLimits& limits_;
+  size_t pos_ = 0, op_pos_ = 0, nodes_ = 0;
+  uint8_t op_ = 0;
+  std::vector<NodePtr> stack_;
+  std::vector<size_t> marks_;
+  std::unordered_map<uint64_t, NodePtr> memo_;
+  std::unordered_map<const Node*, std::unordered_set<std::string>> keys_;  // per dict
+};
+
+// ---------------------------------------------------------------------------------------------
+// Writing
+
+class Writer {
+ public:
+  std::string run(const NodePtr& root) {
+    out_ += "\x80\x02";
+    emit(root, 0);
+    out_ += '.';
+    return out_;
+  }
+
+ private:
+  void u32(uint32_t v) {
+    for (int k = 0; k < 4; ++k) out_ += static_cast<char>((v >> (8 * k)) & 0xff);
+  }
+  void emit(const NodePtr& n, int depth) {
+    if (!n) throw PickleError("pickle write: null node");
+    if (depth > 256) throw PickleError("pickle write: deeper than 256 levels (cyclic?)");
+    switch (n->kind) {
+      case Node::Kind::None:
+        out_ += 'N';
+        return;
+      case Node::Kind::Bool:
+        out_ += n->b ? '\x88' : '\x89';
+        return;
+      case Node::Kind::Int:
+        return integer(n->i);
+      case Node::Kind::Float: {
+        uint64_t bits;
+        std::memcpy(&bits, &n->f, sizeof bits);
+        out_ += 'G';
+        for (int k = 7; k >= 0; --k) out_ += static_cast<char>((bits >> (8 * k)) & 0xff);
+        return;
+      }
+      case Node::Kind::Str:
+        if (n->s.size() > 0xffffffffu) throw PickleError("pickle write: string too long");
+        out_ += 'X';
+        u32(static_cast<uint32_t>(n->s.size()));
+        out_ += n->s;
+        return;
+      case Node::Kind::Bytes:
+        throw PickleError("pickle write: bytes need protocol 3, this writer emits protocol 2");
+      case Node::Kind::Tuple:
+        if (n->items.empty()) {
+          out_ += ')';
+        } else if (n->items.size() <= 3) {
+          for (const auto& x : n->items) emit(x, depth + 1);
+          out_ += static_cast<char>(0x84 + n->items.size());
+        } else {
+          out_ += '(';
+          for (const auto& x : n->items) emit(x, depth + 1);
+          out_ += 't';
+        }
+        return;
+      case Node::Kind::List:
+        out_ += ']';
+        if (!n->items.empty()) {
+          out_ += '(';
+          for (const auto& x : n->items) emit(x, depth + 1);
+          out_ += 'e';
+        }
+        return;
+      case Node::Kind::Dict:
+        out_ += '}';
+        if (!n->entries.empty()) {
+          out_ += '(';
+          for (const auto& [k, v] : n->entries) {
+            emit(k, depth + 1);
+            emit(v, depth + 1);
+          }
+          out_ += 'u';
+        }
+        return;
+      case Node::Kind::Global:
+        if (n->module.find('\n') != std::string::npos || n->name.find('\n') != std::string::npos)
+          throw PickleError("pickle write: newline in a global's name");
+        out_ += 'c' + n->module + '\n' + n->name + '\n';
+        return;
+      case Node::Kind::Object:
+        if (!n->callee || n->callee->kind != Node::Kind::Global)
+          throw PickleError("pickle write: an object's callee must be a global");
+        emit(n->callee, depth + 1);
+        emit(Node::tuple(n->items), depth + 1);
+        out_ += n->newobj ? '\x81' : 'R';
+        if (n->state) {
+          emit(n->state, depth + 1);
+          out_ += 'b';
+        }
+        return;
+    }
+  }
+  void integer(int64_t v) {
+    if (v >= 0 && v < 0x100) {
+      out_ += 'K';
+      out_ += static_cast<char>(v);
+    } else if (v >= 0 && v < 0x10000) {
+      out_ += 'M';
+      out_ += static_cast<char>(v & 0xff);
+      out_ += static_cast<char>(v >> 8);
+    } else if (v >= INT32_MIN && v <= INT32_MAX) {
+      out_ += 'J';
+      u32(static_cast<uint32_t>(static_cast<int32_t>(v)));
+    } else {  // LONG1, 8 bytes of two's complement
+      out_ += '\x8a';
+      out_ += '\x08';
+      const auto u = static_cast<uint64_t>(v);
+      for (int k = 0; k < 8; ++k) out_ += static_cast<char>((u >> (8 * k)) & 0xff);
+    }
+  }
+  std::string out_;
+};
+
+}  // namespace
+
+NodePtr read(const std::string& data, const std::set<std::pair<std::string, std::string>>& allowed,
+             const ReadLimits& limits) {
+  return Reader(data, allowed, limits).run();
+}
+
+std::string write(const NodePtr& root) { return Writer().run(root); }
+
+}  // namespace pickle
+}  // namespace checkpoint
+}  // namespace fsdp

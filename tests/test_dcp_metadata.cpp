@@ -1,0 +1,274 @@
+// The `.metadata` of PyTorch DCP checkpoints (issue 11, first layer): our writer's output reads
+// back; stock PyTorch's files parse and ours load in stock PyTorch (where a Python with torch >= 2
+// is at hand: the trixie chroot); hostile files are rejected with a ValueError, never a crash.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/pickle.h"
+#include "multi_rank.h"
+
+namespace dcp = fsdp::checkpoint::dcp;
+namespace pk = fsdp::checkpoint::pickle;
+
+namespace {
+
+std::string dims(const std::vector<int64_t>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? "," : "") + std::to_string(v[i]);
+  return out.empty() ? "-" : out;
+}
+
+// The canonical lines tests/dcp/dcp_python.py prints, from our parse.
+std::string describe(const dcp::Metadata& m) {
+  std::vector<std::string> lines;
+  for (const auto& [fqn, item] : m.state_dict_metadata) {
+    if (item.bytes) {
+      lines.push_back("B " + fqn);
+      continue;
+    }
+    std::string l =
+        "T " + fqn + " " + dcp::dtype_name(item.tensor.dtype) + " " + dims(item.tensor.size);
+    for (const auto& c : item.tensor.chunks) l += " " + dims(c.offsets) + ":" + dims(c.sizes);
+    lines.push_back(l);
+  }
+  for (const auto& [idx, info] : m.storage_data) {
+    lines.push_back("S " + idx.fqn + " " + (idx.offset ? dims(*idx.offset) : "None") + " " +
+                    (idx.index ? std::to_string(*idx.index) : "None") + " " + info.relative_path +
+                    " " + std::to_string(info.offset) + " " + std::to_string(info.length));
+  }
+  for (const auto& [key, path] : m.planner_data) {
+    std::string l = "P " + key;
+    for (const auto& e : path)
+      l += " " + (std::holds_alternative<std::string>(e) ? std::get<std::string>(e)
+                                                         : std::to_string(std::get<int64_t>(e)));
+    lines.push_back(l);
+  }
+  std::sort(lines.begin(), lines.end());
+  std::string out;
+  for (const auto& l : lines) out += l + "\n";
+  return out;
+}
+
+dcp::Metadata sample() {
+  dcp::Metadata m;
+  dcp::ItemMeta w;
+  w.tensor.dtype = at::kFloat;
+  w.tensor.size = {5, 4};
+  w.tensor.chunks = {{{0, 0}, {3, 4}}, {{3, 0}, {2, 4}}};
+  m.state_dict_metadata.emplace_back("model.w", w);
+  dcp::ItemMeta s;
+  s.tensor.dtype = at::kBFloat16;
+  s.tensor.chunks = {{{}, {}}};
+  m.state_dict_metadata.emplace_back("optim.state.w.step", s);
+  dcp::ItemMeta b;
+  b.bytes = true;
+  m.state_dict_metadata.emplace_back("epoch", b);
+  m.planner_data = {
+      {"model.w", {std::string("model"), std::string("w")}},
+      {"optim.param_groups.0.lr",
+       {std::string("optim"), std::string("param_groups"), int64_t{0}, std::string("lr")}}};
+  m.storage_data = {
+      {{"model.w", std::vector<int64_t>{0, 0}, 0}, {"__0_0.distcp", 0, 1180}},
+      {{"model.w", std::vector<int64_t>{3, 0}, 0}, {"__1_0.distcp", 0, 1100}},
+      {{"optim.state.w.step", std::vector<int64_t>{}, 0}, {"__0_0.distcp", 1180, 700}},
+      {{"epoch", std::nullopt, std::nullopt}, {"__0_0.distcp", 1880, 864}}};
+  return m;
+}
+
+std::string python() {
+#ifdef FSDP_TEST_PYTHON
+  return FSDP_TEST_PYTHON;
+#else
+  return "";
+#endif
+}
+
+std::string script() { return std::string(FSDP_TEST_SOURCE_DIR) + "/dcp/dcp_python.py"; }
+
+// Runs a command; its stdout, or a failure.
+std::string run(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>/dev/null").c_str(), "r");
+  if (!p) return "(popen failed)";
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int rc = pclose(p);
+  if (rc != 0) ADD_FAILURE() << cmd << " exited with " << rc;
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+TEST(DcpMetadata, WrittenMetadataReadsBack) {
+  const dcp::Metadata m = sample();
+  const std::string bytes = dcp::serialize_metadata(m);
+  const dcp::Metadata back = dcp::parse_metadata(bytes);
+  EXPECT_EQ(describe(back), describe(m));
+  EXPECT_EQ(back.version, "");
+  dcp::Metadata v = m;
+  v.version = "1.0.0";
+  EXPECT_EQ(dcp::parse_metadata(dcp::serialize_metadata(v)).version, "1.0.0");
+  // The canonical description notices a changed chunk (negative control).
+  dcp::Metadata other = m;
+  other.state_dict_metadata[0].second.tensor.chunks[1].sizes = {1, 4};
+  EXPECT_NE(describe(dcp::parse_metadata(dcp::serialize_metadata(other))), describe(m));
+}
+
+// Stock PyTorch writes a checkpoint; our reader sees what PyTorch's own reader sees.
+TEST(DcpMetadata, PythonWrittenMetadataParses) {
+  if (python().empty())
+    GTEST_SKIP() << "no Python with torch >= 2 and DCP (the trixie chroot has one)";
+  fsdp::testing::TempDir tmp;
+  const std::string dir = tmp.file("py");
+  run(python() + " -W ignore " + script() + " save " + dir);
+  const std::string want = run(python() + " -W ignore " + script() + " describe " + dir);
+  ASSERT_FALSE(want.empty());
+  const dcp::Metadata m = dcp::parse_metadata(read_file(dir + "/.metadata"), dir);
+  EXPECT_EQ(describe(m), want);
+  // Every item's bytes lie inside its data file.
+  for (const auto& [idx, info] : m.storage_data) {
+    const std::string data = read_file(dir + "/" + info.relative_path);
+    EXPECT_LE(info.offset + info.length, static_cast<int64_t>(data.size())) << idx.fqn;
+  }
+}
+
+// Our metadata, read by stock PyTorch's FileSystemReader, says the same.
+TEST(DcpMetadata, OurMetadataLoadsInPython) {
+  if (python().empty())
+    GTEST_SKIP() << "no Python with torch >= 2 and DCP (the trixie chroot has one)";
+  fsdp::testing::TempDir tmp;
+  const dcp::Metadata m = sample();
+  {
+    std::ofstream f(tmp.file(".metadata"), std::ios::binary);
+    f << dcp::serialize_metadata(m);
+  }
+  EXPECT_EQ(run(python() + " -W ignore " + script() + " describe " + tmp.path()), describe(m));
+}
+
+std::string with_proto(const std::string& body) { return std::string("\x80\x02", 2) + body; }
+
+// A byte string from a literal, NULs included.
+template <size_t N>
+std::string B(const char (&s)[N]) {
+  return std::string(s, N - 1);
+}
+
+// A table of hostile or broken files: each is a ValueError naming the problem.
+TEST(DcpMetadata, HostileFilesAreRejected) {
+  const std::string good = dcp::serialize_metadata(sample());
+  auto bad_meta = [](const std::function<void(dcp::Metadata&)>& edit) {
+    dcp::Metadata m = sample();
+    edit(m);
+    return dcp::serialize_metadata(m);
+  };
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"", "ends without STOP"},
+      {with_proto(""), "ends without STOP"},
+      {with_proto("\xff."), "not supported"},
+      {std::string("\x80\x06N.", 4), "protocol 6"},
+      {with_proto(B("cos\nsystem\n(X\x02\x00\x00\x00"
+                    "lstR.")),
+       "'os.system' is not allowed"},
+      {with_proto(B("X\x08\x00\x00\x00"
+                    "builtins"
+                    "X\x04\x00\x00\x00"
+                    "eval"
+                    "\x93.")),
+       "builtins.eval"},
+      {with_proto("X\xff\xff\xff\xff"), "runs past the end"},
+      {with_proto(B("\x8d\x00\x00\x00\x00\x00\x00\x00\x40")), "runs past the end"},
+      {with_proto("h\x05."), "never stored"},
+      {with_proto("a."), "stack underflow"},
+      {with_proto("t."), "no MARK"},
+      {with_proto("NN."), "expected one value"},
+      {with_proto(B("}(X\x01\x00\x00\x00"
+                    "aN"
+                    "X\x01\x00\x00\x00"
+                    "aNu.")),
+       "duplicate dict key 'a'"},
+      {with_proto(B("\x8a\x09\x01\x01\x01\x01\x01\x01\x01\x01\x01.")), "does not fit"},
+      {with_proto("ctorch\nSize\nNR."), "REDUCE's arguments"},
+      {with_proto(B("K\x01K\x01K\x02\x86\x81.")), "NEWOBJ's class"},
+      {with_proto("}N."), "expected one value"},
+      {with_proto("cunknown\nthing\n."), "'unknown.thing' is not allowed"},
+      {with_proto("ctorch\nfloat8_e4m3fn\n."), "not allowed"},
+      {with_proto("K\x07."), "expected torch.distributed.checkpoint.metadata.Metadata"},
+      {with_proto(B("\x95\xff\xff\xff\xff\xff\xff\xff\x7fN.")), "frame longer"},
+      {bad_meta([](dcp::Metadata& m) {
+         m.state_dict_metadata[0].second.tensor.chunks[1].offsets = {4, 0};
+       }),
+       "leaves the tensor"},
+      {bad_meta([](dcp::Metadata& m) {
+         m.state_dict_metadata[0].second.tensor.size = {-5, 4};
+       }),
+       "negative size"},
+      {bad_meta([](dcp::Metadata& m) {
+         m.state_dict_metadata[0].second.tensor.chunks[0].offsets = {0};
+       }),
+       "dims"},
+      {bad_meta([](dcp::Metadata& m) { m.storage_data[0].second.relative_path = "../evil"; }),
+       "not a plain file name"},
+      {bad_meta([](dcp::Metadata& m) { m.storage_data[0].second.relative_path = "/etc/passwd"; }),
+       "not a plain file name"},
+      {bad_meta([](dcp::Metadata& m) { m.storage_data[1].second.length = -1; }),
+       "negative offset or length"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    try {
+      dcp::parse_metadata(cases[i].first, "case " + std::to_string(i));
+      ADD_FAILURE() << "case " << i << " was accepted";
+    } catch (const fsdp::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(cases[i].second), std::string::npos)
+          << "case " << i << ": " << e.what();
+    }
+  }
+  // A BUILD applied twice, straight through the reader.
+  EXPECT_THROW(pk::read(with_proto("ctorch\nSize\n)\x81NbNb."), {{"torch", "Size"}}),
+               pk::PickleError);
+  // Limits hold before anything large is built.
+  pk::ReadLimits small;
+  small.max_stack = 100;
+  EXPECT_THROW(pk::read(with_proto(std::string(1000, '(') + "N."), {}, small), pk::PickleError);
+  small = pk::ReadLimits();
+  small.max_nodes = 50;
+  EXPECT_THROW(pk::read(with_proto(std::string(60, 'N') + "."), {}, small), pk::PickleError);
+  small = pk::ReadLimits();
+  small.max_bytes = 10;
+  EXPECT_THROW(pk::read(good, {}, small), pk::PickleError);
+  // Every truncation of a good file fails cleanly.
+  for (size_t n = 0; n < good.size(); ++n) {
+    EXPECT_THROW(dcp::parse_metadata(good.substr(0, n)), fsdp::ValueError) << "prefix " << n;
+  }
+}
+
+// Random byte changes of a good file: each parses or is a ValueError; nothing else happens.
+TEST(DcpMetadata, MutatedFilesNeverCrash) {
+  const std::string good = dcp::serialize_metadata(sample());
+  std::mt19937 rng(42);
+  int accepted = 0, rejected = 0;
+  for (int k = 0; k < 4000; ++k) {
+    std::string bad = good;
+    const int flips = 1 + static_cast<int>(rng() % 3);
+    for (int f = 0; f < flips; ++f) bad[rng() % bad.size()] = static_cast<char>(rng() & 0xff);
+    try {
+      dcp::parse_metadata(bad);
+      ++accepted;
+    } catch (const fsdp::ValueError&) {
+      ++rejected;
+    }
+  }
+  EXPECT_GT(rejected, 2000);
+  std::printf("mutated .metadata files: %d rejected, %d still parse\n", rejected, accepted);
+}
+
+}  // namespace
