@@ -3,6 +3,8 @@
   dcp_python.py save DIR       a DCP checkpoint of a fixed state dict, written by stock
                                torch.distributed.checkpoint (single process)
   dcp_python.py describe DIR   DIR/.metadata as read by stock DCP, one canonical line per item
+  dcp_python.py values DIR     loads every item of DIR with stock dcp.load into a flat template
+                               built from its metadata; prints "<key> <dtype> <values>" per item
 
 The canonical lines (the C++ test prints the same from its own parse):
   T <fqn> <dtype> <size> <chunk offsets>:<chunk sizes> ...   a tensor
@@ -40,6 +42,25 @@ def describe(path):
     print("\n".join(sorted(lines)))
 
 
+def values(path):
+    md = dcp.FileSystemReader(path).read_metadata()
+    target = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, dcp.metadata.BytesStorageMetadata):
+            target[fqn] = None
+        else:
+            target[fqn] = torch.full(tuple(item.size), -1, dtype=item.properties.dtype)
+    dcp.load(target, checkpoint_id=path)
+    lines = []
+    for k, v in target.items():
+        if isinstance(v, torch.Tensor):
+            vals = ",".join(repr(float(x)) for x in v.flatten().to(torch.float64).tolist())
+            lines.append(f"{k} {str(v.dtype).replace('torch.', '')} {vals}")
+        else:
+            lines.append(f"{k} value {v!r}")
+    print("\n".join(sorted(lines)))
+
+
 def save(path):
     sd = {
         "model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.zeros(3, dtype=torch.bfloat16),
@@ -52,4 +73,4 @@ def save(path):
 
 
 if __name__ == "__main__":
-    {"save": save, "describe": describe}[sys.argv[1]](sys.argv[2])
+    {"save": save, "describe": describe, "values": values}[sys.argv[1]](sys.argv[2])

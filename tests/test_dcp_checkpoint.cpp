@@ -1,0 +1,307 @@
+// DCP checkpoints on disk (issue 11, first cut): save and load round trips at one and several
+// ranks, resharding a wrapped model and its optimizer from W=2 to W=3, coverage and key errors,
+// and stock PyTorch's dcp.load / dcp.save as the reference (LibTorch 2.x build with its Python).
+#include <gtest/gtest.h>
+
+#include <charconv>
+#include <cstdio>
+#include <fstream>
+
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/state_dict.h"
+#include "fsdp/errors.h"
+#include "multi_rank.h"
+#include "optim_testing.h"
+#include "state_dict_testing.h"
+#include "tiny_lm.h"
+
+namespace ckpt = fsdp::checkpoint;
+using fsdp::FullyShardedDataParallel;
+using fsdp::ShardingStrategy;
+using fsdp::StateDict;
+using fsdp::StateList;
+using fsdp::StateValue;
+using fsdp::dist::ProcessGroup;
+using fsdp::testing::run_ranks;
+using fsdp::testing::TinyLM;
+
+namespace {
+
+// Python's repr of a float (shortest round trip, "1.0" rather than "1").
+std::string py_float(double x) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, x);
+  std::string s(buf, r.ptr);
+  if (s.find_first_of(".eninf") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string py_repr(const StateValue& v) {
+  switch (v.kind()) {
+    case StateValue::Kind::None:
+      return "None";
+    case StateValue::Kind::Bool:
+      return v.to_bool() ? "True" : "False";
+    case StateValue::Kind::Int:
+      return std::to_string(v.to_int());
+    case StateValue::Kind::Double:
+      return py_float(v.to_double());
+    case StateValue::Kind::String:
+      return "'" + v.string() + "'";
+    case StateValue::Kind::List: {
+      std::string out = "[";
+      for (size_t i = 0; i < v.list().size(); ++i) out += (i ? ", " : "") + py_repr(v.list()[i]);
+      return out + "]";
+    }
+    default:
+      return "?";
+  }
+}
+
+// What tests/dcp/dcp_python.py "values" prints, for a flat dict of DCP keys.
+std::string values_text(const StateDict& flat) {
+  std::vector<std::string> lines;
+  for (const auto& [k, v] : flat) {
+    if (v.is_tensor()) {
+      const at::Tensor t = v.tensor().to(at::kDouble).reshape({-1});
+      std::string vals;
+      for (int64_t i = 0; i < t.numel(); ++i)
+        vals += (i ? "," : "") + py_float(t[i].item<double>());
+      std::string dtype = c10::toString(v.tensor().scalar_type());
+      const std::map<std::string, std::string> names{
+          {"Float", "float32"}, {"BFloat16", "bfloat16"}, {"Long", "int64"}, {"Double", "float64"}};
+      lines.push_back(k + " " + names.at(dtype) + " " + vals);
+    } else {
+      lines.push_back(k + " value " + py_repr(v));
+    }
+  }
+  std::sort(lines.begin(), lines.end());
+  std::string out;
+  for (const auto& l : lines) out += l + "\n";
+  return out;
+}
+
+StateDict sample() {
+  StateDict model;
+  model.insert_or_assign("w", at::arange(12, at::kFloat).reshape({3, 4}));
+  model.insert_or_assign("b", at::tensor({0.5, -1.0, 2.0}).to(at::kBFloat16));
+  model.insert_or_assign("i", at::tensor({1, 2}, at::kLong));
+  model.insert_or_assign("s", at::scalar_tensor(2.5));
+  model.insert_or_assign("e", at::zeros({0, 3}));
+  StateDict st;
+  st.insert_or_assign("step", at::scalar_tensor(3.0));
+  st.insert_or_assign("exp_avg", at::full({3, 4}, 0.25));
+  StateDict state;
+  state.insert_or_assign("w", st);
+  StateDict group;
+  group.insert_or_assign("lr", 0.01);
+  group.insert_or_assign("betas", StateList{StateValue(0.9), StateValue(0.999)});
+  group.insert_or_assign("params", StateList{StateValue("w")});
+  group.insert_or_assign("amsgrad", false);
+  StateDict optim;
+  optim.insert_or_assign("state", state);
+  optim.insert_or_assign("param_groups", StateList{StateValue(group)});
+  StateDict sd;
+  sd.insert_or_assign("model", model);
+  sd.insert_or_assign("optim", optim);
+  sd.insert_or_assign("epoch", int64_t{7});
+  sd.insert_or_assign("name", "run");
+  return sd;
+}
+
+// A template of `sd`'s structure: tensors of the same shape filled with -1, values replaced.
+StateValue blank(const StateValue& v) {
+  if (v.is_tensor()) return at::full(v.tensor().sizes(), -1, v.tensor().options());
+  if (v.is_dict()) {
+    StateDict d;
+    for (const auto& [k, x] : v.dict()) d.insert_or_assign(k, blank(x));
+    return d;
+  }
+  if (v.is_list()) {
+    StateList l;
+    for (const auto& x : v.list()) l.push_back(blank(x));
+    return l;
+  }
+  return StateValue();
+}
+
+StateDict flat_of(const StateDict& sd) {
+  // DCP keys for the sample: its lists hold no dicts below param_groups' entries.
+  StateDict out;
+  std::function<void(const StateValue&, const std::string&)> go = [&](const StateValue& v,
+                                                                      const std::string& k) {
+    if (v.is_dict()) {
+      for (const auto& [kk, x] : v.dict()) go(x, k.empty() ? kk : k + "." + kk);
+    } else if (v.is_list() && !v.list().empty() && v.list()[0].is_dict()) {
+      for (size_t i = 0; i < v.list().size(); ++i) go(v.list()[i], k + "." + std::to_string(i));
+    } else {
+      out.insert_or_assign(k, v);
+    }
+  };
+  go(StateValue(sd), "");
+  return out;
+}
+
+std::string python() {
+#ifdef FSDP_TEST_PYTHON
+  return FSDP_TEST_PYTHON;
+#else
+  return "";
+#endif
+}
+std::string script() { return std::string(FSDP_TEST_SOURCE_DIR) + "/dcp/dcp_python.py"; }
+std::string run(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen((cmd + " 2>/dev/null").c_str(), "r");
+  if (!p) return "(popen failed)";
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  if (pclose(p) != 0) ADD_FAILURE() << cmd << " failed";
+  return out;
+}
+
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const fsdp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(DcpCheckpoint, SaveAndLoadRoundTripInOneProcess) {
+  fsdp::testing::TempDir tmp;
+  run_ranks(1, [&](ProcessGroup&) {
+    const StateDict sd = sample();
+    ckpt::save(sd, tmp.file("c"));
+    StateDict loaded = blank(StateValue(sd)).dict();
+    ckpt::load(loaded, tmp.file("c"));
+    EXPECT_EQ(values_text(flat_of(loaded)), values_text(flat_of(sd)));
+    // Negative control: the comparison sees one changed element.
+    StateDict other = sample();
+    other.at("model").dict().at("w").tensor()[1][2] = 100;
+    EXPECT_NE(values_text(flat_of(other)), values_text(flat_of(sd)));
+    // A key the checkpoint lacks, a shape that differs: named, nothing loaded.
+    StateDict extra = blank(StateValue(sd)).dict();
+    extra.at("model").dict().insert_or_assign("nope", at::zeros({2}));
+    EXPECT_NE(error_of([&] { ckpt::load(extra, tmp.file("c")); }).find("'model.nope'"),
+              std::string::npos);
+    StateDict wrong = blank(StateValue(sd)).dict();
+    wrong.at("model").dict().insert_or_assign("w", at::zeros({4, 3}));
+    EXPECT_NE(error_of([&] { ckpt::load(wrong, tmp.file("c")); }).find("'model.w' has shape"),
+              std::string::npos);
+    EXPECT_EQ(wrong.at("epoch").is_none(), true) << "nothing changed before the error";
+    EXPECT_NE(error_of([&] { ckpt::load(extra, tmp.file("none")); }).find("does not exist"),
+              std::string::npos);
+  });
+}
+
+// Saved chunks that leave part of a tensor uncovered: the load names the key and the count.
+TEST(DcpCheckpoint, UncoveredElementsAreNamed) {
+  fsdp::testing::TempDir tmp;
+  run_ranks(1, [&](ProcessGroup&) {
+    const at::Tensor full = at::arange(20, at::kFloat).reshape({5, 4});
+    StateDict sd;  // only rows 0..2 of 5 are saved
+    sd.insert_or_assign(
+        "t", fsdp::ShardedTensor({5, 4}, at::kFloat,
+                                 {fsdp::Shard{full.narrow(0, 0, 3).clone(), {{0, 0}, {3, 4}, 0}}}));
+    ckpt::save(sd, tmp.file("c"));
+    StateDict whole;
+    whole.insert_or_assign("t", at::zeros({5, 4}));
+    EXPECT_NE(error_of([&] { ckpt::load(whole, tmp.file("c")); }).find("8 element(s) of 't'"),
+              std::string::npos);
+    StateDict top;  // what is covered loads
+    top.insert_or_assign("t", fsdp::chunk_sharded(at::zeros({5, 4}), 0, 2));  // rows 0..2
+    ckpt::load(top, tmp.file("c"));
+    EXPECT_TRUE(
+        torch::equal(top.at("t").sharded_tensor().local_shards()[0].tensor, full.narrow(0, 0, 3)));
+  });
+}
+
+// The acceptance scenario's core: a wrapped model and its optimizer saved at W=2 (each rank its
+// own pieces) load at W=3 under another strategy and use_orig_params, bit-exactly.
+TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
+  fsdp::testing::TempDir tmp, ref;
+  run_ranks(2, [&](ProcessGroup& pg) {
+    TinyLM m(7);
+    FullyShardedDataParallel model(m, fsdp::testing::lm_options(m));
+    auto opt =
+        fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
+    for (int s = 0; s < 2; ++s) {
+      opt->zero_grad();
+      auto idx = fsdp::testing::lm_tokens(2, 1000 * s + pg.rank());
+      fsdp::testing::lm_loss(model->forward(idx), idx).backward();
+      opt->step();
+    }
+    auto [msd, osd] = ckpt::get_state_dict(model, *opt);
+    StateDict sd;
+    sd.insert_or_assign("model", msd);
+    sd.insert_or_assign("optim", osd);
+    ckpt::save(sd, tmp.file("step2"));
+    const auto full = ckpt::StateDictOptions().full_state_dict(true);
+    auto [fm, fo] = ckpt::get_state_dict(model, *opt, full);
+    if (pg.rank() == 0) {
+      fsdp::testing::save_pieces(fm, 0, ref.path(), "m_");
+      fsdp::testing::save_osd(fo, 0, ref.path());
+    }
+  });
+  run_ranks(3, [&](ProcessGroup&) {
+    TinyLM m(99);
+    FullyShardedDataParallel model(
+        m, fsdp::testing::lm_options(m, ShardingStrategy::SHARD_GRAD_OP, true));
+    auto opt =
+        fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
+    auto [msd, osd] = ckpt::get_state_dict(model, *opt);  // the template: this rank's pieces
+    StateDict sd;
+    sd.insert_or_assign("model", msd);
+    sd.insert_or_assign("optim", osd);
+    ckpt::load(sd, tmp.file("step2"));
+    ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
+    const auto full = ckpt::StateDictOptions().full_state_dict(true);
+    auto [fm, fo] = ckpt::get_state_dict(model, *opt, full);
+    fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref.path(), "m_"), "W=3");
+    EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref.path()), 0, 0), "");
+  });
+  // Stock PyTorch loads the W=2 checkpoint (chunks from two files) whole, with the same values.
+  if (!python().empty()) {
+    StateDict full;
+    full.insert_or_assign("model", fsdp::testing::load_pieces(1, ref.path(), "m_"));
+    full.insert_or_assign("optim", fsdp::testing::load_osd(1, ref.path()));
+    EXPECT_EQ(run(python() + " -W ignore " + script() + " values " + tmp.file("step2")),
+              values_text(flat_of(full)));
+  }
+}
+
+// Stock PyTorch's dcp.load reads our checkpoint with equal values; ours reads dcp.save's.
+TEST(DcpCheckpoint, PythonLoadsOursAndWeLoadPythons) {
+  if (python().empty())
+    GTEST_SKIP() << "no Python with torch >= 2 and DCP (the trixie chroot has one)";
+  fsdp::testing::TempDir tmp;
+  run_ranks(1, [&](ProcessGroup&) {
+    const StateDict sd = sample();
+    ckpt::save(sd, tmp.file("ours"));
+    // Python's template is flat (DCP keys); bytes values print as Python reprs.
+    EXPECT_EQ(run(python() + " -W ignore " + script() + " values " + tmp.file("ours")),
+              values_text(flat_of(sd)));
+
+    run(python() + " -W ignore " + script() + " save " + tmp.file("theirs"));
+    StateDict theirs = blank(StateValue(sample())).dict();
+    theirs.at("model").dict().erase("e");  // dcp_python.py's dict has no empty tensor
+    theirs.erase("name");
+    theirs.at("optim").dict().at("param_groups").list()[0].dict().erase("amsgrad");
+    ckpt::load(theirs, tmp.file("theirs"));
+    const StateDict& m = theirs.at("model").dict();
+    EXPECT_TRUE(torch::equal(m.at("w").tensor(), at::arange(12, at::kFloat).reshape({3, 4})));
+    EXPECT_TRUE(torch::equal(m.at("i").tensor(), at::tensor({1, 2}, at::kLong)));
+    EXPECT_EQ(m.at("s").tensor().item<double>(), 2.5);
+    EXPECT_EQ(theirs.at("epoch").to_int(), 7);
+    const StateDict& g = theirs.at("optim").dict().at("param_groups").list()[0].dict();
+    EXPECT_DOUBLE_EQ(g.at("lr").to_double(), 0.01);
+    EXPECT_EQ(py_repr(g.at("betas")), "[0.9, 0.999]");
+    EXPECT_EQ(py_repr(g.at("params")), "['w']");
+  });
+}
+
+}  // namespace
