@@ -198,6 +198,36 @@ TEST(DcpCheckpoint, SaveAndLoadRoundTripInOneProcess) {
   });
 }
 
+// Damaged files are errors naming the file, never crashes (silent corruption of tensor bytes
+// needs the checksums still to come).
+TEST(DcpCheckpoint, DamagedFilesAreErrors) {
+  fsdp::testing::TempDir tmp;
+  run_ranks(1, [&](ProcessGroup&) {
+    ckpt::save(sample(), tmp.file("c"));
+    const std::string data = tmp.file("c") + "/__0_0.distcp";
+    std::string bytes;
+    {
+      std::ifstream f(data, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    auto write = [&](const std::string& b) { std::ofstream(data, std::ios::binary) << b; };
+    auto load_error = [&] {
+      StateDict t = blank(StateValue(sample())).dict();
+      return error_of([&] { ckpt::load(t, tmp.file("c")); });
+    };
+    write(bytes.substr(0, bytes.size() / 2));  // truncated
+    EXPECT_NE(load_error().find("__0_0.distcp has"), std::string::npos) << load_error();
+    std::string garbage = bytes;  // every item's archive overwritten
+    for (size_t i = 0; i < garbage.size(); i += 7) garbage[i] = static_cast<char>(i * 31);
+    write(garbage);
+    EXPECT_NE(load_error().find("__0_0.distcp"), std::string::npos) << load_error();
+    write(bytes);
+    EXPECT_EQ(load_error(), "(no error)");
+    std::ofstream(tmp.file("c") + "/.metadata", std::ios::binary) << "not a pickle";
+    EXPECT_NE(load_error().find(".metadata"), std::string::npos) << load_error();
+  });
+}
+
 // Saved chunks that leave part of a tensor uncovered: the load names the key and the count.
 TEST(DcpCheckpoint, UncoveredElementsAreNamed) {
   fsdp::testing::TempDir tmp;

@@ -318,6 +318,10 @@ void load(StateDict& state_dict, const std::string& dir) {
       throw ValueError("checkpoint load: " + meta_path +
                        " does not exist (incomplete or no checkpoint)");
     const auto size = static_cast<int64_t>(f.tellg());
+    constexpr int64_t kMaxMetadata = int64_t{64} << 20;  // the pickle reader's limit
+    if (size > kMaxMetadata)
+      throw ValueError("checkpoint load: " + meta_path + " has " + std::to_string(size) +
+                       " bytes, more than the " + std::to_string(kMaxMetadata) + " accepted");
     meta_bytes = read_range(meta_path, 0, size);
   }
   const dcp::Metadata md = dcp::parse_metadata(meta_bytes, meta_path);
@@ -338,7 +342,12 @@ void load(StateDict& state_dict, const std::string& dir) {
     at::Tensor dst;                       // a view of the target
     std::vector<int64_t> src_lo, extent;  // region of the chunk
   };
-  std::map<const dcp::StorageInfo*, std::pair<std::string, std::vector<Copy>>> reads;
+  struct Read {
+    std::string first;  // the key, for messages
+    std::vector<Copy> second;
+    at::ScalarType dtype = at::kFloat;
+  };
+  std::map<const dcp::StorageInfo*, Read> reads;
   std::vector<std::pair<StateValue*, const dcp::StorageInfo*>> values;
   for (const FlatItem& it : flatten(state_dict)) {
     StateValue& v = *it.value;
@@ -400,6 +409,7 @@ void load(StateDict& state_dict, const std::string& dir) {
         cp.dst = dst;
         auto& r = reads[info->second];
         r.first = it.key;
+        r.dtype = item.tensor.dtype;
         r.second.push_back(std::move(cp));
       }
       const int64_t missing = covered.numel() - covered.sum().item<int64_t>();
@@ -421,6 +431,10 @@ void load(StateDict& state_dict, const std::string& dir) {
       throw ValueError("checkpoint load: '" + job.first + "' in " + path + " at " +
                        std::to_string(info->offset) + " is not a readable tensor: " + e.what());
     }
+    if (chunk.scalar_type() != job.dtype)
+      throw ValueError("checkpoint load: '" + job.first + "' chunk in " + path + " holds " +
+                       c10::toString(chunk.scalar_type()) + ", the metadata says " +
+                       c10::toString(job.dtype));
     for (auto& cp : job.second) {
       at::Tensor src = chunk;
       if (src.dim() != static_cast<int64_t>(cp.extent.size()))
