@@ -11,10 +11,22 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
 
 namespace fsdp {
 namespace testing {
+
+/// The message of the fsdp::Error `fn` throws, or "(no error)".
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const fsdp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
 
 /// The model's FULL state dict (whatever type it is set to otherwise). Collective.
 inline StateDict full_of(FullyShardedDataParallel& model) {

@@ -20,6 +20,7 @@ using fsdp::ShardingStrategy;
 using fsdp::StateDict;
 using fsdp::StateDictType;
 using fsdp::dist::ProcessGroup;
+using fsdp::testing::error_of;
 using fsdp::testing::lm_loss;
 using fsdp::testing::lm_options;
 using fsdp::testing::lm_tokens;
@@ -79,16 +80,6 @@ std::string flat_equal(const StateDict& a, const StateDict& b) {
     if (v.is_list() && v.list().size() != w.list().size()) return k + ": list";
   }
   return "";
-}
-
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const fsdp::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 struct WorldCase {

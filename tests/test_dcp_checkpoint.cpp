@@ -12,6 +12,7 @@
 #include "fsdp/errors.h"
 #include "multi_rank.h"
 #include "optim_testing.h"
+#include "python_ref.h"
 #include "state_dict_testing.h"
 #include "tiny_lm.h"
 
@@ -22,6 +23,7 @@ using fsdp::StateDict;
 using fsdp::StateList;
 using fsdp::StateValue;
 using fsdp::dist::ProcessGroup;
+using fsdp::testing::error_of;
 using fsdp::testing::run_ranks;
 using fsdp::testing::TinyLM;
 
@@ -140,35 +142,6 @@ StateDict flat_of(const StateDict& sd) {
   };
   go(StateValue(sd), "");
   return out;
-}
-
-std::string python() {
-#ifdef FSDP_TEST_PYTHON
-  return FSDP_TEST_PYTHON;
-#else
-  return "";
-#endif
-}
-std::string script() { return std::string(FSDP_TEST_SOURCE_DIR) + "/dcp/dcp_python.py"; }
-std::string run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>/dev/null").c_str(), "r");
-  if (!p) return "(popen failed)";
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  if (pclose(p) != 0) ADD_FAILURE() << cmd << " failed";
-  return out;
-}
-
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const fsdp::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 TEST(DcpCheckpoint, SaveAndLoadRoundTripInOneProcess) {
@@ -295,28 +268,30 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
     EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref.path()), 0, 0), "");
   });
   // Stock PyTorch loads the W=2 checkpoint (chunks from two files) whole, with the same values.
-  if (!python().empty()) {
+  if (!fsdp::testing::python().empty()) {
     StateDict full;
     full.insert_or_assign("model", fsdp::testing::load_pieces(1, ref.path(), "m_"));
     full.insert_or_assign("optim", fsdp::testing::load_osd(1, ref.path()));
-    EXPECT_EQ(run(python() + " -W ignore " + script() + " values " + tmp.file("step2")),
-              values_text(flat_of(full)));
+    EXPECT_EQ(
+        fsdp::testing::run_command(fsdp::testing::dcp_python() + "values " + tmp.file("step2")),
+        values_text(flat_of(full)));
   }
 }
 
 // Stock PyTorch's dcp.load reads our checkpoint with equal values; ours reads dcp.save's.
 TEST(DcpCheckpoint, PythonLoadsOursAndWeLoadPythons) {
-  if (python().empty())
+  if (fsdp::testing::python().empty())
     GTEST_SKIP() << "no Python with torch >= 2 and DCP (the trixie chroot has one)";
   fsdp::testing::TempDir tmp;
   run_ranks(1, [&](ProcessGroup&) {
     const StateDict sd = sample();
     ckpt::save(sd, tmp.file("ours"));
     // Python's template is flat (DCP keys); bytes values print as Python reprs.
-    EXPECT_EQ(run(python() + " -W ignore " + script() + " values " + tmp.file("ours")),
-              values_text(flat_of(sd)));
+    EXPECT_EQ(
+        fsdp::testing::run_command(fsdp::testing::dcp_python() + "values " + tmp.file("ours")),
+        values_text(flat_of(sd)));
 
-    run(python() + " -W ignore " + script() + " save " + tmp.file("theirs"));
+    fsdp::testing::run_command(fsdp::testing::dcp_python() + "save " + tmp.file("theirs"));
     StateDict theirs = blank(StateValue(sample())).dict();
     theirs.at("model").dict().erase("e");  // dcp_python.py's dict has no empty tensor
     theirs.erase("name");

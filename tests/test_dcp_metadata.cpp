@@ -12,6 +12,7 @@
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/pickle.h"
 #include "multi_rank.h"
+#include "python_ref.h"
 
 namespace dcp = fsdp::checkpoint::dcp;
 namespace pk = fsdp::checkpoint::pickle;
@@ -81,29 +82,6 @@ dcp::Metadata sample() {
   return m;
 }
 
-std::string python() {
-#ifdef FSDP_TEST_PYTHON
-  return FSDP_TEST_PYTHON;
-#else
-  return "";
-#endif
-}
-
-std::string script() { return std::string(FSDP_TEST_SOURCE_DIR) + "/dcp/dcp_python.py"; }
-
-// Runs a command; its stdout, or a failure.
-std::string run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen((cmd + " 2>/dev/null").c_str(), "r");
-  if (!p) return "(popen failed)";
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  const int rc = pclose(p);
-  if (rc != 0) ADD_FAILURE() << cmd << " exited with " << rc;
-  return out;
-}
-
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
@@ -126,12 +104,13 @@ TEST(DcpMetadata, WrittenMetadataReadsBack) {
 
 // Stock PyTorch writes a checkpoint; our reader sees what PyTorch's own reader sees.
 TEST(DcpMetadata, PythonWrittenMetadataParses) {
-  if (python().empty())
+  if (fsdp::testing::python().empty())
     GTEST_SKIP() << "no Python with torch >= 2 and DCP (the trixie chroot has one)";
   fsdp::testing::TempDir tmp;
   const std::string dir = tmp.file("py");
-  run(python() + " -W ignore " + script() + " save " + dir);
-  const std::string want = run(python() + " -W ignore " + script() + " describe " + dir);
+  fsdp::testing::run_command(fsdp::testing::dcp_python() + "save " + dir);
+  const std::string want =
+      fsdp::testing::run_command(fsdp::testing::dcp_python() + "describe " + dir);
   ASSERT_FALSE(want.empty());
   const dcp::Metadata m = dcp::parse_metadata(read_file(dir + "/.metadata"), dir);
   EXPECT_EQ(describe(m), want);
@@ -144,7 +123,7 @@ TEST(DcpMetadata, PythonWrittenMetadataParses) {
 
 // Our metadata, read by stock PyTorch's FileSystemReader, says the same.
 TEST(DcpMetadata, OurMetadataLoadsInPython) {
-  if (python().empty())
+  if (fsdp::testing::python().empty())
     GTEST_SKIP() << "no Python with torch >= 2 and DCP (the trixie chroot has one)";
   fsdp::testing::TempDir tmp;
   const dcp::Metadata m = sample();
@@ -152,7 +131,8 @@ TEST(DcpMetadata, OurMetadataLoadsInPython) {
     std::ofstream f(tmp.file(".metadata"), std::ios::binary);
     f << dcp::serialize_metadata(m);
   }
-  EXPECT_EQ(run(python() + " -W ignore " + script() + " describe " + tmp.path()), describe(m));
+  EXPECT_EQ(fsdp::testing::run_command(fsdp::testing::dcp_python() + "describe " + tmp.path()),
+            describe(m));
 }
 
 std::string with_proto(const std::string& body) { return std::string("\x80\x02", 2) + body; }

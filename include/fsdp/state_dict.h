@@ -105,11 +105,20 @@ ShardedTensor sharded_from_flat_range(std::vector<int64_t> global_shape, int64_t
                                       const at::Tensor& data, int rank,
                                       std::vector<ShardMetadata> global_metadata = {});
 
+/// The view of `full` (a tensor of the global shape) at `box`.
+at::Tensor box_view(const at::Tensor& full, const ShardMetadata& box);
+
 /// Keys a non-strict load skipped (PyTorch's _IncompatibleKeys).
 struct LoadResult {
   std::vector<std::string> missing_keys;
   std::vector<std::string> unexpected_keys;
 };
+
+namespace detail {
+/// PyTorch's strict-load message: "Error(s) in loading state_dict: Missing key(s) in state_dict:
+/// "a", "b". Unexpected key(s) in state_dict: "c"."; empty if there are no such keys.
+std::string load_keys_error(const LoadResult& r);
+}  // namespace detail
 
 /// An insertion-ordered map of string keys to StateValue.
 class StateDict {

@@ -240,12 +240,8 @@ void fill(const at::Tensor& full, const StateValue& v) {
     v.tensor().copy_(full);
     return;
   }
-  for (const auto& s : v.sharded_tensor().local_shards()) {
-    at::Tensor part = full;
-    for (size_t d = 0; d < s.metadata.offsets.size(); ++d)
-      part = part.narrow(static_cast<int64_t>(d), s.metadata.offsets[d], s.metadata.sizes[d]);
-    s.tensor.copy_(part);
-  }
+  for (const auto& s : v.sharded_tensor().local_shards())
+    s.tensor.copy_(box_view(full, s.metadata));
 }
 
 // The value at `path` inside `sd` (which has it: the path came from flattening `sd`).

@@ -241,17 +241,7 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
   detail::require_idle(st, "load_state_dict");
   detail::NoShardFallback fallback(st);  // SHARDED/LOCAL on NO_SHARD units load as FULL
   Plan plan = plan_load(st, sd, strict_dtype);
-  if (plan.error.empty() && strict &&
-      (!plan.result.missing_keys.empty() || !plan.result.unexpected_keys.empty())) {
-    plan.error = "Error(s) in loading state_dict:";
-    if (!plan.result.missing_keys.empty()) {
-      plan.error += " Missing key(s) in state_dict: " + key_list(plan.result.missing_keys) + ".";
-    }
-    if (!plan.result.unexpected_keys.empty()) {
-      plan.error +=
-          " Unexpected key(s) in state_dict: " + key_list(plan.result.unexpected_keys) + ".";
-    }
-  }
+  if (plan.error.empty() && strict) plan.error = detail::load_keys_error(plan.result);
   // Non-strict loads skip keys; every rank must skip the same ones, or ranks would end up with
   // different models. (`strict` is the same on every rank, so all or none take part. A rank that
   // already failed sends a marker and is not compared: its own error is reported below.)
@@ -336,15 +326,7 @@ LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const Sta
     for (const auto& [k, v] : sd) {
       if (!km.managed.count(k) && !km.unmanaged.count(k)) plan.result.unexpected_keys.push_back(k);
     }
-    if (plan.error.empty() && strict &&
-        (!plan.result.missing_keys.empty() || !plan.result.unexpected_keys.empty())) {
-      plan.error = "Error(s) in loading state_dict:";
-      if (!plan.result.missing_keys.empty())
-        plan.error += " Missing key(s) in state_dict: " + key_list(plan.result.missing_keys) + ".";
-      if (!plan.result.unexpected_keys.empty())
-        plan.error +=
-            " Unexpected key(s) in state_dict: " + key_list(plan.result.unexpected_keys) + ".";
-    }
+    if (plan.error.empty() && strict) plan.error = detail::load_keys_error(plan.result);
   }
   const auto errors = pg.all_gather_bytes(plan.error);
   for (size_t r = 0; r < errors.size(); ++r) {

@@ -396,6 +396,27 @@ StateDict module_state_dict(const torch::nn::Module& module) {
   return sd;
 }
 
+at::Tensor box_view(const at::Tensor& full, const ShardMetadata& box) {
+  at::Tensor part = full;
+  for (size_t d = 0; d < box.offsets.size(); ++d)
+    part = part.narrow(static_cast<int64_t>(d), box.offsets[d], box.sizes[d]);
+  return part;
+}
+
+std::string detail::load_keys_error(const LoadResult& r) {
+  if (r.missing_keys.empty() && r.unexpected_keys.empty()) return "";
+  auto list = [](const std::vector<std::string>& keys) {
+    std::string out;
+    for (const auto& k : keys) out += (out.empty() ? "\"" : ", \"") + k + "\"";
+    return out;
+  };
+  std::string e = "Error(s) in loading state_dict:";
+  if (!r.missing_keys.empty()) e += " Missing key(s) in state_dict: " + list(r.missing_keys) + ".";
+  if (!r.unexpected_keys.empty())
+    e += " Unexpected key(s) in state_dict: " + list(r.unexpected_keys) + ".";
+  return e;
+}
+
 LoadResult load_module_state_dict(torch::nn::Module& module, const StateDict& sd, bool strict) {
   const StateDict own = module_state_dict(module);
   LoadResult result;
@@ -437,19 +458,7 @@ LoadResult load_module_state_dict(torch::nn::Module& module, const StateDict& sd
   for (const auto& [key, v] : sd) {
     if (!own.contains(key)) result.unexpected_keys.push_back(key);
   }
-  if (error.empty() && strict &&
-      (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
-    error = "Error(s) in loading state_dict:";
-    auto list = [](const std::vector<std::string>& keys) {
-      std::string out;
-      for (const auto& k : keys) out += (out.empty() ? "\"" : ", \"") + k + "\"";
-      return out;
-    };
-    if (!result.missing_keys.empty())
-      error += " Missing key(s) in state_dict: " + list(result.missing_keys) + ".";
-    if (!result.unexpected_keys.empty())
-      error += " Unexpected key(s) in state_dict: " + list(result.unexpected_keys) + ".";
-  }
+  if (error.empty() && strict) error = detail::load_keys_error(result);
   if (!error.empty()) throw ValueError("load_module_state_dict: " + error);
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.copy_(src);

@@ -309,11 +309,8 @@ void distribute_state_dict(const StateDict& full, StateDict& local) {
       return;
     }
     for (const auto& s : v.sharded_tensor().local_shards()) {
-      at::Tensor part = src;
-      for (size_t d = 0; d < s.metadata.offsets.size(); ++d)
-        part = part.narrow(static_cast<int64_t>(d), s.metadata.offsets[d], s.metadata.sizes[d]);
       at::Tensor dst = s.tensor;  // shares the piece's storage
-      dst.copy_(part);
+      dst.copy_(box_view(src, s.metadata));
     }
   });
 }
