@@ -39,7 +39,9 @@ void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGrou
 /// boxes, other values are replaced) from the checkpoint in `dir`, written at any world size.
 /// Each rank reads only the chunks overlapping what it holds. Throws ValueError naming the key
 /// for a key the checkpoint lacks, a shape that differs, or elements no saved chunk covers (with
-/// the uncovered count), before anything in `state_dict` is changed. Local: no communication.
+/// the uncovered count) before anything in `state_dict` is changed; a data file that is short or
+/// does not decode is a ValueError naming the file and offset, possibly after other values were
+/// filled (checksums, to catch silent corruption, are still to come). Local: no communication.
 void load(StateDict& state_dict, const std::string& dir);
 
 }  // namespace checkpoint
