@@ -7,6 +7,10 @@
 #include <cstdio>
 #include <fstream>
 
+#include <caffe2/serialize/inline_container.h>
+#include <sys/stat.h>
+
+#include "checkpoint/dcp_metadata.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/errors.h"
@@ -17,6 +21,7 @@
 #include "tiny_lm.h"
 
 namespace ckpt = fsdp::checkpoint;
+namespace dcp = fsdp::checkpoint::dcp;
 using fsdp::FullyShardedDataParallel;
 using fsdp::ShardingStrategy;
 using fsdp::StateDict;
@@ -198,6 +203,41 @@ TEST(DcpCheckpoint, DamagedFilesAreErrors) {
     EXPECT_EQ(load_error(), "(no error)");
     std::ofstream(tmp.file("c") + "/.metadata", std::ios::binary) << "not a pickle";
     EXPECT_NE(load_error().find(".metadata"), std::string::npos) << load_error();
+  });
+}
+
+// A value whose pickle makes a list contain itself (through the memo) is an error, not an
+// endless recursion.
+TEST(DcpCheckpoint, SelfContainingValueIsAnError) {
+  fsdp::testing::TempDir tmp;
+  run_ranks(1, [&](ProcessGroup&) {
+    std::string archive;
+    {
+      caffe2::serialize::PyTorchStreamWriter w([&](const void* d, size_t n) {
+        archive.append(static_cast<const char*>(d), n);
+        return n;
+      });
+      const std::string pkl(
+          "\x80\x02]q\x00h\x00"
+          "a.",
+          9);  // l = []; l.append(l)
+      w.writeRecord("data.pkl", pkl.data(), pkl.size());
+      w.writeEndOfFile();
+    }
+    const std::string dir = tmp.file("c");
+    ::mkdir(dir.c_str(), 0755);
+    std::ofstream(dir + "/__0_0.distcp", std::ios::binary) << archive;
+    dcp::Metadata m;
+    dcp::ItemMeta item;
+    item.bytes = true;
+    m.state_dict_metadata.emplace_back("x", item);
+    m.storage_data.push_back({{"x", std::nullopt, std::nullopt},
+                              {"__0_0.distcp", 0, static_cast<int64_t>(archive.size())}});
+    std::ofstream(dir + "/.metadata", std::ios::binary) << dcp::serialize_metadata(m);
+    StateDict sd;
+    sd.insert_or_assign("x", StateValue());
+    const std::string err = error_of([&] { ckpt::load(sd, dir); });
+    EXPECT_NE(err.find("nested deeper than"), std::string::npos) << err;
   });
 }
 

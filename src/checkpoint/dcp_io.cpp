@@ -132,7 +132,13 @@ std::string value_payload(const StateValue& v, const std::string& key) {
   return out;
 }
 
-StateValue from_node(const NodePtr& n, const std::string& key) {
+// A pickle's memo can make a list contain itself, and nesting costs stack: both end here.
+constexpr int kMaxValueDepth = 64;
+
+StateValue from_node(const NodePtr& n, const std::string& key, int depth = 0) {
+  if (depth > kMaxValueDepth)
+    throw ValueError("checkpoint load: a value in " + key + " is nested deeper than " +
+                     std::to_string(kMaxValueDepth) + " levels (or contains itself)");
   switch (n->kind) {
     case Node::Kind::None:
       return StateValue();
@@ -147,7 +153,7 @@ StateValue from_node(const NodePtr& n, const std::string& key) {
     case Node::Kind::Tuple:
     case Node::Kind::List: {
       StateList l;
-      for (const auto& x : n->items) l.push_back(from_node(x, key));
+      for (const auto& x : n->items) l.push_back(from_node(x, key, depth + 1));
       return StateValue(std::move(l));
     }
     case Node::Kind::Dict: {
@@ -155,7 +161,7 @@ StateValue from_node(const NodePtr& n, const std::string& key) {
       for (const auto& [k, x] : n->entries) {
         if (!k->is(Node::Kind::Str))
           throw ValueError("checkpoint load: '" + key + "' holds a dict with a non-str key");
-        d.insert_or_assign(k->s, from_node(x, key));
+        d.insert_or_assign(k->s, from_node(x, key, depth + 1));
       }
       return StateValue(std::move(d));
     }
@@ -463,7 +469,14 @@ void load(StateDict& state_dict, const std::string& dir) {
       throw ValueError("checkpoint load: an item in " + path + " at " +
                        std::to_string(info->offset) + " is not a torch.save archive: " + e.what());
     }
-    *v = from_node(pickle::read(pkl, {}), path);
+    pickle::NodePtr node;
+    try {
+      node = pickle::read(pkl, {});
+    } catch (const pickle::PickleError& e) {
+      throw ValueError("checkpoint load: the value at " + std::to_string(info->offset) + " in " +
+                       path + ": " + e.what());
+    }
+    *v = from_node(node, path);
   }
 }
 
