@@ -76,6 +76,19 @@ std::vector<FlatItem> flatten(StateDict& sd) {
 
 std::string join(const std::string& dir, const std::string& file) { return dir + "/" + file; }
 
+// Adds `item` under `key`, or its chunks to the key's entry if it has one (a tensor saved by
+// several ranks, or in several pieces); `index` maps keys to their entries.
+void merge_item(dcp::Metadata& m, std::map<std::string, size_t>& index, const std::string& key,
+                dcp::ItemMeta item) {
+  auto [it, fresh] = index.emplace(key, m.state_dict_metadata.size());
+  if (fresh) {
+    m.state_dict_metadata.emplace_back(key, std::move(item));
+    return;
+  }
+  auto& chunks = m.state_dict_metadata[it->second].second.tensor.chunks;
+  chunks.insert(chunks.end(), item.tensor.chunks.begin(), item.tensor.chunks.end());
+}
+
 // ---- item payloads ----
 
 std::string tensor_payload(const at::Tensor& t) {
@@ -220,15 +233,9 @@ void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGrou
       throw Error("checkpoint save: cannot create " + dir + ": " + std::strerror(errno));
     const std::string file = "__" + std::to_string(rank) + "_0.distcp";
     std::string data;
+    std::map<std::string, size_t> index;
     auto add_item = [&](const std::string& key, const dcp::ItemMeta& item) {
-      for (auto& [k, it] : mine.state_dict_metadata) {
-        if (k == key) {
-          it.tensor.chunks.insert(it.tensor.chunks.end(), item.tensor.chunks.begin(),
-                                  item.tensor.chunks.end());
-          return;
-        }
-      }
-      mine.state_dict_metadata.emplace_back(key, item);
+      merge_item(mine, index, key, item);
     };
     auto store = [&](dcp::Index idx, const std::string& payload) {
       mine.storage_data.emplace_back(std::move(idx),
@@ -285,19 +292,11 @@ void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGrou
   if (rank == 0) {
     try {
       dcp::Metadata merged;
+      std::map<std::string, size_t> index;
       for (const auto& m : all) {
         dcp::Metadata part = dcp::parse_metadata(m.substr(1), "rank metadata");
-        for (auto& [k, item] : part.state_dict_metadata) {
-          bool found = false;
-          for (auto& [mk, mi] : merged.state_dict_metadata) {
-            if (mk != k) continue;
-            mi.tensor.chunks.insert(mi.tensor.chunks.end(), item.tensor.chunks.begin(),
-                                    item.tensor.chunks.end());
-            found = true;
-            break;
-          }
-          if (!found) merged.state_dict_metadata.emplace_back(k, std::move(item));
-        }
+        for (auto& [k, item] : part.state_dict_metadata)
+          merge_item(merged, index, k, std::move(item));
         merged.storage_data.insert(merged.storage_data.end(), part.storage_data.begin(),
                                    part.storage_data.end());
         if (merged.planner_data.empty()) merged.planner_data = std::move(part.planner_data);

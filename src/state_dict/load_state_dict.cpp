@@ -63,17 +63,47 @@ void check_shape_dtype(const std::string& key, at::IntArrayRef got, at::ScalarTy
   }
 }
 
+// The dtype a buffer or ignored parameter has in state dicts: its own, or the one it had before a
+// buffer_dtype cast.
+at::ScalarType saved_dtype(const FsdpState& st, const at::Tensor& t) {
+  auto it = st.buffer_orig_dtypes.find(t.unsafeGetTensorImpl());
+  return it == st.buffer_orig_dtypes.end() ? t.scalar_type() : it->second;
+}
+
+// As the seed loads inside an unshard with writeback: parameters the user replaced (set_data)
+// since the last unshard are written into the flat parameter first, or the next unshard would
+// copy them over what a load writes.
+void writeback_all(FsdpState& st, Plan& plan) {
+  for (const auto& u : st.units) {
+    if (!u->handle) continue;
+    try {
+      u->handle->writeback_orig_params();
+    } catch (const std::exception& e) {
+      plan.fail(e.what());
+    }
+  }
+}
+
+// All-or-nothing across ranks: returns only if no rank's plan failed; otherwise every rank
+// throws, with its own error or the first failing rank's.
+void agree_or_throw(dist::ProcessGroup& pg, const std::string& error) {
+  const auto errors = pg.all_gather_bytes(error);
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    if (!error.empty()) throw ValueError("load_state_dict: " + error);
+    throw ValueError("load_state_dict aborted, nothing was loaded: rank " + std::to_string(r) +
+                     " failed: " + errors[r]);
+  }
+}
+
 void plan_unmanaged(FsdpState& st, const std::string& key, const at::Tensor& target,
                     const StateValue& v, Plan& plan, int rank) {
   if (!v.is_tensor()) {
     plan.fail("'" + key + "' must be a Tensor, the state dict has " + to_string(v.kind()));
     return;
   }
-  at::ScalarType want = target.scalar_type();
-  auto it = st.buffer_orig_dtypes.find(target.unsafeGetTensorImpl());
-  if (it != st.buffer_orig_dtypes.end()) want = it->second;
-  check_shape_dtype(key, v.tensor().sizes(), v.tensor().scalar_type(), target.sizes(), want, rank,
-                    plan);
+  check_shape_dtype(key, v.tensor().sizes(), v.tensor().scalar_type(), target.sizes(),
+                    saved_dtype(st, target), rank, plan);
   plan.copies.emplace_back(target.detach(), v.tensor());
 }
 
@@ -112,17 +142,7 @@ std::map<std::string, at::Tensor> exchange_pieces(FsdpState& st, const KeyMap& k
 Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
   Plan plan;
   plan.strict_dtype = strict_dtype;
-  // As the seed loads inside an unshard with writeback: parameters the user replaced (set_data)
-  // since the last unshard are written into the flat parameter first, or the next unshard would
-  // copy them over what this load writes.
-  for (const auto& u : st.units) {
-    if (!u->handle) continue;
-    try {
-      u->handle->writeback_orig_params();
-    } catch (const std::exception& e) {
-      plan.fail(e.what());
-    }
-  }
+  writeback_all(st, plan);
   const KeyMap km = key_map(st);
   const int rank = st.world_group.rank();
   // SHARDED: each rank's range of each parameter, where the ranks had to exchange pieces.
@@ -262,13 +282,7 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
     }
   }
   // All-or-nothing across ranks: apply only if every rank's plan is sound.
-  const auto errors = st.world_group.all_gather_bytes(plan.error);
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (errors[r].empty()) continue;
-    if (!plan.error.empty()) throw ValueError("load_state_dict: " + plan.error);
-    throw ValueError("load_state_dict aborted, nothing was loaded: rank " + std::to_string(r) +
-                     " failed: " + errors[r]);
-  }
+  agree_or_throw(st.world_group, plan.error);
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : plan.copies) dst.copy_(src);
   return plan.result;
@@ -283,14 +297,7 @@ LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const Sta
   dist::ProcessGroup& pg = st.world_group;
   const bool root = pg.rank() == 0;
   Plan plan;  // only its error and result are used: copies are made as tensors arrive
-  for (const auto& u : st.units) {
-    if (!u->handle) continue;
-    try {
-      u->handle->writeback_orig_params();
-    } catch (const std::exception& e) {
-      plan.fail(e.what());
-    }
-  }
+  writeback_all(st, plan);
   const KeyMap km = key_map(st);
   // What each key must be: shape, dtype and device of the model's own tensor.
   auto target = [&](const std::string& k) {
@@ -301,10 +308,7 @@ LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const Sta
                              h.flat_param().device());
     }
     const at::Tensor& t = km.unmanaged.at(k);
-    auto it = st.buffer_orig_dtypes.find(t.unsafeGetTensorImpl());
-    return std::make_tuple(t.sizes().vec(),
-                           it == st.buffer_orig_dtypes.end() ? t.scalar_type() : it->second,
-                           t.device());
+    return std::make_tuple(t.sizes().vec(), saved_dtype(st, t), t.device());
   };
   // Rank 0 checks its dict against the model (which every rank shares), then tells the others
   // which keys it will send; nothing moves unless every rank agrees.
@@ -328,13 +332,7 @@ LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const Sta
     }
     if (plan.error.empty() && strict) plan.error = detail::load_keys_error(plan.result);
   }
-  const auto errors = pg.all_gather_bytes(plan.error);
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (errors[r].empty()) continue;
-    if (!plan.error.empty()) throw ValueError("load_state_dict: " + plan.error);
-    throw ValueError("load_state_dict aborted, nothing was loaded: rank " + std::to_string(r) +
-                     " failed: " + errors[r]);
-  }
+  agree_or_throw(pg, plan.error);
   // The skipped keys, one per line: missing, then a blank line, then unexpected.
   std::string lists;
   if (root) {
