@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include "checkpoint/dcp_metadata.h"
+#include "dcp_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/errors.h"
@@ -31,123 +32,9 @@ using fsdp::dist::ProcessGroup;
 using fsdp::testing::error_of;
 using fsdp::testing::run_ranks;
 using fsdp::testing::TinyLM;
+using namespace fsdp::testing;  // dcp_testing.h
 
 namespace {
-
-// Python's repr of a float (shortest round trip, "1.0" rather than "1").
-std::string py_float(double x) {
-  char buf[64];
-  auto r = std::to_chars(buf, buf + sizeof buf, x);
-  std::string s(buf, r.ptr);
-  if (s.find_first_of(".eninf") == std::string::npos) s += ".0";
-  return s;
-}
-
-std::string py_repr(const StateValue& v) {
-  switch (v.kind()) {
-    case StateValue::Kind::None:
-      return "None";
-    case StateValue::Kind::Bool:
-      return v.to_bool() ? "True" : "False";
-    case StateValue::Kind::Int:
-      return std::to_string(v.to_int());
-    case StateValue::Kind::Double:
-      return py_float(v.to_double());
-    case StateValue::Kind::String:
-      return "'" + v.string() + "'";
-    case StateValue::Kind::List: {
-      std::string out = "[";
-      for (size_t i = 0; i < v.list().size(); ++i) out += (i ? ", " : "") + py_repr(v.list()[i]);
-      return out + "]";
-    }
-    default:
-      return "?";
-  }
-}
-
-// What tests/dcp/dcp_python.py "values" prints, for a flat dict of DCP keys.
-std::string values_text(const StateDict& flat) {
-  std::vector<std::string> lines;
-  for (const auto& [k, v] : flat) {
-    if (v.is_tensor()) {
-      const at::Tensor t = v.tensor().to(at::kDouble).reshape({-1});
-      std::string vals;
-      for (int64_t i = 0; i < t.numel(); ++i)
-        vals += (i ? "," : "") + py_float(t[i].item<double>());
-      std::string dtype = c10::toString(v.tensor().scalar_type());
-      const std::map<std::string, std::string> names{
-          {"Float", "float32"}, {"BFloat16", "bfloat16"}, {"Long", "int64"}, {"Double", "float64"}};
-      lines.push_back(k + " " + names.at(dtype) + " " + vals);
-    } else {
-      lines.push_back(k + " value " + py_repr(v));
-    }
-  }
-  std::sort(lines.begin(), lines.end());
-  std::string out;
-  for (const auto& l : lines) out += l + "\n";
-  return out;
-}
-
-StateDict sample() {
-  StateDict model;
-  model.insert_or_assign("w", at::arange(12, at::kFloat).reshape({3, 4}));
-  model.insert_or_assign("b", at::tensor({0.5, -1.0, 2.0}).to(at::kBFloat16));
-  model.insert_or_assign("i", at::tensor({1, 2}, at::kLong));
-  model.insert_or_assign("s", at::scalar_tensor(2.5));
-  model.insert_or_assign("e", at::zeros({0, 3}));
-  StateDict st;
-  st.insert_or_assign("step", at::scalar_tensor(3.0));
-  st.insert_or_assign("exp_avg", at::full({3, 4}, 0.25));
-  StateDict state;
-  state.insert_or_assign("w", st);
-  StateDict group;
-  group.insert_or_assign("lr", 0.01);
-  group.insert_or_assign("betas", StateList{StateValue(0.9), StateValue(0.999)});
-  group.insert_or_assign("params", StateList{StateValue("w")});
-  group.insert_or_assign("amsgrad", false);
-  StateDict optim;
-  optim.insert_or_assign("state", state);
-  optim.insert_or_assign("param_groups", StateList{StateValue(group)});
-  StateDict sd;
-  sd.insert_or_assign("model", model);
-  sd.insert_or_assign("optim", optim);
-  sd.insert_or_assign("epoch", int64_t{7});
-  sd.insert_or_assign("name", "run");
-  return sd;
-}
-
-// A template of `sd`'s structure: tensors of the same shape filled with -1, values replaced.
-StateValue blank(const StateValue& v) {
-  if (v.is_tensor()) return at::full(v.tensor().sizes(), -1, v.tensor().options());
-  if (v.is_dict()) {
-    StateDict d;
-    for (const auto& [k, x] : v.dict()) d.insert_or_assign(k, blank(x));
-    return d;
-  }
-  if (v.is_list()) {
-    StateList l;
-    for (const auto& x : v.list()) l.push_back(blank(x));
-    return l;
-  }
-  return StateValue();
-}
-
-StateDict flat_of(const StateDict& sd) {
-  // DCP keys for the sample: its lists hold no dicts below param_groups' entries.
-  StateDict out;
-  std::function<void(const StateValue&, const std::string&)> go = [&](const StateValue& v,
-                                                                      const std::string& k) {
-    if (v.is_dict()) {
-      for (const auto& [kk, x] : v.dict()) go(x, k.empty() ? kk : k + "." + kk);
-    } else if (v.is_list() && !v.list().empty() && v.list()[0].is_dict()) {
-      for (size_t i = 0; i < v.list().size(); ++i) go(v.list()[i], k + "." + std::to_string(i));
-    } else {
-      out.insert_or_assign(k, v);
-    }
-  };
-  go(StateValue(sd), "");
-  return out;
-}
 
 TEST(DcpCheckpoint, SaveAndLoadRoundTripInOneProcess) {
   fsdp::testing::TempDir tmp;

@@ -231,6 +231,7 @@ class Parser {
     }
     const NodePtr sd = field(a, "storage_data", "");
     if (!sd->is(Kind::Dict)) fail("storage_data", "must be a dict");
+    std::set<std::string> seen;
     for (size_t i = 0; i < sd->entries.size(); ++i) {
       const auto& [k, v] = sd->entries[i];
       const std::string w = "storage_data entry " + std::to_string(i);
@@ -252,6 +253,12 @@ class Parser {
           td && !td->is(Kind::None) && !(td->is(Kind::List) && td->items.empty()) &&
           !(td->is(Kind::Tuple) && td->items.empty()))
         fail(vw, "transform_descriptors (compression, ...) are not supported");
+      // Two entries for one chunk would leave a reader to pick one of them silently.
+      std::string id = idx.fqn + (idx.offset ? std::string(1, '\0') : std::string());
+      if (idx.offset)
+        for (int64_t x : *idx.offset) id += std::to_string(x) + ",";
+      if (!seen.insert(id).second)
+        fail(vw, "is stored twice");
       m.storage_data.emplace_back(std::move(idx), std::move(info));
     }
     if (const NodePtr v = a->get("version"); v && v->is(Kind::Str)) m.version = v->s;

@@ -1,48 +1,134 @@
 // fsdp/checkpoint/checkpoint.h: saving and loading a StateDict as a PyTorch DCP checkpoint
 // directory (torch.distributed.checkpoint's FileSystem layout, docs/checkpoint_format.md), so
-// that stock Python's dcp.load reads what we save and we load what dcp.save wrote.
+// that stock Python's dcp.load reads what we save and we load what dcp.save wrote; and, beyond
+// DCP, checkpoints that are committed atomically, verified by checksums and safe to open.
 //
 //   auto [msd, osd] = fsdp::checkpoint::get_state_dict(model, opt);
 //   fsdp::StateDict sd;
 //   sd.insert_or_assign("model", msd);
 //   sd.insert_or_assign("optim", osd);
-//   fsdp::checkpoint::save(sd, "ckpt/step_100");          // every rank writes its own pieces
+//   fsdp::checkpoint::save_step(sd, "ckpt", step, SaveOptions().keep_last(3));  // ckpt/step_<N>
 //   ...
-//   fsdp::checkpoint::load(sd, "ckpt/step_100");          // fills sd's tensors in place
-//   fsdp::checkpoint::set_state_dict(model, opt, sd.at("model").dict(), sd.at("optim").dict());
+//   if (auto dir = fsdp::checkpoint::latest_checkpoint("ckpt")) {
+//     fsdp::checkpoint::load(sd, *dir);                  // fills sd's tensors in place
+//     fsdp::checkpoint::set_state_dict(model, opt, sd.at("model").dict(), sd.at("optim").dict());
+//   }
 //
 // Keys are DCP's (PyTorch 2.4+): nested dicts joined with dots, and lists by index where they hold
 // dicts, tensors or such lists ("optim.state.fc.weight.exp_avg", "optim.param_groups.0.lr"); a
-// list of plain values such as "params" or "betas" is one value. Every ShardedTensor piece is a chunk saved by the rank holding it (no
-// tensor moves between ranks); plain tensors and other values are saved once, by rank 0.
+// list of plain values such as "params" or "betas" is one value. Every ShardedTensor piece is a
+// chunk saved by the rank holding it (no tensor moves between ranks); plain tensors and other
+// values are saved once, by rank 0.
 //
-// This is the first cut of issue 11's checkpoint layer. Not yet: atomic commit (data is written
-// in place and `.metadata` last, as DCP does), checksums and the manifest, async save, exports.
+// What a save guarantees (all ranks must see the same file system, as with DCP):
+//  - Atomic: everything is written into `.<name>.partial` next to `dir` and fsynced; once every
+//    rank has reported success, rank 0 writes `.metadata` and `.fsdp_manifest.json`, swaps the
+//    directory into place with one rename and fsyncs the parent. A save that fails or is killed
+//    leaves any earlier checkpoint at `dir` intact; its leftover is removed by the next save.
+//  - Verified: the manifest records an xxh3-64 checksum of every stored item and of `.metadata`,
+//    the saving world size and the format version; `load` checks every item it reads, `verify`
+//    checks them all. A checkpoint without a manifest (written by Python) loads with a warning
+//    that it cannot be verified.
+//  - Safe to open: `.metadata` is read by a restricted unpickler that executes nothing and accepts
+//    only DCP's own classes; every size, offset and name is checked before use.
 #pragma once
 
-#include <string>
+#include <torch/arg.h>
 
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdp/checkpoint/file_io.h"
 #include "fsdp/dist.h"
 #include "fsdp/state_dict.h"
 
 namespace fsdp {
 namespace checkpoint {
 
-/// Writes `state_dict` to the directory `dir` (created if missing): this rank's chunks into
-/// `dir/__<rank>_0.distcp`, then rank 0 writes `dir/.metadata`. Collective over `group` (the
-/// default group if null and one exists; a single process otherwise): one metadata all-gather,
-/// no tensor traffic. Throws ValueError for values DCP cannot hold and Error for I/O failures,
-/// naming the file.
-void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGroup* group = nullptr);
+using Annotations = std::map<std::string, std::string>;
+// Aliases, because TORCH_ARG spells its getter `const T&`: with `T = X*` that would be `const X*&`.
+using GroupPtr = dist::ProcessGroup*;
+using FileIOPtr = FileIO*;
+
+struct SaveOptions {
+  /// The group that saves (every member calls save). Null: the default group if one exists,
+  /// otherwise this process alone.
+  TORCH_ARG(GroupPtr, group) = nullptr;
+  /// Where file operations go (tests inject faults here). Null: default_file_io().
+  TORCH_ARG(FileIOPtr, io) = nullptr;
+  /// Free-form facts recorded in the manifest (e.g. {"sharding_strategy", "FULL_SHARD"}).
+  TORCH_ARG(Annotations, annotations);
+  /// save_step only: after a successful save, remove all but the newest `keep_last` step
+  /// directories (0 keeps everything).
+  TORCH_ARG(int, keep_last) = 0;
+};
+
+struct LoadOptions {
+  /// Where file operations go. Null: default_file_io().
+  TORCH_ARG(FileIOPtr, io) = nullptr;
+  /// Check every item read against the manifest's checksum (and `.metadata`'s own).
+  TORCH_ARG(bool, verify) = true;
+};
+
+/// Writes `state_dict` to the directory `dir`, atomically (see above): this rank's chunks go to
+/// `__<rank>_0.distcp`. Collective over the group: three small exchanges (prepare, each rank's
+/// metadata and checksums or its error, commit), no tensor traffic. Replaces a checkpoint that is
+/// already at `dir`. Throws ValueError for values DCP cannot hold and Error for I/O failures,
+/// naming the file and the rank; a failure on any rank fails every rank and commits nothing.
+void save(const StateDict& state_dict, const std::string& dir, const SaveOptions& options = {});
+void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGroup* group);
 
 /// Fills `state_dict` (a template: plain tensors receive whole values, ShardedTensor pieces their
 /// boxes, other values are replaced) from the checkpoint in `dir`, written at any world size.
 /// Each rank reads only the chunks overlapping what it holds. Throws ValueError naming the key
 /// for a key the checkpoint lacks, a shape that differs, or elements no saved chunk covers (with
-/// the uncovered count) before anything in `state_dict` is changed; a data file that is short or
-/// does not decode is a ValueError naming the file and offset, possibly after other values were
-/// filled (checksums, to catch silent corruption, are still to come). Local: no communication.
-void load(StateDict& state_dict, const std::string& dir);
+/// the uncovered count) before anything in `state_dict` is changed. A data file that is short,
+/// does not decode or fails its checksum is a ValueError naming the file, offset and key, found
+/// when that item is read: values read before it have been filled already (items are read one at
+/// a time, so memory stays at about one chunk; run `verify` first to rule this out). Local: no
+/// communication.
+void load(StateDict& state_dict, const std::string& dir, const LoadOptions& options = {});
+
+/// What `verify` found.
+struct VerifyReport {
+  bool has_manifest = false;
+  int format_version = 0;             // 0 without a manifest
+  int world_size = 0;                 // saving world size, from the manifest
+  int64_t items = 0;                  // items checked
+  int64_t bytes = 0;                  // bytes read and hashed
+  std::vector<std::string> problems;  // each names the file (and key); empty when all is well
+  bool ok() const { return problems.empty(); }
+};
+
+/// Reads every stored byte of the checkpoint in `dir` and checks it: `.metadata` parses and its
+/// checksum matches, every tensor's chunks cover it exactly once, every item lies inside its file,
+/// its checksum matches and it decodes to what the metadata says (dtype and shape). Problems are
+/// collected, not thrown; only an unreadable `.metadata` or manifest ends the check early (as a
+/// problem). Without a manifest the checksums cannot be checked and that is reported as a problem
+/// too.
+VerifyReport verify(const std::string& dir, FileIO* io = nullptr);
+
+// ---- step directories ----
+
+/// `root/step_<step>`.
+std::string step_dir(const std::string& root, int64_t step);
+
+/// Saves into step_dir(root, step) as `save` does, then points `root/latest` at it (written
+/// atomically) and applies `keep_last`. Stale `.step_*.partial` leftovers of killed saves in
+/// `root` are removed first. Returns the directory.
+std::string save_step(const StateDict& state_dict, const std::string& root, int64_t step,
+                      const SaveOptions& options = {});
+
+/// The steps in `root` that hold a committed checkpoint (a `.metadata`), ascending.
+std::vector<int64_t> list_steps(const std::string& root, FileIO* io = nullptr);
+
+/// The directory `root/latest` names, if it holds a committed checkpoint; otherwise the newest
+/// committed step (with a warning when `latest` exists but names no committed checkpoint);
+/// nullopt if there is none.
+std::optional<std::string> latest_checkpoint(const std::string& root, FileIO* io = nullptr);
 
 }  // namespace checkpoint
 }  // namespace fsdp

@@ -1,0 +1,43 @@
+// Internal: how a StateDict becomes DCP items and back (shared by save, load and verify):
+// DCP's key flattening, and the payload of each item, a complete torch.save archive.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "checkpoint/dcp_metadata.h"
+#include "fsdp/state_dict.h"
+
+namespace fsdp {
+namespace checkpoint {
+namespace items {
+
+/// One value of a state dict under its DCP key, and its path in the nested dict.
+struct FlatItem {
+  std::string key;
+  std::vector<dcp::PathElement> path;
+  StateValue* value;
+};
+
+/// DCP's traversal (2.4+): dicts always; lists where they hold a dict, a tensor or such a list.
+std::vector<FlatItem> flatten(StateDict& sd);
+
+/// A torch.save archive of one tensor (a contiguous CPU copy holding only its own elements).
+std::string tensor_payload(const at::Tensor& t);
+/// A torch.save archive of one non-tensor value (our protocol-2 pickle); ValueError naming `key`
+/// for a value DCP stores as bytes but that holds a tensor.
+std::string value_payload(const StateValue& v, const std::string& key);
+
+/// Decodes a tensor payload; ValueError naming `where` if it is not one.
+at::Tensor decode_tensor(const std::string& raw, const std::string& where);
+/// Decodes a value payload through the restricted reader; ValueError naming `where`.
+StateValue decode_value(const std::string& raw, const std::string& where);
+
+/// "[1, 2, 3]".
+std::string dims_text(const std::vector<int64_t>& v);
+
+}  // namespace items
+}  // namespace checkpoint
+}  // namespace fsdp

@@ -1,0 +1,339 @@
+// Loading DCP checkpoints into a StateDict, and verifying them (fsdp/checkpoint/checkpoint.h).
+// Every item read is checked against the manifest's xxh3 checksum before it is decoded, so a
+// corrupt byte is reported by name rather than fed to a decoder.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <optional>
+
+#include "checkpoint/dcp_items.h"
+#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/files.h"
+#include "checkpoint/manifest.h"
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace checkpoint {
+namespace {
+
+constexpr const char* kWhat = "checkpoint load";
+constexpr int64_t kMaxMetadata = int64_t{64} << 20;  // the pickle reader's limit
+
+using items::dims_text;
+
+// `.metadata` and the manifest of a checkpoint directory, read and cross-checked.
+struct Opened {
+  std::string dir;
+  dcp::Metadata md;
+  std::optional<manifest::Manifest> mf;
+};
+
+Opened open_checkpoint(FileIO& io, const std::string& dir_in, bool verify, const char* what) {
+  Opened o;
+  o.dir = files::normalize(dir_in);
+  const std::string meta_path = files::join(o.dir, ".metadata");
+  if (io.file_size(meta_path) < 0) {
+    const std::string partial =
+        files::join(files::parent_of(o.dir), "." + files::base_of(o.dir) + ".partial");
+    throw ValueError(std::string(what) + ": " + meta_path + " does not exist: " +
+                     (io.is_dir(partial) == 1
+                          ? "the save into " + o.dir + " did not complete (" + partial + " is left)"
+                          : std::string("not a committed checkpoint")));
+  }
+  const std::string meta_bytes = files::read_file(io, meta_path, kMaxMetadata, what);
+  const std::string mf_path = files::join(o.dir, manifest::kFileName);
+  if (io.file_size(mf_path) >= 0) {
+    o.mf = manifest::parse(files::read_file(io, mf_path, manifest::kMaxBytes, what), mf_path);
+    if (verify && files::xxh3_hex(meta_bytes) != o.mf->metadata_xxh3)
+      throw ValueError(std::string(what) + ": " + meta_path +
+                       " does not match its checksum in the manifest: the file is corrupt or was "
+                       "replaced");
+  }
+  o.md = dcp::parse_metadata(meta_bytes, meta_path);
+  return o;
+}
+
+// The bytes of one stored item, checked against the manifest when there is one.
+std::string read_item(FileIO& io, const Opened& o, const std::string& key,
+                      const dcp::StorageInfo& info, bool verify, const char* what) {
+  const std::string path = files::join(o.dir, info.relative_path);
+  std::string raw = files::read_range(io, path, info.offset, info.length, what);
+  if (verify && o.mf) {
+    const manifest::Item* m = o.mf->find(info.relative_path, info.offset);
+    const std::string at = "'" + key + "' in " + path + " at offset " + std::to_string(info.offset);
+    if (!m) throw ValueError(std::string(what) + ": " + at + " has no checksum in the manifest");
+    if (m->length != info.length || m->key != key)
+      throw ValueError(std::string(what) + ": " + at + " disagrees with the manifest (which has '" +
+                       m->key + "', " + std::to_string(m->length) + " bytes)");
+    const std::string h = files::xxh3_hex(raw);
+    if (h != m->xxh3)
+      throw ValueError(std::string(what) + ": checksum mismatch for " + at + " (" +
+                       std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " + m->xxh3 +
+                       "): the file is corrupt");
+  }
+  return raw;
+}
+
+std::string item_where(const Opened& o, const std::string& key, const dcp::StorageInfo& info) {
+  return "'" + key + "' in " + files::join(o.dir, info.relative_path) + " at offset " +
+         std::to_string(info.offset);
+}
+
+// A decoded chunk must be exactly what the metadata says.
+void check_chunk(const at::Tensor& chunk, at::ScalarType dtype, const std::vector<int64_t>& sizes,
+                 const std::string& where, const char* what) {
+  if (chunk.scalar_type() != dtype)
+    throw ValueError(std::string(what) + ": " + where + " holds " +
+                     c10::toString(chunk.scalar_type()) + ", the metadata says " +
+                     c10::toString(dtype));
+  if (chunk.sizes().vec() != sizes)
+    throw ValueError(std::string(what) + ": " + where + " has shape " +
+                     dims_text(chunk.sizes().vec()) + ", the metadata says " + dims_text(sizes));
+}
+
+}  // namespace
+
+void load(StateDict& state_dict, const std::string& dir_in, const LoadOptions& options) {
+  FileIO& io = options.io() ? *options.io() : default_file_io();
+  const Opened o = open_checkpoint(io, dir_in, options.verify(), kWhat);
+  const std::string& dir = o.dir;
+  if (!o.mf)
+    TORCH_WARN("fsdp checkpoint: ", dir, " has no ", manifest::kFileName,
+               " (written by PyTorch?): its data cannot be verified");
+  std::map<std::string, const dcp::ItemMeta*> meta_items;
+  for (const auto& [k, item] : o.md.state_dict_metadata) meta_items[k] = &item;
+  std::map<std::pair<std::string, std::vector<int64_t>>, const dcp::StorageInfo*> chunk_at;
+  std::map<std::string, const dcp::StorageInfo*> bytes_at;
+  for (const auto& [idx, info] : o.md.storage_data) {
+    if (idx.offset) {
+      chunk_at[{idx.fqn, *idx.offset}] = &info;
+    } else {
+      bytes_at[idx.fqn] = &info;
+    }
+  }
+
+  // Plan: which saved chunk fills which part of which target, all checked before any change.
+  struct Copy {
+    at::Tensor dst;                       // a view of the target
+    std::vector<int64_t> src_lo, extent;  // region of the chunk
+  };
+  struct Read {
+    std::string key;
+    std::vector<int64_t> sizes;  // of the chunk
+    at::ScalarType dtype = at::kFloat;
+    std::vector<Copy> copies;
+  };
+  std::map<const dcp::StorageInfo*, Read> reads;
+  std::vector<std::tuple<StateValue*, const dcp::StorageInfo*, std::string>> values;
+  for (const items::FlatItem& it : items::flatten(state_dict)) {
+    StateValue& v = *it.value;
+    auto found = meta_items.find(it.key);
+    if (found == meta_items.end())
+      throw ValueError(std::string(kWhat) + ": " + dir + " has no '" + it.key + "'");
+    const dcp::ItemMeta& item = *found->second;
+    if (!(v.is_tensor() || v.is_sharded_tensor())) {
+      if (!item.bytes)
+        throw ValueError(std::string(kWhat) + ": '" + it.key + "' is a tensor in " + dir +
+                         ", the state dict holds a " + to_string(v.kind()));
+      auto b = bytes_at.find(it.key);
+      if (b == bytes_at.end())
+        throw ValueError(std::string(kWhat) + ": no storage entry for '" + it.key + "' in " + dir);
+      values.emplace_back(&v, b->second, it.key);
+      continue;
+    }
+    if (item.bytes)
+      throw ValueError(std::string(kWhat) + ": '" + it.key + "' is not a tensor in " + dir);
+    const std::vector<int64_t> shape =
+        v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
+    if (shape != item.tensor.size)
+      throw ValueError(std::string(kWhat) + ": '" + it.key + "' has shape " +
+                       dims_text(item.tensor.size) + " in " + dir + ", the state dict " +
+                       dims_text(shape));
+    // An empty tensor needs no bytes, but its chunks are still read and checked, so that damage
+    // anywhere in a data file is reported by the load that reads it.
+    if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {
+      for (const auto& c : item.tensor.chunks) {
+        auto info = chunk_at.find({it.key, c.offsets});
+        if (info == chunk_at.end()) continue;
+        Read& r = reads[info->second];
+        r.key = it.key;
+        r.sizes = c.sizes;
+        r.dtype = item.tensor.dtype;
+      }
+    }
+    // The boxes this rank holds of the tensor.
+    std::vector<std::pair<ShardMetadata, at::Tensor>> boxes;
+    if (v.is_tensor()) {
+      boxes.emplace_back(ShardMetadata{std::vector<int64_t>(shape.size(), 0), shape, 0},
+                         v.tensor());
+    } else {
+      for (const auto& s : v.sharded_tensor().local_shards())
+        boxes.emplace_back(s.metadata, s.tensor);
+    }
+    for (const auto& [box, target] : boxes) {
+      at::Tensor covered = at::zeros(box.sizes, at::kBool);
+      for (const auto& c : item.tensor.chunks) {
+        std::vector<int64_t> lo(shape.size()), hi(shape.size());
+        bool overlap = true;
+        for (size_t d = 0; d < shape.size(); ++d) {
+          lo[d] = std::max(box.offsets[d], c.offsets[d]);
+          hi[d] = std::min(box.offsets[d] + box.sizes[d], c.offsets[d] + c.sizes[d]);
+          overlap = overlap && hi[d] > lo[d];
+        }
+        if (!overlap) continue;
+        auto info = chunk_at.find({it.key, c.offsets});
+        if (info == chunk_at.end())
+          throw ValueError(std::string(kWhat) + ": no storage entry for '" + it.key +
+                           "' chunk at " + dims_text(c.offsets) + " in " + dir);
+        at::Tensor dst = target, mark = covered;
+        Copy cp;
+        for (size_t d = 0; d < shape.size(); ++d) {
+          const auto dd = static_cast<int64_t>(d);
+          dst = dst.narrow(dd, lo[d] - box.offsets[d], hi[d] - lo[d]);
+          mark = mark.narrow(dd, lo[d] - box.offsets[d], hi[d] - lo[d]);
+          cp.src_lo.push_back(lo[d] - c.offsets[d]);
+          cp.extent.push_back(hi[d] - lo[d]);
+        }
+        mark.fill_(true);
+        cp.dst = dst;
+        Read& r = reads[info->second];
+        r.key = it.key;
+        r.sizes = c.sizes;
+        r.dtype = item.tensor.dtype;
+        r.copies.push_back(std::move(cp));
+      }
+      const int64_t missing = covered.numel() - covered.sum().item<int64_t>();
+      if (missing > 0)
+        throw ValueError(std::string(kWhat) + ": " + std::to_string(missing) + " element(s) of '" +
+                         it.key + "' in the box at " + dims_text(box.offsets) + " of size " +
+                         dims_text(box.sizes) + " are in no chunk saved in " + dir);
+    }
+  }
+  // Apply: each needed chunk read, checked and decoded once.
+  at::NoGradGuard no_grad;
+  for (auto& [info, job] : reads) {
+    const std::string where = item_where(o, job.key, *info);
+    const at::Tensor chunk =
+        items::decode_tensor(read_item(io, o, job.key, *info, options.verify(), kWhat),
+                             std::string(kWhat) + ": " + where);
+    check_chunk(chunk, job.dtype, job.sizes, where, kWhat);
+    for (auto& cp : job.copies) {
+      at::Tensor src = chunk;
+      for (size_t d = 0; d < cp.extent.size(); ++d)
+        src = src.narrow(static_cast<int64_t>(d), cp.src_lo[d], cp.extent[d]);
+      cp.dst.copy_(src);
+    }
+  }
+  for (auto& [v, info, key] : values) {
+    *v = items::decode_value(read_item(io, o, key, *info, options.verify(), kWhat),
+                             std::string(kWhat) + ": " + item_where(o, key, *info));
+  }
+}
+
+VerifyReport verify(const std::string& dir_in, FileIO* io_in) {
+  constexpr const char* what = "checkpoint verify";
+  FileIO& io = io_in ? *io_in : default_file_io();
+  VerifyReport rep;
+  Opened o;
+  try {
+    o = open_checkpoint(io, dir_in, /*verify=*/true, what);
+  } catch (const std::exception& e) {
+    rep.problems.push_back(e.what());
+    return rep;
+  }
+  const std::string& dir = o.dir;
+  rep.has_manifest = o.mf.has_value();
+  if (o.mf) {
+    rep.format_version = o.mf->format_version;
+    rep.world_size = o.mf->world_size;
+    for (const auto& [file, size] : o.mf->files) {
+      const std::string path = files::join(dir, file);
+      const int64_t actual = io.file_size(path);
+      if (actual != size)
+        rep.problems.push_back(std::string(what) + ": " + path +
+                               (actual < 0 ? std::string(" is missing")
+                                           : " has " + std::to_string(actual) + " bytes") +
+                               ", the manifest says " + std::to_string(size));
+    }
+    if (o.mf->items.size() != o.md.storage_data.size())
+      rep.problems.push_back(std::string(what) + ": the manifest lists " +
+                             std::to_string(o.mf->items.size()) + " items, .metadata " +
+                             std::to_string(o.md.storage_data.size()));
+  } else {
+    rep.problems.push_back(std::string(what) + ": " + dir + " has no " + manifest::kFileName +
+                           ": its data cannot be verified (a checkpoint written by PyTorch?)");
+  }
+  // Coverage: the chunks of every tensor tile it exactly (inside it, disjoint, volumes add up).
+  std::map<std::string, const dcp::ItemMeta*> meta_items;
+  for (const auto& [key, item] : o.md.state_dict_metadata) {
+    meta_items[key] = &item;
+    if (item.bytes) continue;
+    const auto& t = item.tensor;
+    int64_t numel = 1, volume = 0;
+    for (int64_t s : t.size) numel *= s;
+    for (size_t a = 0; a < t.chunks.size(); ++a) {
+      int64_t v = 1;
+      for (int64_t s : t.chunks[a].sizes) v *= s;
+      volume += v;
+      for (size_t b = a + 1; b < t.chunks.size() && t.chunks.size() <= 4096; ++b) {
+        bool overlap = true;
+        for (size_t d = 0; d < t.size.size(); ++d) {
+          const auto& x = t.chunks[a];
+          const auto& y = t.chunks[b];
+          overlap = overlap && x.offsets[d] < y.offsets[d] + y.sizes[d] &&
+                    y.offsets[d] < x.offsets[d] + x.sizes[d];
+        }
+        if (overlap)
+          rep.problems.push_back(std::string(what) + ": '" + key + "' has overlapping chunks at " +
+                                 dims_text(t.chunks[a].offsets) + " and " +
+                                 dims_text(t.chunks[b].offsets));
+      }
+    }
+    if (volume != numel)
+      rep.problems.push_back(std::string(what) + ": the chunks of '" + key + "' hold " +
+                             std::to_string(volume) + " elements, the tensor " +
+                             std::to_string(numel));
+  }
+  // Every stored item: inside its file, its checksum, and what it decodes to.
+  std::map<std::pair<std::string, std::vector<int64_t>>, bool> stored;
+  for (const auto& [idx, info] : o.md.storage_data) {
+    const std::string where = item_where(o, idx.fqn, info);
+    if (idx.offset) stored[{idx.fqn, *idx.offset}] = true;  // it has an entry, good bytes or not
+    try {
+      auto m = meta_items.find(idx.fqn);
+      if (m == meta_items.end())
+        throw ValueError(std::string(what) + ": " + where + " belongs to no key of .metadata");
+      const std::string raw = read_item(io, o, idx.fqn, info, /*verify=*/true, what);
+      rep.bytes += static_cast<int64_t>(raw.size());
+      ++rep.items;
+      if (m->second->bytes) {
+        items::decode_value(raw, std::string(what) + ": " + where);
+        continue;
+      }
+      if (!idx.offset)
+        throw ValueError(std::string(what) + ": " + where + " is a tensor item without offsets");
+      const auto& chunks = m->second->tensor.chunks;
+      auto c = std::find_if(chunks.begin(), chunks.end(),
+                            [&](const dcp::ChunkMeta& x) { return x.offsets == *idx.offset; });
+      if (c == chunks.end())
+        throw ValueError(std::string(what) + ": " + where + " is a chunk .metadata does not list");
+      check_chunk(items::decode_tensor(raw, std::string(what) + ": " + where),
+                  m->second->tensor.dtype, c->sizes, where, what);
+    } catch (const std::exception& e) {
+      rep.problems.push_back(e.what());
+    }
+  }
+  for (const auto& [key, item] : o.md.state_dict_metadata) {
+    if (item.bytes) continue;
+    for (const auto& c : item.tensor.chunks)
+      if (!stored.count({key, c.offsets}))
+        rep.problems.push_back(std::string(what) + ": the chunk of '" + key + "' at " +
+                               dims_text(c.offsets) + " has no storage entry");
+  }
+  return rep;
+}
+
+}  // namespace checkpoint
+}  // namespace fsdp

@@ -1,0 +1,383 @@
+// Atomic, checksummed DCP saves (fsdp/checkpoint/checkpoint.h) and step directories.
+//
+// The protocol, collective over the group (ranks share the file system):
+//   1. prepare: rank 0 creates the parent, removes stale `.<name>.partial` leftovers and creates a
+//      fresh one; its verdict is broadcast, so nobody writes into a directory being removed.
+//   2. write: each rank streams its items into `.<name>.partial/__<rank>_0.distcp`, hashing each,
+//      and fsyncs the file; then all ranks exchange their metadata and checksums, or their error.
+//   3. commit (rank 0, only if every rank succeeded): `.metadata` and `.fsdp_manifest.json` into
+//      the partial directory, fsync it, swap it with `<name>` in one rename (RENAME_EXCHANGE when a
+//      checkpoint is already there, so the name always points at a complete one), fsync the
+//      parent, remove the old one; its verdict is broadcast.
+// A crash anywhere before the swap leaves only the partial directory, which nothing reads.
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <optional>
+
+#include "checkpoint/dcp_items.h"
+#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/files.h"
+#include "checkpoint/manifest.h"
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace checkpoint {
+namespace {
+
+constexpr const char* kWhat = "checkpoint save";
+
+// Adds `item` under `key`, or its chunks to the key's entry if it has one (a tensor saved by
+// several ranks, or in several pieces); `index` maps keys to their entries.
+void merge_item(dcp::Metadata& m, std::map<std::string, size_t>& index, const std::string& key,
+                dcp::ItemMeta item) {
+  auto [it, fresh] = index.emplace(key, m.state_dict_metadata.size());
+  if (fresh) {
+    m.state_dict_metadata.emplace_back(key, std::move(item));
+    return;
+  }
+  auto& chunks = m.state_dict_metadata[it->second].second.tensor.chunks;
+  chunks.insert(chunks.end(), item.tensor.chunks.begin(), item.tensor.chunks.end());
+}
+
+// What one rank wrote: DCP metadata for its items plus, in storage_data order, their checksums.
+struct RankPart {
+  dcp::Metadata meta;
+  std::vector<std::string> hashes;
+  std::string file;
+  int64_t file_size = 0;
+};
+
+std::string encode(const RankPart& p) {
+  std::string meta = dcp::serialize_metadata(p.meta);
+  std::string out = "M" + std::to_string(meta.size()) + "\n" + meta + p.file + "\n" +
+                    std::to_string(p.file_size) + "\n";
+  for (const auto& h : p.hashes) out += h + "\n";
+  return out;
+}
+
+RankPart decode(const std::string& msg, int rank) {
+  const std::string where = "rank " + std::to_string(rank) + "'s save report";
+  auto fail = [&]() -> RankPart {
+    throw Error(std::string(kWhat) + ": " + where + " is malformed");
+  };
+  size_t pos = 1;
+  auto line = [&]() {
+    const size_t nl = msg.find('\n', pos);
+    if (nl == std::string::npos) fail();
+    std::string s = msg.substr(pos, nl - pos);
+    pos = nl + 1;
+    return s;
+  };
+  RankPart p;
+  const size_t n = std::stoull(line());
+  if (n > msg.size() - pos) return fail();
+  p.meta = dcp::parse_metadata(msg.substr(pos, n), where);
+  pos += n;
+  p.file = line();
+  p.file_size = std::stoll(line());
+  while (pos < msg.size()) p.hashes.push_back(line());
+  if (p.hashes.size() != p.meta.storage_data.size()) return fail();
+  return p;
+}
+
+// Writes this rank's items into `path`; returns what it wrote.
+RankPart write_items(const StateDict& state_dict, FileIO& io, const std::string& dir,
+                     const std::string& file, int rank) {
+  StateDict sd = state_dict;  // containers only; tensors are shared
+  RankPart part;
+  part.file = file;
+  files::OutFile out(io, files::join(dir, file), kWhat);
+  std::map<std::string, size_t> index;
+  auto store = [&](dcp::Index idx, const std::string& payload) {
+    const int64_t at = out.append(payload);
+    part.meta.storage_data.emplace_back(
+        std::move(idx), dcp::StorageInfo{file, at, static_cast<int64_t>(payload.size())});
+    part.hashes.push_back(files::xxh3_hex(payload));
+  };
+  for (const items::FlatItem& it : items::flatten(sd)) {
+    const StateValue& v = *it.value;
+    if (rank == 0) part.meta.planner_data.emplace_back(it.key, it.path);
+    if (v.is_tensor() || v.is_sharded_tensor()) {
+      dcp::ItemMeta item;
+      item.tensor.dtype = v.is_tensor() ? v.tensor().scalar_type() : v.sharded_tensor().dtype();
+      dcp::dtype_name(item.tensor.dtype);  // throws for a dtype DCP cannot store
+      item.tensor.size = v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
+      std::vector<std::pair<dcp::ChunkMeta, at::Tensor>> chunks;
+      if (v.is_tensor()) {
+        if (rank == 0)  // replicated: saved once
+          chunks.emplace_back(
+              dcp::ChunkMeta{std::vector<int64_t>(item.tensor.size.size(), 0), item.tensor.size},
+              v.tensor());
+      } else {
+        for (const auto& s : v.sharded_tensor().local_shards())
+          chunks.emplace_back(dcp::ChunkMeta{s.metadata.offsets, s.metadata.sizes}, s.tensor);
+      }
+      for (const auto& [c, t] : chunks) {
+        item.tensor.chunks.push_back(c);
+        store(dcp::Index{it.key, c.offsets, 0}, items::tensor_payload(t));
+      }
+      merge_item(part.meta, index, it.key, item);
+    } else if (rank == 0) {
+      dcp::ItemMeta item;
+      item.bytes = true;
+      merge_item(part.meta, index, it.key, item);
+      store(dcp::Index{it.key, std::nullopt, std::nullopt}, items::value_payload(v, it.key));
+    }
+  }
+  out.finish();
+  part.file_size = out.size();
+  return part;
+}
+
+std::string torch_version() {
+  return std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+         std::to_string(TORCH_VERSION_PATCH);
+}
+
+// Rank 0's commit: metadata and manifest into `partial`, then the swap into `dir`.
+void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& partial,
+            const std::string& dir, const Annotations& annotations) {
+  dcp::Metadata merged;
+  manifest::Manifest mf;
+  std::map<std::string, size_t> index;
+  for (const RankPart& p : parts) {
+    for (const auto& [k, item] : p.meta.state_dict_metadata) merge_item(merged, index, k, item);
+    for (size_t i = 0; i < p.meta.storage_data.size(); ++i) {
+      const auto& [idx, info] = p.meta.storage_data[i];
+      mf.items.push_back(
+          manifest::Item{idx.fqn, info.relative_path, info.offset, info.length, p.hashes[i]});
+      merged.storage_data.push_back(p.meta.storage_data[i]);
+    }
+    if (merged.planner_data.empty()) merged.planner_data = p.meta.planner_data;
+    mf.files[p.file] = p.file_size;
+  }
+  const std::string meta_bytes = dcp::serialize_metadata(merged);
+  mf.library_version = FSDP_VERSION_STRING;
+  mf.torch_version = torch_version();
+  mf.world_size = static_cast<int>(parts.size());
+  mf.created_unix = std::chrono::duration_cast<std::chrono::seconds>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count();
+  mf.annotations = annotations;
+  mf.metadata_xxh3 = files::xxh3_hex(meta_bytes);
+  files::write_file(io, files::join(partial, ".metadata"), meta_bytes, kWhat);
+  files::write_file(io, files::join(partial, manifest::kFileName), manifest::to_json(mf), kWhat);
+  files::sync_dir(io, partial, kWhat);
+
+  const int existing = io.is_dir(dir);
+  if (existing < 0)
+    throw Error(std::string(kWhat) + ": cannot stat " + dir + ": " + std::strerror(errno));
+  if (existing == 0 && io.file_size(dir) >= 0)
+    throw Error(std::string(kWhat) + ": " + dir + " exists and is not a directory");
+  if (existing == 0) {
+    if (io.rename(partial, dir) != 0)
+      throw Error(std::string(kWhat) + ": renaming " + partial + " to " + dir +
+                  " failed: " + std::strerror(errno));
+  } else if (io.exchange(partial, dir) != 0) {
+    if (errno != EINVAL && errno != ENOSYS)
+      throw Error(std::string(kWhat) + ": swapping " + partial + " with the checkpoint at " + dir +
+                  " failed: " + std::strerror(errno));
+    // No atomic swap here: move the old one aside first (a crash in between leaves it there).
+    const std::string old = partial + ".old";
+    files::remove_tree(io, old, kWhat);
+    if (io.rename(dir, old) != 0 || io.rename(partial, dir) != 0)
+      throw Error(std::string(kWhat) + ": replacing the checkpoint at " + dir +
+                  " failed: " + std::strerror(errno));
+    files::remove_tree(io, old, kWhat);
+  }
+  files::sync_dir(io, files::parent_of(dir), kWhat);
+  // After the exchange `partial` holds the replaced checkpoint; it is garbage now.
+  try {
+    files::remove_tree(io, partial, kWhat);
+  } catch (const std::exception& e) {
+    TORCH_WARN("fsdp checkpoint: committed ", dir,
+               " but could not remove the old copy: ", e.what());
+  }
+}
+
+// Broadcasts rank 0's verdict (empty: fine).
+std::string verdict(dist::ProcessGroup* group, const std::string& mine) {
+  return group ? group->broadcast_bytes(mine, 0) : mine;
+}
+
+using Hook = std::function<void()>;
+
+void save_impl(const StateDict& state_dict, const std::string& dir_in, const SaveOptions& o,
+               const Hook& before_prepare, const Hook& after_commit) {
+  dist::ProcessGroup* group = o.group();
+  if (!group && dist::is_initialized()) group = &dist::default_group();
+  FileIO& io = o.io() ? *o.io() : default_file_io();
+  const int rank = group ? group->rank() : 0;
+  const std::string dir = files::normalize(dir_in);
+  const std::string name = files::base_of(dir);
+  if (name == "." || name == ".." || name == "/")
+    throw ValueError(std::string(kWhat) + ": '" + dir_in + "' does not name a directory to create");
+  const std::string partial = files::join(files::parent_of(dir), "." + name + ".partial");
+
+  // 1. prepare
+  std::string error;
+  if (rank == 0) {
+    try {
+      if (before_prepare) before_prepare();
+      files::make_dirs(io, files::parent_of(dir), kWhat);
+      files::remove_tree(io, partial, kWhat);
+      if (io.mkdir(partial, 0755) != 0)
+        throw Error(std::string(kWhat) + ": creating " + partial +
+                    " failed: " + std::strerror(errno));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  error = verdict(group, error);
+  if (!error.empty()) throw Error(rank == 0 ? error : error + " (on rank 0)");
+
+  // 2. write, then exchange reports
+  std::string msg;
+  try {
+    msg = encode(
+        write_items(state_dict, io, partial, "__" + std::to_string(rank) + "_0.distcp", rank));
+  } catch (const std::exception& e) {
+    msg = std::string("E") + e.what();
+  }
+  const std::vector<std::string> all =
+      group ? group->all_gather_bytes(msg) : std::vector<std::string>{msg};
+  std::string failures;
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!all[r].empty() && all[r][0] == 'M') continue;
+    failures += (failures.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " +
+                (all[r].empty() ? "no report" : all[r].substr(1));
+  }
+  if (!failures.empty()) {
+    if (rank == 0) {
+      try {  // every rank has stopped writing: the partial directory is ours to remove
+        files::remove_tree(io, partial, kWhat);
+      } catch (const std::exception&) {
+      }
+    }
+    throw Error(std::string(kWhat) + " of " + dir + " failed, nothing was committed: " + failures);
+  }
+
+  // 3. commit
+  error.clear();
+  if (rank == 0) {
+    try {
+      std::vector<RankPart> parts;
+      for (size_t r = 0; r < all.size(); ++r) parts.push_back(decode(all[r], static_cast<int>(r)));
+      commit(io, parts, partial, dir, o.annotations());
+      if (after_commit) after_commit();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  error = verdict(group, error);
+  if (!error.empty()) throw Error(rank == 0 ? error : error + " (on rank 0)");
+}
+
+bool parse_step(const std::string& name, int64_t& step) {
+  if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18) return false;
+  step = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return false;
+    step = step * 10 + (name[i] - '0');
+  }
+  return std::to_string(step) == name.substr(5);  // no leading zeros: one name per step
+}
+
+}  // namespace
+
+void save(const StateDict& state_dict, const std::string& dir, const SaveOptions& options) {
+  save_impl(state_dict, dir, options, {}, {});
+}
+
+void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGroup* group) {
+  save(state_dict, dir, SaveOptions().group(group));
+}
+
+std::string step_dir(const std::string& root, int64_t step) {
+  return files::join(files::normalize(root), "step_" + std::to_string(step));
+}
+
+std::vector<int64_t> list_steps(const std::string& root, FileIO* io_in) {
+  FileIO& io = io_in ? *io_in : default_file_io();
+  std::vector<std::string> names;
+  std::vector<int64_t> steps;
+  if (io.is_dir(root) != 1) return steps;
+  if (io.list_dir(root, names) != 0)
+    throw Error("checkpoint: listing " + root + " failed: " + std::strerror(errno));
+  for (const auto& n : names) {
+    int64_t s = 0;
+    if (parse_step(n, s) && io.file_size(files::join(files::join(root, n), ".metadata")) >= 0)
+      steps.push_back(s);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::string save_step(const StateDict& state_dict, const std::string& root_in, int64_t step,
+                      const SaveOptions& options) {
+  if (step < 0) throw ValueError("checkpoint save_step: step " + std::to_string(step) + " < 0");
+  FileIO& io = options.io() ? *options.io() : default_file_io();
+  const std::string root = files::normalize(root_in);
+  const std::string dir = step_dir(root, step);
+  auto clean_stale = [&] {
+    std::vector<std::string> names;
+    if (io.is_dir(root) != 1 || io.list_dir(root, names) != 0) return;
+    for (const auto& n : names) {
+      int64_t s = 0;
+      const std::string suffix = ".partial";
+      if (n.size() > 1 + suffix.size() && n[0] == '.' &&
+          n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+          parse_step(n.substr(1, n.size() - 1 - suffix.size()), s))
+        files::remove_tree(io, files::join(root, n), kWhat);
+    }
+  };
+  auto point_latest = [&] {
+    const std::string tmp = files::join(root, ".latest.tmp");
+    files::write_file(io, tmp, "step_" + std::to_string(step) + "\n", kWhat);
+    if (io.rename(tmp, files::join(root, "latest")) != 0)
+      throw Error(std::string(kWhat) + ": renaming " + tmp + " failed: " + std::strerror(errno));
+    files::sync_dir(io, root, kWhat);
+    if (options.keep_last() <= 0) return;
+    std::vector<int64_t> steps = list_steps(root, &io);
+    const auto keep = static_cast<size_t>(options.keep_last());
+    for (size_t i = 0; i + keep < steps.size(); ++i) {
+      if (steps[i] == step) continue;
+      try {
+        files::remove_tree(io, step_dir(root, steps[i]), kWhat);
+      } catch (const std::exception& e) {
+        TORCH_WARN("fsdp checkpoint: keep_last could not remove ", step_dir(root, steps[i]), ": ",
+                   e.what());
+      }
+    }
+  };
+  save_impl(state_dict, dir, options, clean_stale, point_latest);
+  return dir;
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& root_in, FileIO* io_in) {
+  FileIO& io = io_in ? *io_in : default_file_io();
+  const std::string root = files::normalize(root_in);
+  const std::string pointer = files::join(root, "latest");
+  if (io.file_size(pointer) >= 0) {
+    std::string name = files::read_file(io, pointer, 4096, "checkpoint latest");
+    while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+    int64_t s = 0;
+    if (parse_step(name, s) && io.file_size(files::join(files::join(root, name), ".metadata")) >= 0)
+      return files::join(root, name);
+    TORCH_WARN("fsdp checkpoint: ", pointer, " names '", name,
+               "', which is not a committed checkpoint; taking the newest step instead");
+  }
+  const std::vector<int64_t> steps = list_steps(root, &io);
+  if (steps.empty()) return std::nullopt;
+  return step_dir(root, steps.back());
+}
+
+}  // namespace checkpoint
+}  // namespace fsdp

@@ -1,0 +1,66 @@
+// Internal: file helpers of the checkpoint layer on top of FileIO (fsdp/checkpoint/file_io.h):
+// whole writes with fsync, bounded reads, directory syncs and trees, and the xxh3 checksums the
+// manifest records. Every failure throws fsdp::Error (I/O) or ValueError (a file that is not what
+// it should be) naming the path and the operation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "fsdp/checkpoint/file_io.h"
+
+namespace fsdp {
+namespace checkpoint {
+namespace files {
+
+std::string join(const std::string& dir, const std::string& name);
+/// "a/b/c" -> "a/b"; "c" -> "."; trailing slashes ignored.
+std::string parent_of(const std::string& path);
+/// "a/b/c/" -> "c".
+std::string base_of(const std::string& path);
+/// `path` without trailing slashes (and "." for an empty one).
+std::string normalize(const std::string& path);
+
+/// A file being written: bytes appended in order, then fsynced and closed by `finish`. Closed
+/// (without sync) by the destructor if `finish` was never reached.
+class OutFile {
+ public:
+  OutFile(FileIO& io, std::string path, const char* what);
+  ~OutFile();
+  OutFile(const OutFile&) = delete;
+  OutFile& operator=(const OutFile&) = delete;
+  /// Appends `n` bytes; returns the offset they were written at.
+  int64_t append(const void* data, size_t n);
+  int64_t append(const std::string& s) { return append(s.data(), s.size()); }
+  int64_t size() const { return size_; }
+  void finish();
+
+ private:
+  FileIO& io_;
+  std::string path_;
+  const char* what_;
+  int fd_ = -1;
+  int64_t size_ = 0;
+};
+
+/// Writes `data` as the whole of `path` and fsyncs it.
+void write_file(FileIO& io, const std::string& path, const std::string& data, const char* what);
+/// Reads `length` bytes at `offset`; ValueError naming the file if they are not all there.
+std::string read_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
+                       const char* what);
+/// The whole file, refused (ValueError) above `limit` bytes before anything is allocated.
+std::string read_file(FileIO& io, const std::string& path, int64_t limit, const char* what);
+/// fsync of a directory, so that names created or renamed in it survive a power cut.
+void sync_dir(FileIO& io, const std::string& path, const char* what);
+/// mkdir -p.
+void make_dirs(FileIO& io, const std::string& path, const char* what);
+/// rm -r of a tree this library made (depth-limited); a missing path is no error.
+void remove_tree(FileIO& io, const std::string& path, const char* what);
+
+/// XXH3-64 of the bytes, as 16 lower-case hex digits.
+std::string xxh3_hex(const void* data, size_t n);
+inline std::string xxh3_hex(const std::string& s) { return xxh3_hex(s.data(), s.size()); }
+
+}  // namespace files
+}  // namespace checkpoint
+}  // namespace fsdp
