@@ -6,11 +6,11 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <tuple>
 
 #include "checkpoint/dcp_items.h"
-#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/dcp_reader.h"
 #include "checkpoint/files.h"
-#include "checkpoint/manifest.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
 
@@ -22,64 +22,6 @@ constexpr const char* kWhat = "checkpoint load";
 constexpr int64_t kMaxMetadata = int64_t{64} << 20;  // the pickle reader's limit
 
 using items::dims_text;
-
-// `.metadata` and the manifest of a checkpoint directory, read and cross-checked.
-struct Opened {
-  std::string dir;
-  dcp::Metadata md;
-  std::optional<manifest::Manifest> mf;
-};
-
-Opened open_checkpoint(FileIO& io, const std::string& dir_in, bool verify, const char* what) {
-  Opened o;
-  o.dir = files::normalize(dir_in);
-  const std::string meta_path = files::join(o.dir, ".metadata");
-  if (io.file_size(meta_path) < 0) {
-    const std::string partial =
-        files::join(files::parent_of(o.dir), "." + files::base_of(o.dir) + ".partial");
-    throw ValueError(std::string(what) + ": " + meta_path + " does not exist: " +
-                     (io.is_dir(partial) == 1
-                          ? "the save into " + o.dir + " did not complete (" + partial + " is left)"
-                          : std::string("not a committed checkpoint")));
-  }
-  const std::string meta_bytes = files::read_file(io, meta_path, kMaxMetadata, what);
-  const std::string mf_path = files::join(o.dir, manifest::kFileName);
-  if (io.file_size(mf_path) >= 0) {
-    o.mf = manifest::parse(files::read_file(io, mf_path, manifest::kMaxBytes, what), mf_path);
-    if (verify && files::xxh3_hex(meta_bytes) != o.mf->metadata_xxh3)
-      throw ValueError(std::string(what) + ": " + meta_path +
-                       " does not match its checksum in the manifest: the file is corrupt or was "
-                       "replaced");
-  }
-  o.md = dcp::parse_metadata(meta_bytes, meta_path);
-  return o;
-}
-
-// The bytes of one stored item, checked against the manifest when there is one.
-std::string read_item(FileIO& io, const Opened& o, const std::string& key,
-                      const dcp::StorageInfo& info, bool verify, const char* what) {
-  const std::string path = files::join(o.dir, info.relative_path);
-  std::string raw = files::read_range(io, path, info.offset, info.length, what);
-  if (verify && o.mf) {
-    const manifest::Item* m = o.mf->find(info.relative_path, info.offset);
-    const std::string at = "'" + key + "' in " + path + " at offset " + std::to_string(info.offset);
-    if (!m) throw ValueError(std::string(what) + ": " + at + " has no checksum in the manifest");
-    if (m->length != info.length || m->key != key)
-      throw ValueError(std::string(what) + ": " + at + " disagrees with the manifest (which has '" +
-                       m->key + "', " + std::to_string(m->length) + " bytes)");
-    const std::string h = files::xxh3_hex(raw);
-    if (h != m->xxh3)
-      throw ValueError(std::string(what) + ": checksum mismatch for " + at + " (" +
-                       std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " + m->xxh3 +
-                       "): the file is corrupt");
-  }
-  return raw;
-}
-
-std::string item_where(const Opened& o, const std::string& key, const dcp::StorageInfo& info) {
-  return "'" + key + "' in " + files::join(o.dir, info.relative_path) + " at offset " +
-         std::to_string(info.offset);
-}
 
 // A decoded chunk must be exactly what the metadata says.
 void check_chunk(const at::Tensor& chunk, at::ScalarType dtype, const std::vector<int64_t>& sizes,
@@ -95,25 +37,70 @@ void check_chunk(const at::Tensor& chunk, at::ScalarType dtype, const std::vecto
 
 }  // namespace
 
-void load(StateDict& state_dict, const std::string& dir_in, const LoadOptions& options) {
-  FileIO& io = options.io() ? *options.io() : default_file_io();
-  const Opened o = open_checkpoint(io, dir_in, options.verify(), kWhat);
-  const std::string& dir = o.dir;
-  if (!o.mf)
-    TORCH_WARN("fsdp checkpoint: ", dir, " has no ", manifest::kFileName,
-               " (written by PyTorch?): its data cannot be verified");
-  std::map<std::string, const dcp::ItemMeta*> meta_items;
-  for (const auto& [k, item] : o.md.state_dict_metadata) meta_items[k] = &item;
-  std::map<std::pair<std::string, std::vector<int64_t>>, const dcp::StorageInfo*> chunk_at;
-  std::map<std::string, const dcp::StorageInfo*> bytes_at;
-  for (const auto& [idx, info] : o.md.storage_data) {
+CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in, bool verify,
+                                   const char* what)
+    : io_(io), dir_(files::normalize(dir_in)), verify_(verify), what_(what) {
+  const std::string meta_path = files::join(dir_, ".metadata");
+  if (io.file_size(meta_path) < 0) {
+    const std::string partial =
+        files::join(files::parent_of(dir_), "." + files::base_of(dir_) + ".partial");
+    throw ValueError(std::string(what) + ": " + meta_path + " does not exist: " +
+                     (io.is_dir(partial) == 1
+                          ? "the save into " + dir_ + " did not complete (" + partial + " is left)"
+                          : std::string("not a committed checkpoint")));
+  }
+  const std::string meta_bytes = files::read_file(io, meta_path, kMaxMetadata, what);
+  const std::string mf_path = files::join(dir_, manifest::kFileName);
+  if (io.file_size(mf_path) >= 0) {
+    mf_ = manifest::parse(files::read_file(io, mf_path, manifest::kMaxBytes, what), mf_path);
+    if (verify && files::xxh3_hex(meta_bytes) != mf_->metadata_xxh3)
+      throw ValueError(std::string(what) + ": " + meta_path +
+                       " does not match its checksum in the manifest: the file is corrupt or was "
+                       "replaced");
+  }
+  md_ = dcp::parse_metadata(meta_bytes, meta_path);
+  for (const auto& [k, item] : md_.state_dict_metadata) items_[k] = &item;
+  for (const auto& [idx, info] : md_.storage_data) {
     if (idx.offset) {
-      chunk_at[{idx.fqn, *idx.offset}] = &info;
+      chunk_at_[{idx.fqn, *idx.offset}] = &info;
     } else {
-      bytes_at[idx.fqn] = &info;
+      bytes_at_[idx.fqn] = &info;
     }
   }
+}
 
+const dcp::ItemMeta* CheckpointReader::item(const std::string& key) const {
+  auto it = items_.find(key);
+  return it == items_.end() ? nullptr : it->second;
+}
+
+std::string CheckpointReader::read_item(const std::string& key,
+                                        const dcp::StorageInfo& info) const {
+  const std::string path = files::join(dir_, info.relative_path);
+  std::string raw = files::read_range(io_, path, info.offset, info.length, what_);
+  if (verify_ && mf_) {
+    const manifest::Item* m = mf_->find(info.relative_path, info.offset);
+    const std::string at = where(key, info);
+    if (!m) throw ValueError(std::string(what_) + ": " + at + " has no checksum in the manifest");
+    if (m->length != info.length || m->key != key)
+      throw ValueError(std::string(what_) + ": " + at + " disagrees with the manifest (which has '" +
+                       m->key + "', " + std::to_string(m->length) + " bytes)");
+    const std::string h = files::xxh3_hex(raw);
+    if (h != m->xxh3)
+      throw ValueError(std::string(what_) + ": checksum mismatch for " + at + " (" +
+                       std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " + m->xxh3 +
+                       "): the file is corrupt");
+  }
+  return raw;
+}
+
+std::string CheckpointReader::where(const std::string& key, const dcp::StorageInfo& info) const {
+  return "'" + key + "' in " + files::join(dir_, info.relative_path) + " at offset " +
+         std::to_string(info.offset);
+}
+
+void CheckpointReader::fill(StateDict& state_dict) const {
+  const std::string& dir = dir_;
   // Plan: which saved chunk fills which part of which target, all checked before any change.
   struct Copy {
     at::Tensor dst;                       // a view of the target
@@ -129,34 +116,34 @@ void load(StateDict& state_dict, const std::string& dir_in, const LoadOptions& o
   std::vector<std::tuple<StateValue*, const dcp::StorageInfo*, std::string>> values;
   for (const items::FlatItem& it : items::flatten(state_dict)) {
     StateValue& v = *it.value;
-    auto found = meta_items.find(it.key);
-    if (found == meta_items.end())
-      throw ValueError(std::string(kWhat) + ": " + dir + " has no '" + it.key + "'");
+    auto found = items_.find(it.key);
+    if (found == items_.end())
+      throw ValueError(std::string(what_) + ": " + dir + " has no '" + it.key + "'");
     const dcp::ItemMeta& item = *found->second;
     if (!(v.is_tensor() || v.is_sharded_tensor())) {
       if (!item.bytes)
-        throw ValueError(std::string(kWhat) + ": '" + it.key + "' is a tensor in " + dir +
+        throw ValueError(std::string(what_) + ": '" + it.key + "' is a tensor in " + dir +
                          ", the state dict holds a " + to_string(v.kind()));
-      auto b = bytes_at.find(it.key);
-      if (b == bytes_at.end())
-        throw ValueError(std::string(kWhat) + ": no storage entry for '" + it.key + "' in " + dir);
+      auto b = bytes_at_.find(it.key);
+      if (b == bytes_at_.end())
+        throw ValueError(std::string(what_) + ": no storage entry for '" + it.key + "' in " + dir);
       values.emplace_back(&v, b->second, it.key);
       continue;
     }
     if (item.bytes)
-      throw ValueError(std::string(kWhat) + ": '" + it.key + "' is not a tensor in " + dir);
+      throw ValueError(std::string(what_) + ": '" + it.key + "' is not a tensor in " + dir);
     const std::vector<int64_t> shape =
         v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
     if (shape != item.tensor.size)
-      throw ValueError(std::string(kWhat) + ": '" + it.key + "' has shape " +
+      throw ValueError(std::string(what_) + ": '" + it.key + "' has shape " +
                        dims_text(item.tensor.size) + " in " + dir + ", the state dict " +
                        dims_text(shape));
     // An empty tensor needs no bytes, but its chunks are still read and checked, so that damage
     // anywhere in a data file is reported by the load that reads it.
     if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {
       for (const auto& c : item.tensor.chunks) {
-        auto info = chunk_at.find({it.key, c.offsets});
-        if (info == chunk_at.end()) continue;
+        auto info = chunk_at_.find({it.key, c.offsets});
+        if (info == chunk_at_.end()) continue;
         Read& r = reads[info->second];
         r.key = it.key;
         r.sizes = c.sizes;
@@ -183,9 +170,9 @@ void load(StateDict& state_dict, const std::string& dir_in, const LoadOptions& o
           overlap = overlap && hi[d] > lo[d];
         }
         if (!overlap) continue;
-        auto info = chunk_at.find({it.key, c.offsets});
-        if (info == chunk_at.end())
-          throw ValueError(std::string(kWhat) + ": no storage entry for '" + it.key +
+        auto info = chunk_at_.find({it.key, c.offsets});
+        if (info == chunk_at_.end())
+          throw ValueError(std::string(what_) + ": no storage entry for '" + it.key +
                            "' chunk at " + dims_text(c.offsets) + " in " + dir);
         at::Tensor dst = target, mark = covered;
         Copy cp;
@@ -206,7 +193,7 @@ void load(StateDict& state_dict, const std::string& dir_in, const LoadOptions& o
       }
       const int64_t missing = covered.numel() - covered.sum().item<int64_t>();
       if (missing > 0)
-        throw ValueError(std::string(kWhat) + ": " + std::to_string(missing) + " element(s) of '" +
+        throw ValueError(std::string(what_) + ": " + std::to_string(missing) + " element(s) of '" +
                          it.key + "' in the box at " + dims_text(box.offsets) + " of size " +
                          dims_text(box.sizes) + " are in no chunk saved in " + dir);
     }
@@ -214,11 +201,10 @@ void load(StateDict& state_dict, const std::string& dir_in, const LoadOptions& o
   // Apply: each needed chunk read, checked and decoded once.
   at::NoGradGuard no_grad;
   for (auto& [info, job] : reads) {
-    const std::string where = item_where(o, job.key, *info);
+    const std::string place = where(job.key, *info);
     const at::Tensor chunk =
-        items::decode_tensor(read_item(io, o, job.key, *info, options.verify(), kWhat),
-                             std::string(kWhat) + ": " + where);
-    check_chunk(chunk, job.dtype, job.sizes, where, kWhat);
+        items::decode_tensor(read_item(job.key, *info), std::string(what_) + ": " + place);
+    check_chunk(chunk, job.dtype, job.sizes, place, what_);
     for (auto& cp : job.copies) {
       at::Tensor src = chunk;
       for (size_t d = 0; d < cp.extent.size(); ++d)
@@ -227,28 +213,38 @@ void load(StateDict& state_dict, const std::string& dir_in, const LoadOptions& o
     }
   }
   for (auto& [v, info, key] : values) {
-    *v = items::decode_value(read_item(io, o, key, *info, options.verify(), kWhat),
-                             std::string(kWhat) + ": " + item_where(o, key, *info));
+    *v = items::decode_value(read_item(key, *info),
+                             std::string(what_) + ": " + where(key, *info));
   }
+}
+
+void load(StateDict& state_dict, const std::string& dir, const LoadOptions& options) {
+  FileIO& io = options.io() ? *options.io() : default_file_io();
+  const CheckpointReader reader(io, dir, options.verify(), kWhat);
+  if (!reader.manifest())
+    TORCH_WARN("fsdp checkpoint: ", reader.dir(), " has no ", manifest::kFileName,
+               " (written by PyTorch?): its data cannot be verified");
+  reader.fill(state_dict);
 }
 
 VerifyReport verify(const std::string& dir_in, FileIO* io_in) {
   constexpr const char* what = "checkpoint verify";
   FileIO& io = io_in ? *io_in : default_file_io();
   VerifyReport rep;
-  Opened o;
+  std::optional<CheckpointReader> reader;
   try {
-    o = open_checkpoint(io, dir_in, /*verify=*/true, what);
+    reader.emplace(io, dir_in, /*verify=*/true, what);
   } catch (const std::exception& e) {
     rep.problems.push_back(e.what());
     return rep;
   }
-  const std::string& dir = o.dir;
-  rep.has_manifest = o.mf.has_value();
-  if (o.mf) {
-    rep.format_version = o.mf->format_version;
-    rep.world_size = o.mf->world_size;
-    for (const auto& [file, size] : o.mf->files) {
+  const CheckpointReader& o = *reader;
+  const std::string& dir = o.dir();
+  rep.has_manifest = o.manifest().has_value();
+  if (o.manifest()) {
+    rep.format_version = o.manifest()->format_version;
+    rep.world_size = o.manifest()->world_size;
+    for (const auto& [file, size] : o.manifest()->files) {
       const std::string path = files::join(dir, file);
       const int64_t actual = io.file_size(path);
       if (actual != size)
@@ -257,17 +253,17 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in) {
                                            : " has " + std::to_string(actual) + " bytes") +
                                ", the manifest says " + std::to_string(size));
     }
-    if (o.mf->items.size() != o.md.storage_data.size())
+    if (o.manifest()->items.size() != o.metadata().storage_data.size())
       rep.problems.push_back(std::string(what) + ": the manifest lists " +
-                             std::to_string(o.mf->items.size()) + " items, .metadata " +
-                             std::to_string(o.md.storage_data.size()));
+                             std::to_string(o.manifest()->items.size()) + " items, .metadata " +
+                             std::to_string(o.metadata().storage_data.size()));
   } else {
     rep.problems.push_back(std::string(what) + ": " + dir + " has no " + manifest::kFileName +
                            ": its data cannot be verified (a checkpoint written by PyTorch?)");
   }
   // Coverage: the chunks of every tensor tile it exactly (inside it, disjoint, volumes add up).
   std::map<std::string, const dcp::ItemMeta*> meta_items;
-  for (const auto& [key, item] : o.md.state_dict_metadata) {
+  for (const auto& [key, item] : o.metadata().state_dict_metadata) {
     meta_items[key] = &item;
     if (item.bytes) continue;
     const auto& t = item.tensor;
@@ -298,34 +294,34 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in) {
   }
   // Every stored item: inside its file, its checksum, and what it decodes to.
   std::map<std::pair<std::string, std::vector<int64_t>>, bool> stored;
-  for (const auto& [idx, info] : o.md.storage_data) {
-    const std::string where = item_where(o, idx.fqn, info);
+  for (const auto& [idx, info] : o.metadata().storage_data) {
+    const std::string place = o.where(idx.fqn, info);
     if (idx.offset) stored[{idx.fqn, *idx.offset}] = true;  // it has an entry, good bytes or not
     try {
       auto m = meta_items.find(idx.fqn);
       if (m == meta_items.end())
-        throw ValueError(std::string(what) + ": " + where + " belongs to no key of .metadata");
-      const std::string raw = read_item(io, o, idx.fqn, info, /*verify=*/true, what);
+        throw ValueError(std::string(what) + ": " + place + " belongs to no key of .metadata");
+      const std::string raw = o.read_item(idx.fqn, info);
       rep.bytes += static_cast<int64_t>(raw.size());
       ++rep.items;
       if (m->second->bytes) {
-        items::decode_value(raw, std::string(what) + ": " + where);
+        items::decode_value(raw, std::string(what) + ": " + place);
         continue;
       }
       if (!idx.offset)
-        throw ValueError(std::string(what) + ": " + where + " is a tensor item without offsets");
+        throw ValueError(std::string(what) + ": " + place + " is a tensor item without offsets");
       const auto& chunks = m->second->tensor.chunks;
       auto c = std::find_if(chunks.begin(), chunks.end(),
                             [&](const dcp::ChunkMeta& x) { return x.offsets == *idx.offset; });
       if (c == chunks.end())
-        throw ValueError(std::string(what) + ": " + where + " is a chunk .metadata does not list");
-      check_chunk(items::decode_tensor(raw, std::string(what) + ": " + where),
-                  m->second->tensor.dtype, c->sizes, where, what);
+        throw ValueError(std::string(what) + ": " + place + " is a chunk .metadata does not list");
+      check_chunk(items::decode_tensor(raw, std::string(what) + ": " + place),
+                  m->second->tensor.dtype, c->sizes, place, what);
     } catch (const std::exception& e) {
       rep.problems.push_back(e.what());
     }
   }
-  for (const auto& [key, item] : o.md.state_dict_metadata) {
+  for (const auto& [key, item] : o.metadata().state_dict_metadata) {
     if (item.bytes) continue;
     for (const auto& c : item.tensor.chunks)
       if (!stored.count({key, c.offsets}))

@@ -73,6 +73,12 @@ NodePtr Node::object(NodePtr callee, std::vector<NodePtr> args, bool newobj, Nod
   return n;
 }
 
+NodePtr Node::persistent_id(NodePtr id) {
+  auto n = make(Kind::PersId);
+  n->items.push_back(std::move(id));
+  return n;
+}
+
 std::string Node::class_name() const {
   if (kind == Kind::Global) return module + "." + name;
   if (kind == Kind::Object && callee) return callee->class_name();
@@ -110,6 +116,8 @@ const char* to_string(Node::Kind k) {
       return "global";
     case Node::Kind::Object:
       return "object";
+    case Node::Kind::PersId:
+      return "persistent id";
   }
   return "?";
 }
@@ -394,6 +402,11 @@ class Reader {
       case 0x94:
         put_memo(memo_.size());
         return;  // MEMOIZE
+      case 'Q': {  // BINPERSID
+        if (!limits_.persistent_ids) fail("persistent ids are not allowed here");
+        push(Node::persistent_id(pop()));
+        return;
+      }
       case 'q':
         put_memo(le(1));
         return;  // BINPUT
@@ -500,6 +513,11 @@ class Writer {
         if (n->module.find('\n') != std::string::npos || n->name.find('\n') != std::string::npos)
           throw PickleError("pickle write: newline in a global's name");
         out_ += 'c' + n->module + '\n' + n->name + '\n';
+        return;
+      case Node::Kind::PersId:
+        if (n->items.size() != 1) throw PickleError("pickle write: a persistent id holds one value");
+        emit(n->items[0], depth + 1);
+        out_ += 'Q';
         return;
       case Node::Kind::Object:
         if (!n->callee || n->callee->kind != Node::Kind::Global)

@@ -36,7 +36,7 @@ using NodePtr = std::shared_ptr<Node>;
 
 /// One decoded value. Containers hold shared pointers, as the pickle's memo can share them.
 struct Node {
-  enum class Kind { None, Bool, Int, Float, Str, Bytes, Tuple, List, Dict, Global, Object };
+  enum class Kind { None, Bool, Int, Float, Str, Bytes, Tuple, List, Dict, Global, Object, PersId };
   Kind kind = Kind::None;
   bool b = false;
   int64_t i = 0;
@@ -48,6 +48,7 @@ struct Node {
   NodePtr callee;                                    // Object: the Global called
   bool newobj = false;                               // Object: made by NEWOBJ (else REDUCE)
   NodePtr state;                                     // Object: BUILD's argument, if any
+                                                     // PersId: items[0] is the id
 
   static NodePtr none();
   static NodePtr boolean(bool v);
@@ -61,6 +62,9 @@ struct Node {
   /// cls.__new__(cls, *args) then BUILD(state) when `newobj`; else cls(*args) (REDUCE).
   static NodePtr object(NodePtr callee, std::vector<NodePtr> args, bool newobj,
                         NodePtr state = nullptr);
+  /// A persistent id (BINPERSID): how torch.save refers to a tensor storage stored beside the
+  /// pickle, ('storage', <storage class>, key, location, numel).
+  static NodePtr persistent_id(NodePtr id);
 
   bool is(Kind k) const { return kind == k; }
   /// "module.name" of a Global, or of an Object's callee; "" otherwise.
@@ -78,6 +82,8 @@ struct ReadLimits {
   size_t max_nodes = size_t{4} << 20;
   /// Deepest MARK nesting and stack size.
   size_t max_stack = size_t{1} << 20;
+  /// Accept BINPERSID (torch.save archives' storages); DCP's `.metadata` has none.
+  bool persistent_ids = false;
 };
 
 /// Decodes `data`. Globals must be in `allowed` as {module, name}. Throws PickleError.

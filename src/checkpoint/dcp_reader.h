@@ -1,0 +1,50 @@
+// Internal: an opened DCP checkpoint directory. `.metadata` is parsed, the manifest read and
+// `.metadata` checked against it once; then any number of fills read what they need. Used by
+// load, verify and the exports (which pull one tensor at a time).
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+
+#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/manifest.h"
+#include "fsdp/checkpoint/file_io.h"
+#include "fsdp/state_dict.h"
+
+namespace fsdp {
+namespace checkpoint {
+
+class CheckpointReader {
+ public:
+  /// Throws ValueError naming the file for a missing or incomplete checkpoint, an unreadable
+  /// `.metadata` or manifest, or (with `verify`) a `.metadata` that fails its checksum.
+  CheckpointReader(FileIO& io, const std::string& dir, bool verify, const char* what);
+
+  const std::string& dir() const { return dir_; }
+  const dcp::Metadata& metadata() const { return md_; }
+  const std::optional<manifest::Manifest>& manifest() const { return mf_; }
+  /// The key's entry in `.metadata`, or null.
+  const dcp::ItemMeta* item(const std::string& key) const;
+
+  /// Fills `sd` as checkpoint::load does.
+  void fill(StateDict& sd) const;
+  /// The bytes of one stored item, checked against the manifest (when verifying and it has one).
+  std::string read_item(const std::string& key, const dcp::StorageInfo& info) const;
+  /// "'key' in <file> at offset N", for messages.
+  std::string where(const std::string& key, const dcp::StorageInfo& info) const;
+
+ private:
+  FileIO& io_;
+  std::string dir_;
+  bool verify_;
+  const char* what_;
+  dcp::Metadata md_;
+  std::optional<manifest::Manifest> mf_;
+  std::map<std::string, const dcp::ItemMeta*> items_;
+  std::map<std::pair<std::string, std::vector<int64_t>>, const dcp::StorageInfo*> chunk_at_;
+  std::map<std::string, const dcp::StorageInfo*> bytes_at_;
+};
+
+}  // namespace checkpoint
+}  // namespace fsdp
