@@ -83,8 +83,9 @@ std::string CheckpointReader::read_item(const std::string& key,
     const std::string at = where(key, info);
     if (!m) throw ValueError(std::string(what_) + ": " + at + " has no checksum in the manifest");
     if (m->length != info.length || m->key != key)
-      throw ValueError(std::string(what_) + ": " + at + " disagrees with the manifest (which has '" +
-                       m->key + "', " + std::to_string(m->length) + " bytes)");
+      throw ValueError(std::string(what_) + ": " + at +
+                       " disagrees with the manifest (which has '" + m->key + "', " +
+                       std::to_string(m->length) + " bytes)");
     const std::string h = files::xxh3_hex(raw);
     if (h != m->xxh3)
       throw ValueError(std::string(what_) + ": checksum mismatch for " + at + " (" +
@@ -213,8 +214,7 @@ void CheckpointReader::fill(StateDict& state_dict) const {
     }
   }
   for (auto& [v, info, key] : values) {
-    *v = items::decode_value(read_item(key, *info),
-                             std::string(what_) + ": " + where(key, *info));
+    *v = items::decode_value(read_item(key, *info), std::string(what_) + ": " + where(key, *info));
   }
 }
 

@@ -245,6 +245,10 @@ class Reader {
     NodePtr callee = pop();
     expect(args, Node::Kind::Tuple, newobj ? "NEWOBJ's arguments" : "REDUCE's arguments");
     expect(callee, Node::Kind::Global, newobj ? "NEWOBJ's class" : "REDUCE's callable");
+    // collections.OrderedDict() (what nn.Module.state_dict() returns) is read as a dict, so that
+    // SETITEMS can fill it; its BUILD state (`_metadata`) is kept on the dict.
+    if (callee->module == "collections" && callee->name == "OrderedDict" && args->items.empty())
+      return counted(Node::dict({}));
     return counted(Node::object(callee, args->items, newobj));
   }
 
@@ -394,14 +398,15 @@ class Reader {
         return;
       case 'b': {  // BUILD
         NodePtr state = pop();
-        Node& obj = *expect(top(), Node::Kind::Object, "BUILD's target");
+        if (top()->kind != Node::Kind::Dict) expect(top(), Node::Kind::Object, "BUILD's target");
+        Node& obj = *top();
         if (obj.state) fail("BUILD applied twice to one object");
         obj.state = std::move(state);
         return;
       }
       case 0x94:
         put_memo(memo_.size());
-        return;  // MEMOIZE
+        return;    // MEMOIZE
       case 'Q': {  // BINPERSID
         if (!limits_.persistent_ids) fail("persistent ids are not allowed here");
         push(Node::persistent_id(pop()));
@@ -515,7 +520,8 @@ class Writer {
         out_ += 'c' + n->module + '\n' + n->name + '\n';
         return;
       case Node::Kind::PersId:
-        if (n->items.size() != 1) throw PickleError("pickle write: a persistent id holds one value");
+        if (n->items.size() != 1)
+          throw PickleError("pickle write: a persistent id holds one value");
         emit(n->items[0], depth + 1);
         out_ += 'Q';
         return;

@@ -1,0 +1,326 @@
+// Exports and imports (issue 11): a W=2 checkpoint exported to safetensors (one file and split
+// with an index) and to `.pt`, read back bit-exactly by us and by Python (torch.load with
+// weights_only=True, safetensors.torch); Python-written files imported; memory while streaming;
+// and hostile files rejected with clear errors.
+#include <gtest/gtest.h>
+
+#include <caffe2/serialize/inline_container.h>
+#include <sys/stat.h>
+#include <torch/serialize.h>
+
+#include <fstream>
+#include <iterator>
+
+#include "dcp_testing.h"
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/export.h"
+#include "fsdp/errors.h"
+#include "memory_watch.h"
+#include "multi_rank.h"
+#include "python_ref.h"
+#include "state_dict_testing.h"
+
+namespace ckpt = fsdp::checkpoint;
+using fsdp::ShardedTensor;
+using fsdp::ShardMetadata;
+using fsdp::StateDict;
+using fsdp::StateValue;
+using fsdp::dist::ProcessGroup;
+using fsdp::testing::error_of;
+using fsdp::testing::run_ranks;
+using fsdp::testing::TempDir;
+
+namespace {
+
+#ifdef FSDP_TEST_TORCH_PYTHON
+const std::string kPython = FSDP_TEST_TORCH_PYTHON;
+#else
+const std::string kPython;
+#endif
+
+std::string py(const std::string& args) {
+  return fsdp::testing::run_command(kPython + " -W ignore " + std::string(FSDP_TEST_SOURCE_DIR) +
+                                    "/dcp/export_python.py " + args);
+}
+
+bool has_safetensors() {
+  return !kPython.empty() &&
+         std::system((kPython + " -c 'import safetensors.torch' 2>/dev/null").c_str()) == 0;
+}
+
+std::string py_float(double x) { return fsdp::testing::py_float(x); }
+
+// What export_python.py prints for a flat dict of tensors.
+std::string tensor_lines(const StateDict& flat) {
+  std::vector<std::string> lines;
+  for (const auto& [k, v] : flat) {
+    const at::Tensor t = v.tensor();
+    std::string shape;
+    for (int64_t d = 0; d < t.dim(); ++d) shape += (d ? "," : "") + std::to_string(t.size(d));
+    std::string vals;
+    const at::Tensor f = t.to(at::kDouble).reshape({-1});
+    for (int64_t i = 0; i < f.numel(); ++i) vals += (i ? "," : "") + py_float(f[i].item<double>());
+    const std::map<std::string, std::string> names{
+        {"Float", "float32"}, {"BFloat16", "bfloat16"}, {"Long", "int64"}, {"Double", "float64"}};
+    lines.push_back(k + " " + names.at(c10::toString(t.scalar_type())) + " " +
+                    (shape.empty() ? "-" : shape) + " " + vals);
+  }
+  std::sort(lines.begin(), lines.end());
+  std::string out;
+  for (const auto& l : lines) out += l + "\n";
+  return out;
+}
+
+// The model part of a W-rank checkpoint: "model.w" (6 x 5) sharded by rows, plus plain tensors,
+// and an optimizer part the default prefix leaves out.
+StateDict model_sample(int rank, int world) {
+  const at::Tensor full = at::arange(30, at::kFloat).reshape({6, 5}) / 4;
+  const int64_t per = 6 / world;
+  std::vector<fsdp::Shard> shards{
+      {full.narrow(0, rank * per, per).clone(), ShardMetadata{{rank * per, 0}, {per, 5}, rank}}};
+  StateDict model;
+  model.insert_or_assign("w", ShardedTensor({6, 5}, at::kFloat, std::move(shards)));
+  model.insert_or_assign("b", at::tensor({0.5, -1.0, 2.0}).to(at::kBFloat16));
+  model.insert_or_assign("steps", at::tensor({1, 2, 3}, at::kLong));
+  model.insert_or_assign("scale", at::scalar_tensor(2.5, at::kDouble));
+  model.insert_or_assign("empty", at::zeros({0, 3}));
+  StateDict optim;
+  optim.insert_or_assign("exp_avg", at::ones({4}));
+  StateDict sd;
+  sd.insert_or_assign("model", model);
+  sd.insert_or_assign("optim", optim);
+  return sd;
+}
+
+StateDict expected_model() {
+  StateDict m;
+  m.insert_or_assign("w", at::arange(30, at::kFloat).reshape({6, 5}) / 4);
+  m.insert_or_assign("b", at::tensor({0.5, -1.0, 2.0}).to(at::kBFloat16));
+  m.insert_or_assign("steps", at::tensor({1, 2, 3}, at::kLong));
+  m.insert_or_assign("scale", at::scalar_tensor(2.5, at::kDouble));
+  m.insert_or_assign("empty", at::zeros({0, 3}));
+  return m;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::string& b) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << b;
+}
+
+class CheckpointExport : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    run_ranks(2, [&](ProcessGroup& pg) { ckpt::save(model_sample(pg.rank(), 2), tmp.file("c")); });
+  }
+  TempDir tmp;
+};
+
+TEST_F(CheckpointExport, SafetensorsOneFileAndSplitRoundTrip) {
+  const std::string want = tensor_lines(expected_model());
+  run_ranks(1, [&](ProcessGroup&) {
+    const auto one = ckpt::export_safetensors(tmp.file("c"), tmp.file("st1"));
+    ASSERT_EQ(one, std::vector<std::string>{tmp.file("st1") + "/model.safetensors"});
+    EXPECT_EQ(tensor_lines(ckpt::load_safetensors(tmp.file("st1"))), want);
+    // Split: w (120 bytes) alone, then the small ones together.
+    const auto split = ckpt::export_safetensors(tmp.file("c"), tmp.file("st2"),
+                                                ckpt::ExportOptions().max_shard_bytes(64));
+    ASSERT_GE(split.size(), 3u);
+    EXPECT_EQ(split.back(), tmp.file("st2") + "/model.safetensors.index.json");
+    EXPECT_NE(split[0].find("model-00001-of-"), std::string::npos) << split[0];
+    EXPECT_EQ(tensor_lines(ckpt::load_safetensors(tmp.file("st2"))), want);
+    // The negative control: a different tensor changes the lines.
+    StateDict other = expected_model();
+    other.at("w").tensor()[5][4] = 0;
+    EXPECT_NE(tensor_lines(other), want);
+    // From memory, with the prefix "" and a full key set.
+    ckpt::save_safetensors(expected_model(), tmp.file("st3"), ckpt::ExportOptions().prefix(""));
+    EXPECT_EQ(tensor_lines(ckpt::load_safetensors(tmp.file("st3") + "/model.safetensors")), want);
+    // A prefix that matches nothing is an error, as is a ShardedTensor in memory.
+    EXPECT_NE(error_of([&] {
+                ckpt::export_safetensors(tmp.file("c"), tmp.file("x"),
+                                         ckpt::ExportOptions().prefix("nope."));
+              }).find("no tensor under the prefix 'nope.'"),
+              std::string::npos);
+    StateDict sharded = model_sample(0, 1);
+    EXPECT_NE(
+        error_of([&] { ckpt::save_safetensors(sharded, tmp.file("x")); }).find("ShardedTensor"),
+        std::string::npos);
+  });
+}
+
+TEST_F(CheckpointExport, PythonSafetensorsReadsOurExports) {
+  if (!has_safetensors()) GTEST_SKIP() << "no Python safetensors here (the trixie chroot has it)";
+  run_ranks(1, [&](ProcessGroup&) {
+    ckpt::export_safetensors(tmp.file("c"), tmp.file("st1"));
+    ckpt::export_safetensors(tmp.file("c"), tmp.file("st2"),
+                             ckpt::ExportOptions().max_shard_bytes(64));
+  });
+  const std::string want = tensor_lines(expected_model());
+  EXPECT_EQ(py("st_read " + tmp.file("st1") + "/model.safetensors"), want);
+  EXPECT_EQ(py("st_read " + tmp.file("st2") + "/model.safetensors.index.json"), want);
+}
+
+TEST_F(CheckpointExport, PtRoundTripAndTorchLoadWeightsOnly) {
+  const std::string want = tensor_lines(expected_model());
+  run_ranks(1, [&](ProcessGroup&) {
+    ckpt::export_pt(tmp.file("c"), tmp.file("m.pt"));
+    EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("m.pt"))), want);
+    ckpt::save_pt(expected_model(), tmp.file("m2.pt"), ckpt::ExportOptions().prefix(""));
+    EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("m2.pt"))), want);
+  });
+  if (kPython.empty()) GTEST_SKIP() << "no Python with torch here";
+  EXPECT_EQ(py("pt_read " + tmp.file("m.pt")), want);
+}
+
+// Python-written files: torch.save(module-style OrderedDict with shared storages and a strided
+// view) and safetensors.torch.save_file.
+TEST_F(CheckpointExport, PythonWrittenFilesImport) {
+  if (kPython.empty()) GTEST_SKIP() << "no Python with torch here";
+  const std::string want = py("pt_write " + tmp.file("py.pt"));
+  ASSERT_NE(want.find("view float32 3,2 1.0,2.0,5.0,6.0,9.0,10.0"), std::string::npos) << want;
+  run_ranks(
+      1, [&](ProcessGroup&) { EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("py.pt"))), want); });
+  if (!has_safetensors()) GTEST_SKIP() << "no Python safetensors here";
+  const std::string st = py("st_write " + tmp.file("py.safetensors"));
+  EXPECT_EQ(st, want);
+  run_ranks(1, [&](ProcessGroup&) {
+    EXPECT_EQ(tensor_lines(ckpt::load_safetensors(tmp.file("py.safetensors"))), st);
+  });
+}
+
+// Streaming: exporting a checkpoint of 8 tensors of 64 KiB holds about one of them at a time.
+TEST_F(CheckpointExport, ExportStreamsOneTensorAtATime) {
+  run_ranks(2, [&](ProcessGroup& pg) {
+    StateDict model;
+    for (int i = 0; i < 8; ++i) {
+      const at::Tensor full = fsdp::testing::seeded_randn({128, 128}, 100 + i);
+      model.insert_or_assign(
+          "t" + std::to_string(i),
+          ShardedTensor({128, 128}, at::kFloat,
+                        {{full.narrow(0, pg.rank() * 64, 64).clone(),
+                          ShardMetadata{{pg.rank() * 64, 0}, {64, 128}, pg.rank()}}}));
+    }
+    StateDict sd;
+    sd.insert_or_assign("model", model);
+    ckpt::save(sd, tmp.file("big"));
+  });
+  run_ranks(1, [&](ProcessGroup&) {
+    const int64_t one = 128 * 128 * 4;
+    for (const std::string kind : {"safetensors", "pt"}) {
+      int64_t peak = 0;
+      {
+        fsdp::testing::MemoryWatch watch;
+        if (kind == "pt") {
+          ckpt::export_pt(tmp.file("big"), tmp.file("big.pt"));
+        } else {
+          ckpt::export_safetensors(tmp.file("big"), tmp.file("big_st"));
+        }
+        peak = watch.peak();
+      }
+      // One tensor assembled, the chunks decoded into it and the coverage mask: about 3.3 x one
+      // tensor, against 8 x for the whole model.
+      EXPECT_LE(peak, 4 * one) << kind << ": peak " << peak << " bytes, one tensor " << one;
+      EXPECT_GE(peak, one) << kind << ": the watch saw the tensor being assembled";
+    }
+    const StateDict st = ckpt::load_safetensors(tmp.file("big_st"));
+    const StateDict pt = ckpt::load_pt(tmp.file("big.pt"));
+    for (int i = 0; i < 8; ++i) {
+      const at::Tensor want = fsdp::testing::seeded_randn({128, 128}, 100 + i);
+      EXPECT_TRUE(at::equal(st.at("t" + std::to_string(i)).tensor(), want));
+      EXPECT_TRUE(at::equal(pt.at("t" + std::to_string(i)).tensor(), want));
+    }
+  });
+}
+
+// Damaged and hostile files: errors naming the file and the problem, never a crash or a large
+// allocation.
+TEST_F(CheckpointExport, HostileFilesAreErrors) {
+  run_ranks(1, [&](ProcessGroup&) {
+    ckpt::save_safetensors(expected_model(), tmp.file("st"), ckpt::ExportOptions().prefix(""));
+    ckpt::save_pt(expected_model(), tmp.file("m.pt"), ckpt::ExportOptions().prefix(""));
+    const std::string st_path = tmp.file("st") + "/model.safetensors";
+    const std::string st = read_bytes(st_path);
+    const std::string pt = read_bytes(tmp.file("m.pt"));
+    uint64_t hlen = 0;
+    for (int k = 7; k >= 0; --k) hlen = (hlen << 8) | static_cast<unsigned char>(st[k]);
+    const std::string header = st.substr(8, hlen);
+    auto with_header = [&](std::string h) {
+      h.append((8 - h.size() % 8) % 8, ' ');
+      std::string out(8, '\0');
+      for (int k = 0; k < 8; ++k) out[k] = static_cast<char>((h.size() >> (8 * k)) & 0xff);
+      return out + h + st.substr(8 + hlen);
+    };
+    auto replaced = [&](const std::string& from, const std::string& to) {
+      std::string h = header;
+      const size_t at = h.find(from);
+      EXPECT_NE(at, std::string::npos) << from;
+      return with_header(h.replace(at, from.size(), to));
+    };
+    struct Case {
+      const char* name;
+      std::string bytes;
+      const char* expected;
+    };
+    std::string huge_len = st;
+    huge_len[6] = '\x7f';
+    const std::vector<Case> st_cases = {
+        {"empty", "", "shorter than"},
+        {"header length beyond the file", huge_len, "header length"},
+        {"header not JSON", with_header("{\"w\": "), "not valid JSON"},
+        {"unknown dtype", replaced("\"F32\"", "\"F99\""), "unsupported dtype 'F99'"},
+        {"negative dimension", replaced("[6,5]", "[-6,5]"), "bad shape"},
+        {"offsets past the data", replaced("\"data_offsets\":[0,", "\"data_offsets\":[99999,"),
+         "data_offsets"},
+        {"truncated data", st.substr(0, st.size() - 5), "data_offsets"},
+        {"overflowing shape", replaced("[6,5]", "[4611686018427387904,4]"), "overflows"},
+    };
+    for (const Case& c : st_cases) {
+      write_bytes(tmp.file("bad.safetensors"), c.bytes);
+      std::string err;
+      int64_t peak = 0;
+      {
+        fsdp::testing::MemoryWatch watch;
+        err = error_of([&] { ckpt::load_safetensors(tmp.file("bad.safetensors")); });
+        peak = watch.peak();
+      }
+      EXPECT_NE(err.find(c.expected), std::string::npos) << c.name << ": " << err;
+      EXPECT_NE(err.find("bad.safetensors"), std::string::npos) << c.name << ": " << err;
+      EXPECT_LT(peak, 4096) << c.name;
+    }
+    // .pt: garbage, truncated, a TorchScript archive (torch::save), a pickle that calls
+    // os.system, a storage record shorter than its tensor.
+    std::string os_system;
+    {
+      caffe2::serialize::PyTorchStreamWriter w([&](const void* d, size_t n) {
+        os_system.append(static_cast<const char*>(d), n);
+        return n;
+      });
+      const std::string pkl(
+          "\x80\x02"
+          "cos\nsystem\nX\x02\x00\x00\x00"
+          "id\x85R.",
+          23);
+      w.writeRecord("data.pkl", pkl.data(), pkl.size());
+      w.writeEndOfFile();
+    }
+    torch::save(at::ones({2}), tmp.file("script.pt"));
+    const std::vector<std::pair<std::string, const char*>> pt_cases = {
+        {std::string(100, 'x'), "not a zip archive"},
+        {pt.substr(0, pt.size() / 2), "not a zip archive"},
+        {read_bytes(tmp.file("script.pt")), "TorchScript"},
+        {os_system, "os.system"},
+    };
+    for (const auto& [bytes, expected] : pt_cases) {
+      write_bytes(tmp.file("bad.pt"), bytes);
+      const std::string err = error_of([&] { ckpt::load_pt(tmp.file("bad.pt")); });
+      EXPECT_NE(err.find(expected), std::string::npos) << err;
+      EXPECT_NE(err.find("bad.pt"), std::string::npos) << err;
+    }
+  });
+}
+
+}  // namespace
