@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <map>
 #include <optional>
+#include <set>
 #include <tuple>
 
 #include "checkpoint/dcp_items.h"
@@ -227,7 +228,8 @@ void load(StateDict& state_dict, const std::string& dir, const LoadOptions& opti
   reader.fill(state_dict);
 }
 
-VerifyReport verify(const std::string& dir_in, FileIO* io_in) {
+VerifyReport verify(const std::string& dir_in, FileIO* io_in,
+                    const std::function<void(int64_t, int64_t)>& progress) {
   constexpr const char* what = "checkpoint verify";
   FileIO& io = io_in ? *io_in : default_file_io();
   VerifyReport rep;
@@ -294,7 +296,11 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in) {
   }
   // Every stored item: inside its file, its checksum, and what it decodes to.
   std::map<std::pair<std::string, std::vector<int64_t>>, bool> stored;
+  const auto total = static_cast<int64_t>(o.metadata().storage_data.size());
+  int64_t done = 0;
   for (const auto& [idx, info] : o.metadata().storage_data) {
+    if (progress && done > 0) progress(done, total);
+    ++done;
     const std::string place = o.where(idx.fqn, info);
     if (idx.offset) stored[{idx.fqn, *idx.offset}] = true;  // it has an entry, good bytes or not
     try {
@@ -321,6 +327,7 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in) {
       rep.problems.push_back(e.what());
     }
   }
+  if (progress) progress(total, total);
   for (const auto& [key, item] : o.metadata().state_dict_metadata) {
     if (item.bytes) continue;
     for (const auto& c : item.tensor.chunks)
@@ -329,6 +336,47 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in) {
                                dims_text(c.offsets) + " has no storage entry");
   }
   return rep;
+}
+
+CheckpointInfo inspect(const std::string& dir, FileIO* io_in) {
+  FileIO& io = io_in ? *io_in : default_file_io();
+  const CheckpointReader r(io, dir, /*verify=*/true, "checkpoint inspect");
+  CheckpointInfo info;
+  if (const auto& mf = r.manifest()) {
+    info.has_manifest = true;
+    info.format_version = mf->format_version;
+    info.world_size = mf->world_size;
+    info.library_version = mf->library_version;
+    info.torch_version = mf->torch_version;
+    info.created_unix = mf->created_unix;
+    info.annotations = mf->annotations;
+  }
+  std::map<std::string, int64_t> stored;
+  std::set<std::string> files_seen;
+  for (const auto& [idx, s] : r.metadata().storage_data) {
+    stored[idx.fqn] += s.length;
+    if (files_seen.insert(s.relative_path).second) info.files.push_back(s.relative_path);
+  }
+  for (const auto& [key, item] : r.metadata().state_dict_metadata) {
+    CheckpointEntry e;
+    e.key = key;
+    e.tensor = !item.bytes;
+    e.dtype = item.tensor.dtype;
+    e.shape = item.tensor.size;
+    e.chunks = item.bytes ? 1 : static_cast<int64_t>(item.tensor.chunks.size());
+    e.stored_bytes = stored[key];
+    info.entries.push_back(std::move(e));
+  }
+  return info;
+}
+
+StateDict full_template(const CheckpointInfo& info) {
+  StateDict t;
+  for (const auto& e : info.entries)
+    t.insert_or_assign(e.key,
+                       e.tensor ? StateValue(at::empty(e.shape, at::TensorOptions().dtype(e.dtype)))
+                                : StateValue());
+  return t;
 }
 
 }  // namespace checkpoint

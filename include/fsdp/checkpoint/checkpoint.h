@@ -36,6 +36,7 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -103,13 +104,44 @@ struct VerifyReport {
   bool ok() const { return problems.empty(); }
 };
 
+/// One key of a checkpoint, as `inspect` reports it.
+struct CheckpointEntry {
+  std::string key;
+  bool tensor = false;  // else a non-tensor value (DCP "bytes")
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  int64_t chunks = 0;        // stored pieces
+  int64_t stored_bytes = 0;  // bytes of its items in the data files
+};
+
+/// What a checkpoint holds, from `.metadata` and the manifest (no data file is read).
+struct CheckpointInfo {
+  bool has_manifest = false;
+  int format_version = 0;
+  int world_size = 0;  // that saved it; 0 without a manifest
+  std::string library_version, torch_version;
+  int64_t created_unix = 0;
+  Annotations annotations;
+  std::vector<std::string> files;        // data files
+  std::vector<CheckpointEntry> entries;  // in `.metadata` order
+};
+
+/// Throws ValueError as `load` does for a missing, incomplete or unreadable checkpoint.
+CheckpointInfo inspect(const std::string& dir, FileIO* io = nullptr);
+
+/// A template for `load` holding every key of the checkpoint: tensors allocated with their saved
+/// shape and dtype, values as None (load replaces them).
+StateDict full_template(const CheckpointInfo& info);
+
 /// Reads every stored byte of the checkpoint in `dir` and checks it: `.metadata` parses and its
 /// checksum matches, every tensor's chunks cover it exactly once, every item lies inside its file,
 /// its checksum matches and it decodes to what the metadata says (dtype and shape). Problems are
 /// collected, not thrown; only an unreadable `.metadata` or manifest ends the check early (as a
 /// problem). Without a manifest the checksums cannot be checked and that is reported as a problem
 /// too.
-VerifyReport verify(const std::string& dir, FileIO* io = nullptr);
+/// `progress(done, total)` is called after each item, if given.
+VerifyReport verify(const std::string& dir, FileIO* io = nullptr,
+                    const std::function<void(int64_t, int64_t)>& progress = {});
 
 // ---- step directories ----
 
