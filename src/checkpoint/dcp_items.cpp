@@ -64,15 +64,14 @@ std::vector<FlatItem> flatten(StateDict& sd) {
 
 // ---- item payloads ----
 
-std::string tensor_payload(const at::Tensor& t) {
+std::vector<char> tensor_payload(const at::Tensor& t) {
   at::Tensor c = t.detach().to(at::kCPU).contiguous();
   // A view would drag its whole storage into the archive (DCP clones such tensors too).
   if (c.storage_offset() != 0 ||
       c.storage().nbytes() != static_cast<size_t>(c.numel()) * c.element_size()) {
     c = c.clone();
   }
-  const std::vector<char> bytes = torch::pickle_save(c);
-  return std::string(bytes.begin(), bytes.end());
+  return torch::pickle_save(c);
 }
 
 namespace {
@@ -170,9 +169,9 @@ std::string dims_text(const std::vector<int64_t>& v) {
   return out + "]";
 }
 
-at::Tensor decode_tensor(const std::string& raw, const std::string& where) {
+at::Tensor decode_tensor(const std::vector<char>& raw, const std::string& where) {
   try {
-    const c10::IValue v = torch::pickle_load(std::vector<char>(raw.begin(), raw.end()));
+    const c10::IValue v = torch::pickle_load(raw);
     if (!v.isTensor()) throw ValueError("it holds a " + v.tagKind() + ", not a tensor");
     return v.toTensor();
   } catch (const ValueError& e) {
@@ -182,10 +181,10 @@ at::Tensor decode_tensor(const std::string& raw, const std::string& where) {
   }
 }
 
-StateValue decode_value(const std::string& raw, const std::string& where) {
+StateValue decode_value(const std::vector<char>& raw, const std::string& where) {
   std::string pkl;
   try {
-    std::istringstream in(raw);
+    std::istringstream in(std::string(raw.begin(), raw.end()));
     caffe2::serialize::PyTorchStreamReader reader(&in);
     auto [data, size] = reader.getRecord("data.pkl");
     pkl.assign(static_cast<const char*>(data.get()), size);

@@ -25,15 +25,15 @@ struct FlatItem {
 std::vector<FlatItem> flatten(StateDict& sd);
 
 /// A torch.save archive of one tensor (a contiguous CPU copy holding only its own elements).
-std::string tensor_payload(const at::Tensor& t);
+std::vector<char> tensor_payload(const at::Tensor& t);
 /// A torch.save archive of one non-tensor value (our protocol-2 pickle); ValueError naming `key`
 /// for a value DCP stores as bytes but that holds a tensor.
 std::string value_payload(const StateValue& v, const std::string& key);
 
 /// Decodes a tensor payload; ValueError naming `where` if it is not one.
-at::Tensor decode_tensor(const std::string& raw, const std::string& where);
+at::Tensor decode_tensor(const std::vector<char>& raw, const std::string& where);
 /// Decodes a value payload through the restricted reader; ValueError naming `where`.
-StateValue decode_value(const std::string& raw, const std::string& where);
+StateValue decode_value(const std::vector<char>& raw, const std::string& where);
 
 /// "[1, 2, 3]".
 std::string dims_text(const std::vector<int64_t>& v);

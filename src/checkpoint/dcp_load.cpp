@@ -75,10 +75,10 @@ const dcp::ItemMeta* CheckpointReader::item(const std::string& key) const {
   return it == items_.end() ? nullptr : it->second;
 }
 
-std::string CheckpointReader::read_item(const std::string& key,
-                                        const dcp::StorageInfo& info) const {
+std::vector<char> CheckpointReader::read_item(const std::string& key,
+                                              const dcp::StorageInfo& info) const {
   const std::string path = files::join(dir_, info.relative_path);
-  std::string raw = files::read_range(io_, path, info.offset, info.length, what_);
+  std::vector<char> raw = files::read_bytes(io_, path, info.offset, info.length, what_);
   if (verify_ && mf_) {
     const manifest::Item* m = mf_->find(info.relative_path, info.offset);
     const std::string at = where(key, info);
@@ -87,7 +87,7 @@ std::string CheckpointReader::read_item(const std::string& key,
       throw ValueError(std::string(what_) + ": " + at +
                        " disagrees with the manifest (which has '" + m->key + "', " +
                        std::to_string(m->length) + " bytes)");
-    const std::string h = files::xxh3_hex(raw);
+    const std::string h = files::xxh3_hex(raw.data(), raw.size());
     if (h != m->xxh3)
       throw ValueError(std::string(what_) + ": checksum mismatch for " + at + " (" +
                        std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " + m->xxh3 +
@@ -307,7 +307,7 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in,
       auto m = meta_items.find(idx.fqn);
       if (m == meta_items.end())
         throw ValueError(std::string(what) + ": " + place + " belongs to no key of .metadata");
-      const std::string raw = o.read_item(idx.fqn, info);
+      const std::vector<char> raw = o.read_item(idx.fqn, info);
       rep.bytes += static_cast<int64_t>(raw.size());
       ++rep.items;
       if (m->second->bytes) {

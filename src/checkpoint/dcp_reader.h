@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/manifest.h"
@@ -30,7 +31,7 @@ class CheckpointReader {
   /// Fills `sd` as checkpoint::load does.
   void fill(StateDict& sd) const;
   /// The bytes of one stored item, checked against the manifest (when verifying and it has one).
-  std::string read_item(const std::string& key, const dcp::StorageInfo& info) const;
+  std::vector<char> read_item(const std::string& key, const dcp::StorageInfo& info) const;
   /// "'key' in <file> at offset N", for messages.
   std::string where(const std::string& key, const dcp::StorageInfo& info) const;
 

@@ -95,11 +95,11 @@ RankPart write_items(const StateDict& state_dict, FileIO& io, const std::string&
   part.file = file;
   files::OutFile out(io, files::join(dir, file), kWhat);
   std::map<std::string, size_t> index;
-  auto store = [&](dcp::Index idx, const std::string& payload) {
-    const int64_t at = out.append(payload);
-    part.meta.storage_data.emplace_back(
-        std::move(idx), dcp::StorageInfo{file, at, static_cast<int64_t>(payload.size())});
-    part.hashes.push_back(files::xxh3_hex(payload));
+  auto store = [&](dcp::Index idx, const char* data, size_t n) {
+    const int64_t at = out.append(data, n);
+    part.meta.storage_data.emplace_back(std::move(idx),
+                                        dcp::StorageInfo{file, at, static_cast<int64_t>(n)});
+    part.hashes.push_back(files::xxh3_hex(data, n));
   };
   for (const items::FlatItem& it : items::flatten(sd)) {
     const StateValue& v = *it.value;
@@ -121,14 +121,16 @@ RankPart write_items(const StateDict& state_dict, FileIO& io, const std::string&
       }
       for (const auto& [c, t] : chunks) {
         item.tensor.chunks.push_back(c);
-        store(dcp::Index{it.key, c.offsets, 0}, items::tensor_payload(t));
+        const std::vector<char> payload = items::tensor_payload(t);
+        store(dcp::Index{it.key, c.offsets, 0}, payload.data(), payload.size());
       }
       merge_item(part.meta, index, it.key, item);
     } else if (rank == 0) {
       dcp::ItemMeta item;
       item.bytes = true;
       merge_item(part.meta, index, it.key, item);
-      store(dcp::Index{it.key, std::nullopt, std::nullopt}, items::value_payload(v, it.key));
+      const std::string payload = items::value_payload(v, it.key);
+      store(dcp::Index{it.key, std::nullopt, std::nullopt}, payload.data(), payload.size());
     }
   }
   out.finish();

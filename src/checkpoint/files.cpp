@@ -156,8 +156,11 @@ void write_file(FileIO& io, const std::string& path, const std::string& data, co
   f.finish();
 }
 
-std::string read_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
-                       const char* what) {
+namespace {
+
+template <typename Buffer>
+Buffer read_into(FileIO& io, const std::string& path, int64_t offset, int64_t length,
+                 const char* what) {
   const int64_t size = io.file_size(path);
   if (size < 0)
     throw ValueError(std::string(what) + ": cannot open " + path + ": " + std::strerror(errno));
@@ -168,7 +171,7 @@ std::string read_range(FileIO& io, const std::string& path, int64_t offset, int6
   }
   const int fd = io.open(path, O_RDONLY, 0);
   if (fd < 0) io_error(what, "opening", path, errno);
-  std::string out(static_cast<size_t>(length), '\0');
+  Buffer out(static_cast<size_t>(length), '\0');
   int64_t done = 0;
   int err = 0;
   while (done < length) {
@@ -188,6 +191,18 @@ std::string read_range(FileIO& io, const std::string& path, int64_t offset, int6
                      std::to_string(offset + done) + ", before the " + std::to_string(length) +
                      " bytes at " + std::to_string(offset));
   return out;
+}
+
+}  // namespace
+
+std::string read_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
+                       const char* what) {
+  return read_into<std::string>(io, path, offset, length, what);
+}
+
+std::vector<char> read_bytes(FileIO& io, const std::string& path, int64_t offset, int64_t length,
+                             const char* what) {
+  return read_into<std::vector<char>>(io, path, offset, length, what);
 }
 
 std::string read_file(FileIO& io, const std::string& path, int64_t limit, const char* what) {

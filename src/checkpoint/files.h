@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "fsdp/checkpoint/file_io.h"
 
@@ -48,6 +49,9 @@ void write_file(FileIO& io, const std::string& path, const std::string& data, co
 /// Reads `length` bytes at `offset`; ValueError naming the file if they are not all there.
 std::string read_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                        const char* what);
+/// The same into a vector (what LibTorch's archive readers take), saving a copy.
+std::vector<char> read_bytes(FileIO& io, const std::string& path, int64_t offset, int64_t length,
+                             const char* what);
 /// The whole file, refused (ValueError) above `limit` bytes before anything is allocated.
 std::string read_file(FileIO& io, const std::string& path, int64_t limit, const char* what);
 /// fsync of a directory, so that names created or renamed in it survive a power cut.

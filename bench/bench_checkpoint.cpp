@@ -1,0 +1,237 @@
+// bench_checkpoint: checkpoint save and load bandwidth at world size 2 (or $FSDP_BENCH_WORLD),
+// each next to its physical baseline measured in the same run on the same bytes, and next to
+// LibTorch's torch::save / torch::load and Python's torch.save / torch.load of the same full state
+// dict:
+//   save  (every rank writes its shards, fsync, atomic commit)  vs  raw write + fsync per rank
+//   load  (every rank reads and checks its shards)               vs  raw pread per rank
+//   torch::save / torch::load of the whole dict on rank 0 (no fsync: what LibTorch does)
+//   Python torch.save / torch.load of the same dict (a subprocess, if /usr/bin/python3 has torch)
+// Files go to $FSDP_BENCH_DIR (default /var/tmp), a real disk rather than a tmpfs. Reads are from
+// the page cache right after writing, for both sides alike.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <torch/serialize.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+#include "bench_ranks.h"
+#include "fsdp/checkpoint/checkpoint.h"
+
+namespace ckpt = fsdp::checkpoint;
+
+namespace {
+
+constexpr int kTensors = 8;
+constexpr int64_t kRowsPerRank = 512, kCols = 4096;  // 8 MiB per tensor per rank
+
+// Set by main before the ranks are forked, so that all agree on it.
+std::string& base_dir_ref() {
+  static std::string dir;
+  return dir;
+}
+const std::string& base_dir() { return base_dir_ref(); }
+
+int world() { return fsdp_bench::group()->size(); }
+
+int64_t rank_bytes() { return kTensors * kRowsPerRank * kCols * 4; }
+
+// Each rank's shards of kTensors row-sharded float32 tensors.
+fsdp::StateDict sharded(int rank, int w) {
+  fsdp::StateDict model;
+  for (int i = 0; i < kTensors; ++i) {
+    at::Tensor local = at::randn({kRowsPerRank, kCols});
+    model.insert_or_assign(
+        "t" + std::to_string(i),
+        fsdp::ShardedTensor(
+            {kRowsPerRank * w, kCols}, at::kFloat,
+            {{local, fsdp::ShardMetadata{{kRowsPerRank * rank, 0}, {kRowsPerRank, kCols}, rank}}}));
+  }
+  fsdp::StateDict sd;
+  sd.insert_or_assign("model", model);
+  return sd;
+}
+
+void set_bytes(benchmark::State& st) {
+  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * rank_bytes() * world());
+}
+
+void BM_RawWriteFsync(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const std::string dir = base_dir();
+  ::mkdir(dir.c_str(), 0755);
+  const std::string path = dir + "/raw_" + std::to_string(pg.rank());
+  const at::Tensor data = at::randn({rank_bytes() / 4});
+  pg.barrier();
+  for (auto _ : st) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const char* p = static_cast<const char*>(data.data_ptr());
+    int64_t left = rank_bytes();
+    while (left > 0) {
+      const auto n = ::write(fd, p, static_cast<size_t>(left));
+      if (n <= 0) throw std::runtime_error("raw write failed");
+      p += n;
+      left -= n;
+    }
+    ::fsync(fd);
+    ::close(fd);
+    pg.barrier();  // as a save: done when every rank is
+  }
+  set_bytes(st);
+}
+
+void BM_RawRead(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const std::string path = base_dir() + "/raw_" + std::to_string(pg.rank());
+  at::Tensor buf = at::empty({rank_bytes() / 4});
+  pg.barrier();
+  for (auto _ : st) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    char* p = static_cast<char*>(buf.data_ptr());
+    int64_t done = 0;
+    while (done < rank_bytes()) {
+      const auto n = ::pread(fd, p + done, static_cast<size_t>(rank_bytes() - done), done);
+      if (n <= 0) throw std::runtime_error("raw read failed");
+      done += n;
+    }
+    ::close(fd);
+    pg.barrier();
+  }
+  set_bytes(st);
+}
+
+void BM_Save(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const fsdp::StateDict sd = sharded(pg.rank(), pg.size());
+  const std::string dir = base_dir() + "/ckpt";
+  ckpt::save(sd, dir);  // the first save creates; the timed ones replace it, as training does
+  pg.barrier();
+  for (auto _ : st) ckpt::save(sd, dir);
+  set_bytes(st);
+}
+
+void BM_Load(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  fsdp::StateDict sd = sharded(pg.rank(), pg.size());
+  const std::string dir = base_dir() + "/ckpt";
+  pg.barrier();
+  for (auto _ : st) {
+    ckpt::load(sd, dir);
+    pg.barrier();
+  }
+  set_bytes(st);
+}
+
+// The same bytes as one full state dict on rank 0, through LibTorch's own serializer.
+void BM_TorchSave(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const std::string path = base_dir() + "/torch_save.pt";
+  std::vector<at::Tensor> full;
+  if (pg.rank() == 0)
+    for (int i = 0; i < kTensors; ++i) full.push_back(at::randn({kRowsPerRank * pg.size(), kCols}));
+  pg.barrier();
+  for (auto _ : st) {
+    if (pg.rank() == 0) torch::save(full, path);
+    pg.barrier();
+  }
+  set_bytes(st);
+}
+
+void BM_TorchLoad(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const std::string path = base_dir() + "/torch_save.pt";
+  pg.barrier();
+  for (auto _ : st) {
+    if (pg.rank() == 0) {
+      std::vector<at::Tensor> full;
+      torch::load(full, path);
+    }
+    pg.barrier();
+  }
+  set_bytes(st);
+}
+
+void register_all() {
+  // Order matters: each load reads what the save before it wrote.
+  for (auto [name, fn] : std::vector<std::pair<const char*, void (*)(benchmark::State&)>>{
+           {"raw_write_fsync", BM_RawWriteFsync},
+           {"raw_read", BM_RawRead},
+           {"save", BM_Save},
+           {"load", BM_Load},
+           {"torch_save", BM_TorchSave},
+           {"torch_load", BM_TorchLoad}}) {
+    benchmark::RegisterBenchmark(name, fn)
+        ->Iterations(3)
+        ->Repetitions(3)
+        ->ReportAggregatesOnly(true)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+// Python's torch.save / torch.load of the same dict, timed by Python itself (median of 3).
+std::pair<double, double> python_times(int w) {
+  std::ostringstream script;
+  script << "import time, statistics, torch\n"
+         << "sd = {f't{i}': torch.randn(" << kRowsPerRank * w << ", " << kCols
+         << ") for i in range(" << kTensors << ")}\n"
+         << "p = '" << base_dir() << "/py_save.pt'\n"
+         << "s, l = [], []\n"
+         << "for _ in range(3):\n"
+         << "    t = time.perf_counter(); torch.save(sd, p); s.append(time.perf_counter() - t)\n"
+         << "    t = time.perf_counter(); torch.load(p); l.append(time.perf_counter() - t)\n"
+         << "print(statistics.median(s), statistics.median(l))\n";
+  const std::string cmd = "/usr/bin/python3 -c \"" + script.str() + "\" 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  double save = 0, load = 0;
+  if (p) {
+    if (std::fscanf(p, "%lf %lf", &save, &load) != 2) save = load = 0;
+    pclose(p);
+  }
+  return {save, load};
+}
+
+void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
+  const double mb = static_cast<double>(rank_bytes()) * w / 1e6;
+  auto bw = [&](double s) { return s > 0 ? mb / s : 0.0; };
+  const double save = rep.get("save"), raw_w = rep.get("raw_write_fsync");
+  const double load = rep.get("load"), raw_r = rep.get("raw_read");
+  const double ts = rep.get("torch_save"), tl = rep.get("torch_load");
+  const auto [ps, pl] = python_times(w);
+  std::printf("\n%d ranks, %.0f MB of float32 in all (%d tensors of %.0f MB); medians of 3x3\n", w,
+              mb, kTensors, mb / kTensors);
+  std::printf("%-44s %10s %10s %8s\n", "", "ms", "MB/s", "ratio");
+  auto row = [&](const char* what, double s, double base) {
+    std::printf("%-44s %10.1f %10.0f %8.2f\n", what, s * 1e3, bw(s), base > 0 ? s / base : 0.0);
+  };
+  row("raw write+fsync, every rank (baseline)", raw_w, raw_w);
+  row("checkpoint::save (atomic, checksummed)", save, raw_w);
+  row("raw pread, every rank (baseline)", raw_r, raw_r);
+  row("checkpoint::load (checksums verified)", load, raw_r);
+  std::printf("full state dict on one process (no fsync), ratio to checkpoint::save / load:\n");
+  row("torch::save", ts, save);
+  row("torch::load", tl, load);
+  if (ps > 0) {
+    row("Python torch.save", ps, save);
+    row("Python torch.load", pl, load);
+  } else {
+    std::printf("Python torch.save / torch.load: no /usr/bin/python3 with torch\n");
+  }
+  std::printf("async save: not implemented yet (issue 11)\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int w = fsdp_bench::world_from_env();
+  const char* d = std::getenv("FSDP_BENCH_DIR");
+  base_dir_ref() =
+      std::string(d ? d : "/var/tmp") + "/fsdp_bench_ckpt_" + std::to_string(::getpid());
+  const int rc =
+      fsdp_bench::run(argc, argv, w, register_all,
+                      [w](const fsdp_bench::RecordingReporter& rep) { summarize(rep, w); });
+  std::system(("rm -rf " + base_dir()).c_str());
+  return rc;
+}
