@@ -177,16 +177,19 @@ TEST_F(CheckpointExport, PtRoundTripAndTorchLoadWeightsOnly) {
 }
 
 // Python-written files: torch.save(module-style OrderedDict with shared storages and a strided
-// view) and safetensors.torch.save_file.
-TEST_F(CheckpointExport, PythonWrittenFilesImport) {
+// view), and safetensors.torch.save_file of the same tensors.
+TEST_F(CheckpointExport, PythonWrittenPtImport) {
   if (kPython.empty()) GTEST_SKIP() << "no Python with torch here";
   const std::string want = py("pt_write " + tmp.file("py.pt"));
   ASSERT_NE(want.find("view float32 3,2 1.0,2.0,5.0,6.0,9.0,10.0"), std::string::npos) << want;
   run_ranks(
       1, [&](ProcessGroup&) { EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("py.pt"))), want); });
-  if (!has_safetensors()) GTEST_SKIP() << "no Python safetensors here";
+}
+
+TEST_F(CheckpointExport, PythonWrittenSafetensorsImport) {
+  if (!has_safetensors()) GTEST_SKIP() << "no Python safetensors here (the trixie chroot has it)";
   const std::string st = py("st_write " + tmp.file("py.safetensors"));
-  EXPECT_EQ(st, want);
+  ASSERT_NE(st.find("view float32 3,2 1.0,2.0,5.0,6.0,9.0,10.0"), std::string::npos) << st;
   run_ranks(1, [&](ProcessGroup&) {
     EXPECT_EQ(tensor_lines(ckpt::load_safetensors(tmp.file("py.safetensors"))), st);
   });
