@@ -6,6 +6,8 @@
 #include <charconv>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
+#include <sstream>
 
 #include <caffe2/serialize/inline_container.h>
 #include <sys/stat.h>
@@ -233,6 +235,85 @@ TEST(DcpCheckpoint, PythonLoadsOursAndWeLoadPythons) {
     EXPECT_DOUBLE_EQ(g.at("lr").to_double(), 0.01);
     EXPECT_EQ(py_repr(g.at("betas")), "[0.9, 0.999]");
     EXPECT_EQ(py_repr(g.at("params")), "['w']");
+  });
+}
+
+// Python FSDP on the other side (issue 11's acceptance): fsdp-cpp saves a trained TinyLM and its
+// Adam state at W=2 (FULL_SHARD, flat parameters), and Python FSDP at W=2 (use_orig_params) loads
+// it with stock dcp.load through get_state_dict / set_state_dict; Python FSDP trains and saves at
+// W=2, and fsdp-cpp loads that at W=3 (SHARD_GRAD_OP, original parameters). Both sides print
+// every tensor of the full model and optimizer state, which must match exactly.
+std::string tensor_lines_of(const StateDict& fm, const StateDict& fo) {
+  StateDict full;
+  full.insert_or_assign("model", fm);
+  full.insert_or_assign("optim", fo);
+  std::string out;
+  std::istringstream in(values_text(flat_of(full)));
+  for (std::string line; std::getline(in, line);)
+    if (line.find(" value ") == std::string::npos) out += line + "\n";
+  return out;
+}
+
+std::string fsdp_python(const std::string& args) {
+  return fsdp::testing::run_command(fsdp::testing::python() + " -W ignore " +
+                                    std::string(FSDP_TEST_SOURCE_DIR) + "/dcp/fsdp_dcp.py " + args);
+}
+
+TEST(DcpCheckpoint, PythonFsdpLoadsOursAndWeLoadPythonFsdps) {
+  if (fsdp::testing::python().empty())
+    GTEST_SKIP() << "no Python with torch >= 2 and DCP (the trixie chroot has one)";
+  fsdp::testing::TempDir tmp;
+  const std::string ours = tmp.file("ours"), theirs = tmp.file("theirs"), ref = tmp.file("ref");
+  run_ranks(2, [&](ProcessGroup& pg) {
+    TinyLM m(7);
+    FullyShardedDataParallel model(m, fsdp::testing::lm_options(m));
+    auto opt =
+        fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
+    for (int s = 0; s < 2; ++s) {
+      opt->zero_grad();
+      auto idx = fsdp::testing::lm_tokens(2, 1000 * s + pg.rank());
+      fsdp::testing::lm_loss(model->forward(idx), idx).backward();
+      opt->step();
+    }
+    auto [msd, osd] = ckpt::get_state_dict(model, *opt);
+    StateDict sd;
+    sd.insert_or_assign("model", msd);
+    sd.insert_or_assign("optim", osd);
+    ckpt::save(sd, ours);
+    auto [fm, fo] =
+        ckpt::get_state_dict(model, *opt, ckpt::StateDictOptions().full_state_dict(true));
+    if (pg.rank() == 0) std::ofstream(ref) << tensor_lines_of(fm, fo);
+  });
+  std::string want;
+  {
+    std::ifstream f(ref);
+    want.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  ASSERT_NE(want.find("optim.state.tok.weight.exp_avg float32"), std::string::npos) << want;
+  EXPECT_EQ(fsdp_python("load " + ours + " 2"), want);
+
+  const std::string python_state = fsdp_python("save " + theirs + " 2");
+  ASSERT_NE(python_state.find("model.tok.weight float32"), std::string::npos) << python_state;
+  EXPECT_NE(python_state, want) << "the comparison tells two trainings apart";
+  run_ranks(3, [&](ProcessGroup& pg) {
+    TinyLM m(99);
+    FullyShardedDataParallel model(
+        m, fsdp::testing::lm_options(m, ShardingStrategy::SHARD_GRAD_OP, true));
+    // As the Python side: an optimizer over the trainable parameters only (the frozen layer's
+    // are in no group), so the saved param groups match.
+    std::vector<at::Tensor> trainable;
+    for (const auto& p : fsdp::testing::unique_params(model->parameters()))
+      if (p.requires_grad()) trainable.push_back(p);
+    auto opt = fsdp::testing::make_optimizer("Adam", trainable);
+    auto [msd, osd] = ckpt::get_state_dict(model, *opt);
+    StateDict sd;
+    sd.insert_or_assign("model", msd);
+    sd.insert_or_assign("optim", osd);
+    ckpt::load(sd, theirs);
+    ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
+    auto [fm, fo] =
+        ckpt::get_state_dict(model, *opt, ckpt::StateDictOptions().full_state_dict(true));
+    if (pg.rank() == 0) EXPECT_EQ(tensor_lines_of(fm, fo), python_state);
   });
 }
 
