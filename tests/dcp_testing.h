@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <charconv>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -14,6 +16,17 @@
 
 namespace fsdp {
 namespace testing {
+
+/// The whole file (empty if it cannot be read).
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+/// Replaces the file's contents.
+inline void write_bytes(const std::string& path, const std::string& b) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << b;
+}
 
 // Python's repr of a float (shortest round trip, "1.0" rather than "1").
 inline std::string py_float(double x) {

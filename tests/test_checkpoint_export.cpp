@@ -27,8 +27,10 @@ using fsdp::StateDict;
 using fsdp::StateValue;
 using fsdp::dist::ProcessGroup;
 using fsdp::testing::error_of;
+using fsdp::testing::read_bytes;
 using fsdp::testing::run_ranks;
 using fsdp::testing::TempDir;
+using fsdp::testing::write_bytes;
 
 namespace {
 
@@ -100,15 +102,6 @@ StateDict expected_model() {
   m.insert_or_assign("scale", at::scalar_tensor(2.5, at::kDouble));
   m.insert_or_assign("empty", at::zeros({0, 3}));
   return m;
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
-void write_bytes(const std::string& path, const std::string& b) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << b;
 }
 
 class CheckpointExport : public ::testing::Test {

@@ -39,15 +39,6 @@ using namespace fsdp::testing;  // dcp_testing.h
 
 namespace {
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
-void write_bytes(const std::string& path, const std::string& b) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << b;
-}
-
 bool exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;

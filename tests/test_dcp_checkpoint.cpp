@@ -154,6 +154,22 @@ TEST(DcpCheckpoint, UncoveredElementsAreNamed) {
 
 // The acceptance scenario's core: a wrapped model and its optimizer saved at W=2 (each rank its
 // own pieces) load at W=3 under another strategy and use_orig_params, bit-exactly.
+// Two Adam steps of a wrapped TinyLM on rank-specific tokens; returns {"model", "optim"} as
+// get_state_dict gives them (SHARDED).
+StateDict train_two_steps(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, int rank) {
+  for (int s = 0; s < 2; ++s) {
+    opt.zero_grad();
+    auto idx = fsdp::testing::lm_tokens(2, 1000 * s + rank);
+    fsdp::testing::lm_loss(model->forward(idx), idx).backward();
+    opt.step();
+  }
+  auto [msd, osd] = ckpt::get_state_dict(model, opt);
+  StateDict sd;
+  sd.insert_or_assign("model", msd);
+  sd.insert_or_assign("optim", osd);
+  return sd;
+}
+
 TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
   fsdp::testing::TempDir tmp, ref;
   run_ranks(2, [&](ProcessGroup& pg) {
@@ -161,16 +177,7 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
     FullyShardedDataParallel model(m, fsdp::testing::lm_options(m));
     auto opt =
         fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
-    for (int s = 0; s < 2; ++s) {
-      opt->zero_grad();
-      auto idx = fsdp::testing::lm_tokens(2, 1000 * s + pg.rank());
-      fsdp::testing::lm_loss(model->forward(idx), idx).backward();
-      opt->step();
-    }
-    auto [msd, osd] = ckpt::get_state_dict(model, *opt);
-    StateDict sd;
-    sd.insert_or_assign("model", msd);
-    sd.insert_or_assign("optim", osd);
+    StateDict sd = train_two_steps(model, *opt, pg.rank());
     ckpt::save(sd, tmp.file("step2"));
     const auto full = ckpt::StateDictOptions().full_state_dict(true);
     auto [fm, fo] = ckpt::get_state_dict(model, *opt, full);
@@ -269,16 +276,7 @@ TEST(DcpCheckpoint, PythonFsdpLoadsOursAndWeLoadPythonFsdps) {
     FullyShardedDataParallel model(m, fsdp::testing::lm_options(m));
     auto opt =
         fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
-    for (int s = 0; s < 2; ++s) {
-      opt->zero_grad();
-      auto idx = fsdp::testing::lm_tokens(2, 1000 * s + pg.rank());
-      fsdp::testing::lm_loss(model->forward(idx), idx).backward();
-      opt->step();
-    }
-    auto [msd, osd] = ckpt::get_state_dict(model, *opt);
-    StateDict sd;
-    sd.insert_or_assign("model", msd);
-    sd.insert_or_assign("optim", osd);
+    StateDict sd = train_two_steps(model, *opt, pg.rank());
     ckpt::save(sd, ours);
     auto [fm, fo] =
         ckpt::get_state_dict(model, *opt, ckpt::StateDictOptions().full_state_dict(true));

@@ -125,7 +125,7 @@ TEST(FsdpCkptTool, InspectVerifyConvertDiff) {
   for (const std::string sub : {"", "inspect ", "verify ", "convert ", "diff "}) {
     r = tool(sub + "--help");
     EXPECT_EQ(r.rc, 0) << sub << r.out;
-    EXPECT_TRUE(has(r, "Usage")) << r.out;
+    EXPECT_TRUE(has(r, "[OPTIONS]")) << r.out;  // CLI11 2.1 says "Usage: ...", 2.4 does not
   }
 }
 
