@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+sys.dont_write_bytecode = True  # importing the oracle must not leave __pycache__ in the tree
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "oracle"))
 
