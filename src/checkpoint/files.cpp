@@ -158,8 +158,9 @@ void write_file(FileIO& io, const std::string& path, const std::string& data, co
 
 namespace {
 
-template <typename Buffer>
-Buffer read_into(FileIO& io, const std::string& path, int64_t offset, int64_t length,
+// ValueError naming the file unless [offset, offset + length) lies inside it: checked before any
+// buffer for it is allocated.
+void check_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                  const char* what) {
   const int64_t size = io.file_size(path);
   if (size < 0)
@@ -169,14 +170,17 @@ Buffer read_into(FileIO& io, const std::string& path, int64_t offset, int64_t le
                      " bytes; the bytes asked for lie at [" + std::to_string(offset) + ", " +
                      std::to_string(offset) + " + " + std::to_string(length) + ")");
   }
+}
+
+// pread until `length` bytes are in `out`; a short file is a ValueError, a failed read an Error.
+void pread_all(FileIO& io, const std::string& path, int64_t offset, int64_t length, char* out,
+               const char* what) {
   const int fd = io.open(path, O_RDONLY, 0);
   if (fd < 0) io_error(what, "opening", path, errno);
-  Buffer out(static_cast<size_t>(length), '\0');
   int64_t done = 0;
   int err = 0;
   while (done < length) {
-    const int64_t r =
-        io.pread(fd, out.data() + done, static_cast<size_t>(length - done), offset + done);
+    const int64_t r = io.pread(fd, out + done, static_cast<size_t>(length - done), offset + done);
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) {
       err = r < 0 ? errno : 0;
@@ -190,19 +194,33 @@ Buffer read_into(FileIO& io, const std::string& path, int64_t offset, int64_t le
     throw ValueError(std::string(what) + ": " + path + " ended at byte " +
                      std::to_string(offset + done) + ", before the " + std::to_string(length) +
                      " bytes at " + std::to_string(offset));
+}
+
+template <typename Buffer>
+Buffer read_as(FileIO& io, const std::string& path, int64_t offset, int64_t length,
+               const char* what) {
+  check_range(io, path, offset, length, what);
+  Buffer out(static_cast<size_t>(length), '\0');
+  pread_all(io, path, offset, length, out.data(), what);
   return out;
 }
 
 }  // namespace
 
+void read_into(FileIO& io, const std::string& path, int64_t offset, int64_t length, void* dst,
+               const char* what) {
+  check_range(io, path, offset, length, what);
+  pread_all(io, path, offset, length, static_cast<char*>(dst), what);
+}
+
 std::string read_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                        const char* what) {
-  return read_into<std::string>(io, path, offset, length, what);
+  return read_as<std::string>(io, path, offset, length, what);
 }
 
 std::vector<char> read_bytes(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                              const char* what) {
-  return read_into<std::vector<char>>(io, path, offset, length, what);
+  return read_as<std::vector<char>>(io, path, offset, length, what);
 }
 
 std::string read_file(FileIO& io, const std::string& path, int64_t limit, const char* what) {

@@ -49,6 +49,9 @@ void write_file(FileIO& io, const std::string& path, const std::string& data, co
 /// Reads `length` bytes at `offset`; ValueError naming the file if they are not all there.
 std::string read_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                        const char* what);
+/// Reads the bytes straight into `dst` (which holds `length` bytes), with the same checks.
+void read_into(FileIO& io, const std::string& path, int64_t offset, int64_t length, void* dst,
+               const char* what);
 /// The same into a vector (what LibTorch's archive readers take), saving a copy.
 std::vector<char> read_bytes(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                              const char* what);

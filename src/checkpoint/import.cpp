@@ -111,11 +111,9 @@ void read_safetensors_file(FileIO& io, const std::string& path, StateDict& out) 
   if (at != data_size) bad(path, "the data has bytes no tensor covers");
   for (const Spec& s : specs) {
     at::Tensor t = at::empty(s.shape, at::TensorOptions().dtype(s.dtype));
-    if (s.end > s.begin) {
-      const std::string bytes =
-          files::read_range(io, path, data_start + s.begin, s.end - s.begin, "safetensors");
-      std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-    }
+    if (s.end > s.begin)
+      files::read_into(io, path, data_start + s.begin, s.end - s.begin, t.data_ptr(),
+                       "safetensors");
     out.insert_or_assign(s.name, t);
   }
 }
