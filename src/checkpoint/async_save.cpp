@@ -82,10 +82,12 @@ StateDict AsyncSaver::snapshot(const StateDict& state_dict) {
   return out;
 }
 
-void AsyncSaver::start(std::function<void()> job) {
-  worker_ = std::thread([this, job = std::move(job)] {
+void AsyncSaver::start(const StateDict& state_dict, std::function<void(const StateDict&)> write) {
+  wait();
+  // The thread owns the snapshot: it lives exactly as long as the write.
+  worker_ = std::thread([this, snap = snapshot(state_dict), write = std::move(write)] {
     try {
-      job();
+      write(snap);
     } catch (...) {
       error_ = std::current_exception();
     }
@@ -93,15 +95,13 @@ void AsyncSaver::start(std::function<void()> job) {
 }
 
 void AsyncSaver::save(const StateDict& state_dict, const std::string& dir) {
-  wait();
-  auto snap = std::make_shared<StateDict>(snapshot(state_dict));
-  start([this, snap, dir] { checkpoint::save(*snap, dir, options_); });
+  start(state_dict, [this, dir](const StateDict& snap) { checkpoint::save(snap, dir, options_); });
 }
 
 void AsyncSaver::save_step(const StateDict& state_dict, const std::string& root, int64_t step) {
-  wait();
-  auto snap = std::make_shared<StateDict>(snapshot(state_dict));
-  start([this, snap, root, step] { checkpoint::save_step(*snap, root, step, options_); });
+  start(state_dict, [this, root, step](const StateDict& snap) {
+    checkpoint::save_step(snap, root, step, options_);
+  });
 }
 
 }  // namespace checkpoint

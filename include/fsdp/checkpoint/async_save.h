@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -52,7 +53,9 @@ class AsyncSaver {
 
  private:
   StateDict snapshot(const StateDict& state_dict);
-  void start(std::function<void()> job);
+  /// Waits for the save in flight, snapshots `state_dict`, and runs `write` on the snapshot in
+  /// the background.
+  void start(const StateDict& state_dict, std::function<void(const StateDict&)> write);
 
   SaveOptions options_;
   std::unique_ptr<dist::ProcessGroup> own_group_;
