@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/state_dict.h"
 
 namespace fsdp {
@@ -21,6 +22,16 @@ namespace testing {
 inline std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+/// The float32 tensor `key` (a DCP key such as "model.w") of the checkpoint in `dir`, read whole
+/// into a template of `shape` filled with -1.
+inline at::Tensor load_tensor(const std::string& dir, const std::string& key, at::IntArrayRef shape,
+                              const checkpoint::LoadOptions& options = {}) {
+  StateDict t;
+  t.insert_or_assign(key, at::full(shape, -1.0));
+  checkpoint::load(t, dir, options);
+  return t.at(key).tensor();
 }
 
 /// Replaces the file's contents.

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <thread>
 
+#include "dcp_testing.h"
 #include "fsdp/checkpoint/async_save.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
@@ -38,12 +39,7 @@ StateDict sample(int rank, float value) {
 }
 
 at::Tensor saved_w(const std::string& dir) {
-  StateDict t;
-  StateDict model;
-  model.insert_or_assign("w", at::zeros({4, 256}));
-  t.insert_or_assign("model", model);
-  ckpt::load(t, dir);
-  return t.at("model").dict().at("w").tensor();
+  return fsdp::testing::load_tensor(dir, "model.w", {4, 256});
 }
 
 // Fails the next `fail` writes with ENOSPC, whichever thread makes them.
@@ -101,12 +97,8 @@ TEST(AsyncSave, OverlapsTrainingAndSnapshotsTheTensors) {
       EXPECT_EQ(ckpt::list_steps(root), (std::vector<int64_t>{2, 3}));
       // Step 3 holds the values at its save() call: rank r's rows hold 3 + r.
       const at::Tensor w = saved_w(ckpt::step_dir(root, 3));
-      StateDict b;
-      StateDict model;
-      model.insert_or_assign("b", at::zeros({8}));
-      b.insert_or_assign("model", model);
-      ckpt::load(b, ckpt::step_dir(root, 3));
-      EXPECT_TRUE(at::equal(b.at("model").dict().at("b").tensor(), at::full({8}, 3.0f)));
+      EXPECT_TRUE(at::equal(fsdp::testing::load_tensor(ckpt::step_dir(root, 3), "model.b", {8}),
+                            at::full({8}, 3.0f)));
       EXPECT_TRUE(at::equal(w.narrow(0, 0, 2), at::full({2, 256}, 3.0f)));
       EXPECT_TRUE(at::equal(w.narrow(0, 2, 2), at::full({2, 256}, 4.0f)));
       EXPECT_TRUE(ckpt::verify(ckpt::step_dir(root, 3)).ok());

@@ -74,12 +74,7 @@ StateDict sharded_sample(int rank, int world, double scale) {
 
 // The full value of "model.sharded" saved with `scale`, read back from `dir` into one tensor.
 at::Tensor load_full_sharded(const std::string& dir) {
-  StateDict t;
-  StateDict model;
-  model.insert_or_assign("sharded", at::full({6, 5}, -1.0));
-  t.insert_or_assign("model", model);
-  ckpt::load(t, dir);
-  return t.at("model").dict().at("sharded").tensor();
+  return load_tensor(dir, "model.sharded", {6, 5});
 }
 
 double saved_scale(const std::string& dir) {
@@ -177,14 +172,10 @@ TEST(CheckpointSafety, FlippedByteInAnyDataFileIsNamed) {
   std::string bad = good;
   bad[static_cast<size_t>(w->offset) + pos + 3] ^= 0x01;
   write_bytes(path, bad);
-  StateDict t;
-  StateDict model;
-  model.insert_or_assign("sharded", at::full({6, 5}, -1.0));
-  t.insert_or_assign("model", model);
-  ckpt::load(t, dir, ckpt::LoadOptions().verify(false));
-  EXPECT_FALSE(at::equal(t.at("model").dict().at("sharded").tensor(),
-                         at::arange(30, at::kFloat).reshape({6, 5})));
-  EXPECT_TRUE(contains(error_of([&] { ckpt::load(t, dir); }), "checksum mismatch"));
+  EXPECT_FALSE(
+      at::equal(load_tensor(dir, "model.sharded", {6, 5}, ckpt::LoadOptions().verify(false)),
+                at::arange(30, at::kFloat).reshape({6, 5})));
+  EXPECT_TRUE(contains(error_of([&] { load_full_sharded(dir); }), "checksum mismatch"));
 }
 
 // ---- hostile files ----

@@ -311,7 +311,9 @@ TEST(DcpCheckpoint, PythonFsdpLoadsOursAndWeLoadPythonFsdps) {
     ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
     auto [fm, fo] =
         ckpt::get_state_dict(model, *opt, ckpt::StateDictOptions().full_state_dict(true));
-    if (pg.rank() == 0) EXPECT_EQ(tensor_lines_of(fm, fo), python_state);
+    if (pg.rank() == 0) {
+      EXPECT_EQ(tensor_lines_of(fm, fo), python_state);
+    }
   });
 }
 
