@@ -148,18 +148,17 @@ int cmd_convert(const std::string& src, const std::string& dst, const std::strin
     ckpt::export_pt(src, dst, opts);
     std::cout << "wrote " << dst << "\n";
   } else {  // dcp: tensors from a safetensors or .pt export, under `prefix` again
-    const fsdp::StateDict flat = tensors_of(src);
-    fsdp::StateDict inner = flat;
-    fsdp::StateDict sd;
+    fsdp::StateDict sd = tensors_of(src);
+    const size_t n = sd.size();
     std::string top = prefix;
     if (!top.empty() && top.back() == '.') top.pop_back();
-    if (top.empty()) {
-      sd = std::move(inner);
-    } else {
-      sd.insert_or_assign(top, std::move(inner));
+    if (!top.empty()) {
+      fsdp::StateDict outer;
+      outer.insert_or_assign(top, std::move(sd));
+      sd = std::move(outer);
     }
     ckpt::save(sd, dst);
-    std::cout << "wrote checkpoint " << dst << " (" << flat.size() << " tensors)\n";
+    std::cout << "wrote checkpoint " << dst << " (" << n << " tensors)\n";
   }
   return 0;
 }

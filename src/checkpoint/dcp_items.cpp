@@ -174,9 +174,7 @@ at::Tensor decode_tensor(const std::vector<char>& raw, const std::string& where)
     const c10::IValue v = torch::pickle_load(raw);
     if (!v.isTensor()) throw ValueError("it holds a " + v.tagKind() + ", not a tensor");
     return v.toTensor();
-  } catch (const ValueError& e) {
-    throw ValueError(where + " is not a readable tensor: " + e.what());
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // LibTorch's errors and ours alike
     throw ValueError(where + " is not a readable tensor: " + e.what());
   }
 }
