@@ -152,8 +152,9 @@ TEST(DcpCheckpoint, UncoveredElementsAreNamed) {
   });
 }
 
-// The acceptance scenario's core: a wrapped model and its optimizer saved at W=2 (each rank its
-// own pieces) load at W=3 under another strategy and use_orig_params, bit-exactly.
+// The acceptance scenario: a wrapped model and its optimizer saved at W=2 (FULL_SHARD, flat
+// parameters, each rank's flat shards as they lie) load at W=3 under SHARD_GRAD_OP with
+// use_orig_params, and into the unwrapped model at W=1, bit-exactly.
 // Two Adam steps of a wrapped TinyLM on rank-specific tokens; returns {"model", "optim"} as
 // get_state_dict gives them (SHARDED).
 StateDict train_two_steps(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, int rank) {
@@ -170,6 +171,27 @@ StateDict train_two_steps(FullyShardedDataParallel& model, torch::optim::Optimiz
   return sd;
 }
 
+// The pieces of `value` (a parameter's or its state's) are this rank's flat shard of parameter
+// `i` of `h`, as it lies: the boxes of its range, holding the shard's elements.
+void expect_as_stored(const StateValue& value, const fsdp::FlatParamHandle& h, size_t i,
+                      const at::Tensor& flat_shard, const std::string& what) {
+  ASSERT_TRUE(value.is_sharded_tensor()) << what;
+  const auto& pieces = value.sharded_tensor().local_shards();
+  const fsdp::ShardParamInfo& s = h.shard_param_infos()[i];
+  const auto boxes = s.in_shard ? fsdp::flat_range_boxes(h.layout().shapes[i],
+                                                         s.intra_param_start_idx,
+                                                         s.numel_in_shard, h.rank())
+                                : std::vector<fsdp::ShardMetadata>{};
+  ASSERT_EQ(pieces.size(), boxes.size()) << what;
+  int64_t at_ = s.offset_in_shard;
+  for (size_t b = 0; b < boxes.size(); ++b) {
+    EXPECT_EQ(pieces[b].metadata, boxes[b]) << what;
+    const int64_t n = pieces[b].tensor.numel();
+    EXPECT_TRUE(torch::equal(pieces[b].tensor.reshape({-1}), flat_shard.narrow(0, at_, n))) << what;
+    at_ += n;
+  }
+}
+
 TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
   fsdp::testing::TempDir tmp, ref;
   run_ranks(2, [&](ProcessGroup& pg) {
@@ -177,7 +199,29 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
     FullyShardedDataParallel model(m, fsdp::testing::lm_options(m));
     auto opt =
         fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
+    int gathered = 0;
+    fsdp::detail::state_dict_gather_probe() = [&] { ++gathered; };
     StateDict sd = train_two_steps(model, *opt, pg.rank());
+    fsdp::detail::state_dict_gather_probe() = nullptr;
+    EXPECT_EQ(gathered, 0) << "get_state_dict gathered a unit";
+    // Flat shards saved as they lie: every piece is this rank's part of its flat parameter (and
+    // of the flat parameter's Adam state), cut into boxes, with no unit ever gathered.
+    size_t checked = 0;
+    for (auto* h : model->handles()) {
+      const at::Tensor flat = h->flat_param().detach();
+      auto state = opt->state().find(fsdp::compat::optim_state_key(h->flat_param()));
+      if (state == opt->state().end()) continue;  // the frozen unit: no optimizer state
+      const at::Tensor exp_avg =
+          static_cast<torch::optim::AdamParamState&>(*state->second).exp_avg();
+      for (size_t i = 0; i < h->layout().fqns.size(); ++i) {
+        const std::string& fqn = h->layout().fqns[i];
+        expect_as_stored(sd.at("model").dict().at(fqn), *h, i, flat, fqn);
+        expect_as_stored(sd.at("optim").dict().at("state").dict().at(fqn).dict().at("exp_avg"), *h,
+                         i, exp_avg, fqn + " exp_avg");
+        ++checked;
+      }
+    }
+    EXPECT_GT(checked, 5u);
     ckpt::save(sd, tmp.file("step2"));
     const auto full = ckpt::StateDictOptions().full_state_dict(true);
     auto [fm, fo] = ckpt::get_state_dict(model, *opt, full);
@@ -203,6 +247,20 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
     fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref.path(), "m_"), "W=3");
     EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref.path()), 0, 0), "");
   });
+  // And into the model unwrapped, at W=1: a plain module and a plain optimizer.
+  run_ranks(1, [&](ProcessGroup&) {
+    TinyLM m(98);
+    auto opt = fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(m->parameters()));
+    auto [msd, osd] = ckpt::get_state_dict(m, *opt);
+    StateDict sd;
+    sd.insert_or_assign("model", msd);
+    sd.insert_or_assign("optim", osd);
+    ckpt::load(sd, tmp.file("step2"));
+    ckpt::set_state_dict(m, *opt, sd.at("model").dict(), sd.at("optim").dict());
+    auto [fm, fo] = ckpt::get_state_dict(m, *opt, ckpt::StateDictOptions().full_state_dict(true));
+    fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref.path(), "m_"), "unwrapped");
+    EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref.path()), 0, 0), "");
+  });
   // Stock PyTorch loads the W=2 checkpoint (chunks from two files) whole, with the same values.
   if (!fsdp::testing::python().empty()) {
     StateDict full;
@@ -212,6 +270,49 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
         fsdp::testing::run_command(fsdp::testing::dcp_python() + "values " + tmp.file("step2")),
         values_text(flat_of(full)));
   }
+}
+
+// HYBRID_SHARD: each replica group holds the same pieces. Every piece is written once (by the
+// lowest rank holding it, as DCP's dedup_save_plans), so the second replica group's files are
+// empty and the checkpoint holds no chunk twice (which load would refuse).
+TEST(DcpCheckpoint, HybridShardReplicasWriteEachPieceOnce) {
+  fsdp::testing::TempDir tmp, ref;
+  run_ranks(4, [&](ProcessGroup& pg) {
+    TinyLM m(7);
+    FullyShardedDataParallel model(
+        m, fsdp::testing::lm_options(m, ShardingStrategy::HYBRID_SHARD).hybrid_shard_size(2));
+    auto opt =
+        fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
+    StateDict sd = train_two_steps(model, *opt, pg.rank());
+    ckpt::save(sd, tmp.file("hsdp"));
+    auto [fm, fo] =
+        ckpt::get_state_dict(model, *opt, ckpt::StateDictOptions().full_state_dict(true));
+    if (pg.rank() == 0) {
+      fsdp::testing::save_pieces(fm, 0, ref.path(), "m_");
+      fsdp::testing::save_osd(fo, 0, ref.path());
+    }
+  });
+  struct stat st {};
+  for (int r = 0; r < 4; ++r) {
+    const std::string file = tmp.file("hsdp") + "/__" + std::to_string(r) + "_0.distcp";
+    ASSERT_EQ(::stat(file.c_str(), &st), 0) << file;
+    if (r < 2) EXPECT_GT(st.st_size, 0) << file;
+    else EXPECT_EQ(st.st_size, 0) << file << ": a replica wrote pieces rank " << r - 2 << " wrote";
+  }
+  EXPECT_TRUE(ckpt::verify(tmp.file("hsdp")).ok());
+  run_ranks(1, [&](ProcessGroup&) {
+    TinyLM m(98);
+    auto opt = fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(m->parameters()));
+    auto [msd, osd] = ckpt::get_state_dict(m, *opt);
+    StateDict sd;
+    sd.insert_or_assign("model", msd);
+    sd.insert_or_assign("optim", osd);
+    ckpt::load(sd, tmp.file("hsdp"));
+    ckpt::set_state_dict(m, *opt, sd.at("model").dict(), sd.at("optim").dict());
+    auto [fm, fo] = ckpt::get_state_dict(m, *opt, ckpt::StateDictOptions().full_state_dict(true));
+    fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref.path(), "m_"), "W=1");
+    EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref.path()), 0, 0), "");
+  });
 }
 
 // Stock PyTorch's dcp.load reads our checkpoint with equal values; ours reads dcp.save's.

@@ -280,19 +280,24 @@ TEST_P(ShardedOsdRoundTrip, ReloadsBitExactly) {
       EXPECT_EQ(v.dict().at("exp_avg").tensor().scalar_type(), at::kFloat)
           << fqn << ": state stays in the parameters' dtype";
     }
-    StateDict sharded;
-    {
-      fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
-      sharded = fsdp::optim_state_dict(model, *opt);
+    for (auto layout : {fsdp::ShardLayout::DIM0_CHUNKS, fsdp::ShardLayout::FLAT_SHARDS}) {
+      StateDict sharded;
+      {
+        fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT,
+                                   fsdp::ShardedStateDictConfig(),
+                                   fsdp::ShardedOptimStateDictConfig().layout(layout));
+        sharded = fsdp::optim_state_dict(model, *opt);
+      }
+      TinyLM m2(8);
+      FullyShardedDataParallel model2(m2, options(m2));
+      auto opt2 = make_optimizer("AdamW_amsgrad", unique_params(model2->parameters()));
+      {
+        fsdp::StateDictTypeGuard g(model2, StateDictType::SHARDED_STATE_DICT);
+        fsdp::load_optim_state_dict(model2, *opt2, sharded);
+      }
+      EXPECT_EQ(osd_diff(fsdp::optim_state_dict(model2, *opt2), full, 0, 0), "")
+          << "layout " << static_cast<int>(layout);
     }
-    TinyLM m2(8);
-    FullyShardedDataParallel model2(m2, options(m2));
-    auto opt2 = make_optimizer("AdamW_amsgrad", unique_params(model2->parameters()));
-    {
-      fsdp::StateDictTypeGuard g(model2, StateDictType::SHARDED_STATE_DICT);
-      fsdp::load_optim_state_dict(model2, *opt2, sharded);
-    }
-    EXPECT_EQ(osd_diff(fsdp::optim_state_dict(model2, *opt2), full, 0, 0), "");
   });
 }
 
@@ -359,23 +364,32 @@ TEST(OptimStateDict, OddLayoutsAtEveryWorldSize) {
         const StateDict full = fsdp::optim_state_dict(model, opt);
         EXPECT_EQ(osd_diff(full, fsdp::optim_state_dict(*ref, ref_opt), kRtol, kAtol), "")
             << "W" << pg.size() << (orig ? " orig" : " flat");
-        StateDict sharded;
-        {
-          fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
-          sharded = fsdp::optim_state_dict(model, opt);
+        for (auto layout : {fsdp::ShardLayout::DIM0_CHUNKS, fsdp::ShardLayout::FLAT_SHARDS}) {
+          const bool flat = layout == fsdp::ShardLayout::FLAT_SHARDS;
+          StateDict sharded;
+          {
+            fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT,
+                                       fsdp::ShardedStateDictConfig(),
+                                       fsdp::ShardedOptimStateDictConfig().layout(layout));
+            sharded = fsdp::optim_state_dict(model, opt);
+          }
+          const StateDict& st = sharded.at("state").dict();
+          // DIM0_CHUNKS keeps 0-d state plain (as PyTorch); FLAT_SHARDS leaves it with the one
+          // rank whose shard holds it.
+          EXPECT_EQ(st.at("scalar").dict().at("exp_avg").is_sharded_tensor(), flat);
+          EXPECT_TRUE(st.at("cube").dict().at("exp_avg").is_sharded_tensor());
+          Odd m2(orig);
+          FullyShardedDataParallel model2(
+              m2, fsdp::FullyShardedOptions().units({m2->lin.ptr()}).use_orig_params(orig));
+          torch::optim::Adam opt2(unique_params(model2->parameters()),
+                                  torch::optim::AdamOptions(1));
+          {
+            fsdp::StateDictTypeGuard g(model2, StateDictType::SHARDED_STATE_DICT);
+            fsdp::load_optim_state_dict(model2, opt2, sharded);
+          }
+          EXPECT_EQ(osd_diff(fsdp::optim_state_dict(model2, opt2), full, 0, 0), "")
+              << "layout " << static_cast<int>(layout);
         }
-        const StateDict& st = sharded.at("state").dict();
-        EXPECT_TRUE(st.at("scalar").dict().at("exp_avg").is_tensor()) << "0-d state stays plain";
-        EXPECT_TRUE(st.at("cube").dict().at("exp_avg").is_sharded_tensor());
-        Odd m2(orig);
-        FullyShardedDataParallel model2(
-            m2, fsdp::FullyShardedOptions().units({m2->lin.ptr()}).use_orig_params(orig));
-        torch::optim::Adam opt2(unique_params(model2->parameters()), torch::optim::AdamOptions(1));
-        {
-          fsdp::StateDictTypeGuard g(model2, StateDictType::SHARDED_STATE_DICT);
-          fsdp::load_optim_state_dict(model2, opt2, sharded);
-        }
-        EXPECT_EQ(osd_diff(fsdp::optim_state_dict(model2, opt2), full, 0, 0), "");
       });
     }
   }

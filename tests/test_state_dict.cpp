@@ -189,20 +189,46 @@ TEST_P(StateDictWorld, FullEqualsUnwrappedModelBitExactly) {
 TEST_P(StateDictWorld, EveryTypeRoundTrips) {
   const Cfg c = GetParam();
   run_ranks(c.world, [c](ProcessGroup& pg) {
-    std::vector<StateDictType> types{StateDictType::FULL_STATE_DICT};
+    // SHARDED twice: PyTorch's dim-0 chunks, and the flat shards as they lie.
+    std::vector<std::pair<StateDictType, fsdp::ShardLayout>> types{
+        {StateDictType::FULL_STATE_DICT, fsdp::ShardLayout::DIM0_CHUNKS}};
     if (c.strategy != ShardingStrategy::NO_SHARD) {
-      types.push_back(StateDictType::SHARDED_STATE_DICT);
-      types.push_back(StateDictType::LOCAL_STATE_DICT);
+      types.push_back({StateDictType::SHARDED_STATE_DICT, fsdp::ShardLayout::DIM0_CHUNKS});
+      types.push_back({StateDictType::SHARDED_STATE_DICT, fsdp::ShardLayout::FLAT_SHARDS});
+      types.push_back({StateDictType::LOCAL_STATE_DICT, fsdp::ShardLayout::DIM0_CHUNKS});
     }
-    for (auto type : types) {
+    for (auto [type, layout] : types) {
+      const std::string what = "round trip of type " + std::to_string(static_cast<int>(type)) +
+                               " layout " + std::to_string(static_cast<int>(layout));
       TinyLM a(31);
       FullyShardedDataParallel src(a, lm_options(a, c.strategy, c.orig));
       train_step(src, pg.rank());
       const StateDict expect = full_of(src);
       StateDict saved;
+      int gathered = 0;
+      fsdp::detail::state_dict_gather_probe() = [&] { ++gathered; };
       {
-        fsdp::StateDictTypeGuard g(src, type);
+        fsdp::StateDictTypeGuard g(src, type, fsdp::ShardedStateDictConfig().layout(layout));
         saved = fsdp::state_dict(src);
+      }
+      fsdp::detail::state_dict_gather_probe() = nullptr;
+      if (layout == fsdp::ShardLayout::FLAT_SHARDS) {
+        EXPECT_EQ(gathered, 0) << "FLAT_SHARDS must not unshard any unit";
+        // The global metadata tiles each parameter exactly, and names this rank's pieces.
+        for (const auto& [k, v] : saved) {
+          if (!v.is_sharded_tensor()) continue;
+          const fsdp::ShardedTensor& t = v.sharded_tensor();
+          int64_t total = 0;
+          for (const auto& m : t.global_metadata()) total += m.numel();
+          EXPECT_EQ(total, std::max<int64_t>(t.numel(), 0)) << k;
+          for (const auto& s : t.local_shards())
+            EXPECT_NE(std::find(t.global_metadata().begin(), t.global_metadata().end(),
+                                s.metadata),
+                      t.global_metadata().end())
+                << k;
+        }
+      } else if (type != StateDictType::LOCAL_STATE_DICT) {
+        EXPECT_GT(gathered, 0) << "the probe must see gathering (negative control)";
       }
       TinyLM b(32);  // different initial values
       FullyShardedDataParallel dst(b, lm_options(b, c.strategy, c.orig));
@@ -211,8 +237,7 @@ TEST_P(StateDictWorld, EveryTypeRoundTrips) {
         auto res = fsdp::load_state_dict(dst, saved);
         EXPECT_TRUE(res.missing_keys.empty() && res.unexpected_keys.empty());
       }
-      expect_same(full_of(dst), expect,
-                  "round trip of type " + std::to_string(static_cast<int>(type)));
+      expect_same(full_of(dst), expect, what);
       // The loaded model trains on from there like the original.
       train_step(src, pg.rank());
       train_step(dst, pg.rank());
@@ -467,6 +492,7 @@ namespace {
 
 TEST(ModelStateDict, HybridShardRoundTripsFullAndSharded) {
   run_ranks(4, [](ProcessGroup& pg) {
+    for (auto layout : {fsdp::ShardLayout::DIM0_CHUNKS, fsdp::ShardLayout::FLAT_SHARDS})
     for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
       TinyLM a(51);
       FullyShardedDataParallel src(
@@ -476,7 +502,7 @@ TEST(ModelStateDict, HybridShardRoundTripsFullAndSharded) {
       EXPECT_EQ(expect.keys(), fsdp::module_state_dict(*TinyLM(51)).keys());
       StateDict saved;
       {
-        fsdp::StateDictTypeGuard g(src, type);
+        fsdp::StateDictTypeGuard g(src, type, fsdp::ShardedStateDictConfig().layout(layout));
         saved = fsdp::state_dict(src);
       }
       TinyLM b(52);

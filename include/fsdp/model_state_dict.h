@@ -10,9 +10,10 @@
 // FULL:    keys are the unwrapped model's FQNs, in the order and with the values of
 //          fsdp::module_state_dict(unwrapped model): parameters gathered one unit at a time and
 //          cloned, in their original dtype, buffers included, tied parameters under every FQN.
-// SHARDED: the same keys; every parameter is a ShardedTensor chunked on dim 0 across the (shard)
-//          group with torch.chunk semantics; buffers are plain tensors. Loads at any world size,
-//          given the pieces that cover what each rank needs.
+// SHARDED: the same keys; every parameter is a ShardedTensor over the (shard) group, cut as the
+//          config's ShardLayout says (by default chunked on dim 0 with torch.chunk semantics, as
+//          PyTorch does); buffers are plain tensors. Loads at any world size and from either
+//          layout, given the pieces that cover what each rank needs.
 // LOCAL:   one key per unit, "<unit fqn>._flat_param" ("_flat_param" for the root): that unit's
 //          flat-parameter shard as a 1-D ShardedTensor (padding dropped); buffers as plain tensors.
 //          Loads only at the same world size and layout.
@@ -32,6 +33,19 @@ namespace fsdp {
 
 enum class StateDictType { FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT };
 
+/// How a SHARDED state dict cuts each parameter, and its optimizer state, into pieces. Both
+/// layouts load, save and reshard alike (every consumer takes any boxes); they differ in cost.
+enum class ShardLayout {
+  /// PyTorch's: torch.chunk along dim 0 over the shard group. Producing it moves data between
+  /// ranks: the model's units are all-gathered one at a time, optimizer state is routed.
+  DIM0_CHUNKS,
+  /// Each rank's part of its own flat-parameter shard, as it lies: a contiguous range of the
+  /// parameter's row-major elements, held as at most 2 * ndim - 1 boxes (flat_range_boxes). No
+  /// tensor communication at all; what a checkpoint save wants. A NO_SHARD unit's optimizer
+  /// state (each rank holds it whole) is still chunked on dim 0.
+  FLAT_SHARDS,
+};
+
 struct FullStateDictConfig {
   /// Move values to the CPU as they are gathered (one unit at a time).
   TORCH_ARG(bool, offload_to_cpu) = false;
@@ -41,6 +55,7 @@ struct FullStateDictConfig {
 
 struct ShardedStateDictConfig {
   TORCH_ARG(bool, offload_to_cpu) = false;
+  TORCH_ARG(ShardLayout, layout) = ShardLayout::DIM0_CHUNKS;
 };
 
 struct LocalStateDictConfig {
@@ -58,6 +73,7 @@ struct FullOptimStateDictConfig {
 /// How SHARDED optimizer state dicts are produced.
 struct ShardedOptimStateDictConfig {
   TORCH_ARG(bool, offload_to_cpu) = true;
+  TORCH_ARG(ShardLayout, layout) = ShardLayout::DIM0_CHUNKS;
 };
 
 /// Sets the state-dict type (and its configs, for model and optimizer state dicts) of `model`

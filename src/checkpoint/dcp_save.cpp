@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_metadata.h"
@@ -87,9 +88,46 @@ RankPart decode(const std::string& msg, int rank) {
   return p;
 }
 
-// Writes this rank's items into `path`; returns what it wrote.
+// A sharded tensor's box, as the prepare exchange names it.
+std::string chunk_id(const std::string& key, const std::vector<int64_t>& offsets) {
+  std::string id = key;
+  for (int64_t o : offsets) id += "\0" + std::to_string(o);
+  return id;
+}
+
+// The boxes this rank holds, length-prefixed ("<n>:<id>" each; keys may hold any byte).
+std::string held_chunks(const StateDict& state_dict) {
+  StateDict sd = state_dict;
+  std::string out;
+  for (const items::FlatItem& it : items::flatten(sd)) {
+    if (!it.value->is_sharded_tensor()) continue;
+    for (const auto& s : it.value->sharded_tensor().local_shards()) {
+      const std::string id = chunk_id(it.key, s.metadata.offsets);
+      out += std::to_string(id.size()) + ":" + id;
+    }
+  }
+  return out;
+}
+
+// Every rank checks every list (so all ranks agree on failing); only lower ranks' go `into`.
+void parse_held(const std::string& msg, size_t pos, std::set<std::string>* into, int rank) {
+  while (pos < msg.size()) {
+    const size_t colon = msg.find(':', pos);
+    size_t n = 0;
+    if (colon == std::string::npos || colon == pos || colon - pos > 18 ||
+        msg.find_first_not_of("0123456789", pos) != colon ||
+        (n = std::stoull(msg.substr(pos, colon - pos))) > msg.size() - colon - 1)
+      throw Error(std::string(kWhat) + ": rank " + std::to_string(rank) +
+                  "'s list of pieces is malformed");
+    if (into) into->insert(msg.substr(colon + 1, n));
+    pos = colon + 1 + n;
+  }
+}
+
+// Writes this rank's items into `path`, except the boxes in `skip` (a lower rank writes those);
+// returns what it wrote.
 RankPart write_items(const StateDict& state_dict, FileIO& io, const std::string& dir,
-                     const std::string& file, int rank) {
+                     const std::string& file, int rank, const std::set<std::string>& skip) {
   StateDict sd = state_dict;  // containers only; tensors are shared
   RankPart part;
   part.file = file;
@@ -116,8 +154,10 @@ RankPart write_items(const StateDict& state_dict, FileIO& io, const std::string&
               dcp::ChunkMeta{std::vector<int64_t>(item.tensor.size.size(), 0), item.tensor.size},
               v.tensor());
       } else {
-        for (const auto& s : v.sharded_tensor().local_shards())
+        for (const auto& s : v.sharded_tensor().local_shards()) {
+          if (skip.count(chunk_id(it.key, s.metadata.offsets))) continue;
           chunks.emplace_back(dcp::ChunkMeta{s.metadata.offsets, s.metadata.sizes}, s.tensor);
+        }
       }
       for (const auto& [c, t] : chunks) {
         item.tensor.chunks.push_back(c);
@@ -223,7 +263,9 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
     throw ValueError(std::string(kWhat) + ": '" + dir_in + "' does not name a directory to create");
   const std::string partial = files::join(files::parent_of(dir), "." + name + ".partial");
 
-  // 1. prepare
+  // 1. prepare: rank 0 makes the partial directory; every rank says which boxes it holds, so
+  // that a box several ranks hold (replicas under HYBRID_SHARD, NO_SHARD optimizer state) is
+  // written once, by the lowest of them (DCP's dedup_save_plans). One small exchange.
   std::string error;
   if (rank == 0) {
     try {
@@ -237,14 +279,45 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
       error = e.what();
     }
   }
-  error = verdict(group, error);
-  if (!error.empty()) throw Error(rank == 0 ? error : error + " (on rank 0)");
+  std::string held;
+  try {
+    if (error.empty()) held = "O" + held_chunks(state_dict);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!error.empty()) held = "E" + error;
+  const std::vector<std::string> prepared =
+      group ? group->all_gather_bytes(held) : std::vector<std::string>{held};
+  std::set<std::string> skip;  // boxes a lower rank writes
+  error.clear();
+  for (int r = 0; r < static_cast<int>(prepared.size()) && error.empty(); ++r) {
+    const std::string& m = prepared[r];
+    if (m.empty() || m[0] != 'O') {
+      error = (m.empty() ? std::string("no report") : m.substr(1)) + " (on rank " +
+              std::to_string(r) + ")";
+    } else {
+      try {
+        parse_held(m, 1, r < rank ? &skip : nullptr, r);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+  }
+  if (!error.empty()) {
+    if (rank == 0) {
+      try {
+        files::remove_tree(io, partial, kWhat);
+      } catch (const std::exception&) {
+      }
+    }
+    throw Error(error);
+  }
 
   // 2. write, then exchange reports
   std::string msg;
   try {
-    msg = encode(
-        write_items(state_dict, io, partial, "__" + std::to_string(rank) + "_0.distcp", rank));
+    msg = encode(write_items(state_dict, io, partial,
+                             "__" + std::to_string(rank) + "_0.distcp", rank, skip));
   } catch (const std::exception& e) {
     msg = std::string("E") + e.what();
   }

@@ -135,8 +135,10 @@ void enter_type(std::optional<StateDictTypeGuard>& g, const Target& t, const Sta
                   .rank0_only(o.cpu_offload() || o.broadcast_from_rank0()));
   } else {
     g.emplace(model, StateDictType::SHARDED_STATE_DICT,
-              ShardedStateDictConfig().offload_to_cpu(o.cpu_offload()),
-              ShardedOptimStateDictConfig().offload_to_cpu(o.cpu_offload()));
+              ShardedStateDictConfig().offload_to_cpu(o.cpu_offload()).layout(o.shard_layout()),
+              ShardedOptimStateDictConfig()
+                  .offload_to_cpu(o.cpu_offload())
+                  .layout(o.shard_layout()));
   }
 }
 

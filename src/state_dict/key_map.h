@@ -48,6 +48,19 @@ void require_idle(FsdpState& st, const char* what);
 std::string flat_key(const Unit& u);
 std::string shape_str(at::IntArrayRef s);
 
+/// Every shard-group rank's boxes of each parameter of a sharded flat-parameter layout: what
+/// each rank holds of it in its flat shard, cut by flat_range_boxes (ShardLayout::FLAT_SHARDS),
+/// placed on that rank. The global metadata of a FLAT_SHARDS value.
+class FlatShardBoxes {
+ public:
+  explicit FlatShardBoxes(const FlatParamLayout& layout);
+  std::vector<ShardMetadata> of(size_t param_index) const;
+
+ private:
+  const FlatParamLayout& layout_;
+  std::vector<std::vector<ShardParamInfo>> infos_;  // per rank, per parameter
+};
+
 
 }  // namespace detail
 }  // namespace fsdp

@@ -67,6 +67,21 @@ std::string flat_key(const detail::Unit& u) {
   return u.fqn.empty() ? "_flat_param" : u.fqn + "._flat_param";
 }
 
+FlatShardBoxes::FlatShardBoxes(const FlatParamLayout& layout) : layout_(layout) {
+  for (int r = 0; r < layout.world_size; ++r) infos_.push_back(layout.shard_param_infos(r));
+}
+
+std::vector<ShardMetadata> FlatShardBoxes::of(size_t i) const {
+  std::vector<ShardMetadata> all;
+  for (int r = 0; r < layout_.world_size; ++r) {
+    const ShardParamInfo& s = infos_[r][i];
+    if (!s.in_shard) continue;
+    for (auto& b : flat_range_boxes(layout_.shapes[i], s.intra_param_start_idx, s.numel_in_shard, r))
+      all.push_back(std::move(b));
+  }
+  return all;
+}
+
 }  // namespace detail
 
 namespace {
@@ -137,10 +152,34 @@ StateDict sharded_state_dict(FsdpState& st) {
   const KeyMap km = key_map(st);
   const int rank = st.shard_group.rank(), world = st.shard_group.size();
   std::map<std::pair<int, size_t>, ShardedTensor> values;
-  gather_units(st, [&](int u, size_t i, const at::Tensor& full) {
-    ShardedTensor t = chunk_sharded(full, rank, world);
-    values[{u, i}] = offload ? t.to(at::kCPU) : t;
-  });
+  if (st.sharded_config.layout() == ShardLayout::FLAT_SHARDS) {
+    for (const auto& u : st.units) {
+      if (!u->handle) continue;
+      FlatParamHandle& h = *u->handle;
+      // Parameters replaced since the last unshard (use_orig_params) go into the shard first.
+      if (h.options().use_orig_params()) h.writeback_orig_params();
+      const detail::FlatShardBoxes boxes(h.layout());
+      const at::Tensor flat = h.flat_param().detach();
+      for (size_t i = 0; i < h.layout().shapes.size(); ++i) {
+        const auto& shape = h.layout().shapes[i];
+        if (h.layout().numels[i] == 0) {  // no shard holds any of it: one empty piece, as chunk_sharded
+          values[{u->index, i}] = chunk_sharded(at::empty(shape, flat.options()), rank, world);
+          continue;
+        }
+        const ShardParamInfo& s = h.shard_param_infos()[i];
+        at::Tensor data = s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard)
+                                     : flat.narrow(0, 0, 0);
+        data = offload ? data.to(at::kCPU).clone() : data.clone();
+        values[{u->index, i}] = sharded_from_flat_range(
+            shape, s.in_shard ? s.intra_param_start_idx : 0, data, rank, boxes.of(i));
+      }
+    }
+  } else {
+    gather_units(st, [&](int u, size_t i, const at::Tensor& full) {
+      ShardedTensor t = chunk_sharded(full, rank, world);
+      values[{u, i}] = offload ? t.to(at::kCPU) : t;
+    });
+  }
   StateDict sd;
   for (const auto& k : km.order) {
     auto m = km.managed.find(k);

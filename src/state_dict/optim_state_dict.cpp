@@ -2,6 +2,7 @@
 // _optim_state_dict, _convert_state_with_flat_params / _with_orig_params, _unflatten_param_groups)
 // and re-keying them. Loading is in optim_load.cpp.
 #include <deque>
+#include <optional>
 #include <sstream>
 #include <unordered_set>
 
@@ -190,7 +191,7 @@ std::vector<Merged> merge_presence(const OptModel& om, const OptimKind& kind,
 }
 
 StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool sharded, bool offload,
-                     bool rank0_only) {
+                     bool rank0_only, bool flat_shards = false) {
   const OptimKind& kind = detail::optim_kind(opt);
   std::vector<std::optional<ParamOptimState>> local(om.entries.size());
   for (size_t e = 0; e < om.entries.size(); ++e) {
@@ -243,6 +244,9 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
       // NO_SHARD too, where each rank holds it whole), and of original parameters only where
       // they are sharded (NO_SHARD then gives plain tensors, as _convert_state_with_orig_params).
       const bool chunk = sharded && (h.uses_sharded_strategy() || om.entries[mine[0]].flat);
+      // ShardLayout::FLAT_SHARDS: each rank's pieces as they lie in its shard, nothing routed.
+      std::optional<detail::FlatShardBoxes> as_stored;
+      if (chunk && flat_shards && h.uses_sharded_strategy()) as_stored.emplace(l);
       for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
         int dtype = -1;
         for (size_t e : mine) dtype = dtype >= 0 ? dtype : merged[e].dtype[n];
@@ -263,6 +267,16 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
               const std::vector<int64_t>& shape = en.shapes[p];
               const at::Tensor data = flat.defined() ? flat.narrow(0, en.flat ? r.offset : 0, r.n)
                                                      : at::zeros({r.n}, opts);
+              if (as_stored) {
+                const std::vector<int64_t>& shape = en.shapes[p];
+                const bool empty = c10::multiply_integers(shape) == 0;
+                per_fqn[en.fqns[p]].insert_or_assign(
+                    kind.tensor_names[n],
+                    empty ? chunk_sharded(at::empty(shape, opts), rank, world)
+                          : sharded_from_flat_range(shape, r.lo, out_tensor(data), rank,
+                                                    as_stored->of(en.indices[p])));
+                continue;
+              }
               held.push_back(sharded_from_flat_range(shape, r.lo, data, rank));
               detail::RangeRequest q;
               q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
@@ -401,7 +415,8 @@ StateDict optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimi
   }
   return export_osd(om, optimizer, sharded,
                     sharded ? st.sharded_optim_config.offload_to_cpu() : full.offload_to_cpu(),
-                    !sharded && full.rank0_only());
+                    !sharded && full.rank0_only(),
+                    sharded && st.sharded_optim_config.layout() == ShardLayout::FLAT_SHARDS);
 }
 
 StateDict optim_state_dict(const torch::nn::Module& model, torch::optim::Optimizer& optimizer) {

@@ -61,6 +61,12 @@ struct StateDictOptions {
   /// Optimizer dicts as one flat level: "state.<fqn>.<name>" and "param_groups.<fqn>.<key>"
   /// (values that are lists, like Adam's betas, stay lists). set_* accepts both forms.
   TORCH_ARG(bool, flatten_optimizer_state_dict) = false;
+  /// Not in PyTorch. How a wrapped model's pieces are cut when full_state_dict is false. By
+  /// default each rank returns its flat-parameter shards as they lie (ShardLayout::FLAT_SHARDS):
+  /// no tensor communication, so get_state_dict + checkpoint::save moves no data between ranks
+  /// (as with PyTorch's per-parameter FSDP2). DIM0_CHUNKS gives PyTorch FSDP1's pieces at the
+  /// cost of gathering. set_* accepts either, from any world size.
+  TORCH_ARG(ShardLayout, shard_layout) = ShardLayout::FLAT_SHARDS;
 };
 
 /// Submodules to restrict get_* to (pointers into the model's module tree).
