@@ -1,21 +1,65 @@
 #!/usr/bin/env bash
-# The main job (until the example trainer exists): a 2-rank demo that shards a model, unshards it,
-# trains it one step, and checks the result against a single process. Ranks are launched the way
-# torchrun would: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
-#   NPROC  number of ranks (default 2)
+# The main job: what a newcomer runs first. On a fresh Debian 12 machine it installs what it
+# needs, builds, and then, with the launcher (fsdp-run) and the example trainer (fsdp-train):
+#   1. trains a small byte-level GPT on 2 ranks (FULL_SHARD) for about a minute, saving a
+#      checkpoint every 100 steps, and stops;
+#   2. resumes that checkpoint on 3 ranks (SHARD_GRAD_OP, use_orig_params) and finishes;
+#   3. exports the weights as safetensors and as a .pt, verifies the last checkpoint, checks that
+#      Python's own model computes the same logits from the export, and plots the loss curve;
+# then prints where everything is and the Python lines that load the weights. Exits non-zero if
+# any stage fails.
+#   OUT        where to put checkpoints, exports and metrics (default /tmp/fsdp-demo; emptied)
+#   STEPS1     steps of stage 1 (default 600), STEPS2 last step of stage 2 (default 800)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 "$(dirname "$0")/setup.sh"
-BIN="${BUILD_DIR:-build}/examples/shard_demo"
-NPROC=${NPROC:-2}
-# A free port for rank 0's TCPStore.
-PORT=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 29511)
-pids=()
-for ((r = 0; r < NPROC; r++)); do
-  RANK=$r WORLD_SIZE=$NPROC LOCAL_RANK=$r LOCAL_WORLD_SIZE=$NPROC MASTER_ADDR=127.0.0.1 \
-    MASTER_PORT=$PORT "$BIN" &
-  pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-exit $status
+BUILD=$(cd "${BUILD_DIR:-build}" && pwd)
+RUN="$BUILD/fsdp-run"
+TRAIN="$BUILD/examples/fsdp-train"
+CKPT="$BUILD/fsdp-ckpt"
+OUT=${OUT:-/tmp/fsdp-demo}
+STEPS1=${STEPS1:-600}
+STEPS2=${STEPS2:-800}
+PY=/usr/bin/python3
+rm -rf "$OUT"
+mkdir -p "$OUT"
+
+echo "== 1. train on 2 ranks (FULL_SHARD) to step $STEPS1, checkpoint every 100 steps"
+"$RUN" --nproc-per-node 2 "$TRAIN" --steps "$STEPS1" --save-dir "$OUT/ckpt" --save-every 100 \
+  --log-every 50 --metrics "$OUT/metrics.jsonl"
+
+echo "== 2. resume on 3 ranks (SHARD_GRAD_OP, use_orig_params) and finish at step $STEPS2"
+"$RUN" --nproc-per-node 3 "$TRAIN" --steps "$STEPS2" --save-dir "$OUT/ckpt" --save-every 100 \
+  --resume --sharding shard_grad_op --use-orig-params 1 --log-every 50 \
+  --metrics "$OUT/metrics.jsonl" --export "$OUT/model.safetensors" \
+  --eval-logits "$OUT/logits.pt"
+
+echo "== 3. export a .pt too (a resume past the last step only loads and exports), verify, check"
+"$RUN" --nproc-per-node 1 "$TRAIN" --steps "$STEPS2" --save-dir "$OUT/ckpt" --resume \
+  --export "$OUT/model.pt"
+"$CKPT" verify "$OUT/ckpt/step_$STEPS2"
+if "$PY" -c 'import torch' 2>/dev/null; then
+  "$PY" scripts/gpt_reference.py --heads 4 --logits "$OUT/logits.pt" "$OUT/model.pt" \
+    "$OUT/model.safetensors"
+else
+  echo "(no python3-torch: skipping the Python logits check)"
+fi
+if "$PY" -c 'import matplotlib' 2>/dev/null; then
+  "$PY" scripts/plot_metrics.py "$OUT/metrics.jsonl" -o "$OUT/loss.png"
+fi
+
+cat <<EOF
+
+== done
+checkpoints:  $OUT/ckpt/step_* (DCP layout; 'latest' names the newest)
+weights:      $OUT/model.safetensors and $OUT/model.pt
+metrics:      $OUT/metrics.jsonl$( [ -f "$OUT/loss.png" ] && echo " (loss curve: $OUT/loss.png)")
+
+Load the weights in Python:
+  import torch, sys; sys.path.insert(0, "$PWD/scripts")
+  from gpt_reference import GPT
+  sd = torch.load("$OUT/model.pt", weights_only=True)
+  # or: from safetensors.torch import load_file; sd = load_file("$OUT/model.safetensors")
+  model = GPT(vocab=256, seq_len=64, layers=2, dim=64, heads=4)
+  model.load_state_dict(sd)
+EOF

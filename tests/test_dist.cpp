@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <thread>
+#include <tuple>
 
 #include "fsdp/compat.h"
 #include "fsdp/dist.h"
@@ -303,6 +304,50 @@ TEST(Dist, InitFromTorchrunEnvironment) {
         EXPECT_TRUE(at::equal(t, at::full({3}, 2.0f)));
       },
       opts);
+}
+
+// Programs started by mpirun or srun find their layout without torchrun's variables; torchrun's
+// win when several launchers' are present, and one launcher's are never mixed with another's.
+TEST(Dist, EnvInfoReadsMpirunAndSlurm) {
+  const char* all[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+                       "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"};
+  for (const char* v : all) ::unsetenv(v);
+  EXPECT_EQ(fsdp::dist::env_info().launcher, "none");
+  EXPECT_EQ(fsdp::dist::env_info().world_size, 1);
+
+  ::setenv("SLURM_PROCID", "5", 1);
+  ::setenv("SLURM_NTASKS", "8", 1);
+  ::setenv("SLURM_LOCALID", "1", 1);
+  ::setenv("SLURM_TASKS_PER_NODE", "4(x2)", 1);
+  auto e = fsdp::dist::env_info();
+  EXPECT_EQ(e.launcher, "slurm");
+  EXPECT_EQ(std::make_tuple(e.rank, e.world_size, e.local_rank, e.local_world_size),
+            std::make_tuple(5, 8, 1, 4));
+
+  ::setenv("OMPI_COMM_WORLD_RANK", "2", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "3", 1);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1", 1);
+  e = fsdp::dist::env_info();
+  EXPECT_EQ(e.launcher, "mpirun");
+  EXPECT_EQ(std::make_tuple(e.rank, e.world_size, e.local_rank, e.local_world_size),
+            std::make_tuple(2, 3, 0, 1));
+
+  ::setenv("RANK", "1", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  e = fsdp::dist::env_info();
+  EXPECT_EQ(e.launcher, "torchrun");
+  EXPECT_EQ(std::make_tuple(e.rank, e.world_size, e.local_rank, e.local_world_size),
+            std::make_tuple(1, 2, 1, 2))
+      << "LOCAL_* default from torchrun's own RANK and WORLD_SIZE, not from Open MPI's";
+
+  ::setenv("OMPI_COMM_WORLD_SIZE", "three", 1);
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  EXPECT_THROW(fsdp::dist::env_info(), fsdp::ValueError);
+  for (const char* v : all) ::unsetenv(v);
 }
 
 TEST(Dist, EnvInfoRejectsMalformedVariables) {

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "command_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "multi_rank.h"
 
@@ -22,21 +23,10 @@ using fsdp::testing::TempDir;
 
 namespace {
 
-struct ToolRun {
-  int rc = -1;
-  std::string out;  // stdout and stderr
-};
+using ToolRun = fsdp::testing::CommandResult;
 
 ToolRun tool(const std::string& args) {
-  ToolRun r;
-  FILE* p = popen((std::string(FSDP_CKPT_BIN) + " " + args + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
+  return fsdp::testing::run_shell(std::string(FSDP_CKPT_BIN) + " " + args);
 }
 
 bool has(const ToolRun& r, const std::string& part) {

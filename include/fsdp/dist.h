@@ -79,11 +79,19 @@ struct EnvInfo {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  /// Whose variables gave the layout: "torchrun" (also fsdp-run), "mpirun", "slurm" or "none".
+  std::string launcher = "none";
 };
 
-/// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Missing
-/// variables take the defaults above (a single process); malformed ones throw ValueError naming
-/// the variable.
+/// Reads the rank layout from the first launcher whose variables are set:
+///  * torchrun and fsdp-run: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE;
+///  * Open MPI's mpirun: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
+///    OMPI_COMM_WORLD_LOCAL_SIZE;
+///  * Slurm's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and SLURM_NTASKS_PER_NODE (else
+///    the first count of SLURM_TASKS_PER_NODE).
+/// MASTER_ADDR and MASTER_PORT come from the environment in every case (mpirun and srun set
+/// neither: export them, e.g. the first host of the allocation). Missing variables take the
+/// defaults above (a single process); malformed ones throw ValueError naming the variable.
 EnvInfo env_info();
 
 class ProcessGroup;

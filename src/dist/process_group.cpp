@@ -45,10 +45,34 @@ ProcessGroup g_default;
 
 EnvInfo env_info() {
   EnvInfo e;
-  e.rank = env_int("RANK", 0);
-  e.world_size = env_int("WORLD_SIZE", 1);
-  e.local_rank = env_int("LOCAL_RANK", e.rank);
-  e.local_world_size = env_int("LOCAL_WORLD_SIZE", e.world_size);
+  // One launcher's variables, whole: mixing (say) torchrun's RANK with Slurm's task count would
+  // describe a job that does not exist.
+  struct Names {
+    const char* launcher;
+    const char *rank, *world, *local_rank, *local_world;
+  };
+  const Names launchers[] = {
+      {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+      {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+       "OMPI_COMM_WORLD_LOCAL_SIZE"},
+      {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
+  };
+  for (const Names& n : launchers) {
+    if (!get_env(n.rank) && !get_env(n.world)) continue;
+    e.launcher = n.launcher;
+    e.rank = env_int(n.rank, 0);
+    e.world_size = env_int(n.world, 1);
+    e.local_rank = env_int(n.local_rank, e.rank);
+    e.local_world_size = env_int(n.local_world, e.world_size);
+    if (e.launcher == "slurm" && !get_env(n.local_world)) {
+      // SLURM_TASKS_PER_NODE reads like "4(x2),3": the first node's count.
+      if (auto t = get_env("SLURM_TASKS_PER_NODE")) {
+        const size_t digits = t->find_first_not_of("0123456789");
+        if (digits != 0) e.local_world_size = std::stoi(t->substr(0, digits));
+      }
+    }
+    break;
+  }
   e.master_addr = get_env("MASTER_ADDR").value_or("127.0.0.1");
   e.master_port = env_int("MASTER_PORT", 29500);
   return e;

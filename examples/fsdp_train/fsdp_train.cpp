@@ -1,0 +1,417 @@
+// fsdp-train: an example trainer built only on fsdp-cpp's public API (issue 12). It trains the
+// byte-level GPT of gpt.h on a text file, checkpoints, resumes at any world size and exports.
+//
+//   fsdp-run --nproc-per-node 2 fsdp-train --steps 200 --save-dir ckpt --save-every 50
+//   fsdp-run --nproc-per-node 3 fsdp-train --steps 300 --save-dir ckpt --resume --export model.pt
+//
+// What makes runs comparable across world sizes: the batch of step s is drawn from a generator
+// seeded by (--seed, s) alone, the same on every rank and at every world size; rank r of W takes
+// rows [r*B/W, (r+1)*B/W) of the global batch of B rows; each rank's loss is the mean over its
+// rows and FSDP averages gradients over ranks, so every step follows the global-batch gradient
+// whatever W is. The logged loss is the global-batch loss (the ranks' losses averaged).
+//
+// Checkpoints (model, optimizer, and the trainer's step and data position) go through
+// fsdp::checkpoint into <save-dir>/step_<N> with a `latest` pointer; --resume continues from the
+// newest complete one whatever world size, sharding strategy or use_orig_params wrote it.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iterator>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fsdp/checkpoint/async_save.h"
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/export.h"
+#include "fsdp/checkpoint/state_dict.h"
+#include "fsdp/fsdp.h"
+#include "gpt.h"
+
+namespace ckpt = fsdp::checkpoint;
+
+namespace {
+
+struct Flags {
+  int64_t steps = 300;
+  uint64_t seed = 1337;
+  int64_t global_batch = 12;
+  int64_t seq_len = 64;
+  int64_t layers = 2;
+  int64_t dim = 64;
+  int64_t heads = 4;
+  std::string sharding = "full_shard";
+  int use_orig_params = 0;
+  std::string mixed_precision = "none";
+  std::string optimizer = "adamw";
+  double lr = 3e-3;
+  std::string save_dir;
+  int64_t save_every = 0;
+  int keep_last = 3;
+  bool async_save = false;
+  bool resume = false;
+  std::string export_file;
+  std::string eval_logits;
+  int64_t log_every = 10;
+  std::string metrics;
+  std::string data = "/usr/share/common-licenses/GPL-3";
+  int timeout_s = 600;
+};
+
+// One line on stderr (from rank 0 only, so a W-rank run prints it once) and a non-zero exit on
+// every rank; used before any collective, where every rank reaches the same verdict alone.
+[[noreturn]] void fail(int rank, const std::string& msg, int code = 2) {
+  if (rank == 0) std::fprintf(stderr, "fsdp-train: error: %s\n", msg.c_str());
+  std::exit(code);
+}
+
+std::string read_corpus(const std::string& path, int rank) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail(rank, "cannot read --data " + path + ": " + std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (f.bad()) fail(rank, "reading --data " + path + " failed");
+  return text;
+}
+
+// Rows [lo, hi) of the global batch of `step`: inputs and next-byte targets, [rows, T] each.
+std::pair<torch::Tensor, torch::Tensor> batch(const torch::Tensor& corpus, const Flags& f,
+                                              int64_t step, int64_t lo, int64_t hi) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(f.seed * 1000003ULL + step);
+  const int64_t span = corpus.numel() - f.seq_len - 1;  // > 0, checked at start
+  const auto starts = torch::randint(span + 1, {f.global_batch}, gen, torch::kLong);
+  std::vector<torch::Tensor> x, y;
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t s = starts[r].item<int64_t>();
+    x.push_back(corpus.narrow(0, s, f.seq_len));
+    y.push_back(corpus.narrow(0, s + 1, f.seq_len));
+  }
+  return {torch::stack(x), torch::stack(y)};
+}
+
+double max_rss_mb() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // kilobytes on Linux
+}
+
+fsdp::ShardingStrategy strategy_of(const std::string& s) {
+  if (s == "full_shard") return fsdp::ShardingStrategy::FULL_SHARD;
+  if (s == "shard_grad_op") return fsdp::ShardingStrategy::SHARD_GRAD_OP;
+  if (s == "no_shard") return fsdp::ShardingStrategy::NO_SHARD;
+  return fsdp::ShardingStrategy::HYBRID_SHARD;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Flags& f,
+                                                        std::vector<torch::Tensor> params) {
+  if (f.optimizer == "adam")
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(f.lr));
+  if (f.optimizer == "sgd")
+    return std::make_unique<torch::optim::SGD>(params,
+                                               torch::optim::SGDOptions(f.lr).momentum(0.9));
+  return std::make_unique<torch::optim::AdamW>(
+      params, torch::optim::AdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(0.1));
+}
+
+// Each parameter once: a tied weight is listed by both modules that hold it.
+std::vector<torch::Tensor> unique_params(const std::vector<torch::Tensor>& all) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : all) {
+    bool seen = false;
+    for (const auto& q : out) seen |= q.is_same(p);
+    if (!seen) out.push_back(p);
+  }
+  return out;
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// The consolidated weights (on rank 0) to FILE: `.pt` for torch.load, else safetensors (FILE
+// ending in .safetensors: that file; otherwise a directory holding model.safetensors).
+void export_weights(const fsdp::StateDict& full, const std::string& file) {
+  if (ends_with(file, ".pt")) {
+    ckpt::save_pt(full, file, ckpt::ExportOptions().prefix(""));
+    return;
+  }
+  if (!ends_with(file, ".safetensors")) {
+    ckpt::save_safetensors(full, file, ckpt::ExportOptions().prefix(""));
+    return;
+  }
+  const std::string tmp = file + ".dir.partial";
+  const auto files = ckpt::save_safetensors(full, tmp, ckpt::ExportOptions().prefix(""));
+  if (files.size() != 1 || std::rename(files[0].c_str(), file.c_str()) != 0)
+    throw std::runtime_error("could not move " + (files.empty() ? tmp : files[0]) + " to " + file);
+  ::rmdir(tmp.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  constexpr int64_t kMax = int64_t{1} << 40;
+  const fsdp::dist::EnvInfo env = fsdp::dist::env_info();
+  const int rank = env.rank, world = env.world_size;
+  Flags f;
+  CLI::App app{"fsdp-train: train a small byte-level GPT with fsdp-cpp (run it under fsdp-run)",
+               "fsdp-train"};
+  app.add_option("--steps", f.steps, "Last step to train to")->check(CLI::Range(int64_t{0}, kMax));
+  app.add_option("--seed", f.seed, "Seed of the initial weights and of every batch");
+  app.add_option("--global-batch", f.global_batch, "Sequences per step, over all ranks")
+      ->check(CLI::Range(int64_t{1}, kMax));
+  app.add_option("--seq-len", f.seq_len, "Bytes per sequence")->check(CLI::Range(int64_t{1}, kMax));
+  app.add_option("--layers", f.layers, "Transformer blocks (one FSDP unit each)")
+      ->check(CLI::Range(int64_t{0}, kMax));
+  app.add_option("--dim", f.dim, "Model width")->check(CLI::Range(int64_t{1}, kMax));
+  app.add_option("--heads", f.heads, "Attention heads (must divide --dim)")
+      ->check(CLI::Range(int64_t{1}, kMax));
+  app.add_option("--sharding", f.sharding, "Sharding strategy")
+      ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}));
+  app.add_option("--use-orig-params", f.use_orig_params, "Optimize the original parameters")
+      ->check(CLI::Range(0, 1));
+  app.add_option("--mixed-precision", f.mixed_precision, "Compute dtype")
+      ->check(CLI::IsMember({"none", "bf16"}));
+  app.add_option("--optimizer", f.optimizer, "Optimizer")
+      ->check(CLI::IsMember({"adamw", "adam", "sgd"}));
+  app.add_option("--lr", f.lr, "Learning rate")->check(CLI::Range(1e-12, 1e6));
+  app.add_option("--save-dir", f.save_dir, "Checkpoint root (step_<N> directories, `latest`)");
+  app.add_option("--save-every", f.save_every, "Save every K steps (and at the end)")
+      ->check(CLI::Range(int64_t{0}, kMax));
+  app.add_option("--keep-last", f.keep_last, "Checkpoints to keep (0: all)")
+      ->check(CLI::Range(0, 1000000));
+  app.add_flag("--async-save", f.async_save, "Save in the background while training goes on");
+  app.add_flag("--resume", f.resume, "Continue from the latest checkpoint in --save-dir");
+  app.add_option("--export", f.export_file,
+                 "Consolidated weights at the end: FILE.pt (torch.load) or safetensors");
+  app.add_option("--eval-logits", f.eval_logits,
+                 "Write the final model's logits on the corpus's first --seq-len bytes (.pt)");
+  app.add_option("--log-every", f.log_every, "Log every K steps")->check(CLI::Range(int64_t{1}, kMax));
+  app.add_option("--metrics", f.metrics, "Append one JSON object per logged step to FILE");
+  app.add_option("--data", f.data, "Text corpus");
+  app.add_option("--timeout", f.timeout_s, "Seconds before a collective gives up")
+      ->check(CLI::Range(1, 1000000));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return rank == 0 ? app.exit(e) : 0;  // --help
+    fail(rank, e.what());
+  }
+
+  // Everything a rank can check alone, before any collective: every rank reaches the same
+  // verdict, so a bad flag exits everywhere instead of leaving ranks waiting for each other.
+  if (f.dim % f.heads != 0)
+    fail(rank, "--heads " + std::to_string(f.heads) + " does not divide --dim " +
+                   std::to_string(f.dim));
+  if (f.global_batch % world != 0)
+    fail(rank, "--global-batch " + std::to_string(f.global_batch) +
+                   " is not divisible by the world size " + std::to_string(world));
+  if ((f.save_every > 0 || f.resume || f.async_save) && f.save_dir.empty())
+    fail(rank, "--save-every, --resume and --async-save need --save-dir");
+  const std::string text = read_corpus(f.data, rank);
+  if (text.empty()) fail(rank, "--data " + f.data + " is empty");
+  if (static_cast<int64_t>(text.size()) < f.seq_len + 1)
+    fail(rank, "--seq-len " + std::to_string(f.seq_len) + " needs at least " +
+                   std::to_string(f.seq_len + 1) + " bytes of data; " + f.data + " has " +
+                   std::to_string(text.size()));
+  const torch::Tensor corpus =
+      torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())},
+                       torch::kUInt8)
+          .to(torch::kLong);
+
+  try {
+    auto pg = fsdp::dist::init_process_group(
+        fsdp::dist::InitOptions().backend("gloo").timeout(std::chrono::seconds(f.timeout_s)));
+    gpt::Config cfg;
+    cfg.seq_len = f.seq_len;
+    cfg.layers = f.layers;
+    cfg.dim = f.dim;
+    cfg.heads = f.heads;
+    gpt::GPT m(cfg, f.seed);
+    auto options = fsdp::FullyShardedOptions()
+                       .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<gpt::BlockImpl>())
+                       .sharding_strategy(strategy_of(f.sharding))
+                       .use_orig_params(f.use_orig_params != 0);
+    if (f.mixed_precision == "bf16")
+      options.mixed_precision(
+          fsdp::MixedPrecision().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat));
+    fsdp::FullyShardedDataParallel model(m, options);
+    auto opt = make_optimizer(f, unique_params(model->parameters()));
+
+    // Resume: the checkpoint fills a template of this run's own layout.
+    int64_t step = 0;
+    std::optional<ckpt::AsyncSaver> saver;
+    if (f.async_save) saver.emplace(ckpt::SaveOptions().keep_last(f.keep_last));
+    auto state = [&](int64_t at_step) {
+      auto [msd, osd] = ckpt::get_state_dict(model, *opt);
+      fsdp::StateDict trainer;
+      trainer.insert_or_assign("step", at_step);
+      trainer.insert_or_assign("seed", static_cast<int64_t>(f.seed));
+      trainer.insert_or_assign("global_batch", f.global_batch);
+      trainer.insert_or_assign("seq_len", f.seq_len);
+      fsdp::StateDict sd;
+      sd.insert_or_assign("model", std::move(msd));
+      sd.insert_or_assign("optim", std::move(osd));
+      sd.insert_or_assign("trainer", std::move(trainer));
+      return sd;
+    };
+    if (f.resume) {
+      if (auto dir = ckpt::latest_checkpoint(f.save_dir)) {
+        fsdp::StateDict sd = state(0);
+        ckpt::load(sd, *dir);
+        ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
+        const fsdp::StateDict& t = sd.at("trainer").dict();
+        step = t.at("step").to_int();
+        if (t.at("seed").to_int() != static_cast<int64_t>(f.seed) ||
+            t.at("seq_len").to_int() != f.seq_len)
+          std::fprintf(stderr,
+                       "fsdp-train: warning: %s was trained with --seed %lld --seq-len %lld; "
+                       "continuing with the batches of --seed %llu --seq-len %lld\n",
+                       dir->c_str(), static_cast<long long>(t.at("seed").to_int()),
+                       static_cast<long long>(t.at("seq_len").to_int()),
+                       static_cast<unsigned long long>(f.seed), static_cast<long long>(f.seq_len));
+        if (rank == 0)
+          std::printf("resumed from %s at step %lld (world size %d)\n", dir->c_str(),
+                      static_cast<long long>(step), world);
+      } else if (rank == 0) {
+        std::printf("no checkpoint in %s yet: starting from step 0\n", f.save_dir.c_str());
+      }
+    }
+
+    std::FILE* metrics = nullptr;
+    if (rank == 0 && !f.metrics.empty()) {
+      metrics = std::fopen(f.metrics.c_str(), step > 0 ? "a" : "w");
+      if (!metrics) throw std::runtime_error("cannot write --metrics " + f.metrics);
+    }
+    const int64_t rows = f.global_batch / world;
+    using Clock = std::chrono::steady_clock;
+    auto last_log = Clock::now();
+    int64_t tokens_since = 0;
+    double step_seconds = 0;  // moving average, for the time to the next checkpoint
+    int64_t saved_at = step;  // the step of the newest checkpoint (or where we resumed)
+    auto save = [&](int64_t at_step) {
+      saved_at = at_step;
+      fsdp::StateDict sd = state(at_step);
+      const auto o = ckpt::SaveOptions().keep_last(f.keep_last);
+      if (saver) {
+        saver->save_step(sd, f.save_dir, at_step);
+      } else {
+        ckpt::save_step(sd, f.save_dir, at_step, o);
+      }
+    };
+    while (step < f.steps) {
+      const auto t0 = Clock::now();
+      ++step;
+      auto [x, y] = batch(corpus, f, step, rank * rows, (rank + 1) * rows);
+      opt->zero_grad();
+      auto logits = model->forward(x);
+      auto loss = torch::nn::functional::cross_entropy(
+          logits.reshape({-1, cfg.vocab}).to(torch::kFloat), y.reshape({-1}));
+      loss.backward();
+      opt->step();
+      tokens_since += f.global_batch * f.seq_len;
+      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+      step_seconds = step_seconds == 0 ? dt : 0.9 * step_seconds + 0.1 * dt;
+
+      const bool save_now = !f.save_dir.empty() && f.save_every > 0 &&
+                            (step % f.save_every == 0 || step == f.steps);
+      if (save_now) save(step);
+      if (step % f.log_every == 0 || step == f.steps) {
+        // The global-batch loss, and every rank's peak memory, in one all_reduce.
+        auto stats = torch::zeros({1 + world}, torch::kDouble);
+        stats[0] = loss.detach().item<double>() / world;
+        stats[1 + rank] = max_rss_mb();
+        pg.all_reduce(stats);
+        const double secs = std::chrono::duration<double>(Clock::now() - last_log).count();
+        const double tps = tokens_since / std::max(secs, 1e-9);
+        last_log = Clock::now();
+        tokens_since = 0;
+        if (rank == 0) {
+          std::ostringstream line, rss, json;
+          line.precision(6);
+          line << "step " << step << "/" << f.steps << " | loss " << std::fixed
+               << stats[0].item<double>();
+          line.unsetf(std::ios::fixed);
+          line << " | " << static_cast<int64_t>(tps) << " tok/s | max rss MB";
+          double max_rss = 0;
+          json << "[";
+          for (int r = 0; r < world; ++r) {
+            const double mb = stats[1 + r].item<double>();
+            max_rss = std::max(max_rss, mb);
+            line << (r ? " " : " r0 ") << (r ? "r" + std::to_string(r) + " " : "")
+                 << static_cast<int64_t>(mb);
+            json << (r ? "," : "") << static_cast<int64_t>(mb);
+          }
+          json << "]";
+          if (!f.save_dir.empty() && f.save_every > 0) {
+            const int64_t next = std::min(f.steps, (step / f.save_every + 1) * f.save_every);
+            if (next > step)
+              line << " | next checkpoint in " << std::setprecision(2)
+                   << (next - step) * step_seconds << " s";
+          }
+          std::printf("%s\n", line.str().c_str());
+          std::fflush(stdout);
+          if (metrics) {
+            char buf[256];
+            std::snprintf(buf, sizeof buf,
+                          "{\"step\": %lld, \"loss\": %.9g, \"tokens_per_s\": %.1f, "
+                          "\"max_rss_mb\": %.1f, \"world_size\": %d, \"rss_mb_per_rank\": ",
+                          static_cast<long long>(step), stats[0].item<double>(), tps, max_rss,
+                          world);
+            std::fprintf(metrics, "%s%s}\n", buf, json.str().c_str());
+            std::fflush(metrics);
+          }
+        }
+      }
+    }
+    // Without --save-every, --save-dir still gets the final state.
+    if (!f.save_dir.empty() && saved_at != step) save(step);
+    if (saver) saver->wait();  // the last save is committed before we report success
+    if (metrics) std::fclose(metrics);
+
+    if (!f.export_file.empty() || !f.eval_logits.empty()) {
+      const auto full_opts = ckpt::StateDictOptions().full_state_dict(true).cpu_offload(true);
+      const fsdp::StateDict full = ckpt::get_model_state_dict(model, full_opts);  // rank 0 only
+      if (rank == 0) {
+        if (!f.export_file.empty()) {
+          export_weights(full, f.export_file);
+          const bool pt = ends_with(f.export_file, ".pt");
+          const std::string path =
+              pt || ends_with(f.export_file, ".safetensors") ? f.export_file
+                                                             : f.export_file + "/model.safetensors";
+          std::printf("exported %zu tensors to %s\nload them in Python:\n%s\n", full.size(),
+                      path.c_str(),
+                      (pt ? "  import torch\n  sd = torch.load('" + path + "', weights_only=True)"
+                          : "  from safetensors.torch import load_file\n  sd = load_file('" +
+                                path + "')")
+                          .c_str());
+          std::printf("  # the model: scripts/gpt_reference.py (GPT(...).load_state_dict(sd))\n");
+        }
+        if (!f.eval_logits.empty()) {
+          // The same model unwrapped in this process, from the consolidated weights: what a
+          // Python user gets from the export.
+          gpt::GPT plain(cfg, f.seed);
+          fsdp::load_module_state_dict(*plain, full);
+          torch::NoGradGuard no_grad;
+          const auto idx = corpus.narrow(0, 0, f.seq_len).unsqueeze(0);
+          fsdp::StateDict out;
+          out.insert_or_assign("input", idx.clone());
+          out.insert_or_assign("logits", plain->forward(idx).contiguous());
+          ckpt::save_pt(out, f.eval_logits, ckpt::ExportOptions().prefix(""));
+        }
+      }
+    }
+    pg.barrier();
+    fsdp::dist::destroy_process_group();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-train: error on rank %d: %s\n", rank,
+                 std::string(e.what()).substr(0, std::string(e.what()).find('\n')).c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,219 @@
+// fsdp-train under fsdp-run (issue 12), run as a newcomer runs them: real processes talking Gloo.
+//  - the same command at world sizes 1, 2 and 3 logs the same losses under every strategy;
+//  - a run saved at W=2 (FULL_SHARD, flat parameters) and resumed at W=3 (SHARD_GRAD_OP,
+//    original parameters) ends with the weights of an uninterrupted W=1 run, as close as an
+//    uninterrupted W=3 run gets (the data-parallel baseline: only the reduction order differs);
+//  - Python's own model loads both exports and computes the C++ model's logits;
+//  - killing a rank stops the run within seconds, and a resume continues from the last
+//    complete checkpoint (written asynchronously);
+//  - bad flags and data give one line and a non-zero exit on every rank, never a hang.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "command_testing.h"
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/export.h"
+#include "multi_rank.h"
+
+namespace ckpt = fsdp::checkpoint;
+using fsdp::testing::Background;
+using fsdp::testing::count_lines_with;
+using fsdp::testing::run_shell;
+using fsdp::testing::TempDir;
+
+namespace {
+
+// fsdp-train at world size `w` in `dir`, with `args`; asserts it succeeds.
+std::string train(int w, const std::string& dir, const std::string& args) {
+  const auto r = run_shell("cd '" + dir + "' && " + FSDP_RUN_BIN + " --nproc-per-node " +
+                           std::to_string(w) + " " + FSDP_TRAIN_BIN + " " + args);
+  EXPECT_EQ(r.rc, 0) << "W=" << w << " " << args << "\n" << r.out;
+  return r.out;
+}
+
+// step -> loss from a --metrics file.
+std::map<int64_t, double> losses(const std::string& path) {
+  std::map<int64_t, double> out;
+  std::ifstream f(path);
+  for (std::string line; std::getline(f, line);) {
+    const auto s = line.find("\"step\": "), l = line.find("\"loss\": ");
+    if (s == std::string::npos || l == std::string::npos) continue;
+    out[std::stoll(line.substr(s + 8))] = std::stod(line.substr(l + 8));
+  }
+  return out;
+}
+
+// Largest absolute difference between two exports (same keys and shapes, asserted).
+double max_diff(const std::string& a, const std::string& b) {
+  const fsdp::StateDict x = ckpt::load_pt(a), y = ckpt::load_pt(b);
+  EXPECT_EQ(x.keys(), y.keys()) << a << " vs " << b;
+  double worst = 0;
+  for (const auto& [k, v] : x) {
+    if (!y.contains(k)) continue;
+    const at::Tensor& t = v.tensor();
+    const at::Tensor& u = y.at(k).tensor();
+    EXPECT_EQ(t.sizes(), u.sizes()) << k;
+    if (t.sizes() != u.sizes()) continue;
+    worst = std::max(worst, (t.to(at::kDouble) - u.to(at::kDouble)).abs().max().item<double>());
+  }
+  return worst;
+}
+
+TEST(FsdpTrain, LossesAgreeAcrossWorldSizesUnderEveryStrategy) {
+  TempDir dir;
+  for (const std::string s : {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}) {
+    std::map<int64_t, double> ref;
+    for (int w : {1, 2, 3}) {
+      const std::string m = "m_" + s + std::to_string(w) + ".jsonl";
+      train(w, dir.path(), "--steps 4 --log-every 1 --sharding " + s + " --metrics " + m);
+      const auto got = losses(dir.file(m));
+      ASSERT_EQ(got.size(), 4u) << s << " W=" << w;
+      if (w == 1) {
+        ref = got;
+        EXPECT_LT(got.at(4), got.at(1)) << "the model should learn";
+        continue;
+      }
+      for (const auto& [step, loss] : got)
+        EXPECT_NEAR(loss, ref.at(step), 1e-4 * std::abs(ref.at(step)))
+            << s << " W=" << w << " step " << step;
+    }
+  }
+  // Negative control: another seed's losses are told apart by the same tolerance.
+  train(2, dir.path(), "--steps 4 --log-every 1 --seed 7 --metrics other.jsonl");
+  const auto a = losses(dir.file("other.jsonl")), b = losses(dir.file("m_full_shard1.jsonl"));
+  EXPECT_GT(std::abs(a.at(4) - b.at(4)), 1e-4 * std::abs(b.at(4)));
+#ifdef FSDP_TEST_PLOT_PYTHON
+  const auto plot = run_shell(std::string(FSDP_TEST_PLOT_PYTHON) + " " + FSDP_SOURCE_DIR +
+                              "/scripts/plot_metrics.py " + dir.file("m_full_shard1.jsonl") + " " +
+                              dir.file("m_full_shard2.jsonl") + " -o " + dir.file("loss.png"));
+  EXPECT_EQ(plot.rc, 0) << plot.out;
+  std::ifstream png(dir.file("loss.png"), std::ios::binary);
+  char magic[4] = {};
+  png.read(magic, 4);
+  EXPECT_EQ(std::string(magic + 1, 3), "PNG");
+#endif
+}
+
+TEST(FsdpTrain, ResumeAtAnotherWorldSizeMatchesAnUninterruptedRun) {
+  TempDir dir;
+  const std::string d = dir.path();
+  train(2, d, "--steps 4 --save-dir ck --save-every 2 --export at4.pt");
+  const std::string resumed =
+      train(3, d,
+            "--steps 8 --save-dir ck --save-every 2 --resume --sharding shard_grad_op "
+            "--use-orig-params 1 --export resumed.pt");
+  EXPECT_NE(resumed.find("resumed from ck/step_4 at step 4 (world size 3)"), std::string::npos)
+      << resumed;
+  train(1, d, "--steps 8 --export ref.pt --eval-logits logits.pt");
+  train(3, d, "--steps 8 --sharding shard_grad_op --use-orig-params 1 --export base.pt");
+  const double baseline = max_diff(dir.file("base.pt"), dir.file("ref.pt"));
+  const double got = max_diff(dir.file("resumed.pt"), dir.file("ref.pt"));
+  const double four_steps_apart = max_diff(dir.file("at4.pt"), dir.file("ref.pt"));
+  const double tolerance = 4 * baseline + 1e-6;
+  std::printf("max |weights - W=1 weights|: resumed %.3g, uninterrupted W=3 %.3g, 4 steps "
+              "short %.3g\n",
+              got, baseline, four_steps_apart);
+  EXPECT_LE(got, tolerance) << "baseline " << baseline;
+  EXPECT_GT(four_steps_apart, 10 * tolerance) << "the comparison must discriminate";
+
+  // A resume at or past --steps only loads and exports (here safetensors, at W=2).
+  const std::string again = train(2, d, "--steps 8 --save-dir ck --resume --export again.safetensors");
+  EXPECT_NE(again.find("resumed from ck/step_8 at step 8"), std::string::npos) << again;
+  EXPECT_EQ(count_lines_with(again, "loss"), 0) << "nothing left to train\n" << again;
+  const fsdp::StateDict st = ckpt::load_safetensors(dir.file("again.safetensors"));
+  const fsdp::StateDict pt = ckpt::load_pt(dir.file("resumed.pt"));
+  ASSERT_EQ(st.keys().size(), pt.keys().size());
+  for (const auto& [k, v] : pt) EXPECT_TRUE(torch::equal(st.at(k).tensor(), v.tensor())) << k;
+
+#ifdef FSDP_TEST_TORCH_PYTHON
+  // Python's own definition of the model, from both exports, gives the C++ model's logits.
+  const auto py = run_shell(std::string(FSDP_TEST_TORCH_PYTHON) + " " + FSDP_SOURCE_DIR +
+                            "/scripts/gpt_reference.py --heads 4 --logits " +
+                            dir.file("logits.pt") + " " + dir.file("ref.pt") + " " +
+                            dir.file("again.safetensors"));
+  EXPECT_EQ(py.rc, 0) << py.out;
+  EXPECT_NE(py.out.find("OK: Python's model gives the C++ model's logits"), std::string::npos)
+      << py.out;
+  // Negative control: another model's logits fail the check.
+  const auto bad = run_shell(std::string(FSDP_TEST_TORCH_PYTHON) + " " + FSDP_SOURCE_DIR +
+                             "/scripts/gpt_reference.py --heads 4 --logits " +
+                             dir.file("logits.pt") + " " + dir.file("at4.pt"));
+  EXPECT_EQ(bad.rc, 1) << bad.out;
+#endif
+}
+
+TEST(FsdpTrain, KilledRankStopsTheRunAndResumeContinues) {
+  TempDir dir;
+  const std::string d = dir.path();
+  Background run("sh -c \"cd '" + d + "' && exec " + FSDP_RUN_BIN + " --nproc-per-node 2 " +
+                     FSDP_TRAIN_BIN +
+                     " --steps 1000000 --save-dir ck --save-every 3 --async-save --log-every 1\"",
+                 dir.file("log"));
+  // Wait for a committed checkpoint past step 3, then kill rank 1 outright.
+  std::optional<std::string> latest;
+  for (int i = 0; i < 600 && !(latest = ckpt::latest_checkpoint(dir.file("ck"))); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(latest) << run.output();
+  // `run` is sh, which exec'd fsdp-run; its children are the ranks.
+  std::vector<pid_t> ranks;
+  for (int i = 0; i < 50 && ranks.size() < 2; ++i) {
+    ranks = run.children();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(ranks.size(), 2u) << run.output();
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(ranks[1], SIGKILL);
+  const int rc = run.wait(std::chrono::seconds(60));
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(rc, 128 + 9) << run.output();
+  EXPECT_LT(took, 30) << run.output();
+  EXPECT_NE(run.output().find("fsdp-run: failed: rank 1 (local rank 1) was killed by signal 9"),
+            std::string::npos)
+      << run.output();
+
+  // Whatever the kill interrupted, `latest` names a complete, verified checkpoint, and a resume
+  // (at another world size) continues from it to the end.
+  latest = ckpt::latest_checkpoint(dir.file("ck"));
+  ASSERT_TRUE(latest);
+  EXPECT_TRUE(ckpt::verify(*latest).ok());
+  const int64_t step = ckpt::list_steps(dir.file("ck")).back();
+  const std::string out = train(1, d,
+                                "--steps " + std::to_string(step + 2) +
+                                    " --save-dir ck --resume --log-every 1");
+  EXPECT_NE(out.find("resumed from ck/step_" + std::to_string(step) + " at step " +
+                     std::to_string(step)),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("step " + std::to_string(step + 2) + "/"), std::string::npos) << out;
+}
+
+TEST(FsdpTrain, BadFlagsAndDataAreOneLineOnEveryRank) {
+  TempDir dir;
+  {
+    std::ofstream(dir.file("empty.txt"));
+    std::ofstream(dir.file("short.txt")) << "tiny corpus";
+  }
+  const std::pair<std::string, std::string> cases[] = {
+      {"--heads 5", "--heads 5 does not divide --dim 64"},
+      {"--data " + dir.file("missing.txt"), "cannot read --data"},
+      {"--data " + dir.file("empty.txt"), "is empty"},
+      {"--data " + dir.file("short.txt"), "--seq-len 64 needs at least 65 bytes"},
+      {"--global-batch 7", "--global-batch 7 is not divisible by the world size 2"},
+      {"--sharding bogus", "--sharding"},
+      {"--resume", "need --save-dir"},
+      {"--steps -1", "--steps"},
+  };
+  for (const auto& [args, message] : cases) {
+    const auto r = run_shell("timeout 120 " + std::string(FSDP_RUN_BIN) +
+                             " --nproc-per-node 2 " + FSDP_TRAIN_BIN + " " + args);
+    EXPECT_EQ(r.rc, 2) << args << "\n" << r.out;
+    EXPECT_EQ(count_lines_with(r.out, "fsdp-train: error: "), 1) << args << "\n" << r.out;
+    EXPECT_EQ(count_lines_with(r.out, message), 1) << args << "\n" << r.out;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,386 @@
+// fsdp-run: start one process per rank on this node, as PyTorch's torchrun does (issue 12).
+//
+//   fsdp-run --nproc-per-node 2 ./fsdp-train --steps 100
+//   fsdp-run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500
+//            --nproc-per-node 4 ./fsdp-train ...            (and --node-rank 1 on node1)
+//
+// Each process gets torchrun's variables: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+// GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID (and
+// OMP_NUM_THREADS=1 when unset and more than one process shares the node, as torchrun does), so
+// fsdp::dist::init_process_group() needs no arguments. Every line a process prints comes out
+// prefixed with its rank ("[r1] ..."), stdout to stdout and stderr to stderr, whole lines only.
+//
+// When one process exits non-zero or dies of a signal, the others get SIGTERM and, after the
+// grace period, SIGKILL; fsdp-run then names that rank and its status and exits non-zero (the
+// rank's exit code, or 128 + the signal's number). SIGINT and SIGTERM sent to fsdp-run are
+// forwarded to every process. If fsdp-run itself is killed, the kernel kills its processes
+// (PR_SET_PDEATHSIG), so no rank is left waiting on a collective that will never complete.
+//
+// Deliberately free of LibTorch: it starts in milliseconds and builds in seconds.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  const int saved = errno;
+  const unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+// A TCP port nothing listens on now (the kernel's pick), for a single-node run's store.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
+    port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
+// Writes all of `s` to `fd` (one write per line keeps lines from different ranks whole).
+void write_all(int fd, const std::string& s) {
+  size_t done = 0;
+  while (done < s.size()) {
+    const ssize_t n = ::write(fd, s.data() + done, s.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // our own output is gone (closed pipe): nothing better to do
+    done += static_cast<size_t>(n);
+  }
+}
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
+  }
+  return "ended with status " + std::to_string(status);
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+// One output stream of one rank: bytes read so far that do not end a line yet.
+struct Stream {
+  int fd = -1;   // read end; -1 once closed
+  int out = 1;   // where its lines go
+  std::string pending;
+};
+
+struct Rank {
+  int rank = 0, local_rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  Stream streams[2];
+};
+
+void flush_lines(Stream& s, const std::string& prefix, bool all) {
+  size_t start = 0;
+  std::string out;
+  for (size_t nl; (nl = s.pending.find('\n', start)) != std::string::npos; start = nl + 1)
+    out += prefix + s.pending.substr(start, nl - start + 1);
+  s.pending.erase(0, start);
+  if (all && !s.pending.empty()) {
+    out += prefix + s.pending + "\n";
+    s.pending.clear();
+  }
+  if (!out.empty()) write_all(s.out, out);
+}
+
+void signal_all(std::vector<Rank>& ranks, int sig) {
+  for (const Rank& r : ranks)
+    if (r.running) ::kill(-r.pid, sig);  // its process group: the program and what it started
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "fsdp-run: start one process per rank on this node, as torchrun does.\n"
+      "Usage: fsdp-run [OPTIONS] PROGRAM [ARGS...]",
+      "fsdp-run"};
+  int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0;
+  std::string master_addr = "127.0.0.1";
+  double grace = 5.0;
+  bool no_prefix = false;
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "Processes on this node")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--nnodes", nnodes, "Nodes taking part (each runs fsdp-run)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--node-rank,--node_rank", node_rank, "This node's index, 0 .. nnodes-1")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--master-addr,--master_addr", master_addr,
+                 "Host of rank 0 (runs the TCPStore)");
+  app.add_option("--master-port,--master_port", master_port,
+                 "Port of the TCPStore (default: a free one on a single node, else 29500)")
+      ->check(CLI::Range(1, 65535));
+  app.add_option("--grace-period", grace,
+                 "Seconds between SIGTERM and SIGKILL when stopping the other ranks")
+      ->check(CLI::Range(0.0, 3600.0));
+  app.add_flag("--no-prefix", no_prefix, "Pass output through without \"[rN] \" prefixes");
+  app.prefix_command();  // everything from PROGRAM on belongs to PROGRAM
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "fsdp-run: %s (see fsdp-run --help)\n", e.what());
+    return 2;
+  }
+  std::vector<std::string> command = app.remaining();
+  if (command.empty()) {
+    std::fprintf(stderr, "fsdp-run: no PROGRAM given (see fsdp-run --help)\n");
+    return 2;
+  }
+  if (command[0] == "--") {
+    command.erase(command.begin());
+  } else if (command[0].size() > 1 && command[0][0] == '-') {
+    std::fprintf(stderr, "fsdp-run: unknown option %s (see fsdp-run --help)\n", command[0].c_str());
+    return 2;
+  }
+  if (command.empty()) {
+    std::fprintf(stderr, "fsdp-run: no PROGRAM given after --\n");
+    return 2;
+  }
+  if (node_rank >= nnodes) {
+    std::fprintf(stderr, "fsdp-run: --node-rank %d is not below --nnodes %d\n", node_rank, nnodes);
+    return 2;
+  }
+  if (master_port == 0) {
+    if (nnodes > 1) {
+      master_port = 29500;  // every node must agree on it without talking: torchrun's default
+    } else if ((master_port = free_port()) < 0) {
+      std::fprintf(stderr, "fsdp-run: could not find a free port: %s\n", std::strerror(errno));
+      return 2;
+    }
+  }
+  const int world = nproc * nnodes;
+  const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
+  if (set_omp)
+    std::fprintf(stderr,
+                 "fsdp-run: setting OMP_NUM_THREADS=1 for each process (as torchrun does); set it "
+                 "yourself to override\n");
+  std::string run_id;
+  {
+    std::random_device rd;
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+    run_id = buf;
+  }
+
+  if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    std::fprintf(stderr, "fsdp-run: pipe: %s\n", std::strerror(errno));
+    return 2;
+  }
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  std::vector<Rank> ranks(nproc);
+  for (int local = 0; local < nproc; ++local) {
+    Rank& r = ranks[local];
+    r.local_rank = local;
+    r.rank = node_rank * nproc + local;
+    int fds[2][2];
+    for (auto& p : fds) {
+      if (::pipe2(p, O_CLOEXEC) != 0) {
+        std::fprintf(stderr, "fsdp-run: pipe: %s\n", std::strerror(errno));
+        signal_all(ranks, SIGKILL);
+        return 2;
+      }
+    }
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      std::fprintf(stderr, "fsdp-run: fork: %s\n", std::strerror(errno));
+      signal_all(ranks, SIGKILL);
+      return 2;
+    }
+    if (pid == 0) {
+      ::setpgid(0, 0);  // its own group: fsdp-run forwards terminal signals and stops the rest
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() == 1) _exit(1);  // fsdp-run already gone
+      struct sigaction dfl {};
+      dfl.sa_handler = SIG_DFL;
+      for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
+      ::dup2(fds[0][1], 1);
+      ::dup2(fds[1][1], 2);
+      auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
+      set("RANK", std::to_string(r.rank));
+      set("LOCAL_RANK", std::to_string(local));
+      set("WORLD_SIZE", std::to_string(world));
+      set("LOCAL_WORLD_SIZE", std::to_string(nproc));
+      set("GROUP_RANK", std::to_string(node_rank));
+      set("GROUP_WORLD_SIZE", std::to_string(nnodes));
+      set("ROLE_RANK", std::to_string(r.rank));
+      set("ROLE_WORLD_SIZE", std::to_string(world));
+      set("MASTER_ADDR", master_addr);
+      set("MASTER_PORT", std::to_string(master_port));
+      set("TORCHELASTIC_RUN_ID", run_id);
+      if (set_omp) set("OMP_NUM_THREADS", "1");
+      std::vector<char*> args;
+      for (auto& a : command) args.push_back(a.data());
+      args.push_back(nullptr);
+      ::execvp(args[0], args.data());
+      std::fprintf(stderr, "fsdp-run: cannot run %s: %s\n", args[0], std::strerror(errno));
+      _exit(127);
+    }
+    ::setpgid(pid, pid);  // also here, so that a signal sent right away finds the group
+    r.pid = pid;
+    r.running = true;
+    for (int s = 0; s < 2; ++s) {
+      ::close(fds[s][1]);
+      r.streams[s].fd = fds[s][0];
+      r.streams[s].out = s == 0 ? 1 : 2;
+    }
+  }
+
+  int first_failed = -1;  // index into ranks
+  int forwarded = 0;      // a signal fsdp-run was sent and passed on
+  bool stopping = false;
+  Clock::time_point kill_at{};
+  auto stop_others = [&] {
+    if (stopping) return;
+    stopping = true;
+    signal_all(ranks, SIGTERM);
+    kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace * 1000));
+  };
+
+  char buf[65536];
+  for (;;) {
+    // Reap whatever has exited.
+    for (;;) {
+      int status = 0;
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        Rank& r = ranks[i];
+        if (r.pid != pid || !r.running) continue;
+        r.running = false;
+        r.status = status;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && first_failed < 0 && !stopping) {
+          first_failed = static_cast<int>(i);
+          std::fprintf(stderr, "fsdp-run: rank %d (local rank %d, pid %d) %s; stopping the others\n",
+                       r.rank, r.local_rank, static_cast<int>(pid), describe(status).c_str());
+          stop_others();
+        }
+      }
+    }
+    bool any_running = false, any_open = false;
+    for (const Rank& r : ranks) {
+      any_running |= r.running;
+      for (const Stream& s : r.streams) any_open |= s.fd >= 0;
+    }
+    if (!any_running && !any_open) break;
+    if (stopping && any_running && Clock::now() >= kill_at) {
+      signal_all(ranks, SIGKILL);
+      kill_at = Clock::now() + std::chrono::hours(1);
+    }
+
+    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}};
+    std::vector<Stream*> of;
+    for (Rank& r : ranks)
+      for (Stream& s : r.streams)
+        if (s.fd >= 0) {
+          fds.push_back({s.fd, POLLIN, 0});
+          of.push_back(&s);
+        }
+    // Streams can stay open after their rank exited (a grandchild holding them): once every rank
+    // is gone, give them a moment, then stop waiting.
+    const int timeout_ms = !any_running ? 2000 : stopping ? 100 : 1000;
+    const int n = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (n < 0 && errno != EINTR) {
+      std::fprintf(stderr, "fsdp-run: poll: %s\n", std::strerror(errno));
+      signal_all(ranks, SIGKILL);
+      return 2;
+    }
+    if (n == 0 && !any_running) {
+      for (Stream* s : of) {
+        ::close(s->fd);
+        s->fd = -1;
+      }
+      continue;
+    }
+    if (n <= 0) continue;
+    if (fds[0].revents & POLLIN) {
+      unsigned char sig = 0;
+      while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+        if (sig == SIGCHLD) continue;  // reaped at the top of the loop
+        forwarded = sig;
+        signal_all(ranks, sig);
+        if (!stopping) {
+          stopping = true;  // a rank that ignores it is killed after the grace period
+          kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace * 1000));
+        }
+      }
+    }
+    for (size_t k = 1; k < fds.size(); ++k) {
+      if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      Stream& s = *of[k - 1];
+      const ssize_t got = ::read(s.fd, buf, sizeof buf);
+      if (got < 0 && errno == EINTR) continue;
+      const Rank* owner = nullptr;
+      for (const Rank& r : ranks)
+        if (&r.streams[0] == &s || &r.streams[1] == &s) owner = &r;
+      const std::string prefix = no_prefix ? "" : "[r" + std::to_string(owner->rank) + "] ";
+      if (got <= 0) {
+        flush_lines(s, prefix, true);
+        ::close(s.fd);
+        s.fd = -1;
+        continue;
+      }
+      s.pending.append(buf, static_cast<size_t>(got));
+      flush_lines(s, prefix, false);
+    }
+  }
+
+  if (first_failed >= 0) {
+    const Rank& r = ranks[first_failed];
+    std::fprintf(stderr, "fsdp-run: failed: rank %d (local rank %d) %s\n", r.rank, r.local_rank,
+                 describe(r.status).c_str());
+    return exit_code_of(r.status) != 0 ? exit_code_of(r.status) : 1;
+  }
+  if (forwarded) {
+    std::fprintf(stderr, "fsdp-run: stopped by signal %d\n", forwarded);
+    return 128 + forwarded;
+  }
+  return 0;
+}
