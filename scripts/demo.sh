@@ -44,6 +44,13 @@ if "$PY" -c 'import torch' 2>/dev/null; then
 else
   echo "(no python3-torch: skipping the Python logits check)"
 fi
+# The loss curve needs Debian's python3-matplotlib (installed here, not by setup.sh: the build
+# and the tests do without it).
+if ! "$PY" -c 'import matplotlib' 2>/dev/null; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    python3-matplotlib > /dev/null 2>&1 || echo "(could not install python3-matplotlib: no plot)"
+fi
 if "$PY" -c 'import matplotlib' 2>/dev/null; then
   "$PY" scripts/plot_metrics.py "$OUT/metrics.jsonl" -o "$OUT/loss.png"
 fi

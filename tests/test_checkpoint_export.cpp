@@ -288,7 +288,7 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
       EXPECT_LT(peak, 4096) << c.name;
     }
     // .pt: garbage, truncated, a TorchScript archive (torch::save), a pickle that calls
-    // os.system, a storage record shorter than its tensor.
+    // os.system, a flipped byte in a storage, a directory outside the file.
     std::string os_system;
     {
       caffe2::serialize::PyTorchStreamWriter w([&](const void* d, size_t n) {
@@ -304,11 +304,29 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
       w.writeEndOfFile();
     }
     torch::save(at::ones({2}), tmp.file("script.pt"));
+    // A byte of the first storage flipped: only its CRC-32 can tell (a .pt has no other check).
+    std::string flipped = pt;
+    {
+      const size_t name = flipped.find("/data/0");
+      const size_t local = flipped.rfind(std::string("PK\x03\x04", 4), name);
+      ASSERT_NE(name, std::string::npos);
+      ASSERT_NE(local, std::string::npos);
+      auto u16 = [&](size_t at) {
+        return static_cast<size_t>(static_cast<unsigned char>(flipped[at])) |
+               static_cast<size_t>(static_cast<unsigned char>(flipped[at + 1])) << 8;
+      };
+      flipped[local + 30 + u16(local + 26) + u16(local + 28)] ^= 0x01;
+    }
+    // The directory's offset pointed past the end of the file.
+    std::string far = pt;
+    far.replace(far.rfind(std::string("PK\x05\x06", 4)) + 16, 4, std::string("\xf0\xff\xff\x7f", 4));
     const std::vector<std::pair<std::string, const char*>> pt_cases = {
-        {std::string(100, 'x'), "not a zip archive"},
-        {pt.substr(0, pt.size() / 2), "not a zip archive"},
+        {std::string(100, 'x'), "not a torch.save archive"},
+        {pt.substr(0, pt.size() / 2), "not a torch.save archive"},
         {read_bytes(tmp.file("script.pt")), "TorchScript"},
         {os_system, "os.system"},
+        {flipped, "fails its CRC-32"},
+        {far, "its directory lies outside the file"},
     };
     for (const auto& [bytes, expected] : pt_cases) {
       write_bytes(tmp.file("bad.pt"), bytes);

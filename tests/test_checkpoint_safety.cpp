@@ -114,7 +114,7 @@ TEST(CheckpointSafety, ManifestRecordsEveryItemAndVerifies) {
   const ckpt::VerifyReport bare = ckpt::verify(dir);
   EXPECT_FALSE(bare.has_manifest);
   ASSERT_EQ(bare.problems.size(), 1u);
-  EXPECT_TRUE(contains(bare.problems[0], "cannot be verified")) << bare.problems[0];
+  EXPECT_TRUE(contains(bare.problems[0], "has no .fsdp_manifest.json")) << bare.problems[0];
 }
 
 // One flipped byte anywhere in any data file is caught by load (when it reads that item) and by
@@ -176,6 +176,12 @@ TEST(CheckpointSafety, FlippedByteInAnyDataFileIsNamed) {
       at::equal(load_tensor(dir, "model.sharded", {6, 5}, ckpt::LoadOptions().verify(false)),
                 at::arange(30, at::kFloat).reshape({6, 5})));
   EXPECT_TRUE(contains(error_of([&] { load_full_sharded(dir); }), "checksum mismatch"));
+  // Without the manifest (as a checkpoint Python wrote), the item's own zip CRC-32 catches it.
+  ASSERT_EQ(::unlink((dir + "/.fsdp_manifest.json").c_str()), 0);
+  const std::string crc_err = error_of([&] { load_full_sharded(dir); });
+  EXPECT_TRUE(contains(crc_err, "fails its CRC-32") && contains(crc_err, "model.sharded"))
+      << crc_err;
+  EXPECT_FALSE(ckpt::verify(dir).ok());
 }
 
 // ---- hostile files ----

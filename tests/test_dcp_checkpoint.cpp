@@ -149,6 +149,16 @@ TEST(DcpCheckpoint, UncoveredElementsAreNamed) {
     ckpt::load(top, tmp.file("c"));
     EXPECT_TRUE(
         torch::equal(top.at("t").sharded_tensor().local_shards()[0].tensor, full.narrow(0, 0, 3)));
+    // Overlapping chunks whose volumes add up to the tensor's (rows 0..2 and 1..2: 12 + 8 = 20)
+    // still leave rows 3..4 uncovered; the overlap must not hide the hole.
+    StateDict overlapping;
+    overlapping.insert_or_assign(
+        "t", fsdp::ShardedTensor({5, 4}, at::kFloat,
+                                 {fsdp::Shard{full.narrow(0, 0, 3).clone(), {{0, 0}, {3, 4}, 0}},
+                                  fsdp::Shard{full.narrow(0, 1, 2).clone(), {{1, 0}, {2, 4}, 0}}}));
+    ckpt::save(overlapping, tmp.file("o"));
+    EXPECT_NE(error_of([&] { ckpt::load(whole, tmp.file("o")); }).find("8 element(s) of 't'"),
+              std::string::npos);
   });
 }
 

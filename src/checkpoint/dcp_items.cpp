@@ -6,9 +6,11 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/serialize.h>
 
+#include <cstring>
 #include <sstream>
 
 #include "checkpoint/pickle.h"
+#include "checkpoint/torch_archive.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {
@@ -120,48 +122,6 @@ std::string value_payload(const StateValue& v, const std::string& key) {
   return out;
 }
 
-namespace {
-
-// A pickle's memo can make a list contain itself, and nesting costs stack: both end here.
-constexpr int kMaxValueDepth = 64;
-
-StateValue from_node(const NodePtr& n, const std::string& key, int depth = 0) {
-  if (depth > kMaxValueDepth)
-    throw ValueError("checkpoint load: a value in " + key + " is nested deeper than " +
-                     std::to_string(kMaxValueDepth) + " levels (or contains itself)");
-  switch (n->kind) {
-    case Node::Kind::None:
-      return StateValue();
-    case Node::Kind::Bool:
-      return StateValue(n->b);
-    case Node::Kind::Int:
-      return StateValue(n->i);
-    case Node::Kind::Float:
-      return StateValue(n->f);
-    case Node::Kind::Str:
-      return StateValue(n->s);
-    case Node::Kind::Tuple:
-    case Node::Kind::List: {
-      StateList l;
-      for (const auto& x : n->items) l.push_back(from_node(x, key, depth + 1));
-      return StateValue(std::move(l));
-    }
-    case Node::Kind::Dict: {
-      StateDict d;
-      for (const auto& [k, x] : n->entries) {
-        if (!k->is(Node::Kind::Str))
-          throw ValueError("checkpoint load: '" + key + "' holds a dict with a non-str key");
-        d.insert_or_assign(k->s, from_node(x, key, depth + 1));
-      }
-      return StateValue(std::move(d));
-    }
-    default:
-      throw ValueError("checkpoint load: '" + key + "' holds a Python " + to_string(n->kind) +
-                       ", which a StateDict cannot hold");
-  }
-}
-
-}  // namespace
 
 std::string dims_text(const std::vector<int64_t>& v) {
   std::string out = "[";
@@ -169,33 +129,55 @@ std::string dims_text(const std::vector<int64_t>& v) {
   return out + "]";
 }
 
-at::Tensor decode_tensor(const std::vector<char>& raw, const std::string& where) {
-  try {
-    const c10::IValue v = torch::pickle_load(raw);
-    if (!v.isTensor()) throw ValueError("it holds a " + v.tagKind() + ", not a tensor");
-    return v.toTensor();
-  } catch (const std::exception& e) {  // LibTorch's errors and ours alike
-    throw ValueError(where + " is not a readable tensor: " + e.what());
-  }
+namespace {
+
+// The archive an item's bytes hold, and the values of its data.pkl: storages are views of the
+// bytes where they lie (no copy), CRC-checked when asked.
+struct ItemArchive {
+  const char* data;
+  size_t n;
+  archive::ReadFn read;
+  archive::Directory dir;
+  archive::Values values;
+  // `views`: storages are views of the bytes; otherwise copies (values outlive the buffer).
+  ItemArchive(const char* d, size_t size, const std::string& where, bool check_crc, bool views)
+      : data(d),
+        n(size),
+        read([this, where](int64_t off, size_t len, char* dst) {
+          if (off < 0 || static_cast<uint64_t>(off) > n || len > n - static_cast<size_t>(off))
+            throw ValueError(where + ": a read past the end of the item");
+          std::memcpy(dst, data + off, len);
+        }),
+        dir(static_cast<int64_t>(size), read, where),
+        values(
+            [this, where, check_crc, views](const std::string& key, at::ScalarType dtype,
+                                            int64_t numel) {
+              const archive::Record& r = archive::storage_record(dir, key, dtype, numel);
+              const char* p = data + r.offset;
+              if (check_crc && archive::crc32(p, static_cast<size_t>(r.size)) != r.crc32)
+                throw ValueError(where + ": storage " + key + " fails its CRC-32: the file is corrupt");
+              at::Tensor t =
+                  at::from_blob(const_cast<char*>(p), {numel}, at::TensorOptions().dtype(dtype));
+              return views ? t : t.clone();
+            },
+            static_cast<int64_t>(size), where) {}
+};
+
+}  // namespace
+
+at::Tensor decode_tensor(const char* data, size_t n, const std::string& where, bool check_crc) {
+  ItemArchive a(data, n, where, check_crc, /*views=*/true);
+  const pickle::NodePtr root = archive::read_data_pkl(a.dir, a.read, check_crc);
+  if (!root->is(Node::Kind::Object) || root->class_name() != "torch._utils._rebuild_tensor_v2")
+    throw ValueError(where + " is not a readable tensor: it holds a " +
+                     (root->is(Node::Kind::Object) ? root->class_name()
+                                                   : std::string(to_string(root->kind))));
+  return a.values.tensor(*root, "the chunk");
 }
 
-StateValue decode_value(const std::vector<char>& raw, const std::string& where) {
-  std::string pkl;
-  try {
-    std::istringstream in(std::string(raw.begin(), raw.end()));
-    caffe2::serialize::PyTorchStreamReader reader(&in);
-    auto [data, size] = reader.getRecord("data.pkl");
-    pkl.assign(static_cast<const char*>(data.get()), size);
-  } catch (const std::exception& e) {
-    throw ValueError(where + " is not a torch.save archive: " + e.what());
-  }
-  pickle::NodePtr node;
-  try {
-    node = pickle::read(pkl, {});
-  } catch (const pickle::PickleError& e) {
-    throw ValueError(where + ": " + e.what());
-  }
-  return from_node(node, where);
+StateValue decode_value(const char* data, size_t n, const std::string& where, bool check_crc) {
+  ItemArchive a(data, n, where, check_crc, /*views=*/false);
+  return a.values.value(archive::read_data_pkl(a.dir, a.read, check_crc), "the value");
 }
 
 }  // namespace items

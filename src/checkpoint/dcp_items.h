@@ -30,10 +30,12 @@ std::vector<char> tensor_payload(const at::Tensor& t);
 /// for a value DCP stores as bytes but that holds a tensor.
 std::string value_payload(const StateValue& v, const std::string& key);
 
-/// Decodes a tensor payload; ValueError naming `where` if it is not one.
-at::Tensor decode_tensor(const std::vector<char>& raw, const std::string& where);
-/// Decodes a value payload through the restricted reader; ValueError naming `where`.
-StateValue decode_value(const std::vector<char>& raw, const std::string& where);
+/// Decodes a tensor payload (`n` bytes at `data`): a view of the bytes, valid while they are.
+/// ValueError naming `where` if it is not one; with `check_crc`, also if a record fails its
+/// CRC-32 (for items no manifest checksum covers).
+at::Tensor decode_tensor(const char* data, size_t n, const std::string& where, bool check_crc);
+/// Decodes a value payload through the restricted reader (tensors inside it are views, as above).
+StateValue decode_value(const char* data, size_t n, const std::string& where, bool check_crc);
 
 /// "[1, 2, 3]".
 std::string dims_text(const std::vector<int64_t>& v);

@@ -4,8 +4,10 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "checkpoint/dcp_metadata.h"
@@ -30,8 +32,22 @@ class CheckpointReader {
 
   /// Fills `sd` as checkpoint::load does.
   void fill(StateDict& sd) const;
-  /// The bytes of one stored item, checked against the manifest (when verifying and it has one).
-  std::vector<char> read_item(const std::string& key, const dcp::StorageInfo& info) const;
+  /// Where items are read: grown as needed and reused, so reading an item allocates nothing
+  /// and touches no fresh pages once the buffer has reached the largest item.
+  class Buffer {
+   public:
+    char* get(size_t n);
+
+   private:
+    std::unique_ptr<char[]> data_;
+    size_t capacity_ = 0;
+  };
+  /// The bytes of one stored item, read into `buf` and checked against the manifest (when
+  /// verifying and it has one); valid until `buf` is used again.
+  std::string_view read_item(const std::string& key, const dcp::StorageInfo& info,
+                             Buffer& buf) const;
+  /// Whether decoding must check CRC-32s: verifying, with no manifest checksum to rely on.
+  bool check_crc() const { return verify_ && !mf_; }
   /// "'key' in <file> at offset N", for messages.
   std::string where(const std::string& key, const dcp::StorageInfo& info) const;
 

@@ -156,10 +156,6 @@ void write_file(FileIO& io, const std::string& path, const std::string& data, co
   f.finish();
 }
 
-namespace {
-
-// ValueError naming the file unless [offset, offset + length) lies inside it: checked before any
-// buffer for it is allocated.
 void check_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                  const char* what) {
   const int64_t size = io.file_size(path);
@@ -171,6 +167,8 @@ void check_range(FileIO& io, const std::string& path, int64_t offset, int64_t le
                      std::to_string(offset) + " + " + std::to_string(length) + ")");
   }
 }
+
+namespace {
 
 // pread until `length` bytes are in `out`; a short file is a ValueError, a failed read an Error.
 void pread_all(FileIO& io, const std::string& path, int64_t offset, int64_t length, char* out,

@@ -46,6 +46,10 @@ class OutFile {
 
 /// Writes `data` as the whole of `path` and fsyncs it.
 void write_file(FileIO& io, const std::string& path, const std::string& data, const char* what);
+/// ValueError naming the file unless [offset, offset + length) lies inside it: what to check
+/// before allocating a buffer for those bytes.
+void check_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
+                 const char* what);
 /// Reads `length` bytes at `offset`; ValueError naming the file if they are not all there.
 std::string read_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                        const char* what);

@@ -1,8 +1,6 @@
 // Imports of safetensors and `.pt` files (fsdp/checkpoint/export.h). Every size and offset in a
 // file is checked against the file before anything is allocated for it; `.pt` pickles go through
 // the restricted reader, so nothing in them runs.
-#include <caffe2/serialize/inline_container.h>
-
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -13,6 +11,7 @@
 #include "checkpoint/files.h"
 #include "checkpoint/pickle.h"
 #include "checkpoint/tensor_formats.h"
+#include "checkpoint/torch_archive.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/errors.h"
 
@@ -118,159 +117,6 @@ void read_safetensors_file(FileIO& io, const std::string& path, StateDict& out) 
   }
 }
 
-// ---- .pt ----
-
-std::set<std::pair<std::string, std::string>> pt_globals() {
-  std::set<std::pair<std::string, std::string>> g = {
-      {"torch._utils", "_rebuild_tensor_v2"},
-      {"collections", "OrderedDict"},
-  };
-  for (const auto& d : formats::dtype_names()) g.insert({"torch", d.storage});
-  return g;
-}
-
-class PtReader {
- public:
-  PtReader(caffe2::serialize::PyTorchStreamReader& zip, std::string path, int64_t file_size)
-      : zip_(zip), path_(std::move(path)), file_size_(file_size) {}
-
-  StateValue value(const pickle::NodePtr& n, const std::string& where, int depth = 0) {
-    using K = pickle::Node::Kind;
-    if (depth > 64) fail(where + " is nested deeper than 64 levels");
-    switch (n->kind) {
-      case K::None:
-        return StateValue();
-      case K::Bool:
-        return StateValue(n->b);
-      case K::Int:
-        return StateValue(n->i);
-      case K::Float:
-        return StateValue(n->f);
-      case K::Str:
-        return StateValue(n->s);
-      case K::List:
-      case K::Tuple: {
-        StateList l;
-        for (size_t i = 0; i < n->items.size(); ++i)
-          l.push_back(value(n->items[i], where + "[" + std::to_string(i) + "]", depth + 1));
-        return StateValue(std::move(l));
-      }
-      case K::Dict: {
-        StateDict d;
-        for (const auto& [k, v] : n->entries) {
-          if (!k->is(K::Str)) fail(where + " has a key that is not a str");
-          d.insert_or_assign(k->s, value(v, where.empty() ? k->s : where + "." + k->s, depth + 1));
-        }
-        return StateValue(std::move(d));
-      }
-      case K::Object:
-        if (n->class_name() == "torch._utils._rebuild_tensor_v2") return tensor(*n, where);
-        fail(where + " is a " + n->class_name() + ", which fsdp-cpp does not read");
-      default:
-        fail(where + " is a Python " + pickle::to_string(n->kind) +
-             ", which a StateDict cannot hold");
-    }
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw ValueError("load_pt " + path_ + ": " + what);
-  }
-
-  std::vector<int64_t> ints(const pickle::NodePtr& n, const std::string& what) const {
-    if (!n->is(pickle::Node::Kind::Tuple)) fail(what + " is not a tuple");
-    std::vector<int64_t> out;
-    for (const auto& x : n->items) {
-      if (!x->is(pickle::Node::Kind::Int)) fail(what + " holds a non-integer");
-      out.push_back(x->i);
-    }
-    return out;
-  }
-
-  at::Tensor tensor(const pickle::Node& call, const std::string& where) {
-    using K = pickle::Node::Kind;
-    const auto& a = call.items;
-    if (a.size() < 4 || !a[0]->is(K::PersId) || !a[1]->is(K::Int))
-      fail("tensor '" + where + "' has unexpected _rebuild_tensor_v2 arguments");
-    const pickle::NodePtr& pid = a[0]->items[0];
-    if (!pid->is(K::Tuple) || pid->items.size() != 5 || !pid->items[0]->is(K::Str) ||
-        pid->items[0]->s != "storage" || !pid->items[1]->is(K::Global) ||
-        !pid->items[2]->is(K::Str) || !pid->items[4]->is(K::Int))
-      fail("tensor '" + where + "' refers to its storage in an unexpected way");
-    at::ScalarType dtype = at::kFloat;
-    bool known = false;
-    for (const auto& d : formats::dtype_names())
-      if (pid->items[1]->name == d.storage) {
-        dtype = d.dtype;
-        known = true;
-      }
-    if (!known) fail("tensor '" + where + "' has storage class " + pid->items[1]->class_name());
-    const std::string key = pid->items[2]->s;
-    const int64_t numel = pid->items[4]->i;
-    const int64_t item = static_cast<int64_t>(c10::elementSize(dtype));
-    if (numel < 0 || numel > file_size_ / item)
-      fail("tensor '" + where + "' claims a storage of " + std::to_string(numel) +
-           " elements, more than the file holds");
-    at::Tensor storage = storage_of(key, dtype, numel, where);
-    const int64_t offset = a[1]->i;
-    const std::vector<int64_t> size = ints(a[2], "the size of '" + where + "'");
-    const std::vector<int64_t> stride = ints(a[3], "the stride of '" + where + "'");
-    if (size.size() != stride.size())
-      fail("tensor '" + where + "': size and stride differ in length");
-    // The furthest element must lie inside the storage.
-    int64_t last = offset;
-    bool empty = false;
-    for (size_t d = 0; d < size.size(); ++d) {
-      if (size[d] < 0 || stride[d] < 0) fail("tensor '" + where + "': negative size or stride");
-      if (size[d] == 0) empty = true;
-    }
-    if (!empty) {
-      for (size_t d = 0; d < size.size(); ++d) {
-        if (stride[d] != 0 && size[d] - 1 > (INT64_MAX - last) / stride[d])
-          fail("tensor '" + where + "': its extent overflows");
-        last += (size[d] - 1) * stride[d];
-      }
-      if (offset < 0 || last >= numel)
-        fail("tensor '" + where + "' reaches element " + std::to_string(last) +
-             " of a storage of " + std::to_string(numel));
-    }
-    return storage.as_strided(size, stride, offset).clone();
-  }
-
-  at::Tensor storage_of(const std::string& key, at::ScalarType dtype, int64_t numel,
-                        const std::string& where) {
-    auto it = storages_.find(key);
-    if (it != storages_.end()) {
-      if (it->second.scalar_type() != dtype || it->second.numel() != numel)
-        fail("storage " + key + " is used with two dtypes or sizes");
-      return it->second;
-    }
-    const std::string record = "data/" + key;
-    if (key.empty() || key.find('/') != std::string::npos || !zip_.hasRecord(record))
-      fail("tensor '" + where + "' refers to a missing storage record '" + record + "'");
-    at::DataPtr data;
-    size_t n = 0;
-    try {
-      std::tie(data, n) = zip_.getRecord(record);
-    } catch (const std::exception& e) {
-      fail("record " + record + " cannot be read: " + e.what());
-    }
-    const int64_t want = numel * static_cast<int64_t>(c10::elementSize(dtype));
-    if (static_cast<int64_t>(n) != want)
-      fail("record " + record + " has " + std::to_string(n) + " bytes, tensor '" + where +
-           "' needs " + std::to_string(want));
-    at::Tensor t = at::empty({numel}, at::TensorOptions().dtype(dtype));
-    if (n > 0) std::memcpy(t.data_ptr(), data.get(), n);
-    storages_[key] = t;
-    return t;
-  }
-
-  caffe2::serialize::PyTorchStreamReader& zip_;
-  std::string path_;
-  int64_t file_size_;
-  std::map<std::string, at::Tensor> storages_;
-};
-
 }  // namespace
 
 StateDict load_safetensors(const std::string& path_in, FileIO* io_in) {
@@ -314,41 +160,33 @@ StateDict load_safetensors(const std::string& path_in, FileIO* io_in) {
   return out;
 }
 
-StateDict load_pt(const std::string& path) {
-  FileIO& io = default_file_io();
+StateDict load_pt(const std::string& path, FileIO* io_in) {
+  FileIO& io = io_in ? *io_in : default_file_io();
   const int64_t size = io.file_size(path);
   if (size < 0) throw ValueError("load_pt: cannot open " + path + ": " + std::strerror(errno));
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> zip;
-  std::string pkl;
-  try {
-    zip = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
-    if (zip->hasRecord("constants.pkl") || !zip->hasRecord("data.pkl"))
-      throw ValueError(
-          "it is not a torch.save archive of data (a TorchScript archive from "
-          "torch::save or torch.jit.save? read those with torch::load)");
-    auto [data, n] = zip->getRecord("data.pkl");
-    pkl.assign(static_cast<const char*>(data.get()), n);
-  } catch (const ValueError& e) {
-    throw ValueError("load_pt " + path + ": " + e.what());
-  } catch (const std::exception& e) {
-    throw ValueError("load_pt " + path +
-                     ": not a zip archive written by torch.save (files in the legacy, pre-1.6 "
-                     "format must be re-saved by Python): " +
-                     e.what());
-  }
-  pickle::ReadLimits limits;
-  limits.persistent_ids = true;
-  pickle::NodePtr root;
-  try {
-    root = pickle::read(pkl, pt_globals(), limits);
-  } catch (const pickle::PickleError& e) {
-    throw ValueError("load_pt " + path + ": " + e.what());
-  }
+  const std::string where = "load_pt " + path;
+  const archive::ReadFn read = [&](int64_t offset, size_t n, char* dst) {
+    files::read_into(io, path, offset, static_cast<int64_t>(n), dst, "load_pt");
+  };
+  const archive::Directory dir(size, read, where);
+  const pickle::NodePtr root = archive::read_data_pkl(dir, read, /*check_crc=*/true);
   if (!root->is(pickle::Node::Kind::Dict))
-    throw ValueError("load_pt " + path + ": the file holds a " + pickle::to_string(root->kind) +
+    throw ValueError(where + ": the file holds a " + pickle::to_string(root->kind) +
                      ", not a dict");
-  PtReader reader(*zip, path, size);
-  return reader.value(root, "").dict();
+  // Each storage is read straight into its tensor and checked against its CRC-32 (a .pt file
+  // has no other checksum); tensors sharing a storage (tied weights) share it here too.
+  archive::Values values(
+      [&](const std::string& key, at::ScalarType dtype, int64_t numel) {
+        const archive::Record& r = archive::storage_record(dir, key, dtype, numel);
+        at::Tensor t = at::empty({numel}, at::TensorOptions().dtype(dtype));
+        char* p = static_cast<char*>(t.data_ptr());
+        read(r.offset, static_cast<size_t>(r.size), p);
+        if (archive::crc32(p, static_cast<size_t>(r.size)) != r.crc32)
+          throw ValueError(where + ": storage " + key + " fails its CRC-32: the file is corrupt");
+        return t;
+      },
+      size, where);
+  return values.value(root, "").dict();
 }
 
 }  // namespace checkpoint

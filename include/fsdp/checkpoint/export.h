@@ -69,8 +69,10 @@ void save_pt(const StateDict& state_dict, const std::string& out_file,
 /// file, no overlaps) before any tensor is allocated; errors name the file and tensor.
 StateDict load_safetensors(const std::string& path, FileIO* io = nullptr);
 
-/// Reads a `.pt` file holding a dict of tensors (nested dicts, lists and plain values allowed).
-StateDict load_pt(const std::string& path);
+/// Reads a `.pt` file holding a dict of tensors (nested dicts, lists and plain values allowed),
+/// through `io`, each storage straight into its tensor and checked against its CRC-32. Tensors
+/// that share a storage in the file (tied weights, views) share it here too, as with torch.load.
+StateDict load_pt(const std::string& path, FileIO* io = nullptr);
 
 }  // namespace checkpoint
 }  // namespace fsdp

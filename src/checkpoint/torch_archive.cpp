@@ -1,0 +1,322 @@
+// torch.save archives without LibTorch's reader (torch_archive.h). The zip rules used are those
+// of PKWARE's APPNOTE for stored records; every number read from the archive is checked against
+// the archive's size before it is used.
+#include "checkpoint/torch_archive.h"
+
+#include <array>
+#include <climits>
+#include <cstring>
+
+#include "checkpoint/tensor_formats.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace checkpoint {
+namespace archive {
+namespace {
+
+constexpr uint32_t kLocalSig = 0x04034b50, kCentralSig = 0x02014b50, kEndSig = 0x06054b50,
+                   kZip64EndSig = 0x06064b50, kZip64LocatorSig = 0x07064b50;
+constexpr size_t kEndSize = 22, kCentralSize = 46, kLocalSize = 30, kLocatorSize = 20,
+                 kZip64EndSize = 56;
+constexpr int64_t kMaxDirectory = int64_t{64} << 20;  // bytes of central directory we accept
+constexpr int64_t kMaxRecords = 1 << 20;
+
+uint64_t le(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
+  return v;
+}
+
+}  // namespace
+
+uint32_t crc32(const char* data, size_t n, uint32_t crc) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i)
+    crc = table[(crc ^ static_cast<unsigned char>(data[i])) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+Directory::Directory(int64_t size, const ReadFn& read, std::string where)
+    : where_(std::move(where)), size_(size) {
+  auto fail = [&](const std::string& what) -> void {
+    throw ValueError(where_ + ": not a torch.save archive: " + what);
+  };
+  if (size < static_cast<int64_t>(kEndSize)) fail("it is too short to be a zip file");
+  // The end record sits in the last 22 + 65535 bytes (its comment may be up to 64 KiB).
+  const int64_t tail_n = std::min<int64_t>(size, kEndSize + 0xFFFF);
+  std::string tail(static_cast<size_t>(tail_n), '\0');
+  read(size - tail_n, tail.size(), tail.data());
+  int64_t end = -1;
+  for (int64_t i = tail_n - static_cast<int64_t>(kEndSize); i >= 0; --i) {
+    if (le(&tail[i], 4) == kEndSig && i + kEndSize + le(&tail[i + 20], 2) == tail.size()) {
+      end = i;
+      break;
+    }
+  }
+  if (end < 0) fail("no zip end-of-directory record");
+  const char* e = &tail[end];
+  uint64_t count = le(e + 10, 2), dir_size = le(e + 12, 4), dir_offset = le(e + 16, 4);
+  if (le(e + 4, 2) != 0 || le(e + 6, 2) != 0) fail("a multi-disk zip");
+  if (count == 0xFFFF || dir_size == 0xFFFFFFFF || dir_offset == 0xFFFFFFFF) {
+    // ZIP64: a locator just before the end record points at the ZIP64 end record.
+    const int64_t locator = size - tail_n + end - static_cast<int64_t>(kLocatorSize);
+    if (locator < 0) fail("a ZIP64 archive without its locator");
+    char loc[kLocatorSize];
+    read(locator, kLocatorSize, loc);
+    if (le(loc, 4) != kZip64LocatorSig) fail("a ZIP64 archive without its locator");
+    const uint64_t at = le(loc + 8, 8);
+    if (static_cast<uint64_t>(locator) < kZip64EndSize ||
+        at > static_cast<uint64_t>(locator) - kZip64EndSize)
+      fail("its ZIP64 end record lies outside the file");
+    char z[kZip64EndSize];
+    read(static_cast<int64_t>(at), kZip64EndSize, z);
+    if (le(z, 4) != kZip64EndSig) fail("its ZIP64 end record is missing");
+    count = le(z + 32, 8);
+    dir_size = le(z + 40, 8);
+    dir_offset = le(z + 48, 8);
+  }
+  if (count > static_cast<uint64_t>(kMaxRecords)) fail("it claims too many records");
+  if (dir_size > static_cast<uint64_t>(kMaxDirectory) || dir_offset > static_cast<uint64_t>(size) ||
+      dir_size > static_cast<uint64_t>(size) - dir_offset)
+    fail("its directory lies outside the file");
+  std::string dir(static_cast<size_t>(dir_size), '\0');
+  read(static_cast<int64_t>(dir_offset), dir.size(), dir.data());
+
+  std::string folder;
+  size_t pos = 0;
+  for (uint64_t r = 0; r < count; ++r) {
+    if (dir.size() - pos < kCentralSize || le(&dir[pos], 4) != kCentralSig)
+      fail("its directory is truncated or damaged");
+    const char* c = &dir[pos];
+    const uint64_t flags = le(c + 8, 2), method = le(c + 10, 2), crc = le(c + 16, 4);
+    uint64_t csize = le(c + 20, 4), usize = le(c + 24, 4), local = le(c + 42, 4);
+    const size_t name_n = le(c + 28, 2), extra_n = le(c + 30, 2), comment_n = le(c + 32, 2);
+    if (dir.size() - pos - kCentralSize < name_n + extra_n + comment_n)
+      fail("its directory is truncated or damaged");
+    const std::string name(c + kCentralSize, name_n);
+    // ZIP64 sizes and offset, for the fields that overflowed.
+    for (size_t x = 0; x + 4 <= extra_n;) {
+      const char* f = c + kCentralSize + name_n + x;
+      const size_t id = le(f, 2), len = le(f + 2, 2);
+      if (x + 4 + len > extra_n) fail("record '" + name + "' has a damaged extra field");
+      if (id == 0x0001) {
+        size_t k = 4;
+        auto take = [&](uint64_t& v) {
+          if (v != 0xFFFFFFFF) return;
+          if (k + 8 > 4 + len) fail("record '" + name + "' has a short ZIP64 field");
+          v = le(f + k, 8);
+          k += 8;
+        };
+        take(usize);
+        take(csize);
+        take(local);
+      }
+      x += 4 + len;
+    }
+    pos += kCentralSize + name_n + extra_n + comment_n;
+    if (method != 0) fail("record '" + name + "' is compressed; torch.save stores records");
+    if (flags & 1) fail("record '" + name + "' is encrypted");
+    if (csize != usize) fail("record '" + name + "' has two sizes");
+    const size_t slash = name.find('/');
+    if (slash == std::string::npos || slash == 0) fail("record '" + name + "' is in no folder");
+    if (folder.empty()) folder = name.substr(0, slash);
+    if (name.compare(0, slash, folder) != 0 || slash != folder.size())
+      fail("records lie in two folders ('" + folder + "' and '" + name.substr(0, slash) + "')");
+    if (local > static_cast<uint64_t>(size) - kLocalSize)
+      fail("record '" + name + "' starts outside the file");
+    char lh[kLocalSize];
+    read(static_cast<int64_t>(local), kLocalSize, lh);
+    if (le(lh, 4) != kLocalSig) fail("record '" + name + "' has no local header");
+    const uint64_t data = local + kLocalSize + le(lh + 26, 2) + le(lh + 28, 2);
+    if (data > dir_offset || usize > dir_offset - data)
+      fail("record '" + name + "' extends past the file's data");
+    Record rec{static_cast<int64_t>(data), static_cast<int64_t>(usize), static_cast<uint32_t>(crc)};
+    if (!records_.emplace(name.substr(slash + 1), rec).second)
+      fail("record '" + name + "' appears twice");
+  }
+}
+
+const Record* Directory::find(const std::string& name) const {
+  auto it = records_.find(name);
+  return it == records_.end() ? nullptr : &it->second;
+}
+
+const Record& storage_record(const Directory& dir, const std::string& key, at::ScalarType dtype,
+                             int64_t numel) {
+  const Record* r = dir.find("data/" + key);
+  if (!r) throw ValueError(dir.where() + ": the storage record data/" + key + " is missing");
+  const int64_t want = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  if (r->size != want)
+    throw ValueError(dir.where() + ": the storage record data/" + key + " has " +
+                     std::to_string(r->size) + " bytes, its tensor needs " + std::to_string(want));
+  return *r;
+}
+
+const std::set<std::pair<std::string, std::string>>& pickle_globals() {
+  static const std::set<std::pair<std::string, std::string>> g = [] {
+    std::set<std::pair<std::string, std::string>> s = {
+        {"torch._utils", "_rebuild_tensor_v2"},
+        {"collections", "OrderedDict"},
+    };
+    for (const auto& d : formats::dtype_names()) s.insert({"torch", d.storage});
+    return s;
+  }();
+  return g;
+}
+
+pickle::NodePtr read_data_pkl(const Directory& dir, const ReadFn& read, bool check_crc) {
+  if (dir.find("constants.pkl"))
+    throw ValueError(dir.where() +
+                     ": a TorchScript archive (torch::save, torch.jit.save), not a torch.save "
+                     "archive of data; read it with torch::load");
+  if (const Record* order = dir.find("byteorder")) {
+    std::string b(static_cast<size_t>(std::min<int64_t>(order->size, 16)), '\0');
+    read(order->offset, b.size(), b.data());
+    if (b != "little") throw ValueError(dir.where() + ": stored in " + b + "-endian byte order");
+  }
+  const Record* pkl = dir.find("data.pkl");
+  if (!pkl) throw ValueError(dir.where() + ": not a torch.save archive: it has no data.pkl");
+  pickle::ReadLimits limits;
+  limits.persistent_ids = true;
+  if (pkl->size > static_cast<int64_t>(limits.max_bytes))
+    throw ValueError(dir.where() + ": data.pkl is larger than " +
+                     std::to_string(limits.max_bytes) + " bytes");
+  std::string bytes(static_cast<size_t>(pkl->size), '\0');
+  read(pkl->offset, bytes.size(), bytes.data());
+  if (check_crc && crc32(bytes.data(), bytes.size()) != pkl->crc32)
+    throw ValueError(dir.where() + ": data.pkl fails its CRC-32: the file is corrupt");
+  try {
+    return pickle::read(bytes, pickle_globals(), limits);
+  } catch (const pickle::PickleError& e) {
+    throw ValueError(dir.where() + ": " + e.what());
+  }
+}
+
+void Values::fail(const std::string& what) const { throw ValueError(where_ + ": " + what); }
+
+StateValue Values::value(const pickle::NodePtr& n, const std::string& name, int depth) {
+  using K = pickle::Node::Kind;
+  if (depth > 64) fail(name + " is nested deeper than 64 levels");
+  switch (n->kind) {
+    case K::None:
+      return StateValue();
+    case K::Bool:
+      return StateValue(n->b);
+    case K::Int:
+      return StateValue(n->i);
+    case K::Float:
+      return StateValue(n->f);
+    case K::Str:
+      return StateValue(n->s);
+    case K::List:
+    case K::Tuple: {
+      StateList l;
+      for (size_t i = 0; i < n->items.size(); ++i)
+        l.push_back(value(n->items[i], name + "[" + std::to_string(i) + "]", depth + 1));
+      return StateValue(std::move(l));
+    }
+    case K::Dict: {
+      StateDict d;
+      for (const auto& [k, v] : n->entries) {
+        if (!k->is(K::Str)) fail(name + " has a key that is not a str");
+        d.insert_or_assign(k->s, value(v, name.empty() ? k->s : name + "." + k->s, depth + 1));
+      }
+      return StateValue(std::move(d));
+    }
+    case K::Object:
+      if (n->class_name() == "torch._utils._rebuild_tensor_v2") return tensor(*n, name);
+      fail(name + " is a " + n->class_name() + ", which fsdp-cpp does not read");
+    default:
+      fail(name + " is a Python " + pickle::to_string(n->kind) +
+           ", which a StateDict cannot hold");
+  }
+}
+
+std::vector<int64_t> Values::ints(const pickle::NodePtr& n, const std::string& what) const {
+  if (!n->is(pickle::Node::Kind::Tuple)) fail(what + " is not a tuple");
+  std::vector<int64_t> out;
+  for (const auto& x : n->items) {
+    if (!x->is(pickle::Node::Kind::Int)) fail(what + " holds a non-integer");
+    out.push_back(x->i);
+  }
+  return out;
+}
+
+at::Tensor Values::tensor(const pickle::Node& call, const std::string& name) {
+  using K = pickle::Node::Kind;
+  const auto& a = call.items;
+  if (call.class_name() != "torch._utils._rebuild_tensor_v2" || a.size() < 4 ||
+      !a[0]->is(K::PersId) || !a[1]->is(K::Int))
+    fail("tensor '" + name + "' has unexpected _rebuild_tensor_v2 arguments");
+  const pickle::NodePtr& pid = a[0]->items[0];
+  if (!pid->is(K::Tuple) || pid->items.size() != 5 || !pid->items[0]->is(K::Str) ||
+      pid->items[0]->s != "storage" || !pid->items[1]->is(K::Global) ||
+      !pid->items[2]->is(K::Str) || !pid->items[4]->is(K::Int))
+    fail("tensor '" + name + "' refers to its storage in an unexpected way");
+  at::ScalarType dtype = at::kFloat;
+  bool known = false;
+  for (const auto& d : formats::dtype_names())
+    if (pid->items[1]->name == d.storage) {
+      dtype = d.dtype;
+      known = true;
+    }
+  if (!known) fail("tensor '" + name + "' has storage class " + pid->items[1]->class_name());
+  const std::string key = pid->items[2]->s;
+  const int64_t numel = pid->items[4]->i;
+  const auto item = static_cast<int64_t>(c10::elementSize(dtype));
+  if (numel < 0 || numel > archive_size_ / item)
+    fail("tensor '" + name + "' claims a storage of " + std::to_string(numel) +
+         " elements, more than the archive holds");
+  at::Tensor storage = storage_of(key, dtype, numel, name);
+  const int64_t offset = a[1]->i;
+  const std::vector<int64_t> size = ints(a[2], "the size of '" + name + "'");
+  const std::vector<int64_t> stride = ints(a[3], "the stride of '" + name + "'");
+  if (size.size() != stride.size()) fail("tensor '" + name + "': size and stride differ in length");
+  // The furthest element must lie inside the storage.
+  int64_t last = offset;
+  bool empty = false;
+  for (size_t d = 0; d < size.size(); ++d) {
+    if (size[d] < 0 || stride[d] < 0) fail("tensor '" + name + "': negative size or stride");
+    if (size[d] == 0) empty = true;
+  }
+  if (!empty) {
+    for (size_t d = 0; d < size.size(); ++d) {
+      if (stride[d] != 0 && size[d] - 1 > (INT64_MAX - last) / stride[d])
+        fail("tensor '" + name + "': its extent overflows");
+      last += (size[d] - 1) * stride[d];
+    }
+    if (offset < 0 || last >= numel)
+      fail("tensor '" + name + "' reaches element " + std::to_string(last) + " of a storage of " +
+           std::to_string(numel));
+  }
+  return storage.as_strided(size, stride, empty ? 0 : offset);
+}
+
+at::Tensor Values::storage_of(const std::string& key, at::ScalarType dtype, int64_t numel,
+                              const std::string& name) {
+  auto it = storages_.find(key);
+  if (it != storages_.end()) {
+    if (it->second.scalar_type() != dtype || it->second.numel() != numel)
+      fail("storage " + key + " is used with two dtypes or sizes");
+    return it->second;
+  }
+  if (key.empty() || key.find('/') != std::string::npos)
+    fail("tensor '" + name + "' names a storage '" + key + "'");
+  at::Tensor t = storage_(key, dtype, numel);
+  storages_[key] = t;
+  return t;
+}
+
+}  // namespace archive
+}  // namespace checkpoint
+}  // namespace fsdp
