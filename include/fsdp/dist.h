@@ -200,6 +200,9 @@ class ProcessGroup {
 
 /// Creates the default (world) group: rendezvous over a TCPStore (or `opts.store`), then a Gloo or
 /// NCCL backend. Rank 0 hosts the store. Throws DistError if the rendezvous times out.
+/// Creating a Gloo group sets SIGPIPE to be ignored if the program left it at its default (as
+/// Python does at start-up): otherwise a peer dying mid-collective kills this process with
+/// SIGPIPE instead of failing the collective with a DistError.
 ProcessGroup init_process_group(const InitOptions& opts = InitOptions());
 
 /// The group init_process_group created. Throws StateError if there is none.

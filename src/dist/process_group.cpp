@@ -2,6 +2,8 @@
 // The collectives themselves live in collectives.cpp.
 #include "dist/state.h"
 
+#include <signal.h>
+
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -125,11 +127,24 @@ compat::BackendPtr ProcessGroup::backend() const { return checked_state("backend
 
 namespace {
 
+// Gloo writes to its sockets without MSG_NOSIGNAL, so when a peer dies mid-collective the next
+// write raises SIGPIPE, whose default action kills this process before the collective can fail
+// with a DistError naming the peer (seen in tests: a survivor "terminated by signal 13").
+// Python ignores SIGPIPE at start-up, which is why PyTorch users never meet this; a C++ program
+// usually has the default, so we ignore it, unless the program installed a disposition itself.
+void ignore_sigpipe_if_default() {
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL &&
+      !(old.sa_flags & SA_SIGINFO))
+    ::signal(SIGPIPE, SIG_IGN);
+}
+
 compat::BackendPtr make_backend(const std::string& kind, const compat::StorePtr& store, int rank,
                                 int size, std::chrono::milliseconds timeout,
                                 const std::string& gloo_hostname, int gloo_threads) {
   if (kind == "gloo") {
 #ifdef USE_C10D_GLOO
+    ignore_sigpipe_if_default();
     return compat::make_gloo_backend(store, rank, size, timeout, gloo_hostname, gloo_threads);
 #else
     throw ValueError("backend 'gloo' requested but fsdp-cpp was built without USE_C10D_GLOO");
