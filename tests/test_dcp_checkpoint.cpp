@@ -181,6 +181,37 @@ StateDict train_two_steps(FullyShardedDataParallel& model, torch::optim::Optimiz
   return sd;
 }
 
+// Loads checkpoint `dir` into `model` and `opt` through the unified API, as a resuming trainer
+// does: the model's own state dict (any wrapping, world size, layout) is the template.
+template <typename M>
+void load_checkpoint(M& model, torch::optim::Optimizer& opt, const std::string& dir) {
+  auto [msd, osd] = ckpt::get_state_dict(model, opt);
+  StateDict sd;
+  sd.insert_or_assign("model", msd);
+  sd.insert_or_assign("optim", osd);
+  ckpt::load(sd, dir);
+  ckpt::set_state_dict(model, opt, sd.at("model").dict(), sd.at("optim").dict());
+}
+
+// Rank 0 saves the model's and optimizer's full state into `ref` (collective).
+template <typename M>
+void save_reference_state(M& model, torch::optim::Optimizer& opt, const std::string& ref,
+                          int rank) {
+  auto [fm, fo] = ckpt::get_state_dict(model, opt, ckpt::StateDictOptions().full_state_dict(true));
+  if (rank != 0) return;
+  fsdp::testing::save_pieces(fm, 0, ref, "m_");
+  fsdp::testing::save_osd(fo, 0, ref);
+}
+
+// The model's and optimizer's full state equal the reference save_reference_state wrote.
+template <typename M>
+void expect_reference_state(M& model, torch::optim::Optimizer& opt, const std::string& ref,
+                            const std::string& what) {
+  auto [fm, fo] = ckpt::get_state_dict(model, opt, ckpt::StateDictOptions().full_state_dict(true));
+  fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref, "m_"), what);
+  EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref), 0, 0), "") << what;
+}
+
 // The pieces of `value` (a parameter's or its state's) are this rank's flat shard of parameter
 // `i` of `h`, as it lies: the boxes of its range, holding the shard's elements.
 void expect_as_stored(const StateValue& value, const fsdp::FlatParamHandle& h, size_t i,
@@ -233,12 +264,7 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
     }
     EXPECT_GT(checked, 5u);
     ckpt::save(sd, tmp.file("step2"));
-    const auto full = ckpt::StateDictOptions().full_state_dict(true);
-    auto [fm, fo] = ckpt::get_state_dict(model, *opt, full);
-    if (pg.rank() == 0) {
-      fsdp::testing::save_pieces(fm, 0, ref.path(), "m_");
-      fsdp::testing::save_osd(fo, 0, ref.path());
-    }
+    save_reference_state(model, *opt, ref.path(), pg.rank());
   });
   run_ranks(3, [&](ProcessGroup&) {
     TinyLM m(99);
@@ -246,30 +272,15 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
         m, fsdp::testing::lm_options(m, ShardingStrategy::SHARD_GRAD_OP, true));
     auto opt =
         fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
-    auto [msd, osd] = ckpt::get_state_dict(model, *opt);  // the template: this rank's pieces
-    StateDict sd;
-    sd.insert_or_assign("model", msd);
-    sd.insert_or_assign("optim", osd);
-    ckpt::load(sd, tmp.file("step2"));
-    ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
-    const auto full = ckpt::StateDictOptions().full_state_dict(true);
-    auto [fm, fo] = ckpt::get_state_dict(model, *opt, full);
-    fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref.path(), "m_"), "W=3");
-    EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref.path()), 0, 0), "");
+    load_checkpoint(model, *opt, tmp.file("step2"));
+    expect_reference_state(model, *opt, ref.path(), "W=3");
   });
   // And into the model unwrapped, at W=1: a plain module and a plain optimizer.
   run_ranks(1, [&](ProcessGroup&) {
     TinyLM m(98);
     auto opt = fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(m->parameters()));
-    auto [msd, osd] = ckpt::get_state_dict(m, *opt);
-    StateDict sd;
-    sd.insert_or_assign("model", msd);
-    sd.insert_or_assign("optim", osd);
-    ckpt::load(sd, tmp.file("step2"));
-    ckpt::set_state_dict(m, *opt, sd.at("model").dict(), sd.at("optim").dict());
-    auto [fm, fo] = ckpt::get_state_dict(m, *opt, ckpt::StateDictOptions().full_state_dict(true));
-    fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref.path(), "m_"), "unwrapped");
-    EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref.path()), 0, 0), "");
+    load_checkpoint(m, *opt, tmp.file("step2"));
+    expect_reference_state(m, *opt, ref.path(), "unwrapped");
   });
   // Stock PyTorch loads the W=2 checkpoint (chunks from two files) whole, with the same values.
   if (!fsdp::testing::python().empty()) {
@@ -295,12 +306,7 @@ TEST(DcpCheckpoint, HybridShardReplicasWriteEachPieceOnce) {
         fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
     StateDict sd = train_two_steps(model, *opt, pg.rank());
     ckpt::save(sd, tmp.file("hsdp"));
-    auto [fm, fo] =
-        ckpt::get_state_dict(model, *opt, ckpt::StateDictOptions().full_state_dict(true));
-    if (pg.rank() == 0) {
-      fsdp::testing::save_pieces(fm, 0, ref.path(), "m_");
-      fsdp::testing::save_osd(fo, 0, ref.path());
-    }
+    save_reference_state(model, *opt, ref.path(), pg.rank());
   });
   struct stat st {};
   for (int r = 0; r < 4; ++r) {
@@ -313,15 +319,8 @@ TEST(DcpCheckpoint, HybridShardReplicasWriteEachPieceOnce) {
   run_ranks(1, [&](ProcessGroup&) {
     TinyLM m(98);
     auto opt = fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(m->parameters()));
-    auto [msd, osd] = ckpt::get_state_dict(m, *opt);
-    StateDict sd;
-    sd.insert_or_assign("model", msd);
-    sd.insert_or_assign("optim", osd);
-    ckpt::load(sd, tmp.file("hsdp"));
-    ckpt::set_state_dict(m, *opt, sd.at("model").dict(), sd.at("optim").dict());
-    auto [fm, fo] = ckpt::get_state_dict(m, *opt, ckpt::StateDictOptions().full_state_dict(true));
-    fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref.path(), "m_"), "W=1");
-    EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref.path()), 0, 0), "");
+    load_checkpoint(m, *opt, tmp.file("hsdp"));
+    expect_reference_state(m, *opt, ref.path(), "W=1");
   });
 }
 
@@ -414,12 +413,7 @@ TEST(DcpCheckpoint, PythonFsdpLoadsOursAndWeLoadPythonFsdps) {
     for (const auto& p : fsdp::testing::unique_params(model->parameters()))
       if (p.requires_grad()) trainable.push_back(p);
     auto opt = fsdp::testing::make_optimizer("Adam", trainable);
-    auto [msd, osd] = ckpt::get_state_dict(model, *opt);
-    StateDict sd;
-    sd.insert_or_assign("model", msd);
-    sd.insert_or_assign("optim", osd);
-    ckpt::load(sd, theirs);
-    ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
+    load_checkpoint(model, *opt, theirs);
     auto [fm, fo] =
         ckpt::get_state_dict(model, *opt, ckpt::StateDictOptions().full_state_dict(true));
     if (pg.rank() == 0) {
