@@ -191,7 +191,7 @@ TEST(FsdpTrain, KilledRankStopsTheRunAndResumeContinues) {
   EXPECT_NE(out.find("step " + std::to_string(step + 2) + "/"), std::string::npos) << out;
 }
 
-TEST(FsdpTrain, BadFlagsAndDataAreOneLineOnEveryRank) {
+TEST(FsdpTrain, BadFlagsAndDataAreOneLinePerRank) {
   TempDir dir;
   {
     std::ofstream(dir.file("empty.txt"));
@@ -206,13 +206,18 @@ TEST(FsdpTrain, BadFlagsAndDataAreOneLineOnEveryRank) {
       {"--sharding bogus", "--sharding"},
       {"--resume", "need --save-dir"},
       {"--steps -1", "--steps"},
+      {"--metrics /nonexistent/m.jsonl", "cannot write /nonexistent/m.jsonl"},
   };
   for (const auto& [args, message] : cases) {
     const auto r = run_shell("timeout 120 " + std::string(FSDP_RUN_BIN) +
                              " --nproc-per-node 2 " + FSDP_TRAIN_BIN + " " + args);
+    // Every rank that got as far as the check says why (fsdp-run stops the others as soon as
+    // the first exits): one line each, at least one in all.
     EXPECT_EQ(r.rc, 2) << args << "\n" << r.out;
-    EXPECT_EQ(count_lines_with(r.out, "fsdp-train: error: "), 1) << args << "\n" << r.out;
-    EXPECT_EQ(count_lines_with(r.out, message), 1) << args << "\n" << r.out;
+    const int lines = count_lines_with(r.out, "fsdp-train: error: ");
+    EXPECT_GE(lines, 1) << args << "\n" << r.out;
+    EXPECT_LE(lines, 2) << args << "\n" << r.out;
+    EXPECT_EQ(count_lines_with(r.out, message), lines) << args << "\n" << r.out;
   }
 }
 

@@ -18,8 +18,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <iterator>
@@ -65,18 +67,19 @@ struct Flags {
   int timeout_s = 600;
 };
 
-// One line on stderr (from rank 0 only, so a W-rank run prints it once) and a non-zero exit on
-// every rank; used before any collective, where every rank reaches the same verdict alone.
-[[noreturn]] void fail(int rank, const std::string& msg, int code = 2) {
-  if (rank == 0) std::fprintf(stderr, "fsdp-train: error: %s\n", msg.c_str());
+// One line on stderr and a non-zero exit; used before any collective, where every rank reaches
+// the same verdict alone. Every rank prints it: a launcher stops the others as soon as the
+// first rank exits, so only the ranks that got that far can say why.
+[[noreturn]] void fail(const std::string& msg, int code = 2) {
+  std::fprintf(stderr, "fsdp-train: error: %s\n", msg.c_str());
   std::exit(code);
 }
 
-std::string read_corpus(const std::string& path, int rank) {
+std::string read_corpus(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
-  if (!f) fail(rank, "cannot read --data " + path + ": " + std::strerror(errno));
+  if (!f) fail("cannot read --data " + path + ": " + std::strerror(errno));
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (f.bad()) fail(rank, "reading --data " + path + " failed");
+  if (f.bad()) fail("reading --data " + path + " failed");
   return text;
 }
 
@@ -200,23 +203,31 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return rank == 0 ? app.exit(e) : 0;  // --help
-    fail(rank, e.what());
+    fail(e.what());
   }
 
   // Everything a rank can check alone, before any collective: every rank reaches the same
   // verdict, so a bad flag exits everywhere instead of leaving ranks waiting for each other.
   if (f.dim % f.heads != 0)
-    fail(rank, "--heads " + std::to_string(f.heads) + " does not divide --dim " +
+    fail("--heads " + std::to_string(f.heads) + " does not divide --dim " +
                    std::to_string(f.dim));
   if (f.global_batch % world != 0)
-    fail(rank, "--global-batch " + std::to_string(f.global_batch) +
+    fail("--global-batch " + std::to_string(f.global_batch) +
                    " is not divisible by the world size " + std::to_string(world));
   if ((f.save_every > 0 || f.resume || f.async_save) && f.save_dir.empty())
-    fail(rank, "--save-every, --resume and --async-save need --save-dir");
-  const std::string text = read_corpus(f.data, rank);
-  if (text.empty()) fail(rank, "--data " + f.data + " is empty");
+    fail("--save-every, --resume and --async-save need --save-dir");
+  // Files only rank 0 writes: every rank checks their folder, so that none is left waiting.
+  for (const std::string& out : {f.metrics, f.export_file, f.eval_logits}) {
+    if (out.empty()) continue;
+    const size_t slash = out.find_last_of('/');
+    const std::string folder = slash == std::string::npos ? "." : out.substr(0, slash + 1);
+    if (::access(folder.c_str(), W_OK) != 0)
+      fail("cannot write " + out + ": " + folder + ": " + std::strerror(errno));
+  }
+  const std::string text = read_corpus(f.data);
+  if (text.empty()) fail("--data " + f.data + " is empty");
   if (static_cast<int64_t>(text.size()) < f.seq_len + 1)
-    fail(rank, "--seq-len " + std::to_string(f.seq_len) + " needs at least " +
+    fail("--seq-len " + std::to_string(f.seq_len) + " needs at least " +
                    std::to_string(f.seq_len + 1) + " bytes of data; " + f.data + " has " +
                    std::to_string(text.size()));
   const torch::Tensor corpus =
@@ -267,8 +278,8 @@ int main(int argc, char** argv) {
         ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
         const fsdp::StateDict& t = sd.at("trainer").dict();
         step = t.at("step").to_int();
-        if (t.at("seed").to_int() != static_cast<int64_t>(f.seed) ||
-            t.at("seq_len").to_int() != f.seq_len)
+        if (rank == 0 && (t.at("seed").to_int() != static_cast<int64_t>(f.seed) ||
+                          t.at("seq_len").to_int() != f.seq_len))
           std::fprintf(stderr,
                        "fsdp-train: warning: %s was trained with --seed %lld --seq-len %lld; "
                        "continuing with the batches of --seed %llu --seq-len %lld\n",
