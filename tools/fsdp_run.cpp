@@ -97,8 +97,9 @@ int exit_code_of(int status) {
 
 // One output stream of one rank: bytes read so far that do not end a line yet.
 struct Stream {
-  int fd = -1;   // read end; -1 once closed
-  int out = 1;   // where its lines go
+  int fd = -1;         // read end; -1 once closed
+  int out = 1;         // where its lines go
+  std::string prefix;  // "[rN] ", or "" with --no-prefix
   std::string pending;
 };
 
@@ -110,7 +111,8 @@ struct Rank {
   Stream streams[2];
 };
 
-void flush_lines(Stream& s, const std::string& prefix, bool all) {
+void flush_lines(Stream& s, bool all) {
+  const std::string& prefix = s.prefix;
   size_t start = 0;
   std::string out;
   for (size_t nl; (nl = s.pending.find('\n', start)) != std::string::npos; start = nl + 1)
@@ -269,6 +271,7 @@ int main(int argc, char** argv) {
       ::close(fds[s][1]);
       r.streams[s].fd = fds[s][0];
       r.streams[s].out = s == 0 ? 1 : 2;
+      r.streams[s].prefix = no_prefix ? "" : "[r" + std::to_string(r.rank) + "] ";
     }
   }
 
@@ -276,10 +279,12 @@ int main(int argc, char** argv) {
   int forwarded = 0;      // a signal fsdp-run was sent and passed on
   bool stopping = false;
   Clock::time_point kill_at{};
-  auto stop_others = [&] {
+  // Sends `sig` to every rank still running; the first time, starts the grace period after
+  // which the ones still running get SIGKILL.
+  auto stop_all = [&](int sig) {
+    signal_all(ranks, sig);
     if (stopping) return;
     stopping = true;
-    signal_all(ranks, SIGTERM);
     kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace * 1000));
   };
 
@@ -300,7 +305,7 @@ int main(int argc, char** argv) {
           first_failed = static_cast<int>(i);
           std::fprintf(stderr, "fsdp-run: rank %d (local rank %d, pid %d) %s; stopping the others\n",
                        r.rank, r.local_rank, static_cast<int>(pid), describe(status).c_str());
-          stop_others();
+          stop_all(SIGTERM);
         }
       }
     }
@@ -345,11 +350,7 @@ int main(int argc, char** argv) {
       while (::read(g_signal_pipe[0], &sig, 1) == 1) {
         if (sig == SIGCHLD) continue;  // reaped at the top of the loop
         forwarded = sig;
-        signal_all(ranks, sig);
-        if (!stopping) {
-          stopping = true;  // a rank that ignores it is killed after the grace period
-          kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace * 1000));
-        }
+        stop_all(sig);  // a rank that ignores it is killed after the grace period
       }
     }
     for (size_t k = 1; k < fds.size(); ++k) {
@@ -357,18 +358,14 @@ int main(int argc, char** argv) {
       Stream& s = *of[k - 1];
       const ssize_t got = ::read(s.fd, buf, sizeof buf);
       if (got < 0 && errno == EINTR) continue;
-      const Rank* owner = nullptr;
-      for (const Rank& r : ranks)
-        if (&r.streams[0] == &s || &r.streams[1] == &s) owner = &r;
-      const std::string prefix = no_prefix ? "" : "[r" + std::to_string(owner->rank) + "] ";
       if (got <= 0) {
-        flush_lines(s, prefix, true);
+        flush_lines(s, true);
         ::close(s.fd);
         s.fd = -1;
         continue;
       }
       s.pending.append(buf, static_cast<size_t>(got));
-      flush_lines(s, prefix, false);
+      flush_lines(s, false);
     }
   }
 

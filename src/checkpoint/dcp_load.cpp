@@ -132,7 +132,7 @@ std::string_view CheckpointReader::read_item(const std::string& key, const dcp::
   const std::string path = files::join(dir_, info.relative_path);
   files::check_range(io_, path, info.offset, info.length, what_);  // before allocating
   char* data = buf.get(static_cast<size_t>(info.length));
-  files::read_into(io_, path, info.offset, info.length, data, what_);
+  files::pread_all(io_, path, info.offset, info.length, data, what_);
   const std::string_view raw(data, static_cast<size_t>(info.length));
   if (verify_ && mf_) {
     const manifest::Item* m = mf_->find(info.relative_path, info.offset);

@@ -96,10 +96,9 @@ std::string chunk_id(const std::string& key, const std::vector<int64_t>& offsets
 }
 
 // The boxes this rank holds, length-prefixed ("<n>:<id>" each; keys may hold any byte).
-std::string held_chunks(const StateDict& state_dict) {
-  StateDict sd = state_dict;
+std::string held_chunks(const std::vector<items::FlatItem>& flat) {
   std::string out;
-  for (const items::FlatItem& it : items::flatten(sd)) {
+  for (const items::FlatItem& it : flat) {
     if (!it.value->is_sharded_tensor()) continue;
     for (const auto& s : it.value->sharded_tensor().local_shards()) {
       const std::string id = chunk_id(it.key, s.metadata.offsets);
@@ -124,11 +123,10 @@ void parse_held(const std::string& msg, size_t pos, std::set<std::string>* into,
   }
 }
 
-// Writes this rank's items into `path`, except the boxes in `skip` (a lower rank writes those);
-// returns what it wrote.
-RankPart write_items(const StateDict& state_dict, FileIO& io, const std::string& dir,
+// Writes this rank's items (`flat`, DCP's flattening of its state dict) into `path`, except the
+// boxes in `skip` (a lower rank writes those); returns what it wrote.
+RankPart write_items(const std::vector<items::FlatItem>& flat, FileIO& io, const std::string& dir,
                      const std::string& file, int rank, const std::set<std::string>& skip) {
-  StateDict sd = state_dict;  // containers only; tensors are shared
   RankPart part;
   part.file = file;
   files::OutFile out(io, files::join(dir, file), kWhat);
@@ -139,7 +137,7 @@ RankPart write_items(const StateDict& state_dict, FileIO& io, const std::string&
                                         dcp::StorageInfo{file, at, static_cast<int64_t>(n)});
     part.hashes.push_back(files::xxh3_hex(data, n));
   };
-  for (const items::FlatItem& it : items::flatten(sd)) {
+  for (const items::FlatItem& it : flat) {
     const StateValue& v = *it.value;
     if (rank == 0) part.meta.planner_data.emplace_back(it.key, it.path);
     if (v.is_tensor() || v.is_sharded_tensor()) {
@@ -279,9 +277,15 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
       error = e.what();
     }
   }
+  // DCP's flattening, once: the box lists and the writing both walk it.
+  StateDict sd = state_dict;  // containers only; tensors are shared
+  std::vector<items::FlatItem> flat;
   std::string held;
   try {
-    if (error.empty()) held = "O" + held_chunks(state_dict);
+    if (error.empty()) {
+      flat = items::flatten(sd);
+      held = "O" + held_chunks(flat);
+    }
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -316,7 +320,7 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
   // 2. write, then exchange reports
   std::string msg;
   try {
-    msg = encode(write_items(state_dict, io, partial,
+    msg = encode(write_items(flat, io, partial,
                              "__" + std::to_string(rank) + "_0.distcp", rank, skip));
   } catch (const std::exception& e) {
     msg = std::string("E") + e.what();

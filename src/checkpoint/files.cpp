@@ -168,9 +168,6 @@ void check_range(FileIO& io, const std::string& path, int64_t offset, int64_t le
   }
 }
 
-namespace {
-
-// pread until `length` bytes are in `out`; a short file is a ValueError, a failed read an Error.
 void pread_all(FileIO& io, const std::string& path, int64_t offset, int64_t length, char* out,
                const char* what) {
   const int fd = io.open(path, O_RDONLY, 0);
@@ -193,6 +190,8 @@ void pread_all(FileIO& io, const std::string& path, int64_t offset, int64_t leng
                      std::to_string(offset + done) + ", before the " + std::to_string(length) +
                      " bytes at " + std::to_string(offset));
 }
+
+namespace {
 
 template <typename Buffer>
 Buffer read_as(FileIO& io, const std::string& path, int64_t offset, int64_t length,

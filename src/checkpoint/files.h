@@ -50,6 +50,10 @@ void write_file(FileIO& io, const std::string& path, const std::string& data, co
 /// before allocating a buffer for those bytes.
 void check_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                  const char* what);
+/// Reads exactly `length` bytes at `offset` into `out`, for a range check_range has passed (the
+/// read_* functions below do both); a short file is a ValueError, a failed read an Error.
+void pread_all(FileIO& io, const std::string& path, int64_t offset, int64_t length, char* out,
+               const char* what);
 /// Reads `length` bytes at `offset`; ValueError naming the file if they are not all there.
 std::string read_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                        const char* what);
