@@ -152,6 +152,46 @@ TEST_P(FlatParamRoundTrip, ReducedGradientIsTheAverageNarrowedToTheShard) {
   });
 }
 
+// The flat gradient is written without zero-filling it first (take_orig_grads): gaps, padding and
+// parameters without a gradient must still reduce to exactly zero, and every parameter's gradient
+// is released. The buffer is allocated right after a NaN-filled one of the same size is freed, so
+// that stale memory would show (a negative control: zero-filling nothing makes this fail).
+TEST(FlatParamHandle, ParametersWithoutAGradientGapsAndPaddingReduceToZero) {
+  for (bool orig : {false, true}) {
+    run_ranks(3, [orig](ProcessGroup& pg) {
+      Net net(3);
+      FlatParamHandle h(fsdp::collect_params(net.ptr()), pg,
+                        FlatParamHandleOptions().use_orig_params(orig));
+      const auto& l = h.layout();
+      const size_t skipped = 1;  // this parameter gets no gradient on any rank
+      at::Tensor sum = at::zeros({l.padded_unsharded_numel});
+      for (int r = 0; r < pg.size(); ++r)
+        for (size_t i = 0; i < l.fqns.size(); ++i)
+          if (i != skipped)
+            sum.narrow(0, l.param_offset(i), l.numels[i])
+                .add_(grad_for(r, i, l.shapes[i]).reshape({-1}));
+      const at::Tensor expect =
+          (sum / pg.size()).narrow(0, pg.rank() * l.sharded_numel, l.sharded_numel);
+      h.unshard();
+      auto params = h.orig_params();
+      for (size_t i = 0; i < params.size(); ++i)
+        if (i != skipped) params[i].mutable_grad() = grad_for(pg.rank(), i, l.shapes[i]);
+      {
+        at::Tensor stale = at::full({l.padded_unsharded_numel}, NAN);
+      }
+      h.reduce_grad();
+      const at::Tensor g = h.sharded_grad();
+      ASSERT_TRUE(g.defined());
+      EXPECT_FALSE(at::isnan(g).any().item<bool>()) << "stale memory reached the gradient";
+      EXPECT_TRUE(at::allclose(g, expect, 1e-5, 1e-6))
+          << "max diff " << (g - expect).abs().max().item<float>();
+      if (!orig)
+        for (size_t i = 0; i < params.size(); ++i) EXPECT_FALSE(params[i].grad().defined()) << i;
+      h.reshard();
+    });
+  }
+}
+
 std::vector<Config> round_trip_configs() {
   std::vector<Config> out;
   for (int w : {1, 2, 3, 4}) {

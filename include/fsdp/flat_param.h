@@ -280,8 +280,9 @@ class FlatParamHandle {
   /// correctly. The runtime calls it before each unit's forward.
   void reset_flat_param_grad_info_if_needed();
   /// The flattened, padded unsharded gradient built from the original parameters' gradients, in
-  /// reduce_dtype (what reduce_grad() communicates).
-  at::Tensor flatten_orig_grads() const;
+  /// reduce_dtype (what reduce_grad() communicates); each parameter's gradient is released once
+  /// copied.
+  at::Tensor take_orig_grads();
 
   // ---------------------------------------------------------------------------------------
   // Write-back (use_orig_params)

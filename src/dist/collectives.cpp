@@ -252,8 +252,17 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       return launch(op, std::move(w), [recv, out_flat, op_kind, world, n, finish_avg]() {
         // Rank order, one row at a time: every rank reduces its chunk in the same order, so the
         // result is deterministic and equals a sequential sum over ranks 0..W-1.
-        out_flat.copy_(recv.narrow(0, 0, n));
-        for (int r = 1; r < world; ++r) combine(out_flat, recv.narrow(0, r * n, n), op_kind);
+        // The first two rows are combined straight into the output (one pass, not a copy and
+        // then an add); the same sums in the same order.
+        int r = 1;
+        if (op_kind == ReduceOp::SUM || op_kind == ReduceOp::AVG) {
+          at::Tensor out = out_flat;
+          at::add_out(out, recv.narrow(0, 0, n), recv.narrow(0, n, n));
+          r = 2;
+        } else {
+          out_flat.copy_(recv.narrow(0, 0, n));
+        }
+        for (; r < world; ++r) combine(out_flat, recv.narrow(0, r * n, n), op_kind);
         finish_avg();
       });
     }

@@ -128,16 +128,42 @@ void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
   }
 }
 
-at::Tensor FlatParamHandle::flatten_orig_grads() const {
-  at::Tensor flat = at::zeros({layout_.padded_unsharded_numel},
-                              at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
-  at::NoGradGuard no_grad;
+// Moves the original parameters' gradients into one padded flat gradient in the reduce dtype.
+// Each is released as soon as it is copied, so that the flat gradient and autograd's per-parameter
+// gradients do not all coexist: at the peak of a unit's backward that would double its gradient
+// memory. Shapes are checked first, so that an error leaves every gradient in place.
+at::Tensor FlatParamHandle::take_orig_grads() {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor g = params_[i].grad();
-    if (!g.defined()) continue;
-    check_grad_shape(i, g);
-    flat.narrow(0, layout_.param_offset(i), layout_.numels[i]).copy_(g.reshape({-1}));
+    if (g.defined()) check_grad_shape(i, g);
   }
+  at::NoGradGuard no_grad;
+  at::Tensor flat = at::empty({layout_.padded_unsharded_numel},
+                              at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
+  // One walk over the layout's entries writes every element once: a gradient where there is one,
+  // zero in alignment padding, the trailing padding and the ranges of parameters without a
+  // gradient. (Zero-filling the whole buffer first would cost one more pass over the unit on
+  // every backward.)
+  int64_t offset = 0;
+  size_t i = 0;
+  for (size_t k = 0; k < layout_.numels_with_padding.size(); ++k) {
+    const int64_t numel = layout_.numels_with_padding[k];
+    at::Tensor dst = flat.narrow(0, offset, numel);
+    offset += numel;
+    if (layout_.is_padding_mask[k]) {
+      dst.zero_();
+      continue;
+    }
+    const at::Tensor g = params_[i].grad();
+    if (g.defined()) {
+      dst.copy_(g.reshape({-1}));
+      params_[i].mutable_grad().reset();
+    } else {
+      dst.zero_();
+    }
+    ++i;
+  }
+  if (offset < flat.numel()) flat.narrow(0, offset, flat.numel() - offset).zero_();
   return flat;
 }
 
@@ -146,7 +172,7 @@ void FlatParamHandle::reduce_grad() {
     throw StateError("reduce_grad: no parameter of this handle requires grad (first: '" +
                      layout_.fqns[0] + "')");
   }
-  reduce_owned_grad(flatten_orig_grads());  // freshly built: no copy needed
+  reduce_owned_grad(take_orig_grads());  // freshly built: no copy needed
 }
 
 void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
@@ -163,7 +189,13 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
 
 void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
   at::NoGradGuard no_grad;
-  if (predivide_ > 1) g.div_(predivide_);
+  // PyTorch divides by the predivide factor (a power of two) before the reduction and by the
+  // rest after, to keep float16 sums in range. Scaling by a power of two commutes exactly with
+  // every rounded sum in a binary format (short of overflow and subnormals), so for the wider
+  // types the predivide moves after the reduction, onto W times fewer elements for a
+  // reduce-scatter, with bit-identical results. float16 keeps PyTorch's order.
+  const bool predivide_late = g.scalar_type() != at::kHalf;
+  if (predivide_ > 1 && !predivide_late) g.div_(predivide_);
   at::Tensor out;
   if (uses_sharded_strategy()) {
     out = at::empty({layout_.sharded_numel}, g.options());
@@ -175,6 +207,7 @@ void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
   if (options_.replicate_group().is_member()) {
     options_.replicate_group().all_reduce(out, dist::ReduceOp::SUM);
   }
+  if (predivide_ > 1 && predivide_late) out.div_(predivide_);
   if (postdivide_ > 1) out.div_(postdivide_);
   const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
   out = out.to(target);
