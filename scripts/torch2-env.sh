@@ -31,7 +31,7 @@ SRC=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${FSDP_CHROOT_CACHE:-/var/cache/fsdp-cpp}
 ROOT="$CACHE/$RELEASE"
 MARKER="$ROOT/.fsdp-cpp-ready"
-PACKAGES=(cmake g++ make ccache libtorch-dev libgloo-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev libxxhash-dev libcli11-dev
+PACKAGES=(cmake g++ make ccache libtorch-dev libgloo-dev libgtest-dev libbenchmark-dev nlohmann-json3-dev libxxhash-dev libcli11-dev libisal-dev
           python3-torch python3-safetensors python3-numpy)
 WANT="release=$RELEASE packages=${PACKAGES[*]}"
 

@@ -19,6 +19,7 @@
 #include "checkpoint/manifest.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/export.h"
 #include "fsdp/errors.h"
 #include "memory_watch.h"
 #include "multi_rank.h"
@@ -533,6 +534,30 @@ TEST(CheckpointSafety, InjectedFaultsFailEveryRankAndCommitNothing) {
   }
 }
 
+// Exports write through LibTorch's zip writer, which calls back into our file code from C: a
+// write error there must come back as the export's error (not terminate the process), and leave
+// no file behind.
+TEST(CheckpointSafety, ExportWriteErrorsAreReportedAndLeaveNoFile) {
+  TempDir tmp;
+  const std::string dir = tmp.file("c");
+  run_ranks(2, [&](ProcessGroup& pg) { ckpt::save(sharded_sample(pg.rank(), 2, 1.0), dir); });
+  for (const char* op : {"write", "write0"}) {
+    SCOPED_TRACE(op);
+    for (int nth : {1, 3}) {
+      FaultIO io;
+      io.op = op;
+      io.nth = nth;
+      io.err = ENOSPC;
+      io.path_part = "model.pt";
+      const std::string out = tmp.file("model.pt");
+      const std::string err =
+          error_of([&] { ckpt::export_pt(dir, out, ckpt::ExportOptions().io(&io)); });
+      EXPECT_TRUE(contains(err, "No space left on device")) << err;
+      EXPECT_NE(::access(out.c_str(), F_OK), 0) << "a partial export was left at " << out;
+    }
+  }
+}
+
 // A rank killed with SIGKILL in the middle of writing its data, or rank 0 killed just before the
 // commit rename: the surviving rank fails with an error (no hang), the previous checkpoint stays
 // `latest` and loads, and the next save clears the leftover.
@@ -587,6 +612,14 @@ TEST(CheckpointSafety, SaveKilledPartWayLeavesThePreviousCheckpoint) {
 
 // ---- step directories ----
 
+// The names in a directory, sorted (hidden ones included).
+std::vector<std::string> dir_names(const std::string& dir) {
+  std::vector<std::string> names;
+  ckpt::default_file_io().list_dir(dir, names);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 TEST(CheckpointSafety, StepsLatestAndKeepLast) {
   TempDir tmp;
   const std::string root = tmp.file("run");
@@ -596,10 +629,23 @@ TEST(CheckpointSafety, StepsLatestAndKeepLast) {
                       ckpt::SaveOptions().keep_last(2));
     // Saving a step again replaces it in one swap.
     ckpt::save_step(sharded_sample(pg.rank(), 2, 41.0), root, 40, ckpt::SaveOptions().keep_last(2));
+    // Replaced and dropped steps are renamed out of sight at once and unlinked in the
+    // background; a process's exit waits for that (these ranks leave by _exit, so wait here).
+    fsdp::checkpoint::files::wait_for_background_removal();
   });
+  EXPECT_EQ(dir_names(root), (std::vector<std::string>{"latest", "step_30", "step_40"}));
+  // Leftovers of a process that died while removing are cleared by the next save.
+  ::mkdir((root + "/.step_20.partial.old").c_str(), 0755);
+  write_bytes(root + "/.step_20.partial.old/__0_0.distcp", "junk");
+  ::mkdir((root + "/.step_40.partial.old").c_str(), 0755);
+  run_ranks(2, [&](ProcessGroup& pg) {
+    ckpt::save_step(sharded_sample(pg.rank(), 2, 40.0), root, 40, ckpt::SaveOptions().keep_last(2));
+    fsdp::checkpoint::files::wait_for_background_removal();
+  });
+  EXPECT_EQ(dir_names(root), (std::vector<std::string>{"latest", "step_30", "step_40"}));
   EXPECT_EQ(ckpt::list_steps(root), (std::vector<int64_t>{30, 40}));
   EXPECT_EQ(ckpt::latest_checkpoint(root), ckpt::step_dir(root, 40));
-  EXPECT_DOUBLE_EQ(saved_scale(ckpt::step_dir(root, 40)), 41.0);
+  EXPECT_DOUBLE_EQ(saved_scale(ckpt::step_dir(root, 40)), 40.0);
   EXPECT_DOUBLE_EQ(saved_scale(ckpt::step_dir(root, 30)), 30.0);
   EXPECT_EQ(read_bytes(root + "/latest"), "step_40\n");
   // A `latest` naming nothing committed falls back to the newest step; an empty root has none.

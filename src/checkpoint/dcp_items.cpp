@@ -6,10 +6,12 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
 #include "checkpoint/pickle.h"
+#include "checkpoint/tensor_formats.h"
 #include "checkpoint/torch_archive.h"
 #include "fsdp/errors.h"
 
@@ -66,14 +68,30 @@ std::vector<FlatItem> flatten(StateDict& sd) {
 
 // ---- item payloads ----
 
-std::vector<char> tensor_payload(const at::Tensor& t) {
-  at::Tensor c = t.detach().to(at::kCPU).contiguous();
-  // A view would drag its whole storage into the archive (DCP clones such tensors too).
-  if (c.storage_offset() != 0 ||
-      c.storage().nbytes() != static_cast<size_t>(c.numel()) * c.element_size()) {
-    c = c.clone();
+void write_tensor_item(const at::Tensor& t, const ByteSink& sink) {
+  const at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  const bool known = std::any_of(formats::dtype_names().begin(), formats::dtype_names().end(),
+                                 [&](const formats::DtypeName& n) { return n.dtype == c.scalar_type(); });
+  if (!known) {
+    // A view would drag its whole storage into the archive (DCP clones such tensors too).
+    at::Tensor own = c;
+    if (c.storage_offset() != 0 ||
+        c.storage().nbytes() != static_cast<size_t>(c.numel()) * c.element_size())
+      own = c.clone();
+    const std::vector<char> bytes = torch::pickle_save(own);
+    sink(bytes.data(), bytes.size());
+    return;
   }
-  return torch::pickle_save(c);
+  const std::string pkl =
+      pickle::write(archive::tensor_node(c.scalar_type(), "0", c.sizes(), c.strides(), c.numel(),
+                                         "tensor item"));
+  if (archive::write_small_tensor_archive(c, pkl, sink)) return;
+  // The records torch.save writes, in its order, through LibTorch's writer (ZIP64).
+  archive::ArchiveWriter zip(sink);
+  zip.record("data.pkl", pkl.data(), pkl.size());
+  zip.record("byteorder", "little", 6);
+  zip.record("data/0", c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
+  zip.finish();
 }
 
 namespace {

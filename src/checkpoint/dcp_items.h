@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+
 #include <string>
 #include <vector>
 
@@ -24,8 +26,14 @@ struct FlatItem {
 /// DCP's traversal (2.4+): dicts always; lists where they hold a dict, a tensor or such a list.
 std::vector<FlatItem> flatten(StateDict& sd);
 
-/// A torch.save archive of one tensor (a contiguous CPU copy holding only its own elements).
-std::vector<char> tensor_payload(const at::Tensor& t);
+/// Receives an item's bytes in order.
+using ByteSink = std::function<void(const char* data, size_t n)>;
+
+/// Writes a torch.save archive of one tensor into `sink`, holding only the tensor's own elements
+/// (a view's storage is not dragged in). The data goes from the tensor's memory straight to the
+/// sink (only a non-contiguous or non-CPU tensor is copied first); the few dtypes without a
+/// storage class in our table fall back to LibTorch's pickle_save.
+void write_tensor_item(const at::Tensor& t, const ByteSink& sink);
 /// A torch.save archive of one non-tensor value (our protocol-2 pickle); ValueError naming `key`
 /// for a value DCP stores as bytes but that holds a tensor.
 std::string value_payload(const StateValue& v, const std::string& key);

@@ -131,11 +131,17 @@ RankPart write_items(const std::vector<items::FlatItem>& flat, FileIO& io, const
   part.file = file;
   files::OutFile out(io, files::join(dir, file), kWhat);
   std::map<std::string, size_t> index;
-  auto store = [&](dcp::Index idx, const char* data, size_t n) {
-    const int64_t at = out.append(data, n);
+  // Each item is streamed into the file and hashed on the way, with no copy of its bytes.
+  auto store = [&](dcp::Index idx, const std::function<void(const items::ByteSink&)>& produce) {
+    const int64_t at = out.size();
+    files::Xxh3Stream hash;
+    produce([&](const char* data, size_t n) {
+      out.append(data, n);
+      hash.update(data, n);
+    });
     part.meta.storage_data.emplace_back(std::move(idx),
-                                        dcp::StorageInfo{file, at, static_cast<int64_t>(n)});
-    part.hashes.push_back(files::xxh3_hex(data, n));
+                                        dcp::StorageInfo{file, at, out.size() - at});
+    part.hashes.push_back(hash.hex());
   };
   for (const items::FlatItem& it : flat) {
     const StateValue& v = *it.value;
@@ -159,8 +165,8 @@ RankPart write_items(const std::vector<items::FlatItem>& flat, FileIO& io, const
       }
       for (const auto& [c, t] : chunks) {
         item.tensor.chunks.push_back(c);
-        const std::vector<char> payload = items::tensor_payload(t);
-        store(dcp::Index{it.key, c.offsets, 0}, payload.data(), payload.size());
+        store(dcp::Index{it.key, c.offsets, 0},
+              [&t = t](const items::ByteSink& sink) { items::write_tensor_item(t, sink); });
       }
       merge_item(part.meta, index, it.key, item);
     } else if (rank == 0) {
@@ -168,7 +174,8 @@ RankPart write_items(const std::vector<items::FlatItem>& flat, FileIO& io, const
       item.bytes = true;
       merge_item(part.meta, index, it.key, item);
       const std::string payload = items::value_payload(v, it.key);
-      store(dcp::Index{it.key, std::nullopt, std::nullopt}, payload.data(), payload.size());
+      store(dcp::Index{it.key, std::nullopt, std::nullopt},
+            [&payload](const items::ByteSink& sink) { sink(payload.data(), payload.size()); });
     }
   }
   out.finish();
@@ -226,16 +233,20 @@ void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& p
                   " failed: " + std::strerror(errno));
     // No atomic swap here: move the old one aside first (a crash in between leaves it there).
     const std::string old = partial + ".old";
-    files::remove_tree(io, old, kWhat);
     if (io.rename(dir, old) != 0 || io.rename(partial, dir) != 0)
       throw Error(std::string(kWhat) + ": replacing the checkpoint at " + dir +
                   " failed: " + std::strerror(errno));
     files::remove_tree(io, old, kWhat);
   }
   files::sync_dir(io, files::parent_of(dir), kWhat);
-  // After the exchange `partial` holds the replaced checkpoint; it is garbage now.
+  // After the exchange `partial` holds the replaced checkpoint; it is garbage now. It is moved
+  // aside and unlinked in the background (tens of milliseconds for a large checkpoint); the next
+  // save waits for that and removes a leftover of a process that died first.
   try {
-    files::remove_tree(io, partial, kWhat);
+    if (existing != 0 && io.rename(partial, partial + ".old") == 0)
+      files::remove_tree_in_background(io, {partial + ".old"}, kWhat);
+    else
+      files::remove_tree(io, partial, kWhat);
   } catch (const std::exception& e) {
     TORCH_WARN("fsdp checkpoint: committed ", dir,
                " but could not remove the old copy: ", e.what());
@@ -267,9 +278,12 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
   std::string error;
   if (rank == 0) {
     try {
+      // An earlier save's removal may still be running over the names cleaned up here.
+      files::wait_for_background_removal();
       if (before_prepare) before_prepare();
       files::make_dirs(io, files::parent_of(dir), kWhat);
       files::remove_tree(io, partial, kWhat);
+      files::remove_tree(io, partial + ".old", kWhat);
       if (io.mkdir(partial, 0755) != 0)
         throw Error(std::string(kWhat) + ": creating " + partial +
                     " failed: " + std::strerror(errno));
@@ -410,11 +424,16 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
     if (io.is_dir(root) != 1 || io.list_dir(root, names) != 0) return;
     for (const auto& n : names) {
       int64_t s = 0;
-      const std::string suffix = ".partial";
-      if (n.size() > 1 + suffix.size() && n[0] == '.' &&
-          n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-          parse_step(n.substr(1, n.size() - 1 - suffix.size()), s))
-        files::remove_tree(io, files::join(root, n), kWhat);
+      // ".step_N.partial": a save that died; ".step_N.partial.old": a replaced or dropped step
+      // whose removal did not finish.
+      for (const std::string suffix : {".partial", ".partial.old"}) {
+        if (n.size() > 1 + suffix.size() && n[0] == '.' &&
+            n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+            parse_step(n.substr(1, n.size() - 1 - suffix.size()), s)) {
+          files::remove_tree(io, files::join(root, n), kWhat);
+          break;
+        }
+      }
     }
   };
   auto point_latest = [&] {
@@ -426,15 +445,22 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
     if (options.keep_last() <= 0) return;
     std::vector<int64_t> steps = list_steps(root, &io);
     const auto keep = static_cast<size_t>(options.keep_last());
+    // Dropped steps are renamed out of sight at once and unlinked in the background.
+    std::vector<std::string> dropped;
     for (size_t i = 0; i + keep < steps.size(); ++i) {
       if (steps[i] == step) continue;
-      try {
-        files::remove_tree(io, step_dir(root, steps[i]), kWhat);
-      } catch (const std::exception& e) {
-        TORCH_WARN("fsdp checkpoint: keep_last could not remove ", step_dir(root, steps[i]), ": ",
-                   e.what());
+      const std::string old = step_dir(root, steps[i]);
+      const std::string hidden =
+          files::join(root, ".step_" + std::to_string(steps[i]) + ".partial.old");
+      files::wait_for_background_removal();  // it may be removing `hidden` from an earlier save
+      if (io.rename(old, hidden) == 0) {
+        dropped.push_back(hidden);
+      } else {
+        TORCH_WARN("fsdp checkpoint: keep_last could not remove ", old, ": ",
+                   std::strerror(errno));
       }
     }
+    if (!dropped.empty()) files::remove_tree_in_background(io, dropped, kWhat);
   };
   save_impl(state_dict, dir, options, clean_stale, point_latest);
   return dir;

@@ -17,6 +17,7 @@
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/files.h"
 #include "checkpoint/pickle.h"
+#include "checkpoint/torch_archive.h"
 #include "checkpoint/tensor_formats.h"
 #include "fsdp/errors.h"
 
@@ -180,35 +181,20 @@ void write_pt(const Source& src, const std::string& out_file, const ExportOption
   const std::string tmp = out_file + ".tmp";
   {
     files::OutFile out(io, tmp, kWhat);
-    caffe2::serialize::PyTorchStreamWriter zip([&out](const void* data, size_t n) {
-      out.append(data, n);
-      return n;
-    });
+    archive::ArchiveWriter zip([&out](const char* data, size_t n) { out.append(data, n); });
     std::vector<std::pair<NodePtr, NodePtr>> entries;
     for (size_t i = 0; i < src.entries.size(); ++i) {
       const Entry& e = src.entries[i];
       const at::Tensor t = fetch_checked(src, e);
       const std::string key = std::to_string(i);
-      zip.writeRecord("data/" + key, t.data_ptr(), static_cast<size_t>(e.nbytes));
-      std::vector<NodePtr> size, stride;
-      for (int64_t s : t.sizes()) size.push_back(Node::integer(s));
-      for (int64_t s : t.strides()) stride.push_back(Node::integer(s));
-      // torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks),
-      // the storage being persistent id ('storage', torch.<T>Storage, key, 'cpu', numel).
-      NodePtr storage = Node::persistent_id(Node::tuple(
-          {Node::str("storage"), Node::global("torch", formats::storage_class(e.dtype, e.key)),
-           Node::str(key), Node::str("cpu"), Node::integer(t.numel())}));
-      NodePtr hooks = Node::object(Node::global("collections", "OrderedDict"), {}, false);
-      entries.emplace_back(Node::str(e.name),
-                           Node::object(Node::global("torch._utils", "_rebuild_tensor_v2"),
-                                        {storage, Node::integer(0), Node::tuple(size),
-                                         Node::tuple(stride), Node::boolean(false), hooks},
-                                        false));
+      zip.record("data/" + key, t.data_ptr(), static_cast<size_t>(e.nbytes));
+      entries.emplace_back(Node::str(e.name), archive::tensor_node(e.dtype, key, t.sizes(),
+                                                                   t.strides(), t.numel(), e.key));
     }
     const std::string pkl = pickle::write(Node::dict(std::move(entries)));
-    zip.writeRecord("data.pkl", pkl.data(), pkl.size());
-    zip.writeRecord("byteorder", "little", 6);
-    zip.writeEndOfFile();
+    zip.record("data.pkl", pkl.data(), pkl.size());
+    zip.record("byteorder", "little", 6);
+    zip.finish();
     out.finish();
   }
   commit_file(io, tmp, out_file);

@@ -13,6 +13,10 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <thread>
+
+#include <c10/util/Exception.h>
 
 #include "fsdp/errors.h"
 
@@ -267,12 +271,69 @@ void remove_tree(FileIO& io, const std::string& path, const char* what) {
   remove_tree(io, path, what, 0);
 }
 
-std::string xxh3_hex(const void* data, size_t n) {
-  const XXH64_hash_t h = XXH3_64bits(data, n);
+namespace {
+
+// The background removal: joined before the next one starts and at exit (a static destroyed
+// before default_file_io()'s, which was constructed first).
+struct BackgroundRemoval {
+  std::mutex mutex;
+  std::thread thread;
+  ~BackgroundRemoval() {
+    if (thread.joinable()) thread.join();
+  }
+};
+BackgroundRemoval& background_removal() {
+  default_file_io();
+  static BackgroundRemoval r;
+  return r;
+}
+
+}  // namespace
+
+void wait_for_background_removal() {
+  BackgroundRemoval& r = background_removal();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.thread.joinable()) r.thread.join();
+}
+
+void remove_tree_in_background(FileIO& io, const std::vector<std::string>& paths,
+                               const char* what) {
+  auto remove_all = [paths, what](FileIO& with) {
+    for (const std::string& p : paths) {
+      try {
+        remove_tree(with, p, what);
+      } catch (const std::exception& e) {
+        TORCH_WARN(what, ": could not remove ", p, ": ", e.what());
+      }
+    }
+  };
+  if (&io != &default_file_io()) {  // a caller's FileIO may not outlive the call
+    remove_all(io);
+    return;
+  }
+  BackgroundRemoval& r = background_removal();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.thread.joinable()) r.thread.join();
+  r.thread = std::thread([remove_all] { remove_all(default_file_io()); });
+}
+
+namespace {
+std::string hex16(XXH64_hash_t h) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
   return buf;
 }
+}  // namespace
+
+std::string xxh3_hex(const void* data, size_t n) { return hex16(XXH3_64bits(data, n)); }
+
+struct Xxh3Stream::State {
+  XXH3_state_t s;
+};
+Xxh3Stream::Xxh3Stream() : state_(std::make_unique<State>()) { XXH3_64bits_reset(&state_->s); }
+Xxh3Stream::~Xxh3Stream() = default;
+void Xxh3Stream::update(const void* data, size_t n) { XXH3_64bits_update(&state_->s, data, n); }
+std::string Xxh3Stream::hex() const { return hex16(XXH3_64bits_digest(&state_->s)); }
 
 }  // namespace files
 }  // namespace checkpoint

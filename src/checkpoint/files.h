@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -72,9 +73,32 @@ void make_dirs(FileIO& io, const std::string& path, const char* what);
 /// rm -r of a tree this library made (depth-limited); a missing path is no error.
 void remove_tree(FileIO& io, const std::string& path, const char* what);
 
+/// Removes `path` like remove_tree, on a background thread when `io` is default_file_io() (else
+/// right away): a replaced checkpoint's files take tens of milliseconds to unlink, which no rank
+/// should wait for. One removal at a time: a second call, wait_for_background_removal() and the
+/// process's exit wait for the one before. A failure is reported as a warning.
+void remove_tree_in_background(FileIO& io, const std::vector<std::string>& paths,
+                               const char* what);
+void wait_for_background_removal();
+
 /// XXH3-64 of the bytes, as 16 lower-case hex digits.
 std::string xxh3_hex(const void* data, size_t n);
 inline std::string xxh3_hex(const std::string& s) { return xxh3_hex(s.data(), s.size()); }
+
+/// XXH3-64 of bytes fed in pieces (the same digest as xxh3_hex of them all at once).
+class Xxh3Stream {
+ public:
+  Xxh3Stream();
+  ~Xxh3Stream();
+  Xxh3Stream(const Xxh3Stream&) = delete;
+  Xxh3Stream& operator=(const Xxh3Stream&) = delete;
+  void update(const void* data, size_t n);
+  std::string hex() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace files
 }  // namespace checkpoint

@@ -7,6 +7,8 @@
 #include <climits>
 #include <cstring>
 
+#include <isa-l/crc.h>
+
 #include "checkpoint/tensor_formats.h"
 #include "fsdp/errors.h"
 
@@ -31,19 +33,7 @@ uint64_t le(const char* p, int bytes) {
 }  // namespace
 
 uint32_t crc32(const char* data, size_t n, uint32_t crc) {
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      t[i] = c;
-    }
-    return t;
-  }();
-  crc = ~crc;
-  for (size_t i = 0; i < n; ++i)
-    crc = table[(crc ^ static_cast<unsigned char>(data[i])) & 0xFF] ^ (crc >> 8);
-  return ~crc;
+  return crc32_gzip_refl(crc, reinterpret_cast<const unsigned char*>(data), n);
 }
 
 Directory::Directory(int64_t size, const ReadFn& read, std::string where)
@@ -315,6 +305,139 @@ at::Tensor Values::storage_of(const std::string& key, at::ScalarType dtype, int6
   at::Tensor t = storage_(key, dtype, numel);
   storages_[key] = t;
   return t;
+}
+
+ArchiveWriter::ArchiveWriter(Sink sink) : sink_(std::move(sink)) {
+  zip_ = std::make_unique<caffe2::serialize::PyTorchStreamWriter>(
+      [this](const void* data, size_t n) -> size_t {
+        if (error_) return n;  // dropped: the error is reported by finish()
+        try {
+          sink_(static_cast<const char*>(data), n);
+        } catch (...) {
+          error_ = std::current_exception();
+        }
+        return n;
+      });
+}
+
+ArchiveWriter::~ArchiveWriter() = default;
+
+void ArchiveWriter::record(const std::string& name, const void* data, size_t n) {
+  zip_->writeRecord(name, n ? data : nullptr, n);
+}
+
+void ArchiveWriter::finish() {
+  zip_->writeEndOfFile();
+  if (error_) std::rethrow_exception(error_);
+}
+
+namespace {
+
+// Little-endian fields of the zip headers.
+void put16(std::string& b, uint64_t v) {
+  for (int k = 0; k < 2; ++k) b.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+}
+void put32(std::string& b, uint64_t v) {
+  for (int k = 0; k < 4; ++k) b.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
+}
+
+}  // namespace
+
+bool write_small_tensor_archive(const at::Tensor& t, const std::string& pkl,
+                                const ArchiveWriter::Sink& sink) {
+  const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+  // Well inside 32-bit sizes and offsets: past them a ZIP64 archive is needed (the caller uses
+  // LibTorch's writer for those).
+  if (nbytes > 0xF0000000ull || pkl.size() > 0x1000000ull) return false;
+  struct Entry {
+    std::string name;
+    uint32_t crc;
+    uint64_t size, offset;
+  };
+  std::vector<Entry> entries;
+  uint64_t pos = 0;
+  std::string head;
+  auto add = [&](const std::string& name, const char* data, uint64_t n) {
+    const std::string full = "archive/" + name;
+    const uint32_t crc = crc32(data, n);
+    // An extra field ('FB', as LibTorch's writer uses) pads the header so that the data starts
+    // on a 64-byte boundary, as in torch.save files.
+    const uint64_t unpadded = pos + 30 + full.size() + 4;
+    const uint64_t pad = (64 - unpadded % 64) % 64;
+    head.clear();
+    put32(head, 0x04034b50);  // local file header
+    put16(head, 20);          // version needed: 2.0
+    put16(head, 0);           // flags
+    put16(head, 0);           // stored
+    put16(head, 0);           // time
+    put16(head, 0x21);        // date: 1980-01-01
+    put32(head, crc);
+    put32(head, n);  // compressed size
+    put32(head, n);  // uncompressed size
+    put16(head, full.size());
+    put16(head, 4 + pad);
+    head += full;
+    put16(head, 0x4246);  // "FB"
+    put16(head, pad);
+    head.append(pad, 'Z');
+    sink(head.data(), head.size());
+    if (n) sink(data, n);
+    entries.push_back({full, crc, n, pos});
+    pos += head.size() + n;
+  };
+  add("data.pkl", pkl.data(), pkl.size());
+  add("byteorder", "little", 6);
+  add("data/0", static_cast<const char*>(t.data_ptr()), nbytes);
+  add("version", "3\n", 2);
+  std::string dir;
+  for (const Entry& e : entries) {
+    put32(dir, 0x02014b50);  // central directory header
+    put16(dir, 20);          // made by: 2.0
+    put16(dir, 20);          // needed: 2.0
+    put16(dir, 0);
+    put16(dir, 0);
+    put16(dir, 0);
+    put16(dir, 0x21);
+    put32(dir, e.crc);
+    put32(dir, e.size);
+    put32(dir, e.size);
+    put16(dir, e.name.size());
+    put16(dir, 0);  // extra
+    put16(dir, 0);  // comment
+    put16(dir, 0);  // disk
+    put16(dir, 0);  // internal attributes
+    put32(dir, 0);  // external attributes
+    put32(dir, e.offset);
+    dir += e.name;
+  }
+  const uint64_t dir_offset = pos;
+  const uint64_t dir_size = dir.size();
+  put32(dir, 0x06054b50);  // end of central directory
+  put16(dir, 0);
+  put16(dir, 0);
+  put16(dir, entries.size());
+  put16(dir, entries.size());
+  put32(dir, dir_size);
+  put32(dir, dir_offset);
+  put16(dir, 0);
+  sink(dir.data(), dir.size());
+  return true;
+}
+
+pickle::NodePtr tensor_node(at::ScalarType dtype, const std::string& key, at::IntArrayRef sizes,
+                            at::IntArrayRef strides, int64_t numel, const std::string& what) {
+  using pickle::Node;
+  std::vector<pickle::NodePtr> size, stride;
+  for (int64_t v : sizes) size.push_back(Node::integer(v));
+  for (int64_t v : strides) stride.push_back(Node::integer(v));
+  pickle::NodePtr storage = Node::persistent_id(
+      Node::tuple({Node::str("storage"), Node::global("torch", formats::storage_class(dtype, what)),
+                   Node::str(key), Node::str("cpu"), Node::integer(numel)}));
+  pickle::NodePtr hooks = Node::object(Node::global("collections", "OrderedDict"), {}, false);
+  return Node::object(Node::global("torch._utils", "_rebuild_tensor_v2"),
+                      {storage, Node::integer(0), Node::tuple(size), Node::tuple(stride),
+                       Node::boolean(false), hooks},
+                      false);
 }
 
 }  // namespace archive

@@ -11,8 +11,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
 
 #include <cstdint>
+#include <exception>
+#include <memory>
 #include <functional>
 #include <map>
 #include <set>
@@ -90,6 +93,42 @@ class Values {
 /// The unpickled data.pkl of an archive (refusing TorchScript archives and big-endian ones);
 /// ValueError starting with the directory's `where`.
 pickle::NodePtr read_data_pkl(const Directory& dir, const ReadFn& read, bool check_crc);
+
+/// A torch.save archive written by LibTorch's zip writer (PyTorchStreamWriter: aligned records,
+/// CRC-32s, ZIP64 when needed) into `sink`, with no copy of the record data. The writer calls its
+/// callback from C code (miniz) and from its destructor, where an exception must not pass, so a
+/// sink error is kept, later bytes are dropped, and finish() rethrows it.
+class ArchiveWriter {
+ public:
+  using Sink = std::function<void(const char* data, size_t n)>;
+  explicit ArchiveWriter(Sink sink);
+  ~ArchiveWriter();
+  ArchiveWriter(const ArchiveWriter&) = delete;
+  ArchiveWriter& operator=(const ArchiveWriter&) = delete;
+  /// Adds the stored record "<archive>/<name>".
+  void record(const std::string& name, const void* data, size_t n);
+  /// Writes the directory (and LibTorch's `version` record); throws the first sink error.
+  void finish();
+
+ private:
+  Sink sink_;
+  std::exception_ptr error_;
+  std::unique_ptr<caffe2::serialize::PyTorchStreamWriter> zip_;
+};
+
+/// Writes a torch.save archive of `t` (contiguous, CPU, its own elements only) with the pickle
+/// `pkl` (see tensor_node, storage key "0") into `sink`: data.pkl, byteorder, data/0 (64-byte
+/// aligned, straight from the tensor's memory) and version, each CRC-checked with the fast
+/// crc32 above. Returns false, writing nothing, for sizes that need ZIP64.
+bool write_small_tensor_archive(const at::Tensor& t, const std::string& pkl,
+                                const ArchiveWriter::Sink& sink);
+
+/// What torch.save pickles for a tensor held whole by storage `key`: the call
+/// torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict()), the storage
+/// being the persistent id ('storage', torch.<T>Storage, key, 'cpu', numel). ValueError naming
+/// `what` for a dtype with no storage class.
+pickle::NodePtr tensor_node(at::ScalarType dtype, const std::string& key, at::IntArrayRef sizes,
+                            at::IntArrayRef strides, int64_t numel, const std::string& what);
 
 }  // namespace archive
 }  // namespace checkpoint
