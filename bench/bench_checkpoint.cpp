@@ -6,6 +6,8 @@
 //   load  (every rank reads and checks its shards)               vs  raw pread per rank
 //   torch::save / torch::load of the whole dict on rank 0 (no fsync: what LibTorch does)
 //   Python torch.save / torch.load of the same dict (a subprocess, if /usr/bin/python3 has torch)
+//   AsyncSaver::save: how long the caller is blocked, against a synchronous save
+//   export_safetensors of the checkpoint on rank 0  vs  raw write + fsync of the same bytes there
 // Files go to $FSDP_BENCH_DIR (default /var/tmp), a real disk rather than a tmpfs. Reads are from
 // the page cache right after writing, for both sides alike.
 #include <fcntl.h>
@@ -20,6 +22,7 @@
 #include "bench_ranks.h"
 #include "fsdp/checkpoint/async_save.h"
 #include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/export.h"
 
 namespace ckpt = fsdp::checkpoint;
 
@@ -59,15 +62,18 @@ void set_bytes(benchmark::State& st) {
   st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * rank_bytes() * world());
 }
 
+// Every timed write goes to a new file (and every timed save to a new directory), as
+// save_step does; the previous one is removed outside the timing, on both sides alike.
 void BM_RawWriteFsync(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const std::string dir = base_dir();
-  ::mkdir(dir.c_str(), 0755);
   const std::string path = dir + "/raw_" + std::to_string(pg.rank());
   const at::Tensor data = at::randn({rank_bytes() / 4});
   pg.barrier();
+  int k = 0;
   for (auto _ : st) {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const std::string file = path + "_" + std::to_string(k++);
+    const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const char* p = static_cast<const char*>(data.data_ptr());
     int64_t left = rank_bytes();
     while (left > 0) {
@@ -79,6 +85,10 @@ void BM_RawWriteFsync(benchmark::State& st) {
     ::fsync(fd);
     ::close(fd);
     pg.barrier();  // as a save: done when every rank is
+    st.PauseTiming();
+    ::rename(file.c_str(), path.c_str());  // the file raw_read reads
+    pg.barrier();
+    st.ResumeTiming();
   }
   set_bytes(st);
 }
@@ -107,9 +117,17 @@ void BM_Save(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const fsdp::StateDict sd = sharded(pg.rank(), pg.size());
   const std::string dir = base_dir() + "/ckpt";
-  ckpt::save(sd, dir);  // the first save creates; the timed ones replace it, as training does
+  ckpt::save(sd, dir);  // what the loads and exports read
   pg.barrier();
-  for (auto _ : st) ckpt::save(sd, dir);
+  int k = 0;
+  for (auto _ : st) {
+    const std::string fresh = dir + "_" + std::to_string(k++);
+    ckpt::save(sd, fresh);
+    st.PauseTiming();
+    if (pg.rank() == 0) std::system(("rm -rf " + fresh).c_str());
+    pg.barrier();
+    st.ResumeTiming();
+  }
   set_bytes(st);
 }
 
@@ -174,37 +192,17 @@ void BM_TorchLoad(benchmark::State& st) {
   set_bytes(st);
 }
 
-void register_all() {
-  // Order matters: each load reads what the save before it wrote.
-  for (auto [name, fn] : std::vector<std::pair<const char*, void (*)(benchmark::State&)>>{
-           {"raw_write_fsync", BM_RawWriteFsync},
-           {"raw_read", BM_RawRead},
-           {"save", BM_Save},
-           {"load", BM_Load},
-           {"async_save_blocked", BM_AsyncSaveBlocked},
-           {"torch_save", BM_TorchSave},
-           {"torch_load", BM_TorchLoad}}) {
-    benchmark::RegisterBenchmark(name, fn)
-        ->Iterations(3)
-        ->Repetitions(3)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
-  }
-}
-
-// Python's torch.save / torch.load of the same dict, timed by Python itself (median of 3).
-std::pair<double, double> python_times(int w) {
+// Python's torch.save / torch.load of the same dict once, timed by Python itself (so that the
+// interpreter's start-up does not count).
+std::pair<double, double> python_save_load(int w) {
   std::ostringstream script;
-  script << "import time, statistics, torch\n"
+  script << "import time, torch\n"
          << "sd = {f't{i}': torch.randn(" << kRowsPerRank * w << ", " << kCols
          << ") for i in range(" << kTensors << ")}\n"
          << "p = '" << base_dir() << "/py_save.pt'\n"
-         << "s, l = [], []\n"
-         << "for _ in range(3):\n"
-         << "    t = time.perf_counter(); torch.save(sd, p); s.append(time.perf_counter() - t)\n"
-         << "    t = time.perf_counter(); torch.load(p); l.append(time.perf_counter() - t)\n"
-         << "print(statistics.median(s), statistics.median(l))\n";
+         << "t = time.perf_counter(); torch.save(sd, p); s = time.perf_counter() - t\n"
+         << "t = time.perf_counter(); torch.load(p); l = time.perf_counter() - t\n"
+         << "print(s, l)\n";
   const std::string cmd = "/usr/bin/python3 -c \"" + script.str() + "\" 2>/dev/null";
   FILE* p = popen(cmd.c_str(), "r");
   double save = 0, load = 0;
@@ -215,15 +213,94 @@ std::pair<double, double> python_times(int w) {
   return {save, load};
 }
 
+// Rank 0's Python torch.save / torch.load seconds, one pair per round (the case's own time,
+// which includes the interpreter's start, is not used).
+std::vector<double>& py_save() {
+  static std::vector<double> v;
+  return v;
+}
+std::vector<double>& py_load() {
+  static std::vector<double> v;
+  return v;
+}
+
+void BM_Python(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  for (auto _ : st) {
+    if (pg.rank() == 0) {
+      const auto [save, load] = python_save_load(pg.size());
+      if (save > 0) {
+        py_save().push_back(save);
+        py_load().push_back(load);
+      }
+    }
+    pg.barrier();
+  }
+}
+
+// export_safetensors of the whole checkpoint on rank 0 (one file, fsynced), against rank 0 alone
+// writing and fsyncing the same bytes.
+void BM_ExportSafetensors(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const std::string out = base_dir() + "/export";
+  pg.barrier();
+  for (auto _ : st) {
+    if (pg.rank() == 0) ckpt::export_safetensors(base_dir() + "/ckpt", out);
+    pg.barrier();
+  }
+}
+
+void BM_RawWriteFull(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const std::string path = base_dir() + "/raw_full";
+  const int64_t bytes = rank_bytes() * pg.size();
+  at::Tensor data;
+  if (pg.rank() == 0) data = at::ones({bytes / 4});
+  pg.barrier();
+  for (auto _ : st) {
+    if (pg.rank() == 0) {
+      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const char* p = static_cast<const char*>(data.data_ptr());
+      for (int64_t left = bytes; left > 0;) {
+        const auto n = ::write(fd, p, static_cast<size_t>(left));
+        if (n <= 0) throw std::runtime_error("raw write failed");
+        p += n;
+        left -= n;
+      }
+      ::fsync(fd);
+      ::close(fd);
+    }
+    pg.barrier();
+  }
+}
+
+void register_all(int rounds) {
+  // The first save creates the checkpoint that loads and exports read; the first round runs in
+  // order, so each raw read and torch::load finds its file written.
+  fsdp_bench::register_rounds({{"save", BM_Save, 0, 1}}, 1);
+  fsdp_bench::register_rounds({{"raw_write_fsync", BM_RawWriteFsync, 0, 3},
+                               {"save", BM_Save, 0, 3},
+                               {"raw_read", BM_RawRead, 0, 3},
+                               {"load", BM_Load, 0, 3},
+                               {"async_save_blocked", BM_AsyncSaveBlocked, 0, 3},
+                               {"torch_save", BM_TorchSave, 0, 3},
+                               {"torch_load", BM_TorchLoad, 0, 3},
+                               {"python", BM_Python, 0, 1},
+                               {"raw_write_full", BM_RawWriteFull, 0, 1},
+                               {"export_safetensors", BM_ExportSafetensors, 0, 1}},
+                              rounds);
+}
+
 void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
   const double mb = static_cast<double>(rank_bytes()) * w / 1e6;
   auto bw = [&](double s) { return s > 0 ? mb / s : 0.0; };
   const double save = rep.get("save"), raw_w = rep.get("raw_write_fsync");
   const double load = rep.get("load"), raw_r = rep.get("raw_read");
   const double ts = rep.get("torch_save"), tl = rep.get("torch_load");
-  const auto [ps, pl] = python_times(w);
-  std::printf("\n%d ranks, %.0f MB of float32 in all (%d tensors of %.0f MB); medians of 3x3\n", w,
-              mb, kTensors, mb / kTensors);
+  const double ps = fsdp_bench::median(py_save()), pl = fsdp_bench::median(py_load());
+  std::printf("\n%d ranks, %.0f MB of float32 in all (%d tensors of %.0f MB); medians of "
+              "interleaved rounds\n",
+              w, mb, kTensors, mb / kTensors);
   std::printf("%-44s %10s %10s %8s\n", "", "ms", "MB/s", "ratio");
   auto row = [&](const char* what, double s, double base) {
     std::printf("%-44s %10.1f %10.0f %8.2f\n", what, s * 1e3, bw(s), base > 0 ? s / base : 0.0);
@@ -243,6 +320,21 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
   }
   std::printf("training blocked by a save, ratio to checkpoint::save:\n");
   row("AsyncSaver::save (CPU snapshot)", rep.get("async_save_blocked"), save);
+  std::printf("export of the whole checkpoint on rank 0, ratio to raw write+fsync there:\n");
+  row("raw write+fsync, rank 0 (baseline)", rep.get("raw_write_full"), rep.get("raw_write_full"));
+  row("export_safetensors", rep.get("export_safetensors"), rep.get("raw_write_full"));
+
+  auto emit = [&](const char* c, const std::vector<double>& samples) {
+    if (samples.empty()) return;
+    fsdp_bench::emit({{"bench", "checkpoint"}, {"case", c}, {"world", w}, {"unit", "s"},
+                      {"bytes", rank_bytes() * w}},
+                     samples);
+  };
+  for (const char* c : {"raw_write_fsync", "save", "raw_read", "load", "async_save_blocked",
+                        "torch_save", "torch_load", "raw_write_full", "export_safetensors"})
+    emit(c, rep.all(c));
+  emit("python_torch_save", py_save());
+  emit("python_torch_load", py_load());
 }
 
 }  // namespace
@@ -252,8 +344,10 @@ int main(int argc, char** argv) {
   const char* d = std::getenv("FSDP_BENCH_DIR");
   base_dir_ref() =
       std::string(d ? d : "/var/tmp") + "/fsdp_bench_ckpt_" + std::to_string(::getpid());
+  ::mkdir(base_dir().c_str(), 0755);
+  const int rounds = fsdp_bench::rounds_from_env(3);
   const int rc =
-      fsdp_bench::run(argc, argv, w, register_all,
+      fsdp_bench::run(argc, argv, w, [&] { register_all(rounds); },
                       [w](const fsdp_bench::RecordingReporter& rep) { summarize(rep, w); });
   std::system(("rm -rf " + base_dir()).c_str());
   return rc;

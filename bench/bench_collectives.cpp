@@ -1,182 +1,154 @@
-// bench_collectives: FlatParamHandle's unshard and gradient reduce-scatter against the raw c10d
-// collectives moving the same bytes, in the same run, at world size 2 (or $FSDP_BENCH_WORLD).
+// bench_collectives: FlatParamHandle's unshard (all-gather) and gradient reduce-scatter against
+// the raw c10d collective moving the same bytes, in the same run, at world size 2 (or
+// $FSDP_BENCH_WORLD), for unit sizes of 1 to 256 MB ($FSDP_BENCH_SIZES_MB: the unsharded flat
+// parameter's bytes, float32).
 //
-// The process forks its ranks, which rendezvous over a TCPStore on loopback and run identical
-// Google Benchmark suites with fixed iteration counts (every rank must issue the same collectives).
-// Rank 0 reports, then prints each fsdp operation's time as a ratio to its raw baseline:
-//   unshard            vs c10d allgather (list form into views of one buffer: what 1.13 Gloo has)
-//   reduce_grad        vs c10d allreduce of the full gradient (the DDP equivalent)
-//   reduce_scatter/*   both emulations, for choosing kAllToAll vs kAllReduce by size
+//   unshard       FlatParamHandle::unshard + reshard   vs  raw_allgather: the backend's flat
+//                 all-gather (_allgather_base) where it has one, else the list form into views
+//                 of one buffer (LibTorch 1.13's Gloo)
+//   reduce_grad   FlatParamHandle::reduce_grad         vs  raw_reduce_scatter: the backend's
+//                 _reduce_scatter_base where it has one, else the all-to-all that carries
+//                 exactly the bytes a reduce-scatter must move (our emulation adds the sum)
+//
+// Rounds are interleaved (bench_ranks.h); rank 0 prints the ratios and emits every sample.
 #include "bench_ranks.h"
 
 namespace {
 
-// Per-rank shard sizes in float32 elements: 1 KiB, 64 KiB, 1 MiB, 8 MiB per rank.
-const std::vector<int64_t> kShardNumels{256, 16 << 10, 256 << 10, 2 << 20};
-
-int64_t iters_for(int64_t numel) {
-  return numel >= (2 << 20) ? 10 : numel >= (256 << 10) ? 40 : 200;
+std::vector<int64_t>& sizes_mb() {
+  static std::vector<int64_t> s;
+  return s;
 }
 
-void set_bytes(benchmark::State& st, int64_t total_bytes) {
-  st.SetBytesProcessed(static_cast<int64_t>(st.iterations()) * total_bytes);
-  st.counters["MB"] = static_cast<double>(total_bytes) / 1e6;
+// Elements per rank of a unit of `mb` megabytes (10^6 bytes) of float32.
+int64_t shard_numel(int64_t mb, int world) { return mb * 1000000 / 4 / world; }
+
+// Enough iterations that one sample takes some tens of milliseconds at ~1 GB/s.
+int64_t iters_for(int64_t mb) { return std::clamp<int64_t>(64 / mb, 2, 64); }
+
+bool native(const fsdp::dist::ProcessGroup& pg) {
+  return fsdp::compat::native_flat_collectives(pg.backend_name());
 }
 
 void BM_RawAllgather(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
-  at::Tensor in = at::randn({n});
+  at::Tensor in = at::ones({n});
   at::Tensor out = at::empty({n * pg.size()});
-  std::vector<std::vector<at::Tensor>> outs(1);
-  for (int r = 0; r < pg.size(); ++r) outs[0].push_back(out.narrow(0, r * n, n));
-  std::vector<at::Tensor> ins{in};
-  fsdp_bench::warm_up([&] { pg.backend()->allgather(outs, ins)->wait(); });
+  auto b = pg.backend();
+  std::function<void()> op;
+  if (native(pg)) {
+    op = [&] { b->_allgather_base(out, in)->wait(); };
+  } else {
+    op = [&, outs = std::vector<std::vector<at::Tensor>>(1), ins = std::vector<at::Tensor>{in}]()
+        mutable {
+      if (outs[0].empty())
+        for (int r = 0; r < pg.size(); ++r) outs[0].push_back(out.narrow(0, r * n, n));
+      b->allgather(outs, ins)->wait();
+    };
+  }
+  fsdp_bench::warm_up(op);
   pg.barrier();
-  for (auto _ : st) pg.backend()->allgather(outs, ins)->wait();
-  set_bytes(st, n * pg.size() * 4);
+  for (auto _ : st) op();
 }
 
 void BM_Unshard(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   auto m = std::make_shared<torch::nn::Module>();
-  m->register_parameter("w", torch::randn({n * pg.size()}));
+  m->register_parameter("w", at::ones({n * pg.size()}));
   fsdp::FlatParamHandle h(fsdp::collect_params(m), pg);
-  fsdp_bench::warm_up([&] {
-    h.unshard();
-    h.reshard();
-  });
-  pg.barrier();
-  for (auto _ : st) {
+  auto op = [&] {
     h.unshard();
     h.reshard();  // frees: the next unshard allocates again, as in training
-  }
-  set_bytes(st, n * pg.size() * 4);
-}
-
-void BM_RawAllreduce(benchmark::State& st) {
-  auto& pg = *fsdp_bench::group();
-  const int64_t n = st.range(0) * pg.size();
-  at::Tensor t = at::randn({n});
-  std::vector<at::Tensor> ts{t};
-  fsdp_bench::warm_up([&] { pg.backend()->allreduce(ts)->wait(); });
+  };
+  fsdp_bench::warm_up(op);
   pg.barrier();
-  for (auto _ : st) pg.backend()->allreduce(ts)->wait();
-  set_bytes(st, n * 4);
+  for (auto _ : st) op();
 }
 
-void BM_RawAlltoall(benchmark::State& st) {
-  auto& pg = *fsdp_bench::group();
-  const int64_t n = st.range(0) * pg.size();
-  at::Tensor in = at::randn({n});
-  at::Tensor out = at::empty({n});
-  std::vector<int64_t> splits;
-  fsdp_bench::warm_up([&] { pg.backend()->alltoall_base(out, in, splits, splits)->wait(); });
-  pg.barrier();
-  for (auto _ : st) pg.backend()->alltoall_base(out, in, splits, splits)->wait();
-  set_bytes(st, n * 4);
-}
-
-template <fsdp::dist::ReduceScatterAlgo Algo>
-void BM_ReduceScatter(benchmark::State& st) {
+void BM_RawReduceScatter(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
-  at::Tensor in = at::randn({n * pg.size()});
-  at::Tensor out = at::empty({n});
-  fsdp_bench::warm_up([&] { pg.reduce_scatter_tensor(out, in, fsdp::dist::ReduceOp::AVG, Algo); });
+  at::Tensor in = at::ones({n * pg.size()});
+  auto b = pg.backend();
+  std::function<void()> op;
+  if (native(pg)) {
+    at::Tensor out = at::empty({n});
+    op = [b, out, in]() mutable { b->_reduce_scatter_base(out, in)->wait(); };
+  } else {
+    at::Tensor out = at::empty({n * pg.size()});
+    op = [b, out, in]() mutable {
+      std::vector<int64_t> equal;
+      b->alltoall_base(out, in, equal, equal)->wait();
+    };
+  }
+  fsdp_bench::warm_up(op);
   pg.barrier();
-  for (auto _ : st) pg.reduce_scatter_tensor(out, in, fsdp::dist::ReduceOp::AVG, Algo);
-  set_bytes(st, n * pg.size() * 4);
+  for (auto _ : st) op();
 }
 
+// What the runtime does after a unit's backward: flatten the parameters' gradients into the
+// padded flat gradient, reduce-scatter it and keep this rank's shard as the sharded gradient.
 void BM_ReduceGrad(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   auto m = std::make_shared<torch::nn::Module>();
-  m->register_parameter("w", torch::randn({n * pg.size()}));
+  m->register_parameter("w", at::ones({n * pg.size()}));
   fsdp::FlatParamHandle h(fsdp::collect_params(m), pg);
-  at::Tensor grad = at::randn({h.layout().padded_unsharded_numel});
-  fsdp_bench::warm_up([&] { h.reduce_flat_grad(grad); });
-  h.flat_param().mutable_grad().reset();
-  pg.barrier();
-  for (auto _ : st) {
-    h.reduce_flat_grad(grad);
+  std::vector<at::Tensor> params = h.orig_params();
+  const at::Tensor grad = at::ones({n * pg.size()});
+  auto op = [&] {
+    for (auto& p : params) p.mutable_grad() = grad;  // as autograd leaves them
+    h.reduce_grad();
     h.flat_param().mutable_grad().reset();
-  }
-  set_bytes(st, n * pg.size() * 4);
+  };
+  fsdp_bench::warm_up(op);
+  pg.barrier();
+  for (auto _ : st) op();
 }
 
-void register_all() {
-  for (int64_t n : kShardNumels) {
-    const int64_t it = iters_for(n);
-    benchmark::RegisterBenchmark("raw_allgather", BM_RawAllgather)
-        ->Arg(n)
-        ->Iterations(it)
-        ->Repetitions(5)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime();
-    benchmark::RegisterBenchmark("unshard", BM_Unshard)
-        ->Arg(n)
-        ->Iterations(it)
-        ->Repetitions(5)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime();
-    benchmark::RegisterBenchmark("raw_allreduce", BM_RawAllreduce)
-        ->Arg(n)
-        ->Iterations(it)
-        ->Repetitions(5)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime();
-    benchmark::RegisterBenchmark("raw_alltoall", BM_RawAlltoall)
-        ->Arg(n)
-        ->Iterations(it)
-        ->Repetitions(5)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime();
-    benchmark::RegisterBenchmark("reduce_scatter/alltoall",
-                                 BM_ReduceScatter<fsdp::dist::ReduceScatterAlgo::kAllToAll>)
-        ->Arg(n)
-        ->Iterations(it)
-        ->Repetitions(5)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime();
-    benchmark::RegisterBenchmark("reduce_scatter/allreduce",
-                                 BM_ReduceScatter<fsdp::dist::ReduceScatterAlgo::kAllReduce>)
-        ->Arg(n)
-        ->Iterations(it)
-        ->Repetitions(5)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime();
-    benchmark::RegisterBenchmark("reduce_grad", BM_ReduceGrad)
-        ->Arg(n)
-        ->Iterations(it)
-        ->Repetitions(5)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime();
+void register_all(int world, int rounds) {
+  for (int64_t mb : sizes_mb()) {
+    const int64_t n = shard_numel(mb, world), it = iters_for(mb);
+    fsdp_bench::register_rounds({{"raw_allgather", BM_RawAllgather, n, it},
+                                 {"unshard", BM_Unshard, n, it},
+                                 {"raw_reduce_scatter", BM_RawReduceScatter, n, it},
+                                 {"reduce_grad", BM_ReduceGrad, n, it}},
+                                rounds);
   }
 }
 
 void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
-  auto t = [&](const char* name, int64_t n) { return rep.get(name, n); };
+  const bool nat = native(*fsdp_bench::group());
   std::printf(
-      "\nworld size %d, float32; ratio = fsdp time / raw c10d time on the same bytes (1.00 = no "
-      "overhead)\n",
+      "\nworld size %d, float32, medians of interleaved rounds; bandwidth = unit bytes / time;\n"
+      "ratio = raw c10d time / fsdp time on the same bytes (1.00 = as fast as the raw collective)\n",
       world);
-  std::printf("%12s | %-26s | %-26s | %-30s\n", "shard bytes", "unshard / raw allgather",
-              "reduce_grad / raw allreduce", "rs alltoall / rs allreduce");
-  for (int64_t n : kShardNumels) {
-    const double total_mb = n * world * 4 / 1e6;
-    auto fmt = [&](double a, double b) {
+  std::printf("%10s | %-30s | %-30s\n", "unit MB", "unshard vs raw all-gather",
+              nat ? "reduce_grad vs raw reduce-scatter" : "reduce_grad vs raw all-to-all");
+  for (int64_t mb : sizes_mb()) {
+    const int64_t n = shard_numel(mb, world);
+    const double bytes = static_cast<double>(n) * world * 4;
+    auto fmt = [&](const char* fsdp_case, const char* raw_case) {
+      const double f = rep.get(fsdp_case, n), r = rep.get(raw_case, n);
       char buf[64];
-      std::snprintf(buf, sizeof buf, "%.2f  (%.0f vs %.0f MB/s)", b > 0 ? a / b : 0.0,
-                    a > 0 ? total_mb / a : 0.0, b > 0 ? total_mb / b : 0.0);
+      std::snprintf(buf, sizeof buf, "%.2f  (%.0f vs %.0f MB/s)", f > 0 ? r / f : 0.0,
+                    f > 0 ? bytes / f / 1e6 : 0.0, r > 0 ? bytes / r / 1e6 : 0.0);
       return std::string(buf);
     };
-    std::printf("%12lld | %-26s | %-26s | %-30s\n", static_cast<long long>(n * 4),
-                fmt(t("unshard", n), t("raw_allgather", n)).c_str(),
-                fmt(t("reduce_grad", n), t("raw_allreduce", n)).c_str(),
-                fmt(t("reduce_scatter/alltoall", n), t("reduce_scatter/allreduce", n)).c_str());
+    std::printf("%10lld | %-30s | %-30s\n", static_cast<long long>(mb),
+                fmt("unshard", "raw_allgather").c_str(),
+                fmt("reduce_grad", "raw_reduce_scatter").c_str());
+    for (const char* c : {"raw_allgather", "unshard", "raw_reduce_scatter", "reduce_grad"}) {
+      fsdp_bench::emit({{"bench", "collectives"},
+                        {"case", c},
+                        {"world", world},
+                        {"bytes", bytes},
+                        {"unit", "s"},
+                        {"raw_kind", nat ? "native" : "emulated"}},
+                       rep.all(c, n));
+    }
   }
 }
 
@@ -184,7 +156,9 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
 
 int main(int argc, char** argv) {
   const int world = fsdp_bench::world_from_env();
+  const int rounds = fsdp_bench::rounds_from_env(5);
+  sizes_mb() = fsdp_bench::env_list("FSDP_BENCH_SIZES_MB", {1, 4, 16, 64, 256});
   return fsdp_bench::run(
-      argc, argv, world, register_all,
+      argc, argv, world, [&] { register_all(world, rounds); },
       [world](const fsdp_bench::RecordingReporter& rep) { summarize(rep, world); });
 }

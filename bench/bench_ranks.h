@@ -1,43 +1,69 @@
 // Shared by the benchmark programs: fork W ranks that rendezvous over a TCPStore on loopback, run
 // the same Google Benchmark suite with fixed iteration counts (every rank must issue the same
 // collectives), and let rank 0 alone report.
+//
+// Measured and baseline cases are registered in interleaved rounds (baseline, measured, measured,
+// baseline, ...), one repetition each, so that a noisy neighbour slows both alike; a case's figure
+// is the median of its rounds. Google Benchmark's own random interleaving cannot be used: each
+// rank would draw its own order and the ranks' collectives would no longer match.
+//
+// Rank 0 appends every measurement, with all its samples, as one JSON line to $FSDP_BENCH_OUT
+// (when set); scripts/bench_report.py turns them into the suite's records, targets and plots.
 #pragma once
 
 #include <sys/wait.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <benchmark/benchmark.h>
+#include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <map>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "fsdp/fsdp.h"
 
 namespace fsdp_bench {
 
-/// Rank 0 prints as usual and keeps the median time (seconds) of every benchmark by name and
-/// argument, for the ratio tables printed afterwards.
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Rank 0 prints every round as usual and keeps each case's seconds per iteration, by name and
+/// argument, over its rounds.
 class RecordingReporter : public benchmark::ConsoleReporter {
  public:
   RecordingReporter() : ConsoleReporter(OO_Tabular) {}
-  std::map<std::pair<std::string, int64_t>, double> seconds;
+  std::map<std::pair<std::string, int64_t>, std::vector<double>> samples;
   void ReportRuns(const std::vector<Run>& runs) override {
     ConsoleReporter::ReportRuns(runs);
     for (const auto& r : runs) {
-      // Medians of the repetitions: robust to a noisy neighbour on a shared machine.
-      if (r.run_type != Run::RT_Aggregate || r.aggregate_name != "median") continue;
+      if (r.run_type != Run::RT_Iteration) continue;
       const std::string& args = r.run_name.args;
       const size_t first = args.find_first_not_of('/');
       const int64_t arg = first == std::string::npos ? 0 : std::stoll(args.substr(first));
-      seconds[{r.run_name.function_name, arg}] =
-          r.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(r.time_unit);
+      samples[{r.run_name.function_name, arg}].push_back(
+          r.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(r.time_unit));
     }
   }
+  /// Median seconds per iteration of a case; 0 if it did not run.
   double get(const std::string& name, int64_t arg = 0) const {
-    auto it = seconds.find({name, arg});
-    return it == seconds.end() ? 0.0 : it->second;
+    auto it = samples.find({name, arg});
+    return it == samples.end() ? 0.0 : median(it->second);
+  }
+  std::vector<double> all(const std::string& name, int64_t arg = 0) const {
+    auto it = samples.find({name, arg});
+    return it == samples.end() ? std::vector<double>{} : it->second;
   }
 };
 
@@ -50,6 +76,71 @@ class SilentReporter : public benchmark::BenchmarkReporter {
 inline fsdp::dist::ProcessGroup*& group() {
   static fsdp::dist::ProcessGroup* pg = nullptr;
   return pg;
+}
+
+/// One benchmark case: a name, a function, its argument (a size) and fixed iterations.
+struct Case {
+  std::string name;
+  void (*fn)(benchmark::State&);
+  int64_t arg = 0;
+  int64_t iterations = 1;
+};
+
+/// Registers `cases` `rounds` times, reversing the order every other round (so that neither the
+/// baseline nor the measured case always runs first), one repetition each.
+inline void register_rounds(const std::vector<Case>& cases, int rounds,
+                            benchmark::TimeUnit unit = benchmark::kMillisecond) {
+  for (int r = 0; r < rounds; ++r) {
+    std::vector<Case> order = cases;
+    if (r % 2) std::reverse(order.begin(), order.end());
+    for (const Case& c : order) {
+      auto* b = benchmark::RegisterBenchmark(c.name.c_str(), c.fn);
+      if (c.arg) b->Arg(c.arg);
+      b->Iterations(c.iterations)->Repetitions(1)->UseRealTime()->Unit(unit);
+    }
+  }
+}
+
+/// Integer from the environment, or `fallback`.
+inline int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoll(v) : fallback;
+}
+
+/// Comma-separated integers from the environment, or `fallback`.
+inline std::vector<int64_t> env_list(const char* name, std::vector<int64_t> fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  std::vector<int64_t> out;
+  std::stringstream ss(v);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(std::atoll(item.c_str()));
+  return out;
+}
+
+/// World size of a benchmark run: $FSDP_BENCH_WORLD, default 2.
+inline int world_from_env() { return static_cast<int>(env_int("FSDP_BENCH_WORLD", 2)); }
+
+/// Rounds per case: $FSDP_BENCH_ROUNDS, else `fallback`.
+inline int rounds_from_env(int fallback) {
+  return static_cast<int>(env_int("FSDP_BENCH_ROUNDS", fallback));
+}
+
+/// Appends one measurement to $FSDP_BENCH_OUT as a JSON line, with the LibTorch version and
+/// backend it was taken with. `samples` are the per-round values; "median" is added.
+inline void emit(nlohmann::json m, const std::vector<double>& samples = {}) {
+  const char* path = std::getenv("FSDP_BENCH_OUT");
+  if (!path || !*path) return;
+  if (!samples.empty()) {
+    m["samples"] = samples;
+    m["median"] = median(samples);
+  }
+  m["libtorch"] = TORCH_VERSION;
+  // Which part of scripts/bench.sh took it ("host", or "torch2" in the LibTorch 2.x chroot).
+  if (const char* tag = std::getenv("FSDP_BENCH_TAG")) m["run"] = tag;
+  if (!m.contains("backend") && group()) m["backend"] = group()->backend_name();
+  std::ofstream out(path, std::ios::app);
+  out << m.dump() << "\n";
 }
 
 /// Forks `world` ranks. Each registers its benchmarks with `register_all`, runs them, and rank 0
@@ -73,7 +164,7 @@ inline int run(int argc, char** argv, int world, const std::function<void()>& re
           fsdp::compat::make_tcp_store("127.0.0.1", port, false, world, std::chrono::seconds(60));
       auto pg = fsdp::dist::init_process_group(
           fsdp::dist::InitOptions().rank(r).world_size(world).store(store).timeout(
-              std::chrono::seconds(300)));
+              std::chrono::seconds(600)));
       group() = &pg;
       benchmark::Initialize(&argc, argv);
       register_all();
@@ -85,6 +176,7 @@ inline int run(int argc, char** argv, int world, const std::function<void()>& re
         SilentReporter silent;
         benchmark::RunSpecifiedBenchmarks(&silent);
       }
+      pg.barrier();
       rc = 0;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "rank %d: %s\n", r, e.what());
@@ -99,12 +191,6 @@ inline int run(int argc, char** argv, int world, const std::function<void()>& re
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
   }
   return rc;
-}
-
-/// World size of a benchmark run: $FSDP_BENCH_WORLD, default 2.
-inline int world_from_env() {
-  const char* w = std::getenv("FSDP_BENCH_WORLD");
-  return w ? std::atoi(w) : 2;
 }
 
 /// Untimed rounds first: the first collectives on a fresh pair pay for connection warm-up.

@@ -1,16 +1,28 @@
 // bench_training: the step time (forward, backward, Adam) of a small transformer under
 // FULL_SHARD, SHARD_GRAD_OP and NO_SHARD (the DDP equivalent) at world size 2 (or
-// $FSDP_BENCH_WORLD), as ratios to one process taking the same step on the whole global batch,
-// all measured in the same run.
+// $FSDP_BENCH_WORLD), next to two baselines measured in the same run:
+//   single_process  one process taking the same step on the whole global batch (the other ranks
+//                   idle): the ideal W-rank step is 1/W of it;
+//   compute_only    every rank stepping an unwrapped copy on its own share of the batch, with no
+//                   communication at all: the step time if communication were fully hidden.
+// Peak tensor bytes (tensor_memory.h) and peak RSS of rank 0 during each case are reported too.
+// bench/py_training.py runs the same model in PyTorch's Python FSDP and DDP for the peer
+// comparison (scripts/bench.sh runs both against LibTorch 2.6).
 #include <torch/torch.h>
 
 #include "bench_ranks.h"
+#include "tensor_memory.h"
 
 namespace {
 
+// Keep in step with bench/py_training.py.
 constexpr int64_t kVocab = 256, kDim = 128, kHeads = 4, kFF = 512, kLayers = 4, kSeq = 32;
 constexpr int64_t kGlobalBatch = 8;
-constexpr int kIters = 10;
+
+int64_t& iters() {
+  static int64_t n = 10;
+  return n;
+}
 
 struct TransformerImpl : torch::nn::Module {
   torch::nn::Embedding tok{nullptr};
@@ -41,6 +53,29 @@ torch::Tensor step_loss(const torch::Tensor& logits, const torch::Tensor& idx) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), idx.reshape({-1}));
 }
 
+// Rank 0's peak tensor bytes and peak RSS per case (the last round's).
+std::map<std::string, std::pair<int64_t, int64_t>>& memory() {
+  static std::map<std::string, std::pair<int64_t, int64_t>> m;
+  return m;
+}
+
+template <typename Model>
+void timed_steps(benchmark::State& st, const std::string& key, Model& model,
+                 const torch::Tensor& idx) {
+  torch::optim::Adam opt(model->parameters(), 1e-3);
+  auto step = [&] {
+    opt.zero_grad();
+    step_loss(model->forward(idx), idx).backward();
+    opt.step();
+  };
+  fsdp_bench::warm_up(step, 2);
+  fsdp_bench::TensorMemory::install().reset_peak();
+  fsdp_bench::reset_peak_rss();
+  fsdp_bench::group()->barrier();
+  for (auto _ : st) step();
+  memory()[key] = {fsdp_bench::TensorMemory::install().peak(), fsdp_bench::peak_rss()};
+}
+
 void BM_SingleProcess(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   // Rank 0 alone takes the whole batch; the others wait at the barrier below.
@@ -62,6 +97,14 @@ void BM_SingleProcess(benchmark::State& st) {
   pg.barrier();
 }
 
+void BM_ComputeOnly(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  Transformer m;
+  auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq});
+  timed_steps(st, "compute_only", m, idx);
+  pg.barrier();
+}
+
 template <fsdp::ShardingStrategy S>
 void BM_Fsdp(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
@@ -69,52 +112,62 @@ void BM_Fsdp(benchmark::State& st) {
   fsdp::FullyShardedDataParallel model(
       m, fsdp::FullyShardedOptions().sharding_strategy(S).process_group(pg).auto_wrap_policy(
              fsdp::module_type_auto_wrap_policy<torch::nn::TransformerEncoderLayerImpl>()));
-  torch::optim::Adam opt(model->parameters(), 1e-3);
   auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq});
-  auto step = [&] {
-    opt.zero_grad();
-    step_loss(model->forward(idx), idx).backward();
-    opt.step();
-  };
-  fsdp_bench::warm_up(step, 2);
-  pg.barrier();
-  for (auto _ : st) step();
+  timed_steps(st, fsdp::to_string(S), model, idx);
 }
 
-void register_all() {
-  auto reg = [](const char* name, void (*fn)(benchmark::State&)) {
-    benchmark::RegisterBenchmark(name, fn)
-        ->Iterations(kIters)
-        ->Repetitions(3)
-        ->ReportAggregatesOnly(true)
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
-  };
-  reg("single_process", BM_SingleProcess);
-  reg("FULL_SHARD", BM_Fsdp<fsdp::ShardingStrategy::FULL_SHARD>);
-  reg("SHARD_GRAD_OP", BM_Fsdp<fsdp::ShardingStrategy::SHARD_GRAD_OP>);
-  reg("NO_SHARD", BM_Fsdp<fsdp::ShardingStrategy::NO_SHARD>);
+const std::vector<std::string> kCases{"single_process", "compute_only", "FULL_SHARD",
+                                      "SHARD_GRAD_OP", "NO_SHARD"};
+
+void register_all(int rounds) {
+  fsdp_bench::TensorMemory::install();
+  fsdp_bench::register_rounds({{"single_process", BM_SingleProcess, 0, iters()},
+                               {"compute_only", BM_ComputeOnly, 0, iters()},
+                               {"FULL_SHARD", BM_Fsdp<fsdp::ShardingStrategy::FULL_SHARD>, 0,
+                                iters()},
+                               {"SHARD_GRAD_OP", BM_Fsdp<fsdp::ShardingStrategy::SHARD_GRAD_OP>,
+                                0, iters()},
+                               {"NO_SHARD", BM_Fsdp<fsdp::ShardingStrategy::NO_SHARD>, 0,
+                                iters()}},
+                              rounds);
 }
 
 void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
-  const double base = rep.get("single_process");
+  const double base = rep.get("single_process"), compute = rep.get("compute_only");
+  const double tokens = kGlobalBatch * kSeq;
   std::printf(
-      "\nstep time of a %lld-layer transformer (d=%lld), global batch %lld, world size %d;\n"
-      "ratio = step time / one process on the whole batch (same run; < 1 means faster)\n",
+      "\nstep of a %lld-layer transformer (d=%lld), global batch %lld x %lld tokens, world size "
+      "%d, LibTorch %s;\nmedians of interleaved rounds; ratio = step time / one process on the "
+      "whole batch (ideal: 1/W)\n",
       static_cast<long long>(kLayers), static_cast<long long>(kDim),
-      static_cast<long long>(kGlobalBatch), world);
-  std::printf("%-16s %10.1f ms   1.00\n", "single process", base * 1e3);
-  for (const char* s : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}) {
-    const double t = rep.get(s);
-    std::printf("%-16s %10.1f ms   %.2f\n", s, t * 1e3, base > 0 ? t / base : 0.0);
+      static_cast<long long>(kGlobalBatch), static_cast<long long>(kSeq), world, TORCH_VERSION);
+  std::printf("%-16s %10s %10s %7s %14s %12s\n", "", "ms/step", "tokens/s", "ratio",
+              "peak tensor MB", "peak RSS MB");
+  for (const std::string& c : kCases) {
+    const double t = rep.get(c);
+    const auto mem = memory().count(c) ? memory()[c] : std::pair<int64_t, int64_t>{0, 0};
+    std::printf("%-16s %10.1f %10.0f %7.2f %14.1f %12.1f\n", c.c_str(), t * 1e3,
+                t > 0 ? tokens / t : 0.0, base > 0 ? t / base : 0.0, mem.first / 1e6,
+                mem.second / 1e6);
+    nlohmann::json m{{"bench", "training"}, {"case", c},       {"world", world},
+                     {"unit", "s"},         {"tokens", tokens}, {"model", "transformer4x128"}};
+    if (mem.first) m["peak_tensor_bytes"] = mem.first;
+    if (mem.second) m["peak_rss_bytes"] = mem.second;
+    fsdp_bench::emit(m, rep.all(c));
   }
+  if (compute > 0)
+    std::printf("communication left exposed (step - compute_only): FULL_SHARD %.1f ms, "
+                "NO_SHARD %.1f ms\n",
+                (rep.get("FULL_SHARD") - compute) * 1e3, (rep.get("NO_SHARD") - compute) * 1e3);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const int world = fsdp_bench::world_from_env();
+  const int rounds = fsdp_bench::rounds_from_env(3);
+  iters() = fsdp_bench::env_int("FSDP_BENCH_ITERS", 10);
   return fsdp_bench::run(
-      argc, argv, world, register_all,
+      argc, argv, world, [&] { register_all(rounds); },
       [world](const fsdp_bench::RecordingReporter& rep) { summarize(rep, world); });
 }
