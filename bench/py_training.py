@@ -49,7 +49,8 @@ def wrap(model, case):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     return FSDP(model, sharding_strategy=getattr(ShardingStrategy, case),
-                auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}))
+                auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
+                device_id=torch.device("cpu"))
 
 
 def seconds_per_step(case, iters, world):

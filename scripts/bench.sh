@@ -80,6 +80,11 @@ for w in $COLL_WORLDS; do
   run collectives.log FSDP_BENCH_WORLD=$w FSDP_BENCH_SIZES_MB=$COLL_SIZES \
     FSDP_BENCH_ROUNDS=$COLL_ROUNDS $B/bench_collectives
 done
+# The same at W=2 with glibc keeping freed memory for reuse instead of returning it to the kernel
+# (large blocks are otherwise mmapped and page-faulted anew on every unshard); see
+# docs/performance.md.
+run collectives.log FSDP_BENCH_TAG=host-heap MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 \
+  FSDP_BENCH_WORLD=2 FSDP_BENCH_SIZES_MB=$COLL_SIZES FSDP_BENCH_ROUNDS=$COLL_ROUNDS $B/bench_collectives
 # 2. Training against one process (the peers follow in the LibTorch 2.6 part).
 run training.log FSDP_BENCH_WORLD=2 FSDP_BENCH_ROUNDS=$TRAIN_ROUNDS FSDP_BENCH_ITERS=$TRAIN_ITERS \
   $B/bench_training

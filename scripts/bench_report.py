@@ -92,12 +92,14 @@ def fit_exponent(xs, ys):
 def suffix(m, run):
     if run == "host":
         return ""
+    if run == "host-heap":
+        return " [glibc heap reuse]"
     row = m.first(run=run)
     return f" [LibTorch {row['libtorch']}]" if row and "libtorch" in row else f" [{run}]"
 
 
 def collectives(m):
-    for run in ("host", "torch2"):
+    for run in ("host", "host-heap", "torch2"):
         sfx = suffix(m, run)
         for w in m.values("world", bench="collectives", run=run):
             for nbytes in m.values("bytes", bench="collectives", run=run, world=w):
