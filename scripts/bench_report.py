@@ -71,7 +71,8 @@ def record(name, value, unit, baseline_name, baseline_value, target=None, note=N
 
 
 def mb_label(nbytes):
-    return f"{nbytes / 1e6:g}MB"
+    # Units split W ways round down by a few bytes (1 MB at W=3 is 999996 bytes).
+    return f"{nbytes / 1e6:.3g}MB"
 
 
 def params_label(p):
