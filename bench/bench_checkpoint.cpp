@@ -73,17 +73,7 @@ void BM_RawWriteFsync(benchmark::State& st) {
   int k = 0;
   for (auto _ : st) {
     const std::string file = path + "_" + std::to_string(k++);
-    const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const char* p = static_cast<const char*>(data.data_ptr());
-    int64_t left = rank_bytes();
-    while (left > 0) {
-      const auto n = ::write(fd, p, static_cast<size_t>(left));
-      if (n <= 0) throw std::runtime_error("raw write failed");
-      p += n;
-      left -= n;
-    }
-    ::fsync(fd);
-    ::close(fd);
+    fsdp_bench::write_file_fsync(file, data.data_ptr(), rank_bytes());
     pg.barrier();  // as a save: done when every rank is
     st.PauseTiming();
     ::rename(file.c_str(), path.c_str());  // the file raw_read reads
@@ -258,18 +248,7 @@ void BM_RawWriteFull(benchmark::State& st) {
   if (pg.rank() == 0) data = at::ones({bytes / 4});
   pg.barrier();
   for (auto _ : st) {
-    if (pg.rank() == 0) {
-      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const char* p = static_cast<const char*>(data.data_ptr());
-      for (int64_t left = bytes; left > 0;) {
-        const auto n = ::write(fd, p, static_cast<size_t>(left));
-        if (n <= 0) throw std::runtime_error("raw write failed");
-        p += n;
-        left -= n;
-      }
-      ::fsync(fd);
-      ::close(fd);
-    }
+    if (pg.rank() == 0) fsdp_bench::write_file_fsync(path, data.data_ptr(), bytes);
     pg.barrier();
   }
 }

@@ -11,6 +11,7 @@
 // (when set); scripts/bench_report.py turns them into the suite's records, targets and plots.
 #pragma once
 
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <torch/version.h>
 #include <unistd.h>
@@ -191,6 +192,22 @@ inline int run(int argc, char** argv, int world, const std::function<void()>& re
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) rc = 1;
   }
   return rc;
+}
+
+/// The raw disk baseline: writes `bytes` from `data` as the file `path` (created or truncated),
+/// looping over short writes, and fsyncs it.
+inline void write_file_fsync(const std::string& path, const void* data, int64_t bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw std::runtime_error("raw write: cannot open " + path);
+  const char* p = static_cast<const char*>(data);
+  for (int64_t left = bytes; left > 0;) {
+    const auto n = ::write(fd, p, static_cast<size_t>(left));
+    if (n <= 0) throw std::runtime_error("raw write failed: " + path);
+    p += n;
+    left -= n;
+  }
+  ::fsync(fd);
+  ::close(fd);
 }
 
 /// Untimed rounds first: the first collectives on a fresh pair pay for connection warm-up.

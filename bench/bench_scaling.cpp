@@ -223,16 +223,7 @@ void BM_RawWriteFsync(benchmark::State& st) {
   const std::string path = base_dir() + "/raw_" + std::to_string(pg.rank());
   pg.barrier();
   for (auto _ : st) {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const char* p = static_cast<const char*>(data.data_ptr());
-    for (int64_t left = bytes; left > 0;) {
-      const auto n = ::write(fd, p, static_cast<size_t>(left));
-      if (n <= 0) throw std::runtime_error("raw write failed");
-      p += n;
-      left -= n;
-    }
-    ::fsync(fd);
-    ::close(fd);
+    fsdp_bench::write_file_fsync(path, data.data_ptr(), bytes);
     pg.barrier();  // as a save: done when every rank is
   }
 }
