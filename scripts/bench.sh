@@ -18,7 +18,8 @@
 #   machine.json        where and with what it ran
 #   *.png               plots (python3-matplotlib)
 #   logs/               each program's output
-# Exit status 0 when the suite ran, whether or not every target was met (the table says).
+# Exit status 0 when every part ran, whether or not every target was met (the table says); 1 if a
+# part failed (the others still run and are reported).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,11 +52,20 @@ fi
 ./scripts/setup.sh
 B=build/bench
 
-# run LOG ENV... -- PROGRAM ARGS...: one program, its output shown and kept.
+# A part that fails (a crash, memory) is reported and the suite goes on: the report covers what
+# ran, the failures are listed at the end and make the exit status 1.
+FAILED=()
+# run LOG ENV... PROGRAM ARGS...: one program on the host, its output shown and kept.
 run() {
   local log="$OUT/logs/$1"; shift
   echo "== $*" | tee -a "$log"
-  env FSDP_BENCH_OUT="$MEAS" FSDP_BENCH_TAG=host "$@" 2>&1 | tee -a "$log"
+  env FSDP_BENCH_OUT="$MEAS" FSDP_BENCH_TAG=host "$@" 2>&1 | tee -a "$log" ||
+    FAILED+=("$* (logs/$(basename "$log"))")
+}
+# in_torch2 LOG CMD...: one command in the LibTorch 2.6 chroot.
+in_torch2() {
+  local log="$OUT/logs/$1"; shift
+  scripts/torch2-env.sh -- "$@" 2>&1 | tee -a "$log" || FAILED+=("LibTorch 2.6: $* (logs/$(basename "$log"))")
 }
 
 if ((QUICK)); then
@@ -109,14 +119,14 @@ if ((TORCH2)) && [ -n "$REL_OUT" ] && scripts/torch2-env.sh -- true; then
     M2="/src/$REL_OUT/measurements.jsonl"
     for ((r = 0; r < PEER_ROUNDS; r++)); do
       echo "== LibTorch 2.6 training, round $((r + 1)) of $PEER_ROUNDS" | tee -a "$OUT/logs/peers.log"
-      scripts/torch2-env.sh -- env FSDP_BENCH_OUT="$M2" FSDP_BENCH_TAG=torch2 FSDP_BENCH_WORLD=2 FSDP_BENCH_ROUNDS=1 \
-        FSDP_BENCH_ITERS=$TRAIN_ITERS build-trixie/bench/bench_training 2>&1 | tee -a "$OUT/logs/peers.log"
-      scripts/torch2-env.sh -- env FSDP_BENCH_TAG=torch2 build-trixie/fsdp-run --nproc-per-node 2 -- \
-        python3 bench/py_training.py --iters "$TRAIN_ITERS" --out "$M2" 2>&1 | tee -a "$OUT/logs/peers.log"
+      in_torch2 peers.log env FSDP_BENCH_OUT="$M2" FSDP_BENCH_TAG=torch2 FSDP_BENCH_WORLD=2 \
+        FSDP_BENCH_ROUNDS=1 FSDP_BENCH_ITERS=$TRAIN_ITERS build-trixie/bench/bench_training
+      in_torch2 peers.log env FSDP_BENCH_TAG=torch2 build-trixie/fsdp-run --nproc-per-node 2 -- \
+        python3 bench/py_training.py --iters "$TRAIN_ITERS" --out "$M2"
     done
     for w in $COLL_WORLDS; do
-      scripts/torch2-env.sh -- env FSDP_BENCH_OUT="$M2" FSDP_BENCH_TAG=torch2 FSDP_BENCH_WORLD=$w FSDP_BENCH_SIZES_MB=$COLL_SIZES \
-        FSDP_BENCH_ROUNDS=$COLL_ROUNDS build-trixie/bench/bench_collectives 2>&1 | tee -a "$OUT/logs/collectives-2.6.log"
+      in_torch2 collectives-2.6.log env FSDP_BENCH_OUT="$M2" FSDP_BENCH_TAG=torch2 FSDP_BENCH_WORLD=$w \
+        FSDP_BENCH_SIZES_MB=$COLL_SIZES FSDP_BENCH_ROUNDS=$COLL_ROUNDS build-trixie/bench/bench_collectives
     done
   else
     torch2_note="LibTorch 2.6 build failed (logs/torch2-build.log)"
@@ -143,5 +153,10 @@ json.dump({"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory
            "command": "scripts/bench.sh" + (" --quick" if quick else ""),
            "seconds": secs, "note": note}, open(path, "w"), indent=2)
 EOF
-/usr/bin/python3 scripts/bench_report.py "$OUT"
+/usr/bin/python3 scripts/bench_report.py "$OUT" || FAILED+=("the report (scripts/bench_report.py)")
 echo "bench.sh: finished in $(( $(date +%s) - start )) s; results in $OUT"
+if ((${#FAILED[@]})); then
+  echo "bench.sh: these parts failed; their figures are missing from the records:" >&2
+  for f in "${FAILED[@]}"; do echo "  $f" >&2; done
+  exit 1
+fi
