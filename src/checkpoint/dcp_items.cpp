@@ -3,12 +3,9 @@
 // in LibTorch's zip container, read back through the restricted reader.
 #include "checkpoint/dcp_items.h"
 
-#include <caffe2/serialize/inline_container.h>
 #include <torch/serialize.h>
 
-#include <algorithm>
 #include <cstring>
-#include <sstream>
 
 #include "checkpoint/pickle.h"
 #include "checkpoint/tensor_formats.h"
@@ -70,28 +67,17 @@ std::vector<FlatItem> flatten(StateDict& sd) {
 
 void write_tensor_item(const at::Tensor& t, const ByteSink& sink) {
   const at::Tensor c = t.detach().to(at::kCPU).contiguous();
-  const bool known = std::any_of(formats::dtype_names().begin(), formats::dtype_names().end(),
-                                 [&](const formats::DtypeName& n) { return n.dtype == c.scalar_type(); });
-  if (!known) {
-    // A view would drag its whole storage into the archive (DCP clones such tensors too).
-    at::Tensor own = c;
-    if (c.storage_offset() != 0 ||
-        c.storage().nbytes() != static_cast<size_t>(c.numel()) * c.element_size())
-      own = c.clone();
-    const std::vector<char> bytes = torch::pickle_save(own);
-    sink(bytes.data(), bytes.size());
+  if (formats::find_storage_class(c.scalar_type())) {
+    archive::write_tensor_archive(c, sink);
     return;
   }
-  const std::string pkl =
-      pickle::write(archive::tensor_node(c.scalar_type(), "0", c.sizes(), c.strides(), c.numel(),
-                                         "tensor item"));
-  if (archive::write_small_tensor_archive(c, pkl, sink)) return;
-  // The records torch.save writes, in its order, through LibTorch's writer (ZIP64).
-  archive::ArchiveWriter zip(sink);
-  zip.record("data.pkl", pkl.data(), pkl.size());
-  zip.record("byteorder", "little", 6);
-  zip.record("data/0", c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
-  zip.finish();
+  // A view would drag its whole storage into the archive (DCP clones such tensors too).
+  at::Tensor own = c;
+  if (c.storage_offset() != 0 ||
+      c.storage().nbytes() != static_cast<size_t>(c.numel()) * c.element_size())
+    own = c.clone();
+  const std::vector<char> bytes = torch::pickle_save(own);
+  sink(bytes.data(), bytes.size());
 }
 
 namespace {
@@ -129,14 +115,9 @@ NodePtr to_node(const StateValue& v, const std::string& key) {
 std::string value_payload(const StateValue& v, const std::string& key) {
   const std::string pkl = pickle::write(to_node(v, key));
   std::string out;
-  {
-    caffe2::serialize::PyTorchStreamWriter w([&](const void* data, size_t n) {
-      out.append(static_cast<const char*>(data), n);
-      return n;
-    });
-    w.writeRecord("data.pkl", pkl.data(), pkl.size());
-    w.writeEndOfFile();
-  }
+  archive::ArchiveWriter zip([&out](const char* data, size_t n) { out.append(data, n); });
+  zip.record("data.pkl", pkl.data(), pkl.size());
+  zip.finish();
   return out;
 }
 

@@ -38,9 +38,15 @@ inline std::string safetensors_dtype(at::ScalarType t, const std::string& what) 
   throw ValueError(what + ": dtype " + std::string(c10::toString(t)) + " has no safetensors name");
 }
 
-inline std::string storage_class(at::ScalarType t, const std::string& what) {
+/// torch.save's storage class name for `t` ("FloatStorage"), or null where the table has none.
+inline const char* find_storage_class(at::ScalarType t) {
   for (const auto& n : dtype_names())
     if (n.dtype == t) return n.storage;
+  return nullptr;
+}
+
+inline std::string storage_class(at::ScalarType t, const std::string& what) {
+  if (const char* name = find_storage_class(t)) return name;
   throw ValueError(what + ": dtype " + std::string(c10::toString(t)) +
                    " cannot be written to a .pt file");
 }

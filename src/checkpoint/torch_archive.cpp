@@ -3,7 +3,6 @@
 // the archive's size before it is used.
 #include "checkpoint/torch_archive.h"
 
-#include <array>
 #include <climits>
 #include <cstring>
 
@@ -343,12 +342,26 @@ void put32(std::string& b, uint64_t v) {
 
 }  // namespace
 
-bool write_small_tensor_archive(const at::Tensor& t, const std::string& pkl,
-                                const ArchiveWriter::Sink& sink) {
+void write_tensor_archive(const at::Tensor& t, const ArchiveWriter::Sink& sink) {
+  const std::string pkl = pickle::write(
+      tensor_node(t.scalar_type(), "0", t.sizes(), t.strides(), t.numel(), "tensor item"));
   const uint64_t nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
-  // Well inside 32-bit sizes and offsets: past them a ZIP64 archive is needed (the caller uses
-  // LibTorch's writer for those).
-  if (nbytes > 0xF0000000ull || pkl.size() > 0x1000000ull) return false;
+  // The records torch.save writes, in its order (LibTorch's writer adds `version` itself).
+  struct Rec {
+    const char* name;
+    const char* data;
+    uint64_t size;
+  };
+  const Rec records[] = {{"data.pkl", pkl.data(), pkl.size()},
+                         {"byteorder", "little", 6},
+                         {"data/0", static_cast<const char*>(t.data_ptr()), nbytes}};
+  // Past 32-bit sizes and offsets a ZIP64 archive is needed: LibTorch's writer does those.
+  if (nbytes > 0xF0000000ull || pkl.size() > 0x1000000ull) {
+    ArchiveWriter zip(sink);
+    for (const Rec& r : records) zip.record(r.name, r.data, r.size);
+    zip.finish();
+    return;
+  }
   struct Entry {
     std::string name;
     uint32_t crc;
@@ -385,9 +398,7 @@ bool write_small_tensor_archive(const at::Tensor& t, const std::string& pkl,
     entries.push_back({full, crc, n, pos});
     pos += head.size() + n;
   };
-  add("data.pkl", pkl.data(), pkl.size());
-  add("byteorder", "little", 6);
-  add("data/0", static_cast<const char*>(t.data_ptr()), nbytes);
+  for (const Rec& r : records) add(r.name, r.data, r.size);
   add("version", "3\n", 2);
   std::string dir;
   for (const Entry& e : entries) {
@@ -421,7 +432,6 @@ bool write_small_tensor_archive(const at::Tensor& t, const std::string& pkl,
   put32(dir, dir_offset);
   put16(dir, 0);
   sink(dir.data(), dir.size());
-  return true;
 }
 
 pickle::NodePtr tensor_node(at::ScalarType dtype, const std::string& key, at::IntArrayRef sizes,

@@ -116,12 +116,12 @@ class ArchiveWriter {
   std::unique_ptr<caffe2::serialize::PyTorchStreamWriter> zip_;
 };
 
-/// Writes a torch.save archive of `t` (contiguous, CPU, its own elements only) with the pickle
-/// `pkl` (see tensor_node, storage key "0") into `sink`: data.pkl, byteorder, data/0 (64-byte
-/// aligned, straight from the tensor's memory) and version, each CRC-checked with the fast
-/// crc32 above. Returns false, writing nothing, for sizes that need ZIP64.
-bool write_small_tensor_archive(const at::Tensor& t, const std::string& pkl,
-                                const ArchiveWriter::Sink& sink);
+/// Writes a torch.save archive of `t` (contiguous, CPU, a dtype with a storage class) into `sink`,
+/// holding only the tensor's own elements: data.pkl (tensor_node, storage key "0"), byteorder,
+/// data/0 (64-byte aligned, straight from the tensor's memory) and version. Our own zip writer,
+/// with the fast crc32 above, writes it; archives that need ZIP64 (data over 3.75 GiB) go
+/// through ArchiveWriter with the same records.
+void write_tensor_archive(const at::Tensor& t, const ArchiveWriter::Sink& sink);
 
 /// What torch.save pickles for a tensor held whole by storage `key`: the call
 /// torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict()), the storage
