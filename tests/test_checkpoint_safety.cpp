@@ -620,6 +620,28 @@ std::vector<std::string> dir_names(const std::string& dir) {
   return names;
 }
 
+// Where the file system cannot swap two directories (renameat2 says EINVAL), a save over an
+// existing checkpoint moves the old one aside and renames the new one in; the old copy is removed
+// and nothing else is left beside the checkpoint.
+TEST(CheckpointSafety, WithoutAnAtomicSwapTwoRenamesReplaceTheCheckpoint) {
+  TempDir tmp;
+  const std::string root = tmp.file("run");
+  const std::string dir = root + "/c";
+  run_ranks(2, [&](ProcessGroup& pg) {
+    ckpt::save(sharded_sample(pg.rank(), 2, 1.0), dir);
+    FaultIO io;
+    if (pg.rank() == 0) {
+      io.op = "exchange";
+      io.err = EINVAL;
+      io.path_part = ".partial";
+    }
+    ckpt::save(sharded_sample(pg.rank(), 2, 2.0), dir, ckpt::SaveOptions().io(&io));
+    fsdp::checkpoint::files::wait_for_background_removal();
+  });
+  EXPECT_DOUBLE_EQ(saved_scale(dir), 2.0);
+  EXPECT_EQ(dir_names(root), (std::vector<std::string>{"c"}));
+}
+
 TEST(CheckpointSafety, StepsLatestAndKeepLast) {
   TempDir tmp;
   const std::string root = tmp.file("run");

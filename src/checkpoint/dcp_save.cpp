@@ -223,30 +223,33 @@ void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& p
     throw Error(std::string(kWhat) + ": cannot stat " + dir + ": " + std::strerror(errno));
   if (existing == 0 && io.file_size(dir) >= 0)
     throw Error(std::string(kWhat) + ": " + dir + " exists and is not a directory");
+  // A replaced checkpoint ends up at `old`, to be unlinked in the background (tens of
+  // milliseconds for a large checkpoint, which no rank waits for; the next save waits for it and
+  // removes a leftover of a process that died first).
+  const std::string old = partial + ".old";
+  bool replaced = false;
   if (existing == 0) {
     if (io.rename(partial, dir) != 0)
       throw Error(std::string(kWhat) + ": renaming " + partial + " to " + dir +
                   " failed: " + std::strerror(errno));
-  } else if (io.exchange(partial, dir) != 0) {
+  } else if (io.exchange(partial, dir) == 0) {
+    replaced = io.rename(partial, old) == 0;  // `partial` now holds the replaced checkpoint
+  } else {
     if (errno != EINVAL && errno != ENOSYS)
       throw Error(std::string(kWhat) + ": swapping " + partial + " with the checkpoint at " + dir +
                   " failed: " + std::strerror(errno));
     // No atomic swap here: move the old one aside first (a crash in between leaves it there).
-    const std::string old = partial + ".old";
     if (io.rename(dir, old) != 0 || io.rename(partial, dir) != 0)
       throw Error(std::string(kWhat) + ": replacing the checkpoint at " + dir +
                   " failed: " + std::strerror(errno));
-    files::remove_tree(io, old, kWhat);
+    replaced = true;
   }
   files::sync_dir(io, files::parent_of(dir), kWhat);
-  // After the exchange `partial` holds the replaced checkpoint; it is garbage now. It is moved
-  // aside and unlinked in the background (tens of milliseconds for a large checkpoint); the next
-  // save waits for that and removes a leftover of a process that died first.
   try {
-    if (existing != 0 && io.rename(partial, partial + ".old") == 0)
-      files::remove_tree_in_background(io, {partial + ".old"}, kWhat);
+    if (replaced)
+      files::remove_tree_in_background(io, {old}, kWhat);
     else
-      files::remove_tree(io, partial, kWhat);
+      files::remove_tree(io, partial, kWhat);  // after an exchange whose copy could not move
   } catch (const std::exception& e) {
     TORCH_WARN("fsdp checkpoint: committed ", dir,
                " but could not remove the old copy: ", e.what());
