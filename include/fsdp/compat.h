@@ -53,6 +53,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 #ifdef USE_C10D_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -154,6 +155,19 @@ inline BackendPtr make_nccl_backend(const StorePtr& store, int rank, int size,
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
 }
 #endif
+
+/// The device whose tensors the backend named `backend_name` reduces and moves: NCCL's is the
+/// CUDA device current when the group is created (set it per rank, as with
+/// torch.cuda.set_device, before init_process_group); every other backend's is the CPU. Chosen
+/// here, once, for all of fsdp::dist: a collective given tensors elsewhere stages them through
+/// this device, as PyTorch's all_gather_object does for NCCL.
+inline at::Device collective_device(const std::string& backend_name) {
+#ifdef USE_C10D_NCCL
+  if (backend_name == "nccl") return at::Device(at::kCUDA, c10::cuda::current_device());
+#endif
+  (void)backend_name;
+  return at::Device(at::kCPU);
+}
 
 /// An owning handle to an autograd node, as grad_accumulator returns it (shared_ptr or
 /// intrusive_ptr depending on the release): detected, not inferred from version numbers.

@@ -106,6 +106,12 @@ class Work {
   Work& operator=(Work&&) noexcept;
   ~Work();
   /// Blocks until done. Idempotent. Throws DistError on failure or timeout.
+  /// Under NCCL, as in PyTorch, wait() on a collective of CUDA tensors makes the current CUDA
+  /// stream wait for it and returns without blocking the CPU (results staged back to another
+  /// device are copied, which does wait). A collective that never completes is then ended by
+  /// c10d's watchdog after the group's timeout, which takes the process down with an error
+  /// naming the operation; set TORCH_NCCL_BLOCKING_WAIT=1 to have wait() block and throw
+  /// DistError instead (at the cost of the CPU waiting for every collective).
   void wait();
   /// True when wait() has nothing left to do.
   bool done() const { return !pending_; }
@@ -141,10 +147,15 @@ class ProcessGroup {
   const std::vector<int>& global_ranks() const;
   /// The underlying c10d object, for callers that need something not wrapped here.
   compat::BackendPtr backend() const;
+  /// The device the backend communicates from: the CPU for Gloo; for NCCL the CUDA device that
+  /// was current when the group was created. Collectives accept tensors on any device: one that
+  /// is elsewhere is copied to this device for the collective and its result copied back (for
+  /// NCCL, CPU metadata such as flags, sizes and names; for Gloo, CUDA tensors).
+  at::Device device() const;
 
   // ---- Collectives. All members must call them in the same order with matching shapes. ----
-  // Each blocking form is the async form followed by wait(). Tensors must be contiguous and on the
-  // device the backend serves (CPU for Gloo). Inputs are not modified unless stated.
+  // Each blocking form is the async form followed by wait(). Tensors must be contiguous; those
+  // not on device() are staged through it (see device()). Inputs are not modified unless stated.
 
   /// output (numel = W * input.numel()) receives every rank's `input`, in rank order.
   void all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input);

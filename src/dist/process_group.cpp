@@ -93,6 +93,7 @@ ProcessGroup ProcessGroup::from_backend(compat::BackendPtr backend, std::string 
   s->timeout = timeout;
   s->store = std::move(store);
   s->backend_name = s->backend->getBackendName();
+  s->device = compat::collective_device(s->backend_name);
   if (global_ranks.empty()) {
     for (int r = 0; r < s->size; ++r) global_ranks.push_back(r);
   }
@@ -124,6 +125,7 @@ const std::vector<int>& ProcessGroup::global_ranks() const {
   return checked_state("global_ranks").global_ranks;
 }
 compat::BackendPtr ProcessGroup::backend() const { return checked_state("backend").backend; }
+at::Device ProcessGroup::device() const { return checked_state("device").device; }
 
 namespace {
 
@@ -160,6 +162,17 @@ compat::BackendPtr make_backend(const std::string& kind, const compat::StorePtr&
 #endif
   }
   throw ValueError("unknown backend '" + kind + "' (expected gloo, nccl or auto)");
+}
+
+// NCCL builds its communicator at a group's first collective, and building it waits for every
+// peer with no time limit. Doing it while creating the group, when every rank is there, keeps
+// later collectives under the group's timeout (c10d's watchdog, or wait() with
+// TORCH_NCCL_BLOCKING_WAIT=1), as PyTorch does when init_process_group is given a device_id.
+void connect_eagerly(ProcessGroup& g) {
+  if (g.backend_name() != "nccl" || g.size() == 1) return;
+  at::Tensor t = at::zeros({1}, at::TensorOptions().device(g.device()));
+  g.all_reduce(t);
+  (void)t.cpu();  // the CPU waits for the collective itself
 }
 
 }  // namespace
@@ -202,6 +215,7 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
   ProcessGroup g = from_backend(std::move(backend), name, s.timeout, s.store, std::move(global));
   g.state_->gloo_hostname = s.gloo_hostname;
   g.state_->gloo_threads = s.gloo_threads;
+  connect_eagerly(g);
   return g;
 }
 
@@ -253,6 +267,7 @@ ProcessGroup init_process_group(const InitOptions& opts) {
   ProcessGroup g = ProcessGroup::from_backend(std::move(backend), "default", opts.timeout(), store);
   g.state_->gloo_hostname = hostname;
   g.state_->gloo_threads = opts.gloo_threads();
+  connect_eagerly(g);
   {
     std::lock_guard<std::mutex> lock(g_default_mu);
     g_default = g;

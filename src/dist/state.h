@@ -10,6 +10,7 @@ struct ProcessGroup::State {
   compat::BackendPtr backend;
   std::string name;
   std::string backend_name;
+  at::Device device{at::kCPU};  // compat::collective_device(backend_name)
   int rank = 0;
   int size = 1;
   std::chrono::milliseconds timeout{0};
