@@ -348,3 +348,135 @@ TEST(RuntimeRegressions, SummonWithGradsShowsFullGradients) {
     }
   });
 }
+
+namespace {
+fsdp::FlatParamHandle* handle_of(FullyShardedDataParallel& model, const std::string& first_fqn) {
+  for (auto* h : model->handles()) {
+    if (h != nullptr && h->layout().fqns[0] == first_fqn) return h;
+  }
+  throw std::runtime_error("no unit starts with " + first_fqn);
+}
+}  // namespace
+
+// PyTorch's _skipped_use_sharded_views: under SHARD_GRAD_OP with use_orig_params a forward under
+// grad mode keeps the unsharded parameters for backward, and the original parameters stay their
+// full-shaped views until then (FULL_SHARD frees them, so they are 1-D shard views). Training is
+// unchanged, and it equals one process on the whole batch.
+TEST(RuntimeRegressions, ShardGradOpKeepsUnshardedViewsBetweenForwardAndBackward) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    for (auto strategy : {ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::FULL_SHARD}) {
+      const bool keeps = strategy == ShardingStrategy::SHARD_GRAD_OP;
+      TinyLM m(41);
+      TinyLM ref(41);
+      FullyShardedDataParallel model(m, lm_options(m, strategy, /*use_orig_params=*/true));
+      fsdp::FlatParamHandle* h = handle_of(model, "blocks.1.fc1.weight");
+      auto weight = [](TinyLM& lm) { return lm->blocks->ptr<BlockImpl>(1)->fc1->weight; };
+      torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
+      torch::optim::SGD ref_opt(fsdp::testing::unique_params(ref->parameters()), 0.5);
+      for (int step = 0; step < 2; ++step) {
+        auto idx = lm_tokens(4, 70 + step);
+        auto local = idx.narrow(0, 2 * pg.rank(), 2);
+        opt.zero_grad();
+        auto loss = lm_loss(model->forward(local), local);
+        // Between forward and backward.
+        EXPECT_EQ(h->skipped_use_sharded_views(), keeps) << fsdp::to_string(strategy);
+        if (keeps) {
+          EXPECT_EQ(weight(m).sizes(), weight(ref).sizes());
+          EXPECT_TRUE(torch::allclose(weight(m), weight(ref), 1e-5, 1e-6)) << "step " << step;
+        } else {
+          EXPECT_EQ(weight(m).dim(), 1);
+        }
+        loss.backward();
+        EXPECT_FALSE(h->skipped_use_sharded_views());
+        EXPECT_EQ(weight(m).dim(), 1) << "a shard view again after backward";
+        opt.step();
+        ref_opt.zero_grad();
+        lm_loss(ref->forward(idx), idx).backward();
+        ref_opt.step();
+      }
+      // A forward without grad mode keeps nothing, so there is nothing to skip.
+      {
+        torch::NoGradGuard no_grad;
+        model->forward(lm_tokens(2, 77));
+        EXPECT_FALSE(h->skipped_use_sharded_views());
+        EXPECT_EQ(weight(m).dim(), 1);
+      }
+      const auto got = full_params(model);
+      for (const auto& p : ref->named_parameters()) {
+        EXPECT_TRUE(torch::allclose(got.at(p.key()), p.value(), 1e-5, 1e-6))
+            << fsdp::to_string(strategy) << " " << p.key();
+      }
+    }
+  });
+}
+
+// While the views are kept, a parameter replaced before backward is an error naming it, as in
+// PyTorch (it would otherwise be silently lost: backward runs on the kept unsharded values).
+TEST(RuntimeRegressions, ReplacingAKeptParameterBeforeBackwardIsAnError) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    TinyLM m(42);
+    FullyShardedDataParallel model(
+        m, lm_options(m, ShardingStrategy::SHARD_GRAD_OP, /*use_orig_params=*/true));
+    auto idx = lm_tokens(2, 43 + pg.rank());
+    auto loss = lm_loss(model->forward(idx), idx);
+    {
+      torch::NoGradGuard no_grad;
+      m->blocks->ptr<BlockImpl>(1)->fc1->weight.set_data(torch::zeros({13, 8}));
+    }
+    try {
+      loss.backward();
+      ADD_FAILURE() << "backward accepted a parameter replaced after forward";
+    } catch (const std::exception& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("between forward and backward for SHARD_GRAD_OP"), std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("blocks.1.fc1.weight"), std::string::npos) << msg;
+    }
+  });
+}
+
+// PyTorch's _cpu_grad: under offload the sharded gradient is one CPU buffer kept for the handle's
+// life; after zero_grad(set_to_none) the next backward writes into the same buffer (no
+// allocation per step), and training is bit-identical to training without offload.
+TEST(RuntimeRegressions, OffloadReusesOneGradientBufferPerUnit) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
+      TinyLM m(46);
+      TinyLM plain_m(46);
+      FullyShardedDataParallel model(
+          m, lm_options(m, strategy).cpu_offload(fsdp::CPUOffload().offload_params(true)));
+      FullyShardedDataParallel plain(plain_m, lm_options(plain_m, strategy));
+      torch::optim::SGD opt(model->parameters(), 0.5);
+      torch::optim::SGD plain_opt(plain->parameters(), 0.5);
+      std::vector<at::Tensor> first;
+      for (int step = 0; step < 3; ++step) {
+        auto idx = lm_tokens(2, 47 + step + 5 * pg.rank());
+        zero_grad_set_to_none(opt);
+        zero_grad_set_to_none(plain_opt);
+        lm_loss(model->forward(idx), idx).backward();
+        lm_loss(plain->forward(idx), idx).backward();
+        size_t i = 0;
+        for (auto* h : model->handles()) {
+          if (h == nullptr || !h->flat_param().requires_grad()) continue;
+          const at::Tensor g = h->flat_param().grad();
+          ASSERT_TRUE(g.defined());
+          EXPECT_TRUE(g.device().is_cpu());
+          if (step == 0) {
+            first.push_back(g);  // held: a fresh allocation could not reuse its memory
+          } else {
+            EXPECT_TRUE(g.is_same(first.at(i))) << fsdp::to_string(strategy) << " step " << step;
+          }
+          ++i;
+        }
+        EXPECT_FALSE(first.empty());
+        opt.step();
+        plain_opt.step();
+      }
+      const auto got = full_params(model);
+      const auto want = full_params(plain);
+      for (const auto& [k, v] : want) {
+        EXPECT_TRUE(torch::equal(got.at(k), v)) << fsdp::to_string(strategy) << " " << k;
+      }
+    }
+  });
+}

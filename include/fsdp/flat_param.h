@@ -159,8 +159,9 @@ struct FlatParamHandleOptions {
   /// Keep the original parameters usable by an optimizer as views into the local shard, permit
   /// non-uniform requires_grad, and align each parameter to 16 bytes in the flat parameter.
   TORCH_ARG(bool, use_orig_params) = false;
-  /// Keep the sharded parameter and gradient on the CPU (pinned where CUDA exists); copy to
-  /// `device` for unshard.
+  /// Keep the sharded parameter and gradient on the CPU (pinned when `device` is a GPU); copy to
+  /// `device` for unshard. The sharded gradient is one CPU buffer kept for the handle's life
+  /// (PyTorch's _cpu_grad), written again by every reduction.
   TORCH_ARG(bool, offload_params) = false;
   /// Mixed precision: dtype of the unsharded parameters used in forward/backward.
   TORCH_ARG(std::optional<at::ScalarType>, param_dtype);
@@ -169,7 +170,10 @@ struct FlatParamHandleOptions {
   TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype);
   /// Keep the sharded gradient in param_dtype instead of casting it back to the parameter dtype.
   TORCH_ARG(bool, keep_low_precision_grads) = false;
-  /// Device on which forward and backward compute (and collectives run).
+  /// Device on which forward and backward compute (and collectives run). "cuda" without an index
+  /// means the current CUDA device. Without offload_params the flat parameter must stay on it:
+  /// unshard and reduce_grad throw StateError naming both devices if it was moved (PyTorch's
+  /// _check_on_compute_device).
   TORCH_ARG(at::Device, device) = at::kCPU;
   /// Group across which replicas are all-reduced after the shard-group reduce-scatter
   /// (HYBRID_SHARD*). A default-constructed (non-member) group means none.
@@ -229,10 +233,18 @@ class FlatParamHandle {
   void abandon_unshard();
   /// Returns to the sharded state: original parameters become shard views (use_orig_params) or
   /// empty tensors, and, if `free_unsharded` (always, except to keep parameters between forward
-  /// and backward under SHARD_GRAD_OP), the unsharded storage is freed.
+  /// and backward under SHARD_GRAD_OP), the unsharded storage is freed. See
+  /// skipped_use_sharded_views() for the one case where the views stay unsharded.
   void reshard(bool free_unsharded = true);
   /// True while the original parameters point at the unsharded flat parameter.
   bool is_unsharded() const { return unsharded_views_; }
+  /// PyTorch's `_skipped_use_sharded_views`: true after a reshard in FORWARD state under grad
+  /// mode that keeps the unsharded storage (SHARD_GRAD_OP and HYBRID_SHARD_ZERO2 post-forward)
+  /// with use_orig_params. The original parameters then stay full-shaped views of the kept
+  /// unsharded parameters until backward (is_unsharded() stays true), rather than 1-D shard views;
+  /// replacing one of them before backward is an error. An unshard outside FORWARD and
+  /// BACKWARD_PRE (a summon, a state dict) or any other reshard ends it.
+  bool skipped_use_sharded_views() const { return skipped_sharded_views_; }
   /// Bytes currently allocated for unsharded parameter storage (0 after reshard, unless a
   /// collective failed: see comm_failed()).
   int64_t unsharded_storage_bytes() const;
@@ -351,6 +363,13 @@ class FlatParamHandle {
   void use_sharded_views();
   void use_sharded_grad_views();
   void absorb_cleared_grad_views();
+  // Under offload: `reduced` (+ `existing`, if defined) into cpu_grad_, which becomes the grad.
+  void offload_grad(const at::Tensor& reduced, const at::Tensor& existing);
+  // PyTorch's _check_on_compute_device for the flat parameter: on the CPU under offload, else on
+  // options().device(). Throws StateError naming the unit's first parameter and both devices.
+  void check_flat_param_device(const char* where) const;
+  // Throws ValueError if a parameter was replaced while skipped_sharded_views_.
+  void check_skipped_views_unchanged() const;
   // {offset, numel} of original parameter i in the local flat parameter: its piece of the shard,
   // or the whole parameter under NO_SHARD. Meaningful only where shard_param_infos_[i].in_shard.
   std::pair<int64_t, int64_t> local_range(size_t i) const;
@@ -383,8 +402,10 @@ class FlatParamHandle {
   at::Tensor
       full_prec_full_param_padded_;  // unsharded buffer in orig dtype (summon + mixed precision)
   at::Tensor mp_shard_;              // low-precision shard on `device` during unshard
+  at::Tensor cpu_grad_;              // offload: the sharded gradient's persistent CPU buffer
   at::Tensor unsharded_flat_;        // the unpadded view that original parameters point into
   bool unsharded_views_ = false;
+  bool skipped_sharded_views_ = false;  // see skipped_use_sharded_views()
   // Set by mark_grads_unreduced() (autograd accumulated), cleared by reduce_grad: the original
   // parameters' full-shaped gradients then hold unreduced results (e.g. accumulated under
   // no_sync) and must be neither written back nor replaced by shard views.

@@ -110,7 +110,9 @@ struct FullyShardedOptions {
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules);
   /// Parameters FSDP leaves alone.
   TORCH_ARG(std::vector<at::Tensor>, ignored_params);
-  /// Compute device. Default: the device the parameters are on (CPU here).
+  /// Compute device. Default: the device the parameters are on. As in PyTorch, a module built on
+  /// the CPU is moved there first (its managed parameters and buffers; ignored modules stay);
+  /// a parameter already on another GPU is a ValueError.
   TORCH_ARG(std::optional<at::Device>, device_id);
 };
 

@@ -45,7 +45,7 @@ bool check_state_dict_similarity(const StateDict& a, const StateDict& b);
 StateDict offload_state_dict_to_cpu(const StateDict& sd);
 
 /// A companion for `sd`: the same structure, with a fresh zero-initialised CPU tensor (and
-/// ShardedTensor pieces) for each tensor, pinned where a CUDA device makes that possible.
+/// ShardedTensor pieces) for each tensor, pinned when the tensor is on a CUDA device.
 StateDict create_cpu_state_dict(const StateDict& sd);
 
 /// Copies every tensor of `src` into the tensor at the same place in `companion` (which keeps its

@@ -189,6 +189,7 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
 
 void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
   at::NoGradGuard no_grad;
+  check_flat_param_device("reduce_grad");
   // PyTorch divides by the predivide factor (a power of two) before the reduction and by the
   // rest after, to keep float16 sums in range. Scaling by a power of two commutes exactly with
   // every rounded sum in a binary format (short of overflow and subnormals), so for the wider
@@ -211,10 +212,12 @@ void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
   if (postdivide_ > 1) out.div_(postdivide_);
   const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
   out = out.to(target);
-  if (options_.offload_params()) out = out.to(at::kCPU);
 
   at::Tensor existing = flat_param_.grad();
-  if (existing.defined() && existing.sizes() == out.sizes()) {
+  const bool accumulate = existing.defined() && existing.sizes() == out.sizes();
+  if (options_.offload_params()) {
+    offload_grad(out, accumulate ? existing : at::Tensor());
+  } else if (accumulate) {
     existing.add_(out.to(existing.scalar_type()));
   } else {
     flat_param_.mutable_grad() = out;
@@ -224,6 +227,27 @@ void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
   std::fill(grad_view_attached_.begin(), grad_view_attached_.end(), false);
   grads_unreduced_ = false;
   if (options_.use_orig_params() && !unsharded_views_) use_sharded_grad_views();
+}
+
+// PyTorch's _cpu_grad: under offload the sharded gradient lives in one CPU buffer kept for the
+// handle's life (pinned when the compute device is CUDA, so that the device-to-host copy needs no
+// staging), rather than a pageable allocation per backward. It survives zero_grad(set_to_none):
+// the next reduction writes into it again.
+void FlatParamHandle::offload_grad(const at::Tensor& reduced, const at::Tensor& existing) {
+  if (!cpu_grad_.defined() || cpu_grad_.sizes() != reduced.sizes() ||
+      cpu_grad_.scalar_type() != reduced.scalar_type()) {
+    cpu_grad_ = at::empty(reduced.sizes(), reduced.options().device(at::kCPU));
+    if (options_.device().is_cuda()) cpu_grad_ = cpu_grad_.pin_memory();
+  }
+  if (existing.defined() && existing.is_same(cpu_grad_) && reduced.device().is_cpu()) {
+    cpu_grad_.add_(reduced);  // accumulating in place, one pass
+  } else if (existing.defined()) {
+    // Accumulated on the compute device, as PyTorch's _saved_grad_shard is, then copied over.
+    cpu_grad_.copy_(reduced.add(existing.to(reduced.device(), reduced.scalar_type())));
+  } else {
+    cpu_grad_.copy_(reduced);
+  }
+  flat_param_.mutable_grad() = cpu_grad_;
 }
 
 at::Tensor FlatParamHandle::sharded_grad() const { return flat_param_.grad(); }

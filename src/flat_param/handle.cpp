@@ -35,6 +35,7 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
                                  FlatParamHandleOptions options)
     : options_(std::move(options)), group_(std::move(group)) {
   if (params.empty()) throw ValueError("FlatParamHandle: expects a non-empty list of parameters");
+  options_.device(detail::with_index(options_.device()));
   if (!group_.is_member()) {
     throw ValueError("FlatParamHandle: this rank is not a member of the given process group");
   }
@@ -115,7 +116,9 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGrou
     }
     if (options_.offload_params()) {
       shard = shard.to(at::kCPU);
-      if (torch::cuda::is_available()) shard = shard.pin_memory();
+      // Pinned when the compute device is a GPU (asynchronous copies); not otherwise, where
+      // pinning would initialise CUDA for nothing.
+      if (options_.device().is_cuda()) shard = shard.pin_memory();
     } else {
       shard = shard.to(options_.device());
     }
@@ -242,16 +245,25 @@ void FlatParamHandle::unshard_async() {
                      std::to_string(rank_) + ", group '" + group_.name() +
                      "'); the process group is unusable");
   }
-  if (unsharded_views_) return;
+  // Views kept from forward (see reshard) serve backward as they are; anything else (a summon, a
+  // state dict) first restores the sharded invariants and then unshards as usual, as PyTorch's
+  // pre_unshard does, so that it gets full precision where it asks for it.
+  if (skipped_sharded_views_ && training_state_ != HandleTrainingState::FORWARD &&
+      training_state_ != HandleTrainingState::BACKWARD_PRE) {
+    reshard(/*free_unsharded=*/false);
+  }
   // Write-back reads the original parameters and updates the shard; it must precede the gather.
+  // (While the views are kept it only checks that nobody replaced them.)
   if (options_.use_orig_params()) writeback_orig_params();
+  if (unsharded_views_) return;
+  check_flat_param_device("unshard");
   const bool full_prec = force_full_precision();
   const bool low_prec = fwd_bwd_dtype_ != orig_dtype_ && !full_prec;
   at::Tensor src = flat_param_.detach();
   if (low_prec) {
     mp_shard_ = src.to(options_.device(), fwd_bwd_dtype_);
     src = mp_shard_;
-  } else if (src.device() != options_.device()) {
+  } else if (options_.offload_params()) {
     src = src.to(options_.device());
   }
   if (!uses_sharded_strategy()) {
@@ -290,6 +302,17 @@ void FlatParamHandle::wait_unshard() {
   finish_unshard();
 }
 
+void FlatParamHandle::check_flat_param_device(const char* where) const {
+  const at::Device expected = options_.offload_params() ? at::Device(at::kCPU) : options_.device();
+  if (flat_param_.device() == expected) return;
+  throw StateError(std::string(where) + ": the flat parameter of the unit holding '" +
+                   layout_.fqns[0] + "' is on " + flat_param_.device().str() + " but " +
+                   (options_.offload_params() ? "offload_params keeps it on the CPU"
+                                              : "its compute device is " + expected.str()) +
+                   " (rank " + std::to_string(rank_) +
+                   "); it must not be moved after wrapping (e.g. by Module::to)");
+}
+
 void FlatParamHandle::finish_unshard() {
   if (uses_sharded_strategy()) mp_shard_ = at::Tensor();  // the low-precision shard was gathered
   // Done when the views switch, not when a prefetch starts: a prefetch may be abandoned.
@@ -322,6 +345,17 @@ void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
 
 void FlatParamHandle::reshard(bool free_unsharded) {
   if (pending_unshard_) abandon_unshard();  // a prefetch nobody used: its result is not needed
+  // PyTorch's _skipped_use_sharded_views: when a forward under grad mode keeps the unsharded
+  // parameters for backward (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) with use_orig_params, the original
+  // parameters stay full-shaped views of them until backward, instead of turning into 1-D shard
+  // views the user would see between forward and backward. No gradient views are exposed then.
+  if (!free_unsharded && unsharded_views_ && options_.use_orig_params() &&
+      uses_sharded_strategy() && training_state_ == HandleTrainingState::FORWARD &&
+      at::GradMode::is_enabled() && !force_full_precision()) {
+    skipped_sharded_views_ = true;
+    return;
+  }
+  skipped_sharded_views_ = false;
   if (options_.use_orig_params()) {
     absorb_cleared_grad_views();
     use_sharded_views();
@@ -404,7 +438,27 @@ void FlatParamHandle::writeback_unsharded() {
 // ---------------------------------------------------------------------------------------------
 // Write-back
 
+void FlatParamHandle::check_skipped_views_unchanged() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor registered = named_param(param_infos_[i]);
+    if (!registered.is_same(params_[i]) ||
+        !aliases(params_[i], unsharded_flat_, layout_.param_offset(i), layout_.numels[i])) {
+      throw ValueError(
+          "FSDP does not support changing the parameters between forward and backward for " +
+          std::string(options_.sharding_strategy() == ShardingStrategy::SHARD_GRAD_OP
+                          ? "SHARD_GRAD_OP"
+                          : "HYBRID_SHARD_ZERO2") +
+          ": '" + layout_.fqns[i] + "' was replaced or its data reassigned (rank " +
+          std::to_string(rank_) + ")");
+    }
+  }
+}
+
 bool FlatParamHandle::writeback_orig_params() {
+  if (skipped_sharded_views_) {
+    check_skipped_views_unchanged();
+    return false;
+  }
   if (!options_.use_orig_params() || unsharded_views_) return false;
   bool wrote_param = false;
   bool touched = false;

@@ -51,6 +51,13 @@ inline at::Tensor freed_buffer(int64_t numel, at::ScalarType dtype, at::Device d
   return t;
 }
 
+// A device with its index: "cuda" becomes "cuda:<current device>" (what tensors created on it
+// report), so that devices compare equal to those of the tensors placed on them.
+inline at::Device with_index(const at::Device& d) {
+  if (d.has_index() || !d.is_cuda()) return d;
+  return at::empty({0}, at::TensorOptions().device(d)).device();
+}
+
 // True if `t` is exactly flat[offset, offset + numel) of `flat`'s storage.
 inline bool aliases(const at::Tensor& t, const at::Tensor& flat, int64_t offset, int64_t numel) {
   return t.defined() && flat.defined() && t.numel() == numel && t.has_storage() &&

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "runtime/state.h"
 
@@ -97,6 +98,30 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
     }
   }
 
+  if (options_.device_id() && !options_.device_id()->is_cpu()) {
+    // PyTorch's _move_module_to_device: a module built on the CPU moves to device_id (parameters
+    // and buffers of the managed modules) before anything is synced or flattened.
+    const at::Device dev = detail::with_index(*options_.device_id());
+    at::NoGradGuard no_grad;
+    auto move = [&](const std::string& kind, const std::string& name, at::Tensor t) {
+      if (t.device() == dev) return;
+      if (!t.device().is_cpu()) {
+        throw ValueError("FullyShardedDataParallel: inconsistent compute device and device_id on "
+                         "rank " + std::to_string(world.rank()) + ": " + kind + " '" + name +
+                         "' is on " + t.device().str() + ", device_id is " + dev.str());
+      }
+      t.set_data(t.to(dev));
+    };
+    for (const auto& p : module_->named_parameters()) {
+      if (!ignored.count(p.value().unsafeGetTensorImpl())) move("parameter", p.key(), p.value());
+    }
+    for (const auto& b : module_->named_buffers()) {
+      if (!st.ignored_buffers.count(b.value().unsafeGetTensorImpl())) {
+        move("buffer", b.key(), b.value());
+      }
+    }
+  }
+
   if (options_.sync_module_states()) {
     // Rank 0's values everywhere, before anything is flattened (PyTorch's sync_module_states).
     at::NoGradGuard no_grad;
@@ -163,7 +188,7 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
       .keep_low_precision_grads(options_.mixed_precision().keep_low_precision_grads());
   if (st.replicate_group) hopts.replicate_group(*st.replicate_group);
   if (options_.device_id()) {
-    hopts.device(*options_.device_id());
+    hopts.device(detail::with_index(*options_.device_id()));
   } else if (!module_->parameters().empty()) {
     hopts.device(module_->parameters()[0].device());
   }

@@ -196,11 +196,14 @@ void FsdpState::post_forward(int idx) {
   Unit& u = *units[idx];
   if (!u.handle) return;
   const bool grad = torch::GradMode::is_enabled();
-  u.handle->set_training_state(HandleTrainingState::IDLE);
   // The root's parameters are needed again as soon as backward starts: PyTorch keeps them.
-  if (idx == 0 && grad) return;
-  const bool keep = grad && keeps_params_after_forward(options.sharding_strategy());
-  u.handle->reshard(/*free_unsharded=*/!keep);
+  if (!(idx == 0 && grad)) {
+    const bool keep = grad && keeps_params_after_forward(options.sharding_strategy());
+    // Still in FORWARD state, as in PyTorch: the handle decides from it whether the original
+    // parameters keep their unsharded views (skipped_use_sharded_views).
+    u.handle->reshard(/*free_unsharded=*/!keep);
+  }
+  u.handle->set_training_state(HandleTrainingState::IDLE);
 }
 
 void FsdpState::hook_grad_accumulators(Unit& u) {

@@ -193,8 +193,10 @@ void copy_into(const StateValue& src, StateValue& dst, ObjPath& path, bool non_b
 
 at::Tensor cpu_zeros_like(const at::Tensor& t) {
   at::Tensor z = at::zeros(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
-  // Pinned memory makes device-to-host copies asynchronous; it needs a CUDA runtime.
-  return at::hasCUDA() ? z.pin_memory() : z;
+  // Pinned memory makes copies from the GPU asynchronous. Only for tensors that are on one:
+  // asking whether CUDA exists would initialise it, and a process that has done so can no longer
+  // fork workers that use CUDA.
+  return t.is_cuda() ? z.pin_memory() : z;
 }
 
 }  // namespace
