@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include "multi_rank.h"
+
 namespace fsdp {
 namespace testing {
 
@@ -22,7 +24,7 @@ struct NetImpl : torch::nn::Module {
   torch::nn::Linear lin{nullptr};
   Head head{nullptr};
   explicit NetImpl(uint64_t seed = 0) {
-    torch::manual_seed(seed);
+    fsdp::testing::seed_cpu(seed);
     scalar = register_parameter("scalar", torch::randn({}));
     empty = register_parameter("empty", torch::empty({0}));
     odd = register_parameter("odd", torch::randn({7}));

@@ -11,16 +11,23 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
+#include <ftw.h>
 #include <thread>
 
 #include <ATen/Parallel.h>
+#include <torch/cuda.h>
 #include <gtest/gtest.h>
 
 #include "fsdp/errors.h"
 
 namespace fsdp {
 namespace testing {
+
+std::string test_backend() {
+  const char* b = std::getenv("FSDP_TEST_BACKEND");
+  return b != nullptr && *b != '\0' ? b : "gloo";
+}
+
 namespace {
 
 void write_all(int fd, const std::string& s) {
@@ -55,10 +62,18 @@ std::string read_all(int fd) {
   int code = 0;
   std::string msg;
   try {
+    const std::string backend = test_backend();
+    if (backend == "nccl" && std::getenv("NCCL_HOSTID") == nullptr) {
+      // NCCL refuses two ranks on one GPU ("Duplicate GPU detected") unless they seem to be on
+      // different hosts; then they talk over NCCL's socket transport. Lets the suite run over
+      // NCCL on a machine with a single GPU (scripts/gpu-check.sh).
+      ::setenv("NCCL_HOSTID", ("fsdp-test-rank-" + std::to_string(rank)).c_str(), 1);
+    }
     dist::ProcessGroup pg;
     if (opts.init_group) {
       auto store = compat::make_tcp_store("127.0.0.1", port, false, world, opts.collective_timeout);
       pg = dist::init_process_group(dist::InitOptions()
+                                        .backend(backend)
                                         .rank(rank)
                                         .world_size(world)
                                         .store(store)
@@ -66,6 +81,16 @@ std::string read_all(int fd) {
                                         .gloo_hostname("127.0.0.1"));
     }
     body(pg);
+    if (pg.is_member() && pg.backend_name() == "nccl") {
+      // NCCL completes a collective on one rank before its peer has all the data; a rank that
+      // exits at once can cut its peer off ("remote process exiting prematurely"). All leave
+      // together, as PyTorch recommends before destroy_process_group.
+      try {
+        torch::cuda::synchronize();  // collectives of sub-groups (HYBRID_SHARD) included
+        pg.barrier();
+      } catch (...) {
+      }
+    }
     if (::testing::Test::HasFailure()) {
       code = 1;
       msg = "GoogleTest assertion failed on this rank (see its output above)";
@@ -241,8 +266,14 @@ TempDir::TempDir() : owner_pid_(static_cast<int>(::getpid())) {
 
 TempDir::~TempDir() {
   if (static_cast<int>(::getpid()) != owner_pid_) return;  // a forked rank: the parent cleans up
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
+  // nftw rather than std::filesystem::remove_all: the latter crashed the test programs built
+  // against the CUDA wheel's LibTorch on the GPU machine (libstdc++ of another ABI); plain POSIX
+  // works wherever the tests do.
+  auto remove_entry = [](const char* p, const struct stat*, int, struct FTW*) {
+    ::remove(p);
+    return 0;
+  };
+  ::nftw(path_.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
 }  // namespace testing

@@ -15,6 +15,10 @@
 #include <string>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <mutex>
+
 #include "fsdp/dist.h"
 
 namespace fsdp {
@@ -34,6 +38,10 @@ struct RunOptions {
   /// and let it initialise on its own (tests of init_process_group itself).
   bool init_group = true;
 };
+
+/// The backend run_ranks creates: $FSDP_TEST_BACKEND, else "gloo". scripts/gpu-check.sh runs
+/// suites with "nccl" (tensors the tests keep on the CPU are then staged through the GPU).
+std::string test_backend();
 
 /// Outcome of one rank.
 struct RankResult {
@@ -69,6 +77,15 @@ class TempDir {
 /// A TCP port free right now on loopback (the OS picks it; another process may take it before
 /// it is bound again).
 uint16_t free_port();
+
+/// torch::manual_seed for the CPU generator only. torch::manual_seed also seeds every CUDA device,
+/// which initialises CUDA in the calling process; a test's parent process that did so could no
+/// longer fork ranks that use CUDA ("initialization error"), so tests seed through this.
+inline void seed_cpu(uint64_t seed) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed);
+}
 
 /// Convenience: fixed-seed random tensor that every rank can reproduce without communication.
 at::Tensor seeded_randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat);

@@ -458,7 +458,7 @@ TEST(CheckpointStateDict, BroadcastFromRank0) {
 struct StackImpl : torch::nn::Module {
   std::vector<torch::nn::Linear> layers;
   StackImpl() {
-    torch::manual_seed(3);
+    fsdp::testing::seed_cpu(3);
     for (int i = 0; i < 6; ++i)
       layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(48, 48)));
   }

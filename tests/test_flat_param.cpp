@@ -185,8 +185,11 @@ TEST(FlatParamHandle, ParametersWithoutAGradientGapsAndPaddingReduceToZero) {
       EXPECT_FALSE(at::isnan(g).any().item<bool>()) << "stale memory reached the gradient";
       EXPECT_TRUE(at::allclose(g, expect, 1e-5, 1e-6))
           << "max diff " << (g - expect).abs().max().item<float>();
-      if (!orig)
-        for (size_t i = 0; i < params.size(); ++i) EXPECT_FALSE(params[i].grad().defined()) << i;
+      if (!orig) {
+        for (size_t i = 0; i < params.size(); ++i) {
+          EXPECT_FALSE(params[i].grad().defined()) << i;
+        }
+      }
       h.reshard();
     });
   }

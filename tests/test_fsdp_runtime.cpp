@@ -214,7 +214,7 @@ TEST(FsdpRuntime, SummonFullParamsWritesBackEdits) {
 TEST(FsdpRuntime, SequentialChildrenAreAutoWrappedAndTrainLikeOneProcess) {
   run_ranks(2, [](ProcessGroup& pg) {
     auto make = [] {
-      torch::manual_seed(8);
+      fsdp::testing::seed_cpu(8);
       return torch::nn::Sequential(torch::nn::Linear(6, 9), torch::nn::Tanh(),
                                    torch::nn::Linear(9, 9), torch::nn::Linear(9, 3));
     };
@@ -411,7 +411,7 @@ struct TwiceImpl : torch::nn::Module {
   fsdp::testing::Block block{nullptr};
   torch::nn::Linear out{nullptr};
   TwiceImpl() {
-    torch::manual_seed(14);
+    fsdp::testing::seed_cpu(14);
     block = register_module("block", fsdp::testing::Block(6, 7));
     out = register_module("out", torch::nn::Linear(6, 2));
   }

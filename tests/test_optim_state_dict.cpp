@@ -322,7 +322,7 @@ struct OddImpl : torch::nn::Module {
   torch::Tensor scalar, empty, cube, seven;
   torch::nn::Linear lin{nullptr};
   explicit OddImpl(bool freeze_bias) {
-    torch::manual_seed(5);
+    fsdp::testing::seed_cpu(5);
     scalar = register_parameter("scalar", torch::randn({}));
     empty = register_parameter("empty", torch::empty({0, 3}));
     cube = register_parameter("cube", torch::randn({3, 2, 5}));

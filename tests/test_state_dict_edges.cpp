@@ -251,7 +251,7 @@ struct AwkwardImpl : torch::nn::Module {
   torch::nn::Linear a{nullptr};
   fsdp::testing::TiedHead b{nullptr};  // its weight is a's: tied across two units
   AwkwardImpl() {
-    torch::manual_seed(70);
+    fsdp::testing::seed_cpu(70);
     scalar = register_parameter("scalar", torch::randn({}));
     empty = register_parameter("empty", torch::empty({0, 3}));
     rows = register_parameter("rows", torch::randn({2, 3}));

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fsdp/fully_sharded.h"
+#include "multi_rank.h"
 
 namespace fsdp {
 namespace testing {
@@ -52,7 +53,7 @@ struct TinyLMImpl : torch::nn::Module {
   torch::Tensor scale;  // a buffer
 
   explicit TinyLMImpl(uint64_t seed = 0) {
-    torch::manual_seed(seed);
+    fsdp::testing::seed_cpu(seed);
     tok = register_module("tok", torch::nn::Embedding(kVocab, kDim));
     frozen = register_module("frozen", torch::nn::Linear(kDim, kDim));
     for (auto& p : frozen->parameters()) p.set_requires_grad(false);
