@@ -26,6 +26,17 @@ int64_t shard_numel(int64_t mb, int world) { return mb * 1000000 / 4 / world; }
 // Enough iterations that one sample takes some tens of milliseconds at ~1 GB/s.
 int64_t iters_for(int64_t mb) { return std::clamp<int64_t>(64 / mb, 2, 64); }
 
+// $FSDP_BENCH_DEVICE: "cpu" (default; Gloo) or "cuda" (NCCL; ranks may share one GPU).
+const at::Device& device() {
+  static const at::Device d(fsdp_bench::env_str("FSDP_BENCH_DEVICE", "cpu"));
+  return d;
+}
+at::TensorOptions on_device() { return at::TensorOptions().device(device()); }
+// NCCL's wait() only orders streams: each operation is timed to its end on the GPU.
+void sync_device() {
+  if (device().is_cuda()) torch::cuda::synchronize();
+}
+
 bool native(const fsdp::dist::ProcessGroup& pg) {
   return fsdp::compat::native_flat_collectives(pg.backend_name());
 }
@@ -33,12 +44,15 @@ bool native(const fsdp::dist::ProcessGroup& pg) {
 void BM_RawAllgather(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
-  at::Tensor in = at::ones({n});
-  at::Tensor out = at::empty({n * pg.size()});
+  at::Tensor in = at::ones({n}, on_device());
+  at::Tensor out = at::empty({n * pg.size()}, on_device());
   auto b = pg.backend();
   std::function<void()> op;
   if (native(pg)) {
-    op = [&] { b->_allgather_base(out, in)->wait(); };
+    op = [&] {
+      b->_allgather_base(out, in)->wait();
+      sync_device();
+    };
   } else {
     op = [&, outs = std::vector<std::vector<at::Tensor>>(1), ins = std::vector<at::Tensor>{in}]()
         mutable {
@@ -56,11 +70,13 @@ void BM_Unshard(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   auto m = std::make_shared<torch::nn::Module>();
-  m->register_parameter("w", at::ones({n * pg.size()}));
-  fsdp::FlatParamHandle h(fsdp::collect_params(m), pg);
+  m->register_parameter("w", at::ones({n * pg.size()}, on_device()));
+  fsdp::FlatParamHandle h(fsdp::collect_params(m), pg,
+                          fsdp::FlatParamHandleOptions().device(device()));
   auto op = [&] {
     h.unshard();
     h.reshard();  // frees: the next unshard allocates again, as in training
+    sync_device();
   };
   fsdp_bench::warm_up(op);
   pg.barrier();
@@ -70,12 +86,15 @@ void BM_Unshard(benchmark::State& st) {
 void BM_RawReduceScatter(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
-  at::Tensor in = at::ones({n * pg.size()});
+  at::Tensor in = at::ones({n * pg.size()}, on_device());
   auto b = pg.backend();
   std::function<void()> op;
   if (native(pg)) {
-    at::Tensor out = at::empty({n});
-    op = [b, out, in]() mutable { b->_reduce_scatter_base(out, in)->wait(); };
+    at::Tensor out = at::empty({n}, on_device());
+    op = [b, out, in]() mutable {
+      b->_reduce_scatter_base(out, in)->wait();
+      sync_device();
+    };
   } else {
     at::Tensor out = at::empty({n * pg.size()});
     op = [b, out, in]() mutable {
@@ -94,14 +113,16 @@ void BM_ReduceGrad(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   auto m = std::make_shared<torch::nn::Module>();
-  m->register_parameter("w", at::ones({n * pg.size()}));
-  fsdp::FlatParamHandle h(fsdp::collect_params(m), pg);
+  m->register_parameter("w", at::ones({n * pg.size()}, on_device()));
+  fsdp::FlatParamHandle h(fsdp::collect_params(m), pg,
+                          fsdp::FlatParamHandleOptions().device(device()));
   std::vector<at::Tensor> params = h.orig_params();
-  const at::Tensor grad = at::ones({n * pg.size()});
+  const at::Tensor grad = at::ones({n * pg.size()}, on_device());
   auto op = [&] {
     for (auto& p : params) p.mutable_grad() = grad;  // as autograd leaves them
     h.reduce_grad();
     h.flat_param().mutable_grad().reset();
+    sync_device();
   };
   fsdp_bench::warm_up(op);
   pg.barrier();
@@ -122,9 +143,10 @@ void register_all(int world, int rounds) {
 void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
   const bool nat = native(*fsdp_bench::group());
   std::printf(
-      "\nworld size %d, float32, medians of interleaved rounds; bandwidth = unit bytes / time;\n"
-      "ratio = raw c10d time / fsdp time on the same bytes (1.00 = as fast as the raw collective)\n",
-      world);
+      "\nworld size %d, float32 on %s over %s, medians of interleaved rounds; bandwidth = unit "
+      "bytes / time;\nratio = raw c10d time / fsdp time on the same bytes (1.00 = as fast as the "
+      "raw collective)\n",
+      world, device().str().c_str(), fsdp_bench::group()->backend_name().c_str());
   std::printf("%10s | %-30s | %-30s\n", "unit MB", "unshard vs raw all-gather",
               nat ? "reduce_grad vs raw reduce-scatter" : "reduce_grad vs raw all-to-all");
   for (int64_t mb : sizes_mb()) {
@@ -146,7 +168,8 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
                         {"world", world},
                         {"bytes", bytes},
                         {"unit", "s"},
-                        {"raw_kind", nat ? "native" : "emulated"}},
+                        {"raw_kind", nat ? "native" : "emulated"},
+                        {"device", device().str()}},
                        rep.all(c, n));
     }
   }

@@ -108,6 +108,12 @@ inline int64_t env_int(const char* name, int64_t fallback) {
   return v && *v ? std::atoll(v) : fallback;
 }
 
+/// String from the environment, or `fallback`.
+inline std::string env_str(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : fallback;
+}
+
 /// Comma-separated integers from the environment, or `fallback`.
 inline std::vector<int64_t> env_list(const char* name, std::vector<int64_t> fallback) {
   const char* v = std::getenv(name);
@@ -161,6 +167,10 @@ inline int run(int argc, char** argv, int world, const std::function<void()>& re
     int rc = 1;
     try {
       at::set_num_threads(1);  // ranks share the cores
+      if (env_str("FSDP_BENCH_DEVICE", "cpu") != "cpu" && !std::getenv("NCCL_HOSTID")) {
+        // Ranks sharing one GPU: NCCL accepts them only as different hosts (tests/multi_rank.cpp).
+        ::setenv("NCCL_HOSTID", ("fsdp-bench-rank-" + std::to_string(r)).c_str(), 1);
+      }
       auto store =
           fsdp::compat::make_tcp_store("127.0.0.1", port, false, world, std::chrono::seconds(60));
       auto pg = fsdp::dist::init_process_group(

@@ -24,6 +24,17 @@ int64_t& iters() {
   return n;
 }
 
+// $FSDP_BENCH_DEVICE: "cpu" (default) or "cuda" (the GPU machine: ranks then share cuda:0 and
+// the group is NCCL, see bench_ranks.h).
+const at::Device& device() {
+  static const at::Device d(fsdp_bench::env_str("FSDP_BENCH_DEVICE", "cpu"));
+  return d;
+}
+// GPU work is asynchronous: a step is timed to its end.
+void sync_device() {
+  if (device().is_cuda()) torch::cuda::synchronize();
+}
+
 struct TransformerImpl : torch::nn::Module {
   torch::nn::Embedding tok{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -67,6 +78,7 @@ void timed_steps(benchmark::State& st, const std::string& key, Model& model,
     opt.zero_grad();
     step_loss(model->forward(idx), idx).backward();
     opt.step();
+    sync_device();
   };
   fsdp_bench::warm_up(step, 2);
   fsdp_bench::TensorMemory::install().reset_peak();
@@ -81,12 +93,14 @@ void BM_SingleProcess(benchmark::State& st) {
   // Rank 0 alone takes the whole batch; the others wait at the barrier below.
   if (pg.rank() == 0) {
     Transformer m;
+    m->to(device());
     torch::optim::Adam opt(m->parameters(), 1e-3);
-    auto idx = torch::randint(kVocab, {kGlobalBatch, kSeq});
+    auto idx = torch::randint(kVocab, {kGlobalBatch, kSeq}).to(device());
     auto step = [&] {
       opt.zero_grad();
       step_loss(m->forward(idx), idx).backward();
       opt.step();
+      sync_device();
     };
     fsdp_bench::warm_up(step, 2);
     for (auto _ : st) step();
@@ -100,7 +114,8 @@ void BM_SingleProcess(benchmark::State& st) {
 void BM_ComputeOnly(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   Transformer m;
-  auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq});
+  m->to(device());
+  auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq}).to(device());
   timed_steps(st, "compute_only", m, idx);
   pg.barrier();
 }
@@ -110,9 +125,13 @@ void BM_Fsdp(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   Transformer m;
   fsdp::FullyShardedDataParallel model(
-      m, fsdp::FullyShardedOptions().sharding_strategy(S).process_group(pg).auto_wrap_policy(
-             fsdp::module_type_auto_wrap_policy<torch::nn::TransformerEncoderLayerImpl>()));
-  auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq});
+      m, fsdp::FullyShardedOptions()
+             .sharding_strategy(S)
+             .process_group(pg)
+             .device_id(device())
+             .auto_wrap_policy(
+                 fsdp::module_type_auto_wrap_policy<torch::nn::TransformerEncoderLayerImpl>()));
+  auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq}).to(device());
   timed_steps(st, fsdp::to_string(S), model, idx);
 }
 
@@ -137,10 +156,11 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
   const double tokens = kGlobalBatch * kSeq;
   std::printf(
       "\nstep of a %lld-layer transformer (d=%lld), global batch %lld x %lld tokens, world size "
-      "%d, LibTorch %s;\nmedians of interleaved rounds; ratio = step time / one process on the "
+      "%d, LibTorch %s on %s;\nmedians of interleaved rounds; ratio = step time / one process on the "
       "whole batch (ideal: 1/W)\n",
       static_cast<long long>(kLayers), static_cast<long long>(kDim),
-      static_cast<long long>(kGlobalBatch), static_cast<long long>(kSeq), world, TORCH_VERSION);
+      static_cast<long long>(kGlobalBatch), static_cast<long long>(kSeq), world, TORCH_VERSION,
+      device().str().c_str());
   std::printf("%-16s %10s %10s %7s %14s %12s\n", "", "ms/step", "tokens/s", "ratio",
               "peak tensor MB", "peak RSS MB");
   for (const std::string& c : kCases) {
@@ -150,7 +170,8 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
                 t > 0 ? tokens / t : 0.0, base > 0 ? t / base : 0.0, mem.first / 1e6,
                 mem.second / 1e6);
     nlohmann::json m{{"bench", "training"}, {"case", c},       {"world", world},
-                     {"unit", "s"},         {"tokens", tokens}, {"model", "transformer4x128"}};
+                     {"unit", "s"},         {"tokens", tokens}, {"model", "transformer4x128"},
+                     {"device", device().str()}};
     if (mem.first) m["peak_tensor_bytes"] = mem.first;
     if (mem.second) m["peak_rss_bytes"] = mem.second;
     fsdp_bench::emit(m, rep.all(c));

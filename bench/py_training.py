@@ -42,26 +42,29 @@ class Transformer(nn.Module):
         return self.head(x.transpose(0, 1))
 
 
-def wrap(model, case):
+def wrap(model, case, device):
     if case == "DDP":
         from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(model)
+        return DistributedDataParallel(model.to(device),
+                                       device_ids=[device] if device.type == "cuda" else None)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     return FSDP(model, sharding_strategy=getattr(ShardingStrategy, case),
                 auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
-                device_id=torch.device("cpu"))
+                device_id=device)
 
 
-def seconds_per_step(case, iters, world):
-    model = wrap(Transformer(), case)
+def seconds_per_step(case, iters, world, device):
+    model = wrap(Transformer(), case, device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    idx = torch.randint(VOCAB, (GLOBAL_BATCH // world, SEQ))
+    idx = torch.randint(VOCAB, (GLOBAL_BATCH // world, SEQ)).to(device)
 
     def step():
         opt.zero_grad()
         F.cross_entropy(model(idx).reshape(-1, VOCAB), idx.reshape(-1)).backward()
         opt.step()
+        if device.type == "cuda":  # as bench_training does: each step timed to its end
+            torch.cuda.synchronize()
 
     for _ in range(2):
         step()
@@ -78,16 +81,25 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--cases", default="FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,DDP")
     ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (Gloo) or cuda (NCCL; ranks may share one GPU)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")  # NO_SHARD's deprecation notice
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = torch.device(args.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        # Ranks sharing one GPU: NCCL accepts them only as different hosts (as bench_ranks.h).
+        os.environ.setdefault("NCCL_HOSTID", "py-bench-rank-" + os.environ["RANK"])
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     cases = args.cases.split(",")
     samples = {c: [] for c in cases}
     for r in range(args.rounds):
         for c in (cases if r % 2 == 0 else cases[::-1]):
-            samples[c].append(seconds_per_step(c, args.iters, world))
+            samples[c].append(seconds_per_step(c, args.iters, world, device))
     if rank == 0:
         for c in cases:
             print(f"python {c:14s} {statistics.median(samples[c]) * 1e3:8.1f} ms/step", flush=True)
@@ -97,7 +109,8 @@ def main():
                     f.write(json.dumps({
                         "bench": "training_python", "case": c, "world": world, "unit": "s",
                         "tokens": GLOBAL_BATCH * SEQ, "model": "transformer4x128",
-                        "pytorch": torch.__version__, "backend": "gloo",
+                        "pytorch": torch.__version__, "backend": backend,
+                        "device": str(device),
                         "run": os.environ.get("FSDP_BENCH_TAG", ""),
                         "samples": samples[c], "median": statistics.median(samples[c])}) + "\n")
     dist.barrier()
