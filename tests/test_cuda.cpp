@@ -14,6 +14,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/fully_sharded.h"
 #include "multi_rank.h"
+#include "offload_testing.h"
 #include "tiny_lm.h"
 
 namespace ckpt = fsdp::checkpoint;
@@ -42,12 +43,6 @@ const at::Device kGpu(at::kCUDA, 0);
 
 void require_gpu_in_rank() {
   if (!torch::cuda::is_available()) throw std::runtime_error("FSDP_TEST_CUDA=1 but no GPU");
-}
-
-void zero_grad_set_to_none(torch::optim::Optimizer& opt) {
-  for (auto& group : opt.param_groups()) {
-    for (auto& p : group.params()) p.mutable_grad().reset();
-  }
 }
 
 }  // namespace
@@ -146,43 +141,8 @@ TEST(Cuda, OffloadKeepsOnePinnedGradientBufferOnTheCpu) {
   FSDP_REQUIRE_CUDA();
   run_ranks(2, [](ProcessGroup& pg) {
     require_gpu_in_rank();
-    TinyLM m(53);
-    TinyLM plain_m(53);
-    FullyShardedDataParallel model(
-        m, lm_options(m).device_id(kGpu).cpu_offload(fsdp::CPUOffload().offload_params(true)));
-    FullyShardedDataParallel plain(plain_m, lm_options(plain_m).device_id(kGpu));
-    torch::optim::SGD opt(model->parameters(), 0.5);
-    torch::optim::SGD plain_opt(plain->parameters(), 0.5);
-    std::vector<at::Tensor> first;
-    for (int step = 0; step < 3; ++step) {
-      auto idx = lm_tokens(2, 54 + step + 5 * pg.rank()).to(kGpu);
-      zero_grad_set_to_none(opt);
-      zero_grad_set_to_none(plain_opt);
-      lm_loss(model->forward(idx), idx).backward();
-      lm_loss(plain->forward(idx), idx).backward();
-      size_t i = 0;
-      for (auto* h : model->handles()) {
-        if (h == nullptr || !h->flat_param().requires_grad()) continue;
-        EXPECT_TRUE(h->flat_param().device().is_cpu());
-        const at::Tensor g = h->flat_param().grad();
-        ASSERT_TRUE(g.defined());
-        EXPECT_TRUE(g.device().is_cpu());
-        EXPECT_TRUE(g.is_pinned());
-        if (step == 0) {
-          first.push_back(g);
-        } else {
-          EXPECT_TRUE(g.is_same(first.at(i))) << "step " << step;
-        }
-        ++i;
-      }
-      opt.step();
-      plain_opt.step();
-    }
-    const auto got = full_params(model);
-    const auto want = full_params(plain);
-    for (const auto& [k, v] : want) {
-      EXPECT_TRUE(torch::allclose(got.at(k).to(v.device()), v, 1e-6, 1e-7)) << k;
-    }
+    fsdp::testing::expect_offload_reuses_one_gradient_buffer(pg.rank(),
+                                                             ShardingStrategy::FULL_SHARD, kGpu);
   });
 }
 

@@ -9,6 +9,7 @@
 #include "fsdp/fully_sharded.h"
 #include "fsdp/model_state_dict.h"
 #include "multi_rank.h"
+#include "offload_testing.h"
 #include "tiny_lm.h"
 
 using fsdp::FullyShardedDataParallel;
@@ -23,16 +24,9 @@ using fsdp::testing::full_params;
 using fsdp::testing::lm_loss;
 using fsdp::testing::lm_options;
 using fsdp::testing::lm_tokens;
+using fsdp::testing::zero_grad_set_to_none;
 
 namespace {
-
-// optimizer.zero_grad(set_to_none=true), whatever the LibTorch version's default is (1.13 zeroes
-// in place, 2.x sets to none).
-void zero_grad_set_to_none(torch::optim::Optimizer& opt) {
-  for (auto& group : opt.param_groups()) {
-    for (auto& p : group.params()) p.mutable_grad().reset();
-  }
-}
 
 // A module with a float buffer, to be ignored by FSDP.
 struct StatsImpl : torch::nn::Module {
@@ -441,42 +435,7 @@ TEST(RuntimeRegressions, ReplacingAKeptParameterBeforeBackwardIsAnError) {
 TEST(RuntimeRegressions, OffloadReusesOneGradientBufferPerUnit) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
-      TinyLM m(46);
-      TinyLM plain_m(46);
-      FullyShardedDataParallel model(
-          m, lm_options(m, strategy).cpu_offload(fsdp::CPUOffload().offload_params(true)));
-      FullyShardedDataParallel plain(plain_m, lm_options(plain_m, strategy));
-      torch::optim::SGD opt(model->parameters(), 0.5);
-      torch::optim::SGD plain_opt(plain->parameters(), 0.5);
-      std::vector<at::Tensor> first;
-      for (int step = 0; step < 3; ++step) {
-        auto idx = lm_tokens(2, 47 + step + 5 * pg.rank());
-        zero_grad_set_to_none(opt);
-        zero_grad_set_to_none(plain_opt);
-        lm_loss(model->forward(idx), idx).backward();
-        lm_loss(plain->forward(idx), idx).backward();
-        size_t i = 0;
-        for (auto* h : model->handles()) {
-          if (h == nullptr || !h->flat_param().requires_grad()) continue;
-          const at::Tensor g = h->flat_param().grad();
-          ASSERT_TRUE(g.defined());
-          EXPECT_TRUE(g.device().is_cpu());
-          if (step == 0) {
-            first.push_back(g);  // held: a fresh allocation could not reuse its memory
-          } else {
-            EXPECT_TRUE(g.is_same(first.at(i))) << fsdp::to_string(strategy) << " step " << step;
-          }
-          ++i;
-        }
-        EXPECT_FALSE(first.empty());
-        opt.step();
-        plain_opt.step();
-      }
-      const auto got = full_params(model);
-      const auto want = full_params(plain);
-      for (const auto& [k, v] : want) {
-        EXPECT_TRUE(torch::equal(got.at(k), v)) << fsdp::to_string(strategy) << " " << k;
-      }
+      fsdp::testing::expect_offload_reuses_one_gradient_buffer(pg.rank(), strategy, at::kCPU);
     }
   });
 }

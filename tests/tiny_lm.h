@@ -107,6 +107,14 @@ inline std::map<std::string, torch::Tensor> full_params(FullyShardedDataParallel
   return out;
 }
 
+/// optimizer.zero_grad(set_to_none=true), whatever the LibTorch version's default is (1.13 zeroes
+/// in place, 2.x sets to none).
+inline void zero_grad_set_to_none(torch::optim::Optimizer& opt) {
+  for (auto& group : opt.param_groups()) {
+    for (auto& p : group.params()) p.mutable_grad().reset();
+  }
+}
+
 /// LibTorch lists a tied parameter once per owner; an optimizer must see it once.
 inline std::vector<torch::Tensor> unique_params(const std::vector<torch::Tensor>& ps) {
   std::vector<torch::Tensor> out;
