@@ -3,13 +3,13 @@
 # runs the CUDA tests over NCCL and Gloo, then chosen suites over NCCL. CI has no GPU: this is run
 # by hand on a machine that has one (docs/portability.md records the results).
 #
-#   scripts/gpu-check.sh [build|cuda|nccl-suites|nccl-timeouts|gloo-suite|bench]...
+#   scripts/gpu-check.sh [deps|build|cuda|nccl-suites|nccl-timeouts|gloo-suite|bench]...
 #                                                                       (default: build cuda)
 #
-# Such a machine may have no package registry. Put the .deb files of what Debian would install
-# (`apt-get download libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev libcli11-dev
-# libisal-dev libisal2 libbenchmark-dev libbenchmark1debian libgloo-dev`, from Debian 12) in
-# .gpudeps/: they are unpacked under /tmp, never into the system.
+# Such a machine may have no package registry: first run `scripts/gpu-check.sh deps` on a Debian
+# machine (this one), which downloads the .deb files of our build dependencies into .gpudeps/
+# (ignored by git; the device tool carries it with `carry: [".gpudeps"]`). On the GPU machine
+# they are unpacked under /tmp, never into the system.
 #   OUT        where logs go (default: /tmp/gpu-check)
 #   BUILD_DIR  build directory (default: build-gpu)
 #   JOBS       parallel compile jobs (default: the number of cores)
@@ -69,6 +69,12 @@ TIMEOUT_TESTS="*TimesOut*:*DeadPeer*:*Dying*:*FailedUnshard*"
 
 for step in "${steps[@]}"; do
   case $step in
+    deps)
+      gd=$(git rev-parse --git-common-dir) && mkdir -p .gpudeps "$gd/info"
+      grep -qx '/.gpudeps/' "$gd/info/exclude" 2>/dev/null || echo '/.gpudeps/' >>"$gd/info/exclude"
+      (cd .gpudeps && apt-get download libgtest-dev libgmock-dev nlohmann-json3-dev libxxhash-dev \
+        libcli11-dev libisal-dev libisal2 libbenchmark-dev libbenchmark1debian libgloo-dev)
+      ;;
     build) do_build || exit 1 ;;
     cuda)
       FSDP_TEST_CUDA=1 FSDP_TEST_BACKEND=nccl run_suite test_cuda cuda-nccl
