@@ -18,7 +18,6 @@
 //   NO_SHARD:   4 x 4 x every parameter + activations
 //   activations: every unit's saved input and ReLU output (2 x B x d floats each) plus the model's
 //               input, output and its gradient.
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
