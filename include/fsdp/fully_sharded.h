@@ -112,7 +112,9 @@ struct FullyShardedOptions {
   TORCH_ARG(std::vector<at::Tensor>, ignored_params);
   /// Compute device. Default: the device the parameters are on. As in PyTorch, a module built on
   /// the CPU is moved there first (its managed parameters and buffers; ignored modules stay);
-  /// a parameter already on another GPU is a ValueError.
+  /// a parameter already on another GPU is a ValueError. Under NCCL the compute GPU must be the
+  /// group's (ProcessGroup::device(): set each rank's device before init_process_group), else
+  /// ValueError.
   TORCH_ARG(std::optional<at::Device>, device_id);
 };
 

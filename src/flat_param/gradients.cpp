@@ -172,7 +172,8 @@ void FlatParamHandle::reduce_grad() {
     throw StateError("reduce_grad: no parameter of this handle requires grad (first: '" +
                      layout_.fqns[0] + "')");
   }
-  reduce_owned_grad(take_orig_grads());  // freshly built: no copy needed
+  check_flat_param_device("reduce_grad");  // before the gradients are taken: an error keeps them
+  reduce_owned_grad(take_orig_grads());    // freshly built: no copy needed
 }
 
 void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
@@ -180,6 +181,7 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
     throw ValueError("reduce_flat_grad: expects " + std::to_string(layout_.padded_unsharded_numel) +
                      " elements but got " + std::to_string(unsharded_flat_grad.numel()));
   }
+  check_flat_param_device("reduce_flat_grad");
   at::NoGradGuard no_grad;
   // A private copy: the caller's tensor is never scaled, and the result is never a view.
   at::Tensor g = unsharded_flat_grad.reshape({-1}).to(options_.device(), reduce_dtype_);
@@ -189,7 +191,6 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
 
 void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
   at::NoGradGuard no_grad;
-  check_flat_param_device("reduce_grad");
   // PyTorch divides by the predivide factor (a power of two) before the reduction and by the
   // rest after, to keep float16 sums in range. Scaling by a power of two commutes exactly with
   // every rounded sum in a binary format (short of overflow and subnormals), so for the wider

@@ -98,6 +98,23 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
     }
   }
 
+  {
+    // NCCL communicates from the device current when the group was created; computing on another
+    // GPU would route every unshard and reduction through that one (or, with every rank on
+    // cuda:0, fail inside NCCL). Checked before the module is moved. (Computing on the CPU over
+    // NCCL is allowed, if slow: its tensors are staged through the GPU.)
+    const at::Device compute =
+        options_.device_id()       ? detail::with_index(*options_.device_id())
+        : module_->parameters().empty() ? world.device()
+                                        : module_->parameters()[0].device();
+    if (world.backend_name() == "nccl" && compute.is_cuda() && compute != world.device()) {
+      throw ValueError("FullyShardedDataParallel: rank " + std::to_string(world.rank()) +
+                       " computes on " + compute.str() + " but its NCCL group communicates from " +
+                       world.device().str() + "; set each rank's CUDA device (e.g. "
+                       "c10::cuda::set_device(local_rank)) before init_process_group");
+    }
+  }
+
   if (options_.device_id() && !options_.device_id()->is_cpu()) {
     // PyTorch's _move_module_to_device: a module built on the CPU moves to device_id (parameters
     // and buffers of the managed modules) before anything is synced or flattened.
