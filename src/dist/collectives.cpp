@@ -82,6 +82,16 @@ at::Tensor staged_input(const at::Device& d, const at::Tensor& t) {
   return elsewhere(d, t) ? t.to(d) : t;
 }
 
+// The finish step of a collective that ran on a stand-in (a staged copy, a float32 copy of a type
+// Gloo lacks): wait for it, then copy its result into the caller's tensor.
+std::function<void()> copy_back(Work inner, const at::Tensor& dst, const at::Tensor& src) {
+  auto shared = std::make_shared<Work>(std::move(inner));
+  return [shared, dst, src]() {
+    shared->wait();
+    if (!src.is_same(dst)) dst.copy_(src);
+  };
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -172,11 +182,9 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
-    auto inner = std::make_shared<Work>(all_gather_into_tensor_async(out, staged_input(s.device, input)));
-    return launch(op, {}, [inner, output, out]() {
-      inner->wait();
-      if (!out.is_same(output)) output.copy_(out);
-    });
+    return launch(op, {},
+                  copy_back(all_gather_into_tensor_async(out, staged_input(s.device, input)),
+                            output, out));
   }
   // Gloo divides by the element count (SIGFPE on 0); every member passes the same shapes, so all
   // of them skip together.
@@ -226,25 +234,19 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
   }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
-    auto inner = std::make_shared<Work>(
-        reduce_scatter_tensor_async(out, staged_input(s.device, input), op_kind, algo));
-    return launch(op, {}, [inner, output, out]() {
-      inner->wait();
-      if (!out.is_same(output)) output.copy_(out);
-    });
+    return launch(
+        op, {},
+        copy_back(reduce_scatter_tensor_async(out, staged_input(s.device, input), op_kind, algo),
+                  output, out));
   }
   if (gloo_lacks(s.backend_name, input.scalar_type()) && s.size > 1 && n > 0) {
     if (input.scalar_type() == at::kBool) {
       throw ValueError(describe(op, *this) + ": bool tensors cannot be reduced over Gloo");
     }
     at::Tensor out32 = at::empty({n}, output.options().dtype(at::kFloat));
-    Work inner = reduce_scatter_tensor_async(out32, input.to(at::kFloat), op_kind, algo);
-    at::Tensor out_flat = output.view(-1);
-    auto shared = std::make_shared<Work>(std::move(inner));
-    return launch(op, {}, [shared, out_flat, out32]() {
-      shared->wait();
-      out_flat.copy_(out32);
-    });
+    return launch(op, {},
+                  copy_back(reduce_scatter_tensor_async(out32, input.to(at::kFloat), op_kind, algo),
+                            output.view(-1), out32));
   }
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
@@ -403,22 +405,14 @@ Work ProcessGroup::all_reduce_async(const at::Tensor& tensor, ReduceOp op_kind) 
   if (s.size == 1 || tensor.numel() == 0) return launch(op, {});
   if (elsewhere(s.device, tensor)) {
     at::Tensor t = staged_input(s.device, tensor);
-    auto inner = std::make_shared<Work>(all_reduce_async(t, op_kind));
-    return launch(op, {}, [inner, tensor, t]() {
-      inner->wait();
-      tensor.copy_(t);
-    });
+    return launch(op, {}, copy_back(all_reduce_async(t, op_kind), tensor, t));
   }
   if (gloo_lacks(s.backend_name, tensor.scalar_type())) {
     if (tensor.scalar_type() == at::kBool) {
       throw ValueError(describe(op, *this) + ": bool tensors cannot be reduced over Gloo");
     }
     at::Tensor t32 = tensor.to(at::kFloat);
-    auto shared = std::make_shared<Work>(all_reduce_async(t32, op_kind));
-    return launch(op, {}, [shared, tensor, t32]() {
-      shared->wait();
-      tensor.copy_(t32);
-    });
+    return launch(op, {}, copy_back(all_reduce_async(t32, op_kind), tensor, t32));
   }
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op_kind);

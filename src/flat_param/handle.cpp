@@ -445,10 +445,7 @@ void FlatParamHandle::check_skipped_views_unchanged() const {
         !aliases(params_[i], unsharded_flat_, layout_.param_offset(i), layout_.numels[i])) {
       throw ValueError(
           "FSDP does not support changing the parameters between forward and backward for " +
-          std::string(options_.sharding_strategy() == ShardingStrategy::SHARD_GRAD_OP
-                          ? "SHARD_GRAD_OP"
-                          : "HYBRID_SHARD_ZERO2") +
-          ": '" + layout_.fqns[i] + "' was replaced or its data reassigned (rank " +
+          std::string(to_string(options_.sharding_strategy())) + ": '" + layout_.fqns[i] + "' was replaced or its data reassigned (rank " +
           std::to_string(rank_) + ")");
     }
   }
