@@ -26,16 +26,9 @@ int64_t shard_numel(int64_t mb, int world) { return mb * 1000000 / 4 / world; }
 // Enough iterations that one sample takes some tens of milliseconds at ~1 GB/s.
 int64_t iters_for(int64_t mb) { return std::clamp<int64_t>(64 / mb, 2, 64); }
 
-// $FSDP_BENCH_DEVICE: "cpu" (default; Gloo) or "cuda" (NCCL; ranks may share one GPU).
-const at::Device& device() {
-  static const at::Device d(fsdp_bench::env_str("FSDP_BENCH_DEVICE", "cpu"));
-  return d;
-}
+using fsdp_bench::device;
+using fsdp_bench::sync_device;
 at::TensorOptions on_device() { return at::TensorOptions().device(device()); }
-// NCCL's wait() only orders streams: each operation is timed to its end on the GPU.
-void sync_device() {
-  if (device().is_cuda()) torch::cuda::synchronize();
-}
 
 bool native(const fsdp::dist::ProcessGroup& pg) {
   return fsdp::compat::native_flat_collectives(pg.backend_name());

@@ -114,6 +114,17 @@ inline std::string env_str(const char* name, const std::string& fallback) {
   return v && *v ? std::string(v) : fallback;
 }
 
+/// The device a benchmark computes on: $FSDP_BENCH_DEVICE, "cpu" (default; Gloo) or "cuda"
+/// (NCCL; ranks may share one GPU, see run()).
+inline const at::Device& device() {
+  static const at::Device d(env_str("FSDP_BENCH_DEVICE", "cpu"));
+  return d;
+}
+/// GPU work is asynchronous (NCCL's wait() only orders streams): each timed operation ends here.
+inline void sync_device() {
+  if (device().is_cuda()) torch::cuda::synchronize();
+}
+
 /// Comma-separated integers from the environment, or `fallback`.
 inline std::vector<int64_t> env_list(const char* name, std::vector<int64_t> fallback) {
   const char* v = std::getenv(name);
@@ -167,7 +178,7 @@ inline int run(int argc, char** argv, int world, const std::function<void()>& re
     int rc = 1;
     try {
       at::set_num_threads(1);  // ranks share the cores
-      if (env_str("FSDP_BENCH_DEVICE", "cpu") != "cpu" && !std::getenv("NCCL_HOSTID")) {
+      if (device().is_cuda() && !std::getenv("NCCL_HOSTID")) {
         // Ranks sharing one GPU: NCCL accepts them only as different hosts (tests/multi_rank.cpp).
         ::setenv("NCCL_HOSTID", ("fsdp-bench-rank-" + std::to_string(r)).c_str(), 1);
       }

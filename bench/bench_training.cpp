@@ -24,16 +24,8 @@ int64_t& iters() {
   return n;
 }
 
-// $FSDP_BENCH_DEVICE: "cpu" (default) or "cuda" (the GPU machine: ranks then share cuda:0 and
-// the group is NCCL, see bench_ranks.h).
-const at::Device& device() {
-  static const at::Device d(fsdp_bench::env_str("FSDP_BENCH_DEVICE", "cpu"));
-  return d;
-}
-// GPU work is asynchronous: a step is timed to its end.
-void sync_device() {
-  if (device().is_cuda()) torch::cuda::synchronize();
-}
+using fsdp_bench::device;
+using fsdp_bench::sync_device;
 
 struct TransformerImpl : torch::nn::Module {
   torch::nn::Embedding tok{nullptr};
