@@ -38,7 +38,8 @@ do_build() {
   torch_prefix=$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')
   nccl_inc=$($PY -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "include"))' 2>/dev/null)
   [ -n "$nccl_inc" ] && flags="-isystem $nccl_inc"
-  # The wheel may lack gloo's headers; Debian's are the same library (c10d only holds pointers).
+  # The wheel may lack gloo's headers: then Debian 12's are used (this built and passed the Gloo
+  # tests against LibTorch 2.11; not an ABI guarantee).
   if [ ! -f "$($PY -c 'import torch, os; print(os.path.dirname(torch.__file__))')/include/gloo/algorithm.h" ]; then
     flags="$flags -isystem $DEPS/usr/include"
   fi
