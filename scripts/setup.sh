@@ -3,6 +3,7 @@
 # Used by scripts/test.sh and scripts/demo.sh; safe to run on its own.
 #   BUILD_DIR  build directory (default: build)
 #   JOBS       parallel compile jobs (default: 2; a LibTorch TU needs ~1 GiB of RAM)
+#   FSDP_RELWITHDEBINFO_FLAGS  compiler flags of a new build directory (default: -O2 -g1 -DNDEBUG)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +28,11 @@ export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-2}
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
-  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  # -g1 (line tables: backtraces with file:line) instead of -g: LibTorch's templates make full
+  # debug info about 3.5 GB per build directory, and CI builds two of them in a fresh clone on a
+  # disk shared with other work (a full disk once failed the install test). Pass your own
+  # CMAKE_CXX_FLAGS_RELWITHDEBINFO, or configure without this script, for full debug info.
+  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="${FSDP_RELWITHDEBINFO_FLAGS:--O2 -g1 -DNDEBUG}"
 fi
 cmake --build "$BUILD_DIR" -j "$JOBS"
