@@ -380,6 +380,84 @@ TEST(FsdpRuntime, PrefetchModesGiveBitIdenticalTraining) {
   });
 }
 
+// Four Blocks, each a unit, with a hook on the gradient of every block's output: it runs in
+// backward after the block above has finished (its post-backward hook included) and before this
+// block's backward starts, which is where the reduction of the block above should be in flight.
+struct HookedStackImpl : torch::nn::Module {
+  torch::nn::ModuleList blocks{nullptr};
+  std::function<void()> between_blocks;
+  HookedStackImpl() {
+    fsdp::testing::seed_cpu(31);
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 4; ++i) blocks->push_back(fsdp::testing::Block(6, 9));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      auto block = blocks->ptr<BlockImpl>(i);
+      x = fsdp::forward(block, x);
+      if (between_blocks && i + 1 < blocks->size()) {
+        x.register_hook([this](const torch::Tensor& g) {
+          between_blocks();
+          return g;
+        });
+      }
+    }
+    return x;
+  }
+};
+TORCH_MODULE(HookedStack);
+
+// max_inflight_grad_reductions: each unit's gradient reduction is still in flight while the
+// backward of the unit before it runs (at most the limit of them), all are finished when
+// backward returns, and the result is bit-identical to reducing inside the hook (0).
+TEST(FsdpRuntime, GradientReductionOverlapsTheNextUnitsBackward) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP,
+                          ShardingStrategy::NO_SHARD}) {
+      auto train = [&](int inflight) {
+        HookedStack m;
+        FullyShardedDataParallel model(
+            m, FullyShardedOptions()
+                   .process_group(pg)
+                   .sharding_strategy(strategy)
+                   .max_inflight_grad_reductions(inflight)
+                   .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>()));
+        auto handles = model->handles();
+        std::vector<int> pending_seen;
+        m->between_blocks = [&] {
+          int n = 0;
+          for (auto* h : handles) n += h && h->has_pending_reduce_grad();  // root: no handle
+          pending_seen.push_back(n);
+        };
+        torch::optim::Adam opt(model->parameters(), 1e-2);
+        for (int step = 0; step < 2; ++step) {
+          opt.zero_grad();
+          auto x = seeded_randn({3, 6}, 70 + 10 * step + pg.rank());
+          model->forward(x).pow(2).sum().backward();
+          for (auto* h : handles) EXPECT_FALSE(h && h->has_pending_reduce_grad());
+          opt.step();
+        }
+        return std::pair{pending_seen, full_params(model)};
+      };
+      const auto [seen0, base] = train(0);
+      EXPECT_EQ(seen0, std::vector<int>(6, 0)) << fsdp::to_string(strategy);
+      // Three hooks per backward: after block 3 one reduction is in flight, after blocks 2 and
+      // 1 as many as the limit allows.
+      const std::map<int, std::vector<int>> expected{{1, {1, 1, 1, 1, 1, 1}},
+                                                     {2, {1, 2, 2, 1, 2, 2}}};
+      for (const auto& [inflight, want] : expected) {
+        const auto [seen, got] = train(inflight);
+        EXPECT_EQ(seen, want) << fsdp::to_string(strategy) << " limit " << inflight;
+        for (const auto& [k, v] : base) {
+          EXPECT_TRUE(torch::equal(got.at(k), v))
+              << k << " " << fsdp::to_string(strategy) << " limit " << inflight << " diff "
+              << (got.at(k) - v).abs().max().item<float>();
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace {

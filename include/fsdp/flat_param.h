@@ -265,6 +265,20 @@ class FlatParamHandle {
   /// of it (use_orig_params) or are reset. Must be called while unsharded or right after
   /// reshard(), on every rank of the group. Requires the flat parameter to require grad.
   void reduce_grad();
+  /// reduce_grad() split in two, so that the collective overlaps what the caller does next (the
+  /// runtime: the backward of the units before this one). reduce_grad_async() takes the original
+  /// parameters' gradients and starts the reduction; finish_reduce_grad() waits for it and
+  /// updates the sharded gradient (and the gradient views). Until then flat_param().grad() does
+  /// not include this reduction. One reduction is pending per handle at most: starting another,
+  /// and every call that reads or changes gradients (prepare_grads_for_backward,
+  /// mark_grads_unreduced, unshard_grad, reset_flat_param_grad_info_if_needed,
+  /// writeback_orig_params), finishes the pending one first. finish_reduce_grad() is a no-op
+  /// when none is pending; it throws DistError if the collective failed (and comm_failed() is
+  /// true from then on).
+  void reduce_grad_async();
+  void finish_reduce_grad();
+  /// True between reduce_grad_async() and the finish_reduce_grad() that completes it.
+  bool has_pending_reduce_grad() const { return static_cast<bool>(pending_reduce_); }
   /// Like reduce_grad() but for gradients the caller already flattened (padded unsharded numel,
   /// any floating dtype). For the runtime's hooks and for tests.
   void reduce_flat_grad(const at::Tensor& unsharded_flat_grad);
@@ -317,7 +331,8 @@ class FlatParamHandle {
   /// parameter under NO_SHARD), requires_grad if any original parameter does. This is what an
   /// optimizer steps when use_orig_params is false.
   const at::Tensor& flat_param() const { return flat_param_; }
-  /// The sharded gradient (undefined if none), same as flat_param().grad().
+  /// The sharded gradient (undefined if none), same as flat_param().grad(); without a pending
+  /// reduce_grad_async()'s contribution.
   at::Tensor sharded_grad() const;
   const FlatParamLayout& layout() const { return layout_; }
   const std::vector<ParamInfo>& param_infos() const { return param_infos_; }
@@ -355,8 +370,16 @@ class FlatParamHandle {
  private:
   bool force_full_precision() const;
   void finish_unshard();
-  // Reduces `g` (padded unsharded numel, reduce dtype, on device, owned: modified in place).
-  void reduce_owned_grad(at::Tensor g);
+  // Starts reducing `g` (padded unsharded numel, reduce dtype, on device, owned: modified in
+  // place) into pending_reduce_; finish_reduce_grad() completes it.
+  void start_reduce(at::Tensor g);
+  // A started reduction: the collective and both of its buffers, which the backend reads and
+  // writes until the collective is done.
+  struct PendingReduce {
+    at::Tensor input;   // the unsharded flat gradient being reduced
+    at::Tensor output;  // the reduced shard (the whole gradient under NO_SHARD)
+    dist::Work work;
+  };
   void check_grad_shape(size_t i, const at::Tensor& grad) const;
   at::Tensor& unsharded_buffer();
   void use_unsharded_views(const at::Tensor& unsharded_flat);
@@ -406,9 +429,10 @@ class FlatParamHandle {
   at::Tensor unsharded_flat_;        // the unpadded view that original parameters point into
   bool unsharded_views_ = false;
   bool skipped_sharded_views_ = false;  // see skipped_use_sharded_views()
-  // Set by mark_grads_unreduced() (autograd accumulated), cleared by reduce_grad: the original
-  // parameters' full-shaped gradients then hold unreduced results (e.g. accumulated under
-  // no_sync) and must be neither written back nor replaced by shard views.
+  // Set by mark_grads_unreduced() (autograd accumulated) and by reduce_grad_async (the gradients
+  // are in flight), cleared when a reduction finishes: the original parameters' gradients then
+  // hold unreduced results (e.g. accumulated under no_sync) or nothing, and must be neither
+  // written back nor replaced by shard views.
   bool grads_unreduced_ = false;
   bool buffer_valid_ = false;  // the unsharded buffer holds the result of a successful gather
   bool comm_failed_ = false;   // an unshard's collective failed: never free its buffers
@@ -421,6 +445,9 @@ class FlatParamHandle {
   // gradient's slice must not come back on the next reshard.
   std::vector<bool> grad_view_attached_;
   std::unique_ptr<dist::Work> pending_unshard_;
+  // Declared last, destroyed first: an unfinished reduction is waited for (its Work's destructor)
+  // before anything it may still read or write is released.
+  std::unique_ptr<PendingReduce> pending_reduce_;
 };
 
 }  // namespace fsdp

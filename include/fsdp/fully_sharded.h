@@ -104,6 +104,13 @@ struct FullyShardedOptions {
   /// At most this many prefetched all-gathers in flight (PyTorch's limit_all_gathers allows 2
   /// unsharded units at a time: the current one and one prefetched).
   TORCH_ARG(int, max_inflight_all_gathers) = 1;
+  /// At most this many units' gradient reductions in flight during backward: a unit's
+  /// reduce-scatter (all-reduce under NO_SHARD) runs while autograd computes the gradients of the
+  /// units before it, and is waited for when the limit is reached or at the end of backward (as
+  /// PyTorch's reduce-scatter on its own CUDA stream is). Each in flight keeps its unit's
+  /// unsharded gradient alive, so memory grows by a unit's gradient per step of the limit. 0
+  /// reduces inside the unit's post-backward hook and waits (the lowest memory).
+  TORCH_ARG(int, max_inflight_grad_reductions) = 1;
   /// Broadcast parameters and buffers from rank 0 before sharding.
   TORCH_ARG(bool, sync_module_states) = false;
   /// Modules whose parameters and buffers FSDP leaves alone (not sharded, not reduced).
@@ -235,7 +242,8 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
 
   /// The wrapped module (its parameters are views managed by FSDP).
   std::shared_ptr<torch::nn::Module> module() const { return module_; }
-  /// One handle per unit, root first then in wrapping order.
+  /// One handle per unit, root first then in wrapping order; null for a root without parameters
+  /// of its own.
   std::vector<FlatParamHandle*> handles() const;
   /// FQN (in the wrapped module) of each unit's module, aligned with handles(); "" is the root.
   std::vector<std::string> unit_names() const;

@@ -9,9 +9,13 @@ namespace fsdp {
 using detail::shape_str;
 using detail::storage_alias;
 
-void FlatParamHandle::mark_grads_unreduced() { grads_unreduced_ = true; }
+void FlatParamHandle::mark_grads_unreduced() {
+  finish_reduce_grad();  // its finish clears the flag this sets
+  grads_unreduced_ = true;
+}
 
 void FlatParamHandle::prepare_grads_for_backward() {
+  finish_reduce_grad();
   if (!options_.use_orig_params()) return;
   // Shard-shaped gradient views cannot take autograd's full-shaped gradients; the values stay in
   // flat_param().grad(), and reduce_grad() adds the new ones to them.
@@ -64,6 +68,7 @@ void FlatParamHandle::unshard_grad() {
   }
   if (!unsharded_views_) throw StateError("unshard_grad: the handle is not unsharded");
   if (unsharded_grad_.defined()) return;
+  finish_reduce_grad();
   at::NoGradGuard no_grad;
   const at::Tensor g = flat_param_.grad();
   // Every rank takes part in the gather; one without a gradient sends zeros.
@@ -92,6 +97,7 @@ void FlatParamHandle::reshard_grad() {
 }
 
 void FlatParamHandle::reset_flat_param_grad_info_if_needed() {
+  finish_reduce_grad();
   if (!options_.use_orig_params()) return;
   absorb_cleared_grad_views();
   drop_flat_grad_if_all_none();
@@ -168,12 +174,18 @@ at::Tensor FlatParamHandle::take_orig_grads() {
 }
 
 void FlatParamHandle::reduce_grad() {
+  reduce_grad_async();
+  finish_reduce_grad();
+}
+
+void FlatParamHandle::reduce_grad_async() {
   if (!flat_param_.requires_grad()) {
     throw StateError("reduce_grad: no parameter of this handle requires grad (first: '" +
                      layout_.fqns[0] + "')");
   }
+  finish_reduce_grad();  // a reduction still in flight adds to the gradient this one adds to
   check_flat_param_device("reduce_grad");  // before the gradients are taken: an error keeps them
-  reduce_owned_grad(take_orig_grads());    // freshly built: no copy needed
+  start_reduce(take_orig_grads());         // freshly built: no copy needed
 }
 
 void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
@@ -181,35 +193,63 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
     throw ValueError("reduce_flat_grad: expects " + std::to_string(layout_.padded_unsharded_numel) +
                      " elements but got " + std::to_string(unsharded_flat_grad.numel()));
   }
+  finish_reduce_grad();
   check_flat_param_device("reduce_flat_grad");
   at::NoGradGuard no_grad;
   // A private copy: the caller's tensor is never scaled, and the result is never a view.
   at::Tensor g = unsharded_flat_grad.reshape({-1}).to(options_.device(), reduce_dtype_);
   if (g.is_alias_of(unsharded_flat_grad)) g = g.clone();
-  reduce_owned_grad(std::move(g));
+  start_reduce(std::move(g));
+  finish_reduce_grad();
 }
 
-void FlatParamHandle::reduce_owned_grad(at::Tensor g) {
+void FlatParamHandle::start_reduce(at::Tensor g) {
   at::NoGradGuard no_grad;
+  if (comm_failed_) {
+    throw StateError(
+        "FlatParamHandle::reduce_grad: an earlier collective of this handle failed "
+        "(rank " +
+        std::to_string(rank_) + ", group '" + group_.name() + "'); the process group is unusable");
+  }
   // PyTorch divides by the predivide factor (a power of two) before the reduction and by the
   // rest after, to keep float16 sums in range. Scaling by a power of two commutes exactly with
   // every rounded sum in a binary format (short of overflow and subnormals), so for the wider
   // types the predivide moves after the reduction, onto W times fewer elements for a
   // reduce-scatter, with bit-identical results. float16 keeps PyTorch's order.
-  const bool predivide_late = g.scalar_type() != at::kHalf;
-  if (predivide_ > 1 && !predivide_late) g.div_(predivide_);
-  at::Tensor out;
+  if (predivide_ > 1 && g.scalar_type() == at::kHalf) g.div_(predivide_);
   if (uses_sharded_strategy()) {
-    out = at::empty({layout_.sharded_numel}, g.options());
-    group_.reduce_scatter_tensor(out, g, dist::ReduceOp::SUM);
+    at::Tensor out = at::empty({layout_.sharded_numel}, g.options());
+    dist::Work w = group_.reduce_scatter_tensor_async(out, g, dist::ReduceOp::SUM);
+    pending_reduce_.reset(new PendingReduce{std::move(g), std::move(out), std::move(w)});
   } else {
-    out = g;
-    group_.all_reduce(out, dist::ReduceOp::SUM);
+    dist::Work w = group_.all_reduce_async(g, dist::ReduceOp::SUM);
+    pending_reduce_.reset(new PendingReduce{g, g, std::move(w)});
   }
-  if (options_.replicate_group().is_member()) {
-    options_.replicate_group().all_reduce(out, dist::ReduceOp::SUM);
+  // Until the finish the gradients are neither in the original parameters (taken) nor in the
+  // sharded gradient: a reshard must not take the empty original gradients for a zero_grad that
+  // drops the sharded one, nor attach views that the finish would replace.
+  grads_unreduced_ = true;
+}
+
+void FlatParamHandle::finish_reduce_grad() {
+  if (!pending_reduce_) return;
+  at::NoGradGuard no_grad;
+  at::Tensor out;
+  try {
+    pending_reduce_->work.wait();
+    out = pending_reduce_->output;
+    // HYBRID_SHARD: the replicas' shards are summed after the shard group's reduce-scatter.
+    if (options_.replicate_group().is_member()) {
+      options_.replicate_group().all_reduce(out, dist::ReduceOp::SUM);
+    }
+  } catch (...) {
+    // As for a failed unshard: after a timeout the backend may still write into the buffers, so
+    // they are never freed (the pending reduction is kept, and the group is unusable anyway).
+    comm_failed_ = true;
+    throw;
   }
-  if (predivide_ > 1 && predivide_late) out.div_(predivide_);
+  pending_reduce_.reset();
+  if (predivide_ > 1 && out.scalar_type() != at::kHalf) out.div_(predivide_);
   if (postdivide_ > 1) out.div_(postdivide_);
   const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
   out = out.to(target);

@@ -457,6 +457,7 @@ bool FlatParamHandle::writeback_orig_params() {
     return false;
   }
   if (!options_.use_orig_params() || unsharded_views_) return false;
+  finish_reduce_grad();  // it replaces or adds to the gradient checked below
   bool wrote_param = false;
   bool touched = false;
   at::NoGradGuard no_grad;

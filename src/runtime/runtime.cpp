@@ -154,6 +154,9 @@ void FsdpState::cast_buffers(bool full_precision) {
 }
 
 void FsdpState::reset_iteration() {
+  // Reductions a backward left in flight (one that threw before its end): complete them, so that
+  // the gradients they carry land and the ranks' collectives stay matched.
+  while (!reducing.empty()) finish_oldest_reduction();
   for (auto& u : units) {
     if (u->handle) {
       if (u->handle->has_pending_unshard()) u->handle->abandon_unshard();
@@ -288,7 +291,16 @@ void FsdpState::post_backward(int idx) {
   // Reshard first, as PyTorch's _post_backward_hook does: the unsharded parameters are not needed
   // by the reduction, and freeing them before it lowers the peak of backward by a unit.
   u.handle->reshard(true);
-  if (sync_gradients && u.handle->flat_param().requires_grad()) u.handle->reduce_grad();
+  if (sync_gradients && u.handle->flat_param().requires_grad()) {
+    // The reduction runs on the backend's threads (or stream) while autograd goes on with the
+    // units before this one; at most max_inflight_grad_reductions are in flight, each holding its
+    // unit's unsharded gradient, and finalize_backward finishes the rest.
+    const size_t limit = static_cast<size_t>(std::max(options.max_inflight_grad_reductions(), 1));
+    while (reducing.size() >= limit) finish_oldest_reduction();
+    u.handle->reduce_grad_async();
+    reducing.push_back(idx);
+    if (options.max_inflight_grad_reductions() <= 0) finish_oldest_reduction();
+  }
   u.handle->set_training_state(HandleTrainingState::IDLE);
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_POST) {
     prefetch(neighbour_in_order(idx, -1));
@@ -307,8 +319,16 @@ void FsdpState::finalize_backward() {
     if ((u->forward_done || u->pre_backward_done) && !u->post_backward_done)
       post_backward(u->index);
   }
+  // The optimizer step comes next: every gradient must be reduced before this returns
+  // (reset_iteration finishes the reductions still in flight).
   order_recorded = true;
   reset_iteration();
+}
+
+void FsdpState::finish_oldest_reduction() {
+  Unit& u = *units[reducing.front()];
+  reducing.pop_front();  // first: a failed collective is not waited for again
+  u.handle->finish_reduce_grad();
 }
 
 }  // namespace detail

@@ -6,6 +6,7 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <deque>
 #include <map>
 #include <unordered_set>
 
@@ -53,6 +54,8 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   bool callback_queued = false;
   bool in_backward = false;  // from the first pre-backward hook to the end-of-backward callback
   bool in_summon = false;
+  // Units whose gradient reduction is in flight, oldest first (see post_backward).
+  std::deque<int> reducing;
   bool buffers_cast = false;
   bool buffers_full_precision = false;  // buffers currently in their original dtypes
   std::shared_ptr<torch::nn::Module> root_module;
@@ -84,6 +87,7 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   void hook_grad_accumulators(Unit& unit);
   void prefetch(int u);
   int neighbour_in_order(int u, int step) const;
+  void finish_oldest_reduction();
   void cast_buffers(bool full_precision);
 };
 
