@@ -409,52 +409,63 @@ TORCH_MODULE(HookedStack);
 
 // max_inflight_grad_reductions: each unit's gradient reduction is still in flight while the
 // backward of the unit before it runs (at most the limit of them), all are finished when
-// backward returns, and the result is bit-identical to reducing inside the hook (0).
+// backward returns, and the result is bit-identical to reducing inside the hook (0). Unset, it
+// overlaps under NO_SHARD only.
+void expect_overlapped_reductions(ProcessGroup& pg, ShardingStrategy strategy) {
+  const std::string name = fsdp::to_string(strategy);
+  auto train = [&](std::optional<int> inflight) {
+    HookedStack m;
+    auto options =
+        FullyShardedOptions().process_group(pg).sharding_strategy(strategy).auto_wrap_policy(
+            fsdp::module_type_auto_wrap_policy<BlockImpl>());
+    if (strategy == ShardingStrategy::HYBRID_SHARD) options.hybrid_shard_size(2);
+    if (inflight) options.max_inflight_grad_reductions(*inflight);
+    FullyShardedDataParallel model(m, options);
+    auto handles = model->handles();
+    std::vector<int> pending_seen;
+    m->between_blocks = [&] {
+      int n = 0;
+      for (auto* h : handles) n += h && h->has_pending_reduce_grad();  // root: no handle
+      pending_seen.push_back(n);
+    };
+    torch::optim::Adam opt(model->parameters(), 1e-2);
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      auto x = seeded_randn({3, 6}, 70 + 10 * step + pg.rank());
+      model->forward(x).pow(2).sum().backward();
+      for (auto* h : handles) EXPECT_FALSE(h && h->has_pending_reduce_grad()) << name;
+      opt.step();
+    }
+    return std::pair{pending_seen, full_params(model)};
+  };
+  const auto [seen0, base] = train(0);
+  EXPECT_EQ(seen0, std::vector<int>(6, 0)) << name;
+  // Three hooks per backward: after block 3 one reduction is in flight, after blocks 2 and 1 as
+  // many as the limit allows.
+  const std::vector<int> one(6, 1), two{1, 2, 2, 1, 2, 2};
+  const bool overlaps_by_default = strategy == ShardingStrategy::NO_SHARD;
+  for (const auto& [inflight, want] : std::vector<std::pair<std::optional<int>, std::vector<int>>>{
+           {1, one}, {2, two}, {std::nullopt, overlaps_by_default ? one : seen0}}) {
+    const std::string limit = inflight ? std::to_string(*inflight) : "unset";
+    const auto [seen, got] = train(inflight);
+    EXPECT_EQ(seen, want) << name << " limit " << limit;
+    for (const auto& [k, v] : base) {
+      EXPECT_TRUE(torch::equal(got.at(k), v)) << k << " " << name << " limit " << limit << " diff "
+                                              << (got.at(k) - v).abs().max().item<float>();
+    }
+  }
+}
+
 TEST(FsdpRuntime, GradientReductionOverlapsTheNextUnitsBackward) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP,
                           ShardingStrategy::NO_SHARD}) {
-      auto train = [&](int inflight) {
-        HookedStack m;
-        FullyShardedDataParallel model(
-            m, FullyShardedOptions()
-                   .process_group(pg)
-                   .sharding_strategy(strategy)
-                   .max_inflight_grad_reductions(inflight)
-                   .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>()));
-        auto handles = model->handles();
-        std::vector<int> pending_seen;
-        m->between_blocks = [&] {
-          int n = 0;
-          for (auto* h : handles) n += h && h->has_pending_reduce_grad();  // root: no handle
-          pending_seen.push_back(n);
-        };
-        torch::optim::Adam opt(model->parameters(), 1e-2);
-        for (int step = 0; step < 2; ++step) {
-          opt.zero_grad();
-          auto x = seeded_randn({3, 6}, 70 + 10 * step + pg.rank());
-          model->forward(x).pow(2).sum().backward();
-          for (auto* h : handles) EXPECT_FALSE(h && h->has_pending_reduce_grad());
-          opt.step();
-        }
-        return std::pair{pending_seen, full_params(model)};
-      };
-      const auto [seen0, base] = train(0);
-      EXPECT_EQ(seen0, std::vector<int>(6, 0)) << fsdp::to_string(strategy);
-      // Three hooks per backward: after block 3 one reduction is in flight, after blocks 2 and
-      // 1 as many as the limit allows.
-      const std::map<int, std::vector<int>> expected{{1, {1, 1, 1, 1, 1, 1}},
-                                                     {2, {1, 2, 2, 1, 2, 2}}};
-      for (const auto& [inflight, want] : expected) {
-        const auto [seen, got] = train(inflight);
-        EXPECT_EQ(seen, want) << fsdp::to_string(strategy) << " limit " << inflight;
-        for (const auto& [k, v] : base) {
-          EXPECT_TRUE(torch::equal(got.at(k), v))
-              << k << " " << fsdp::to_string(strategy) << " limit " << inflight << " diff "
-              << (got.at(k) - v).abs().max().item<float>();
-        }
-      }
+      expect_overlapped_reductions(pg, strategy);
     }
+  });
+  // HYBRID_SHARD: the replicas' all-reduce follows each shard group's reduce-scatter at the finish.
+  run_ranks(4, [](ProcessGroup& pg) {
+    expect_overlapped_reductions(pg, ShardingStrategy::HYBRID_SHARD);
   });
 }
 

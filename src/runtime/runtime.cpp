@@ -293,13 +293,16 @@ void FsdpState::post_backward(int idx) {
   u.handle->reshard(true);
   if (sync_gradients && u.handle->flat_param().requires_grad()) {
     // The reduction runs on the backend's threads (or stream) while autograd goes on with the
-    // units before this one; at most max_inflight_grad_reductions are in flight, each holding its
-    // unit's unsharded gradient, and finalize_backward finishes the rest.
-    const size_t limit = static_cast<size_t>(std::max(options.max_inflight_grad_reductions(), 1));
-    while (reducing.size() >= limit) finish_oldest_reduction();
+    // units before this one; at most `inflight` are in flight, each holding its unit's unsharded
+    // gradient, and finalize_backward (through reset_iteration) finishes the rest.
+    const int inflight =
+        options.max_inflight_grad_reductions().value_or(u.handle->uses_sharded_strategy() ? 0 : 1);
+    while (!reducing.empty() && static_cast<int>(reducing.size()) >= std::max(inflight, 1)) {
+      finish_oldest_reduction();
+    }
     u.handle->reduce_grad_async();
     reducing.push_back(idx);
-    if (options.max_inflight_grad_reductions() <= 0) finish_oldest_reduction();
+    if (inflight <= 0) finish_oldest_reduction();
   }
   u.handle->set_training_state(HandleTrainingState::IDLE);
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_POST) {
