@@ -112,35 +112,46 @@ void BM_ComputeOnly(benchmark::State& st) {
   pg.barrier();
 }
 
-template <fsdp::ShardingStrategy S>
+// kInflight: FullyShardedOptions::max_inflight_grad_reductions, -1 for its default (1 under
+// NO_SHARD: each unit's gradient reduction overlaps the backward of the next; 0 under the sharded
+// strategies: reduce and wait inside the post-backward hook). The "FULL_SHARD overlapped" and
+// "NO_SHARD reduce_in_hook" cases measure the other choice in the same rounds.
+template <fsdp::ShardingStrategy S, int kInflight = -1>
 void BM_Fsdp(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   Transformer m;
-  fsdp::FullyShardedDataParallel model(
-      m, fsdp::FullyShardedOptions()
-             .sharding_strategy(S)
-             .process_group(pg)
-             .device_id(device())
-             .auto_wrap_policy(
-                 fsdp::module_type_auto_wrap_policy<torch::nn::TransformerEncoderLayerImpl>()));
+  auto options =
+      fsdp::FullyShardedOptions()
+          .sharding_strategy(S)
+          .process_group(pg)
+          .device_id(device())
+          .auto_wrap_policy(
+              fsdp::module_type_auto_wrap_policy<torch::nn::TransformerEncoderLayerImpl>());
+  if (kInflight >= 0) options.max_inflight_grad_reductions(kInflight);
+  fsdp::FullyShardedDataParallel model(m, options);
   auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq}).to(device());
-  timed_steps(st, fsdp::to_string(S), model, idx);
+  std::string name = fsdp::to_string(S);
+  if (kInflight == 0) name += " reduce_in_hook";
+  if (kInflight == 1) name += " overlapped";
+  timed_steps(st, name, model, idx);
 }
 
-const std::vector<std::string> kCases{"single_process", "compute_only", "FULL_SHARD",
-                                      "SHARD_GRAD_OP", "NO_SHARD"};
+const std::vector<std::string> kCases{
+    "single_process",        "compute_only",           "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
+    "FULL_SHARD overlapped", "NO_SHARD reduce_in_hook"};
 
 void register_all(int rounds) {
+  using fsdp::ShardingStrategy;
   fsdp_bench::TensorMemory::install();
-  fsdp_bench::register_rounds({{"single_process", BM_SingleProcess, 0, iters()},
-                               {"compute_only", BM_ComputeOnly, 0, iters()},
-                               {"FULL_SHARD", BM_Fsdp<fsdp::ShardingStrategy::FULL_SHARD>, 0,
-                                iters()},
-                               {"SHARD_GRAD_OP", BM_Fsdp<fsdp::ShardingStrategy::SHARD_GRAD_OP>,
-                                0, iters()},
-                               {"NO_SHARD", BM_Fsdp<fsdp::ShardingStrategy::NO_SHARD>, 0,
-                                iters()}},
-                              rounds);
+  fsdp_bench::register_rounds(
+      {{"single_process", BM_SingleProcess, 0, iters()},
+       {"compute_only", BM_ComputeOnly, 0, iters()},
+       {"FULL_SHARD", BM_Fsdp<ShardingStrategy::FULL_SHARD>, 0, iters()},
+       {"SHARD_GRAD_OP", BM_Fsdp<ShardingStrategy::SHARD_GRAD_OP>, 0, iters()},
+       {"NO_SHARD", BM_Fsdp<ShardingStrategy::NO_SHARD>, 0, iters()},
+       {"FULL_SHARD overlapped", BM_Fsdp<ShardingStrategy::FULL_SHARD, 1>, 0, iters()},
+       {"NO_SHARD reduce_in_hook", BM_Fsdp<ShardingStrategy::NO_SHARD, 0>, 0, iters()}},
+      rounds);
 }
 
 void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
@@ -148,17 +159,18 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
   const double tokens = kGlobalBatch * kSeq;
   std::printf(
       "\nstep of a %lld-layer transformer (d=%lld), global batch %lld x %lld tokens, world size "
-      "%d, LibTorch %s on %s;\nmedians of interleaved rounds; ratio = step time / one process on the "
+      "%d, LibTorch %s on %s;\nmedians of interleaved rounds; ratio = step time / one process on "
+      "the "
       "whole batch (ideal: 1/W)\n",
       static_cast<long long>(kLayers), static_cast<long long>(kDim),
       static_cast<long long>(kGlobalBatch), static_cast<long long>(kSeq), world, TORCH_VERSION,
       device().str().c_str());
-  std::printf("%-16s %10s %10s %7s %14s %12s\n", "", "ms/step", "tokens/s", "ratio",
+  std::printf("%-26s %10s %10s %7s %14s %12s\n", "", "ms/step", "tokens/s", "ratio",
               "peak tensor MB", "peak RSS MB");
   for (const std::string& c : kCases) {
     const double t = rep.get(c);
     const auto mem = memory().count(c) ? memory()[c] : std::pair<int64_t, int64_t>{0, 0};
-    std::printf("%-16s %10.1f %10.0f %7.2f %14.1f %12.1f\n", c.c_str(), t * 1e3,
+    std::printf("%-26s %10.1f %10.0f %7.2f %14.1f %12.1f\n", c.c_str(), t * 1e3,
                 t > 0 ? tokens / t : 0.0, base > 0 ? t / base : 0.0, mem.first / 1e6,
                 mem.second / 1e6);
     nlohmann::json m{{"bench", "training"}, {"case", c},       {"world", world},

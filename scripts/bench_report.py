@@ -146,6 +146,18 @@ def training(m):
                     record(f"training/{s}/exposed_communication/W{w}{sfx}", (t - compute) * 1e3,
                            "ms/step", "step without communication (compute_only)", compute * 1e3,
                            note="step time minus the same ranks' step with no communication")
+                # What overlapping each unit's gradient reduction with the next unit's backward
+                # (max_inflight_grad_reductions=1, NO_SHARD's default) changes against reducing
+                # inside the post-backward hook (0, the sharded strategies' default).
+                # One of the two is the strategy's default case itself.
+                over_case = m.median(case=f"{s} overlapped", **key)
+                hook_case = m.median(case=f"{s} reduce_in_hook", **key)
+                if over_case or hook_case:
+                    over, hook = over_case or t, hook_case or t
+                    record(f"training/{s}/overlapped_vs_reduce_in_hook/W{w}{sfx}", over * 1e3,
+                           "ms/step", "the same step reducing inside the post-backward hook",
+                           hook * 1e3,
+                           note="below 1: overlapping gradient reduction with backward pays")
             fs, ns = m.median(case="FULL_SHARD", **key), m.median(case="NO_SHARD", **key)
             if fs and ns:
                 record(f"training/FULL_SHARD/step_vs_NO_SHARD/W{w}{sfx}", fs * 1e3, "ms/step",
