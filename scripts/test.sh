@@ -31,6 +31,14 @@ record() {
   ((nfail == 0)) || failed=1
 }
 
+# A full disk shows up late and far from its cause (a failed install test, a truncated object):
+# say so first. Two build directories and the install test take about 4 GB.
+free_gb=$(df -Pk . | awk 'NR == 2 { print int($4 / 1048576) }')
+if [ -n "$free_gb" ] && ((free_gb < 6)); then
+  echo "test.sh: warning: only ${free_gb} GB free on $(df -P . | awk 'NR == 2 { print $6 }');" \
+    "a full run needs about 4 GB (build/, build-trixie/, the install test)" >&2
+fi
+
 # 1. Host LibTorch.
 ./scripts/setup.sh
 host_log=$(mktemp)
