@@ -111,8 +111,8 @@ struct FullyShardedOptions {
   /// post-backward hook and waits. Unset (the default): 1 under NO_SHARD, where the buffer in
   /// flight is the gradient itself, so overlapping costs no memory; 0 under the sharded
   /// strategies, where each reduction in flight keeps its unit's unsharded gradient alive through
-  /// the next unit's backward, the peak of FULL_SHARD training (measured on CPU: 13-23% more peak
-  /// memory for 0-3% shorter steps; docs/performance.md).
+  /// the next unit's backward, the peak of FULL_SHARD training (measured on CPU: 6-10% more peak
+  /// memory for 2-6% shorter steps; docs/performance.md).
   TORCH_ARG(std::optional<int>, max_inflight_grad_reductions);
   /// Broadcast parameters and buffers from rank 0 before sharding.
   TORCH_ARG(bool, sync_module_states) = false;
