@@ -531,3 +531,36 @@ TEST(FlatParamFailure, FailedUnshardKeepsItsBufferAndRefusesMore) {
   EXPECT_TRUE(results[0].ok) << results[0].message;
   EXPECT_FALSE(results[1].ok);
 }
+
+// A reduction whose collective failed is never landed by a later call that finishes pending
+// reductions (its buffers may still be written by the backend): that call refuses, as the next
+// unshard does, and the sharded gradient stays as it was.
+TEST(FlatParamFailure, FailedReductionIsNeverLandedLater) {
+  fsdp::testing::RunOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(10000);  // not to expire during start-up
+  opts.grace = 4 * opts.collective_timeout;
+  opts.report = false;
+  auto results = run_ranks(
+      2,
+      [](ProcessGroup& pg) {
+        Net net(5);
+        FlatParamHandle h(fsdp::collect_params(net.ptr()), pg, FlatParamHandleOptions());
+        h.unshard();
+        for (auto& p : h.orig_params()) p.mutable_grad() = at::ones_like(p);
+        h.reshard(true);
+        if (pg.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(500));  // rank 0 is reducing
+          ::raise(SIGKILL);
+        }
+        h.reduce_grad_async();
+        EXPECT_THROW(h.finish_reduce_grad(), fsdp::DistError);
+        EXPECT_TRUE(h.comm_failed());
+        EXPECT_TRUE(h.has_pending_reduce_grad()) << "buffers a failed reduction targets were freed";
+        EXPECT_THROW(h.prepare_grads_for_backward(), fsdp::StateError);
+        EXPECT_THROW(h.finish_reduce_grad(), fsdp::StateError);
+        EXPECT_FALSE(h.sharded_grad().defined()) << "a failed reduction was landed";
+      },
+      opts);
+  EXPECT_TRUE(results[0].ok) << results[0].message;
+  EXPECT_FALSE(results[1].ok);
+}

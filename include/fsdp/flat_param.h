@@ -273,8 +273,9 @@ class FlatParamHandle {
   /// and every call that reads or changes gradients (prepare_grads_for_backward,
   /// mark_grads_unreduced, unshard_grad, reset_flat_param_grad_info_if_needed,
   /// writeback_orig_params), finishes the pending one first. finish_reduce_grad() is a no-op
-  /// when none is pending; it throws DistError if the collective failed (and comm_failed() is
-  /// true from then on).
+  /// when none is pending; it throws DistError if the collective failed. comm_failed() is true
+  /// from then on, the failed reduction stays pending (the backend may still write its buffers)
+  /// and is never landed: finishing it again throws StateError, as every later collective does.
   void reduce_grad_async();
   void finish_reduce_grad();
   /// True between reduce_grad_async() and the finish_reduce_grad() that completes it.
@@ -391,6 +392,9 @@ class FlatParamHandle {
   // PyTorch's _check_on_compute_device for the flat parameter: on the CPU under offload, else on
   // options().device(). Throws StateError naming the unit's first parameter and both devices.
   void check_flat_param_device(const char* where) const;
+  // Throws StateError "FlatParamHandle::<where>: an earlier collective ... failed" once
+  // comm_failed_.
+  void throw_if_comm_failed(const char* where) const;
   // Throws ValueError if a parameter was replaced while skipped_sharded_views_.
   void check_skipped_views_unchanged() const;
   // {offset, numel} of original parameter i in the local flat parameter: its piece of the shard,

@@ -205,12 +205,7 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
 
 void FlatParamHandle::start_reduce(at::Tensor g) {
   at::NoGradGuard no_grad;
-  if (comm_failed_) {
-    throw StateError(
-        "FlatParamHandle::reduce_grad: an earlier collective of this handle failed "
-        "(rank " +
-        std::to_string(rank_) + ", group '" + group_.name() + "'); the process group is unusable");
-  }
+  throw_if_comm_failed("reduce_grad");
   // PyTorch divides by the predivide factor (a power of two) before the reduction and by the
   // rest after, to keep float16 sums in range. Scaling by a power of two commutes exactly with
   // every rounded sum in a binary format (short of overflow and subnormals), so for the wider
@@ -233,6 +228,9 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
 
 void FlatParamHandle::finish_reduce_grad() {
   if (!pending_reduce_) return;
+  // A reduction kept after its collective failed (see below) must never land: its result is
+  // garbage, and the backend may still be writing it.
+  throw_if_comm_failed("finish_reduce_grad");
   at::NoGradGuard no_grad;
   at::Tensor out;
   try {

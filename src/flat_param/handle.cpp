@@ -240,11 +240,7 @@ void FlatParamHandle::unshard() {
 
 void FlatParamHandle::unshard_async() {
   if (pending_unshard_) throw StateError("FlatParamHandle::unshard_async: an unshard is pending");
-  if (comm_failed_) {
-    throw StateError("FlatParamHandle::unshard: an earlier collective of this handle failed (rank " +
-                     std::to_string(rank_) + ", group '" + group_.name() +
-                     "'); the process group is unusable");
-  }
+  throw_if_comm_failed("unshard");
   // Views kept from forward (see reshard) serve backward as they are; anything else (a summon, a
   // state dict) first restores the sharded invariants and then unshards as usual, as PyTorch's
   // pre_unshard does, so that it gets full precision where it asks for it.
@@ -300,6 +296,13 @@ void FlatParamHandle::wait_unshard() {
     buffer_valid_ = true;
   }
   finish_unshard();
+}
+
+void FlatParamHandle::throw_if_comm_failed(const char* where) const {
+  if (!comm_failed_) return;
+  throw StateError(std::string("FlatParamHandle::") + where +
+                   ": an earlier collective of this handle failed (rank " + std::to_string(rank_) +
+                   ", group '" + group_.name() + "'); the process group is unusable");
 }
 
 void FlatParamHandle::check_flat_param_device(const char* where) const {
@@ -445,8 +448,8 @@ void FlatParamHandle::check_skipped_views_unchanged() const {
         !aliases(params_[i], unsharded_flat_, layout_.param_offset(i), layout_.numels[i])) {
       throw ValueError(
           "FSDP does not support changing the parameters between forward and backward for " +
-          std::string(to_string(options_.sharding_strategy())) + ": '" + layout_.fqns[i] + "' was replaced or its data reassigned (rank " +
-          std::to_string(rank_) + ")");
+          std::string(to_string(options_.sharding_strategy())) + ": '" + layout_.fqns[i] +
+          "' was replaced or its data reassigned (rank " + std::to_string(rank_) + ")");
     }
   }
 }
