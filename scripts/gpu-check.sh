@@ -66,7 +66,7 @@ run_suite() {
   return $rc
 }
 
-TIMEOUT_TESTS="*TimesOut*:*DeadPeer*:*Dying*:*FailedUnshard*"
+TIMEOUT_TESTS="*TimesOut*:*DeadPeer*:*Dying*:*FailedUnshard*:*FailedReduction*"
 
 for step in "${steps[@]}"; do
   case $step in

@@ -156,6 +156,22 @@ inline BackendPtr make_nccl_backend(const StorePtr& store, int rank, int size,
 }
 #endif
 
+/// Flushes and closes a backend whose last handle is going away, as PyTorch's
+/// destroy_process_group does. Only NCCL needs it: ProcessGroupNCCL destroyed without shutdown()
+/// aborts its communicators, cutting off peers still finishing a collective with this rank.
+/// `shutdown()` is public on ProcessGroupNCCL in 2.6 and 2.14 (read in their headers) and was
+/// run on 2.11; older releases keep c10d's destructor behaviour. Gloo needs nothing.
+inline void shutdown_backend(const BackendPtr& backend, const std::string& backend_name) {
+#if defined(USE_C10D_NCCL) && \
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6))
+  if (backend_name == "nccl") {
+    if (auto* nccl = dynamic_cast<c10d::ProcessGroupNCCL*>(backend.get())) nccl->shutdown();
+  }
+#endif
+  (void)backend;
+  (void)backend_name;
+}
+
 /// The device whose tensors the backend named `backend_name` reduces and moves: NCCL's is the
 /// CUDA device current when the group is created (set it per rank, as with
 /// torch.cuda.set_device, before init_process_group); every other backend's is the CPU. Chosen

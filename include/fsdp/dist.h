@@ -220,7 +220,9 @@ ProcessGroup init_process_group(const InitOptions& opts = InitOptions());
 ProcessGroup& default_group();
 /// True once init_process_group succeeded (and until destroy_process_group).
 bool is_initialized();
-/// Forgets the default group (its backend is destroyed when the last handle goes away).
+/// Forgets the default group. Its backend is destroyed when the last handle goes away (models
+/// and sub-groups keep theirs). An NCCL backend is first shut down gracefully, so that
+/// collectives still in flight with peers complete, unless a collective of the group failed.
 void destroy_process_group();
 
 /// The two groups hybrid sharding uses: parameters are sharded within `shard` (consecutive ranks,

@@ -137,8 +137,10 @@ void Work::wait() {
       p->work->wait();
     }
   } catch (const c10::Error& e) {
+    if (p->group_failed) p->group_failed->store(true);
     throw DistError(p->what + " failed: " + e.what_without_backtrace());
   } catch (const std::exception& e) {
+    if (p->group_failed) p->group_failed->store(true);
     throw DistError(p->what + " failed: " + e.what());
   }
   if (p->finish) p->finish();
@@ -150,6 +152,7 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
   w.pending_->work = std::move(work);
   w.pending_->finish = std::move(finish);
   w.pending_->what = describe(op, *this);
+  w.pending_->group_failed = state_->failed;
   // 0: no timeout passed to wait() (see Work::wait).
   w.pending_->timeout =
       state_->backend_name == "nccl" ? std::chrono::milliseconds(0) : state_->timeout;
@@ -162,6 +165,7 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
     try {                                                                       \
       return (expr);                                                            \
     } catch (const c10::Error& e) {                                             \
+      state_->failed->store(true);                                              \
       throw DistError(describe(op, *this) + ": " + e.what_without_backtrace()); \
     }                                                                           \
   }()

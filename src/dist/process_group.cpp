@@ -106,6 +106,20 @@ ProcessGroup ProcessGroup::from_backend(compat::BackendPtr backend, std::string 
   return ProcessGroup(std::move(s));
 }
 
+ProcessGroup::State::~State() {
+  // The last handle is gone. c10d's NCCL backend, destroyed without shutdown(), aborts its
+  // communicators: a rank that finishes first then cuts off a peer still completing the last
+  // collective with it ("remote process exited", seen over NCCL's socket transport). PyTorch's
+  // destroy_process_group shuts the backend down gracefully first; so do we, unless a collective
+  // of this group failed (a graceful shutdown would wait for what a dead peer never finishes).
+  if (!backend || failed->load()) return;
+  try {
+    compat::shutdown_backend(backend, backend_name);
+  } catch (...) {
+    // A destructor must not throw; the backend's own destructor still releases everything.
+  }
+}
+
 ProcessGroup::State& ProcessGroup::checked_state(const char* op) const {
   if (!state_) {
     throw StateError(std::string(op) +
