@@ -504,63 +504,62 @@ TEST(FlatParamHandle, RanksThatDisagreeOnTheModelAllRaiseNamingTheParameter) {
 
 }  // namespace
 
-// After an unshard's collective fails (a peer died), the backend may still write into the
-// unsharded buffer: reshard must not free it, and the handle refuses further unshards instead of
-// starting another gather into the same memory.
-TEST(FlatParamFailure, FailedUnshardKeepsItsBufferAndRefusesMore) {
+namespace {
+
+// The failure tests: two ranks, of which rank 1 is SIGKILLed by kill_rank_one_soon in the middle
+// of a collective; rank 0 must see the failure and pass its checks.
+void run_with_rank_one_killed(const fsdp::testing::RankBody& body) {
   fsdp::testing::RunOptions opts;
   opts.collective_timeout = std::chrono::milliseconds(10000);  // not to expire during start-up
   opts.grace = 4 * opts.collective_timeout;
   opts.report = false;
-  auto results = run_ranks(
-      2,
-      [](ProcessGroup& pg) {
-        Net net(5);
-        FlatParamHandle h(fsdp::collect_params(net.ptr()), pg, FlatParamHandleOptions());
-        if (pg.rank() == 1) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(500));  // let rank 0 finish init
-          ::raise(SIGKILL);
-        }
-        EXPECT_THROW(h.unshard(), fsdp::DistError);
-        EXPECT_TRUE(h.comm_failed());
-        h.reshard(true);
-        EXPECT_GT(h.unsharded_storage_bytes(), 0) << "a buffer a failed gather targets was freed";
-        EXPECT_THROW(h.unshard(), fsdp::StateError);
-      },
-      opts);
+  auto results = run_ranks(2, body, opts);
   EXPECT_TRUE(results[0].ok) << results[0].message;
   EXPECT_FALSE(results[1].ok);
+}
+
+// On rank 1: dies half a second from now, once rank 0 has entered its next collective.
+void kill_rank_one_soon(const ProcessGroup& pg) {
+  if (pg.rank() != 1) return;
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ::raise(SIGKILL);
+}
+
+}  // namespace
+
+// After an unshard's collective fails (a peer died), the backend may still write into the
+// unsharded buffer: reshard must not free it, and the handle refuses further unshards instead of
+// starting another gather into the same memory.
+TEST(FlatParamFailure, FailedUnshardKeepsItsBufferAndRefusesMore) {
+  run_with_rank_one_killed([](ProcessGroup& pg) {
+    Net net(5);
+    FlatParamHandle h(fsdp::collect_params(net.ptr()), pg, FlatParamHandleOptions());
+    kill_rank_one_soon(pg);  // rank 0 has finished init and is about to gather
+    EXPECT_THROW(h.unshard(), fsdp::DistError);
+    EXPECT_TRUE(h.comm_failed());
+    h.reshard(true);
+    EXPECT_GT(h.unsharded_storage_bytes(), 0) << "a buffer a failed gather targets was freed";
+    EXPECT_THROW(h.unshard(), fsdp::StateError);
+  });
 }
 
 // A reduction whose collective failed is never landed by a later call that finishes pending
 // reductions (its buffers may still be written by the backend): that call refuses, as the next
 // unshard does, and the sharded gradient stays as it was.
 TEST(FlatParamFailure, FailedReductionIsNeverLandedLater) {
-  fsdp::testing::RunOptions opts;
-  opts.collective_timeout = std::chrono::milliseconds(10000);  // not to expire during start-up
-  opts.grace = 4 * opts.collective_timeout;
-  opts.report = false;
-  auto results = run_ranks(
-      2,
-      [](ProcessGroup& pg) {
-        Net net(5);
-        FlatParamHandle h(fsdp::collect_params(net.ptr()), pg, FlatParamHandleOptions());
-        h.unshard();
-        for (auto& p : h.orig_params()) p.mutable_grad() = at::ones_like(p);
-        h.reshard(true);
-        if (pg.rank() == 1) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(500));  // rank 0 is reducing
-          ::raise(SIGKILL);
-        }
-        h.reduce_grad_async();
-        EXPECT_THROW(h.finish_reduce_grad(), fsdp::DistError);
-        EXPECT_TRUE(h.comm_failed());
-        EXPECT_TRUE(h.has_pending_reduce_grad()) << "buffers a failed reduction targets were freed";
-        EXPECT_THROW(h.prepare_grads_for_backward(), fsdp::StateError);
-        EXPECT_THROW(h.finish_reduce_grad(), fsdp::StateError);
-        EXPECT_FALSE(h.sharded_grad().defined()) << "a failed reduction was landed";
-      },
-      opts);
-  EXPECT_TRUE(results[0].ok) << results[0].message;
-  EXPECT_FALSE(results[1].ok);
+  run_with_rank_one_killed([](ProcessGroup& pg) {
+    Net net(5);
+    FlatParamHandle h(fsdp::collect_params(net.ptr()), pg, FlatParamHandleOptions());
+    h.unshard();
+    for (auto& p : h.orig_params()) p.mutable_grad() = at::ones_like(p);
+    h.reshard(true);
+    kill_rank_one_soon(pg);  // rank 0 is about to reduce
+    h.reduce_grad_async();
+    EXPECT_THROW(h.finish_reduce_grad(), fsdp::DistError);
+    EXPECT_TRUE(h.comm_failed());
+    EXPECT_TRUE(h.has_pending_reduce_grad()) << "buffers a failed reduction targets were freed";
+    EXPECT_THROW(h.prepare_grads_for_backward(), fsdp::StateError);
+    EXPECT_THROW(h.finish_reduce_grad(), fsdp::StateError);
+    EXPECT_FALSE(h.sharded_grad().defined()) << "a failed reduction was landed";
+  });
 }
