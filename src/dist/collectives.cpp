@@ -1,13 +1,15 @@
 // Collectives over c10d with timeouts, and the emulations LibTorch 1.13's Gloo needs.
 //
 // Gloo in 1.13 has neither _allgather_base nor reduce_scatter. All-gather becomes the list form of
-// allgather whose outputs are views into the flat output (Gloo copies each rank's piece straight
-// into its view). Reduce-scatter becomes either alltoall_base (each rank receives the W pieces of
+// allgather whose outputs are views into the flat output (no copy of ours; Gloo itself receives
+// into a scratch tensor of the whole output on its worker thread and copies each rank's piece
+// into its view, in 1.13 and in 2.x's _allgather_base alike). Reduce-scatter becomes either alltoall_base (each rank receives the W pieces of
 // its own chunk, then sums them locally in rank order) or allreduce of the whole tensor followed by
 // a narrow. bench/bench_collectives measures which is faster for which size.
 #include <ATen/Parallel.h>
 
 #include "dist/state.h"
+#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {
@@ -90,6 +92,16 @@ std::function<void()> copy_back(Work inner, const at::Tensor& dst, const at::Ten
     shared->wait();
     if (!src.is_same(dst)) dst.copy_(src);
   };
+}
+
+// Frees a scratch buffer of a collective that wait() has seen complete. The backend's own work
+// object still holds a reference and drops it on its worker thread some time after the
+// completion; until then the buffer would stay allocated, so whether it counts towards the peak
+// of what the caller does next (the next unit's backward) depends on thread timing. Freeing the
+// storage makes the release deterministic. CPU only: there wait() means the collective is done,
+// while a device backend's wait() may only order streams.
+void release_completed(const at::Tensor& scratch) {
+  if (scratch.device().is_cpu()) detail::free_storage(scratch);
 }
 
 }  // namespace
@@ -309,6 +321,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
         }
         for (; r < world; ++r) combine(out_flat, recv.narrow(0, r * n, n), op_kind);
         finish_avg();
+        release_completed(recv);
       });
     }
     case ReduceScatterAlgo::kAllReduce: {
@@ -322,6 +335,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       return launch(op, std::move(w), [tmp, out_flat, start, n, finish_avg]() {
         out_flat.copy_(tmp.narrow(0, start, n));
         finish_avg();
+        release_completed(tmp);
       });
     }
     case ReduceScatterAlgo::kAuto:

@@ -246,6 +246,15 @@ void FlatParamHandle::finish_reduce_grad() {
     comm_failed_ = true;
     throw;
   }
+  // The unsharded gradient was the reduce-scatter's input, built by take_orig_grads or copied by
+  // reduce_flat_grad for this reduction alone. Gloo's work object keeps a reference until its
+  // worker thread lets go, some time after the completion: freed here, the unit of memory it
+  // holds is gone before the next unit's backward starts, on every run alike (see
+  // release_completed in dist/collectives.cpp; CPU only, where wait() means done).
+  if (uses_sharded_strategy() && pending_reduce_->input.device().is_cpu() &&
+      !pending_reduce_->input.is_same(out)) {
+    detail::free_storage(pending_reduce_->input);
+  }
   pending_reduce_.reset();
   if (predivide_ > 1 && out.scalar_type() != at::kHalf) out.div_(predivide_);
   if (postdivide_ > 1) out.div_(postdivide_);

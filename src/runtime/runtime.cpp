@@ -300,6 +300,7 @@ void FsdpState::post_backward(int idx) {
     while (!reducing.empty() && static_cast<int>(reducing.size()) >= std::max(inflight, 1)) {
       finish_oldest_reduction();
     }
+    finish_prefetched_unshards_on_cpu();
     u.handle->reduce_grad_async();
     reducing.push_back(idx);
     if (inflight <= 0) finish_oldest_reduction();
@@ -326,6 +327,23 @@ void FsdpState::finalize_backward() {
   // (reset_iteration finishes the reductions still in flight).
   order_recorded = true;
   reset_iteration();
+}
+
+void FsdpState::finish_prefetched_unshards_on_cpu() {
+  // Gloo's all-gather receives into a scratch copy of the whole unit on its worker thread and
+  // copies it out at the end, so a prefetch still in flight holds one more unit of memory. The
+  // reduction about to start allocates the unit's flat gradient and (on LibTorch 1.13) the
+  // all-to-all's receive buffer, the peak of backward; whether the prefetch's scratch copy was
+  // still alive then varied with thread timing, and with it the peak, by a unit from run to run.
+  // Finished first, it never is. It costs little: the next unit's pre-backward, which comes
+  // right after this reduction, waits for the same all-gather, started a whole unit's backward
+  // ago. On a GPU, NCCL gathers in place and a wait here would stall the compute stream instead.
+  for (auto& other : units) {
+    if (other->handle && other->handle->has_pending_unshard() &&
+        other->handle->options().device().is_cpu()) {
+      other->handle->wait_unshard();
+    }
+  }
 }
 
 void FsdpState::finish_oldest_reduction() {

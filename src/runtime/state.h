@@ -88,6 +88,7 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   void prefetch(int u);
   int neighbour_in_order(int u, int step) const;
   void finish_oldest_reduction();
+  void finish_prefetched_unshards_on_cpu();
   void cast_buffers(bool full_precision);
 };
 
