@@ -33,6 +33,10 @@ at::TensorOptions on_device() { return at::TensorOptions().device(device()); }
 bool native(const fsdp::dist::ProcessGroup& pg) {
   return fsdp::compat::native_flat_collectives(pg.backend_name());
 }
+// Whether reduce_grad's reduce-scatter is the backend's own (see BM_RawReduceScatter).
+bool native_reduce_scatter(const fsdp::dist::ProcessGroup& pg) {
+  return native(pg) && pg.backend_name() != "gloo";
+}
 
 void BM_RawAllgather(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
@@ -76,13 +80,16 @@ void BM_Unshard(benchmark::State& st) {
   for (auto _ : st) op();
 }
 
+// The raw collective reduce_grad's reduce-scatter runs on: the native one on NCCL, the all-to-all
+// on Gloo, whose native form (LibTorch 2.x) is an all-reduce of a clone and 3-4x slower than the
+// all-to-all (docs/dist.md), so fsdp::dist does not use it.
 void BM_RawReduceScatter(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
   at::Tensor in = at::ones({n * pg.size()}, on_device());
   auto b = pg.backend();
   std::function<void()> op;
-  if (native(pg)) {
+  if (native_reduce_scatter(pg)) {
     at::Tensor out = at::empty({n}, on_device());
     op = [b, out, in]() mutable {
       b->_reduce_scatter_base(out, in)->wait();
@@ -135,13 +142,14 @@ void register_all(int world, int rounds) {
 
 void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
   const bool nat = native(*fsdp_bench::group());
+  const bool nat_rs = native_reduce_scatter(*fsdp_bench::group());
   std::printf(
       "\nworld size %d, float32 on %s over %s, medians of interleaved rounds; bandwidth = unit "
       "bytes / time;\nratio = raw c10d time / fsdp time on the same bytes (1.00 = as fast as the "
       "raw collective)\n",
       world, device().str().c_str(), fsdp_bench::group()->backend_name().c_str());
   std::printf("%10s | %-30s | %-30s\n", "unit MB", "unshard vs raw all-gather",
-              nat ? "reduce_grad vs raw reduce-scatter" : "reduce_grad vs raw all-to-all");
+              nat_rs ? "reduce_grad vs raw reduce-scatter" : "reduce_grad vs raw all-to-all");
   for (int64_t mb : sizes_mb()) {
     const int64_t n = shard_numel(mb, world);
     const double bytes = static_cast<double>(n) * world * 4;
@@ -162,6 +170,7 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
                         {"bytes", bytes},
                         {"unit", "s"},
                         {"raw_kind", nat ? "native" : "emulated"},
+                        {"raw_rs_kind", nat_rs ? "native" : "emulated"},
                         {"device", device().str()}},
                        rep.all(c, n));
     }

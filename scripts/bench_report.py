@@ -107,11 +107,14 @@ def collectives(m):
                 key = dict(bench="collectives", run=run, world=w, bytes=nbytes)
                 row = m.first(**key)
                 native = row.get("raw_kind") == "native"
+                # Gloo's native reduce-scatter is not used (an all-reduce of a clone); older
+                # records without raw_rs_kind had both collectives of one kind.
+                native_rs = row.get("raw_rs_kind", row.get("raw_kind")) == "native"
                 for op, fsdp_case, raw_case, raw_name in (
                         ("all_gather", "unshard", "raw_allgather",
                          "c10d _allgather_base" if native else "c10d allgather into one buffer"),
                         ("reduce_scatter", "reduce_grad", "raw_reduce_scatter",
-                         "c10d _reduce_scatter_base" if native
+                         "c10d _reduce_scatter_base" if native_rs
                          else "c10d alltoall_base of the same bytes")):
                     t, raw = m.median(case=fsdp_case, **key), m.median(case=raw_case, **key)
                     if not t or not raw:

@@ -36,7 +36,8 @@ enum class ReduceOp { SUM, AVG, MAX, MIN };
 
 /// How reduce_scatter is carried out where the backend has no native flat reduce-scatter.
 enum class ReduceScatterAlgo {
-  /// Native where available, else kAllToAll (2-3x faster from 1 MiB per rank; docs/dist.md).
+  /// Native on NCCL; kAllToAll on Gloo (2-3x faster than kAllReduce from 1 MiB per rank, and
+  /// Gloo's native form in LibTorch 2.x is kAllReduce on a clone of the input; docs/dist.md).
   kAuto,
   /// alltoall of the W chunks, then a local sum in rank order: each rank receives only the
   /// (W-1)/W of the data it needs, and every rank sums in the same order (deterministic).

@@ -283,14 +283,15 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
                      " backend has no native reduce-scatter that honours this op; use kAuto");
   }
   if (algo == ReduceScatterAlgo::kAuto) {
-    if (native_ok) {
-      algo = ReduceScatterAlgo::kNative;
-    } else {
-      // Measured with bench/bench_collectives (docs/dist.md): on Gloo, alltoall + local sum is
-      // 2-3x faster than allreduce + narrow from 1 MiB per rank up (half the bytes) and level or
-      // ahead below; its rank-ordered sum is also reproducible bit for bit.
-      algo = ReduceScatterAlgo::kAllToAll;
-    }
+    // Measured with bench/bench_collectives (docs/dist.md): on Gloo, alltoall + local sum is
+    // 2-3x faster than allreduce + narrow from 1 MiB per rank up (half the bytes) and level or
+    // ahead below; its rank-ordered sum is also reproducible bit for bit. Gloo's own
+    // _reduce_scatter_base (LibTorch 2.x) is no better than allreduce + narrow: it is exactly
+    // that, on a clone of the input made on the caller's thread and released by Gloo's worker
+    // thread whenever it drops its work, so it also costs a unit of memory at a moment that
+    // varies from run to run. Native is the default only where it is a real reduce-scatter.
+    algo = native_ok && s.backend_name != "gloo" ? ReduceScatterAlgo::kNative
+                                                 : ReduceScatterAlgo::kAllToAll;
   }
   switch (algo) {
     case ReduceScatterAlgo::kNative: {
