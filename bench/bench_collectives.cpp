@@ -10,6 +10,9 @@
 //                 _reduce_scatter_base where it has one, else the all-to-all that carries
 //                 exactly the bytes a reduce-scatter must move (our emulation adds the sum)
 //
+// With $FSDP_BENCH_RS_ALGOS=1 it also times ProcessGroup::reduce_scatter_tensor's emulations on
+// the same bytes against each other (rs_alltoall, rs_pairwise: what kAuto picks on Gloo).
+//
 // Rounds are interleaved (bench_ranks.h); rank 0 prints the ratios and emits every sample.
 #include "bench_ranks.h"
 
@@ -129,14 +132,40 @@ void BM_ReduceGrad(benchmark::State& st) {
   for (auto _ : st) op();
 }
 
+// ProcessGroup::reduce_scatter_tensor with one emulation, on preallocated input and output.
+template <fsdp::dist::ReduceScatterAlgo kAlgo>
+void BM_ReduceScatterAlgo(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const int64_t n = st.range(0);
+  at::Tensor in = at::ones({n * pg.size()}, on_device());
+  at::Tensor out = at::empty({n}, on_device());
+  auto op = [&] {
+    pg.reduce_scatter_tensor(out, in, fsdp::dist::ReduceOp::SUM, kAlgo);
+    sync_device();
+  };
+  fsdp_bench::warm_up(op);
+  pg.barrier();
+  for (auto _ : st) op();
+}
+
+bool compare_algos() {
+  const char* e = std::getenv("FSDP_BENCH_RS_ALGOS");
+  return e && std::string(e) == "1";
+}
+
 void register_all(int world, int rounds) {
+  using fsdp::dist::ReduceScatterAlgo;
   for (int64_t mb : sizes_mb()) {
     const int64_t n = shard_numel(mb, world), it = iters_for(mb);
-    fsdp_bench::register_rounds({{"raw_allgather", BM_RawAllgather, n, it},
-                                 {"unshard", BM_Unshard, n, it},
-                                 {"raw_reduce_scatter", BM_RawReduceScatter, n, it},
-                                 {"reduce_grad", BM_ReduceGrad, n, it}},
-                                rounds);
+    std::vector<fsdp_bench::Case> cases{{"raw_allgather", BM_RawAllgather, n, it},
+                                        {"unshard", BM_Unshard, n, it},
+                                        {"raw_reduce_scatter", BM_RawReduceScatter, n, it},
+                                        {"reduce_grad", BM_ReduceGrad, n, it}};
+    if (compare_algos()) {
+      cases.push_back({"rs_alltoall", BM_ReduceScatterAlgo<ReduceScatterAlgo::kAllToAll>, n, it});
+      cases.push_back({"rs_pairwise", BM_ReduceScatterAlgo<ReduceScatterAlgo::kPairwise>, n, it});
+    }
+    fsdp_bench::register_rounds(cases, rounds);
   }
 }
 
@@ -163,7 +192,17 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
     std::printf("%10lld | %-30s | %-30s\n", static_cast<long long>(mb),
                 fmt("unshard", "raw_allgather").c_str(),
                 fmt("reduce_grad", "raw_reduce_scatter").c_str());
-    for (const char* c : {"raw_allgather", "unshard", "raw_reduce_scatter", "reduce_grad"}) {
+    if (compare_algos()) {
+      const double a = rep.get("rs_alltoall", n), p = rep.get("rs_pairwise", n);
+      std::printf("%10s   reduce_scatter_tensor: all-to-all %.2f ms, pairwise %.2f ms (%.2f)\n", "",
+                  a * 1e3, p * 1e3, a > 0 ? p / a : 0.0);
+    }
+    std::vector<const char*> cases{"raw_allgather", "unshard", "raw_reduce_scatter", "reduce_grad"};
+    if (compare_algos()) {
+      cases.push_back("rs_alltoall");
+      cases.push_back("rs_pairwise");
+    }
+    for (const char* c : cases) {
       fsdp_bench::emit({{"bench", "collectives"},
                         {"case", c},
                         {"world", world},

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <optional>
 #include <thread>
 #include <tuple>
 
@@ -44,8 +45,9 @@ TEST_P(DistWorld, ReduceScatterEveryAlgorithmAndOp) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
     const int W = pg.size();
-    for (auto algo : {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll,
-                      ReduceScatterAlgo::kAllReduce, ReduceScatterAlgo::kNative}) {
+    for (auto algo :
+         {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll, ReduceScatterAlgo::kAllReduce,
+          ReduceScatterAlgo::kNative, ReduceScatterAlgo::kPairwise}) {
       for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
         for (int64_t n : {0, 1, 3, 4097}) {
           at::Tensor in = rank_input(pg.rank(), n * W);
@@ -90,24 +92,67 @@ TEST_P(DistWorld, ReduceScatterEveryAlgorithmAndOp) {
   });
 }
 
-// alltoall + local sum adds the ranks' contributions in rank order, so even arbitrary floats come
-// out bit-identical to a sequential sum: the property gradient reduction relies on.
+// The expected chunk of this rank: seeded_randn(seed0 + r) summed over ranks in rank order, then
+// divided by W, computed on the device the group computes on (CUDA divides by a scalar through its
+// reciprocal, so a CPU expectation would differ at W=3 under NCCL).
+at::Tensor rank_ordered_avg(const ProcessGroup& pg, int64_t n, uint64_t seed0) {
+  const int W = pg.size();
+  const auto dev = pg.device();
+  at::Tensor expect = seeded_randn({n * W}, seed0).narrow(0, pg.rank() * n, n).to(dev);
+  for (int r = 1; r < W; ++r)
+    expect.add_(seeded_randn({n * W}, seed0 + r).narrow(0, pg.rank() * n, n).to(dev));
+  return expect.div_(W).cpu();
+}
+
+// alltoall + local sum, and the pairwise form, add the ranks' contributions in rank order, so even
+// arbitrary floats come out bit-identical to a sequential sum: the property gradient reduction
+// relies on.
 TEST_P(DistWorld, AllToAllReduceScatterIsRankOrderedSum) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
     const int W = pg.size();
     const int64_t n = 777;
     at::Tensor in = seeded_randn({n * W}, 100 + pg.rank());
-    at::Tensor out = at::empty({n});
-    pg.reduce_scatter_tensor(out, in, ReduceOp::AVG, ReduceScatterAlgo::kAllToAll);
-    // The same arithmetic on the device the group computes on (CUDA divides by a scalar through
-    // its reciprocal, so a CPU expectation would differ at W=3 under NCCL).
-    const auto dev = pg.device();
-    at::Tensor expect = seeded_randn({n * W}, 100).narrow(0, pg.rank() * n, n).to(dev);
-    for (int r = 1; r < W; ++r)
-      expect.add_(seeded_randn({n * W}, 100 + r).narrow(0, pg.rank() * n, n).to(dev));
-    expect.div_(W);
-    ASSERT_TRUE(at::equal(out, expect.cpu()));
+    for (auto algo : {ReduceScatterAlgo::kAllToAll, ReduceScatterAlgo::kPairwise}) {
+      at::Tensor out = at::empty({n});
+      pg.reduce_scatter_tensor(out, in, ReduceOp::AVG, algo);
+      ASSERT_TRUE(at::equal(out, rank_ordered_avg(pg, n, 100))) << static_cast<int>(algo);
+    }
+  });
+}
+
+// Pairwise reductions in flight together, with an all-gather between them, finished in the reverse
+// order of their start: each must get its own pieces. (From W=4 a rank posts some receives only in
+// the finish; were the tag shared, the reduction finished first would take the pieces the peers
+// sent for an earlier one.) The inputs are left as they were.
+TEST_P(DistWorld, PairwiseReductionsInFlightTogetherKeepTheirOwnPieces) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    const int W = pg.size();
+    const int64_t n = 1031;
+    constexpr int kInFlight = 3;
+    std::vector<at::Tensor> ins, outs;
+    std::vector<fsdp::dist::Work> works;
+    at::Tensor gathered = at::empty({5 * W});
+    std::optional<fsdp::dist::Work> gather;  // Work() needs the private Work::Pending
+    for (int k = 0; k < kInFlight; ++k) {
+      ins.push_back(seeded_randn({n * W}, 1000 * (k + 1) + pg.rank()));
+      outs.push_back(at::empty({n}));
+      works.push_back(pg.reduce_scatter_tensor_async(outs[k], ins[k], ReduceOp::AVG,
+                                                     ReduceScatterAlgo::kPairwise));
+      if (k == 0) {
+        gather.emplace(pg.all_gather_into_tensor_async(gathered, rank_input(pg.rank(), 5)));
+      }
+    }
+    for (int k = kInFlight - 1; k >= 0; --k) works[k].wait();
+    gather->wait();
+    for (int k = 0; k < kInFlight; ++k) {
+      ASSERT_TRUE(at::equal(outs[k], rank_ordered_avg(pg, n, 1000 * (k + 1)))) << "k=" << k;
+      ASSERT_TRUE(at::equal(ins[k], seeded_randn({n * W}, 1000 * (k + 1) + pg.rank())));
+    }
+    for (int r = 0; r < W; ++r) {
+      ASSERT_TRUE(at::equal(gathered.narrow(0, 5 * r, 5), rank_input(r, 5)));
+    }
   });
 }
 

@@ -36,8 +36,9 @@ enum class ReduceOp { SUM, AVG, MAX, MIN };
 
 /// How reduce_scatter is carried out where the backend has no native flat reduce-scatter.
 enum class ReduceScatterAlgo {
-  /// Native on NCCL; kAllToAll on Gloo (2-3x faster than kAllReduce from 1 MiB per rank, and
-  /// Gloo's native form in LibTorch 2.x is kAllReduce on a clone of the input; docs/dist.md).
+  /// Native on NCCL; kPairwise on Gloo (as fast as kAllToAll with half or less of its scratch;
+  /// both 2-3x faster than kAllReduce from 1 MiB per rank, and Gloo's native form in LibTorch 2.x
+  /// is kAllReduce on a clone of the input; docs/dist.md).
   kAuto,
   /// alltoall of the W chunks, then a local sum in rank order: each rank receives only the
   /// (W-1)/W of the data it needs, and every rank sums in the same order (deterministic).
@@ -46,6 +47,13 @@ enum class ReduceScatterAlgo {
   kAllReduce,
   /// The backend's _reduce_scatter_base. Throws where the backend lacks it.
   kNative,
+  /// Point-to-point: piece q of the input is sent to rank q, and the pieces of this rank's chunk
+  /// are received into at most two chunk-sized buffers and summed in rank order (the same sums as
+  /// kAllToAll, bit for bit). Holds 1/W or 2/W of the input in scratch where kAllToAll holds all
+  /// of it: the lower peak of backward under FULL_SHARD. Each call sends under a tag of its own
+  /// (a per-group counter): code that sends on the same c10d backend directly must not use tags
+  /// from 0 up.
+  kPairwise,
 };
 
 /// How init_process_group finds its peers. Every field left unset is read from the environment
@@ -164,7 +172,8 @@ class ProcessGroup {
 
   /// output (numel = input.numel() / W) receives this rank's chunk of the element-wise reduction
   /// of every rank's `input`. input.numel() must be divisible by W. `input` is left unchanged; the
-  /// emulations allocate one scratch buffer of input's size.
+  /// emulations allocate scratch: kAllToAll and kAllReduce one buffer of input's size, kPairwise
+  /// one or two of output's.
   void reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
                              ReduceOp op = ReduceOp::SUM,
                              ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);

@@ -20,6 +20,9 @@ struct ProcessGroup::State {
   compat::StorePtr store;  // for sub-group rendezvous; may be null
   std::vector<int> global_ranks;
   int next_subgroup = 0;  // advanced identically on every member by new_group
+  // The tag of the next kPairwise reduce-scatter, advanced identically on every member (each call
+  // sends and receives under a tag of its own; pairwise_reduce_scatter.cpp).
+  uint32_t next_pairwise_tag = 0;
   std::string gloo_hostname = "127.0.0.1";
   int gloo_threads = 2;
   // Set once a collective of this group failed to start or to finish (shared with its pending
@@ -41,5 +44,19 @@ struct Work::Pending {
   std::shared_ptr<std::atomic<bool>> group_failed;  // the group's State::failed
 };
 
+namespace detail {
+
+// Element-wise combine of `src` into `acc`: the local half of an emulated reduce-scatter.
+void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op);
+
+// Starts ReduceScatterAlgo::kPairwise (pairwise_reduce_scatter.cpp): posts the sends and the first
+// receives and returns the finish step for Work (receives the rest, sums in rank order into
+// `out_flat`, runs `finish_avg`). Failures throw DistError naming `what` and set `group_failed`.
+std::function<void()> start_pairwise_reduce_scatter(
+    const compat::BackendPtr& backend, int rank, int world, std::chrono::milliseconds timeout,
+    std::shared_ptr<std::atomic<bool>> group_failed, int tag, const at::Tensor& out_flat,
+    const at::Tensor& in_flat, ReduceOp op, std::string what, std::function<void()> finish_avg);
+
+}  // namespace detail
 }  // namespace dist
 }  // namespace fsdp

@@ -1,0 +1,188 @@
+// ReduceScatterAlgo::kPairwise: a reduce-scatter out of point-to-point sends and receives.
+//
+// Why not the all-to-all: alltoall_base needs a receive buffer the size of the whole input (W
+// pieces, one of them this rank's own, copied locally by Gloo), so a unit's reduction holds two
+// unit-sized buffers at the peak of backward: the flat gradient and that receive buffer. Here every
+// rank sends piece q of its input to rank q and receives the pieces of its own chunk into at most
+// two chunk-sized buffers, reused as the sum goes on, and reads its own piece in place: W=2 holds
+// half a unit fewer, W=4 three quarters (one buffer) or a half (two). The sum is the all-to-all's,
+// in rank order, so the results are bit-identical to kAllToAll.
+//
+// The sends and the first receives are posted at the start; the sum, and the receives that reuse a
+// buffer, run in the finish (Work::wait), each wait bounded by the group's timeout. Every call uses
+// a tag of its own (a per-group counter, advanced identically on every rank, as collectives are
+// called in the same order), so reductions in flight together never take each other's pieces.
+#include "dist/state.h"
+#include "flat_param/tensor_utils.h"
+#include "fsdp/errors.h"
+
+#include <deque>
+
+namespace fsdp {
+namespace dist {
+namespace detail {
+
+void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      acc.add_(src);
+      break;
+    case ReduceOp::MAX:
+      at::maximum_out(const_cast<at::Tensor&>(acc), acc, src);
+      break;
+    case ReduceOp::MIN:
+      at::minimum_out(const_cast<at::Tensor&>(acc), acc, src);
+      break;
+  }
+}
+
+namespace {
+
+// Everything the finish needs, shared so that a failure can keep it alive for good (see fail()).
+struct Pairwise {
+  at::Tensor in, out;
+  int64_t n = 0;
+  int rank = 0, world = 1, tag = 0;
+  ReduceOp op = ReduceOp::SUM;
+  compat::BackendPtr backend;
+  std::chrono::milliseconds timeout{0};
+  std::shared_ptr<std::atomic<bool>> group_failed;
+  std::string what;
+  std::vector<compat::WorkPtr> sends;
+  std::vector<at::Tensor> bufs;  // chunk-sized receive buffers
+  std::deque<int> free_bufs;     // indices into bufs
+  std::vector<int> peers;        // the other ranks, in rank order
+  size_t next_post = 0;          // peers[next_post] is the next to receive from
+  std::vector<std::pair<compat::WorkPtr, int>> recv_of;  // per rank: (receive, buffer)
+
+  void post_next_receive() {
+    while (next_post < peers.size() && !free_bufs.empty()) {
+      const int q = peers[next_post++];
+      const int b = free_bufs.front();
+      free_bufs.pop_front();
+      std::vector<at::Tensor> t{bufs[b]};
+      recv_of[q] = {backend->recv(t, q, tag), b};
+    }
+  }
+};
+
+// After a failed or timed-out wait, Gloo may still write into a receive buffer or read a sent
+// piece, and its unbound buffers hold raw pointers to them. The state is kept alive for the rest
+// of the process (the group is unusable anyway: State::failed makes later collectives refuse).
+[[noreturn]] void fail(const std::shared_ptr<Pairwise>& p, const std::string& step,
+                       const std::string& why) {
+  if (p->group_failed) p->group_failed->store(true);
+  new std::shared_ptr<Pairwise>(p);  // deliberately leaked, see above
+  throw DistError(p->what + " failed while " + step + ": " + why);
+}
+
+void wait_for(const std::shared_ptr<Pairwise>& p, const compat::WorkPtr& w,
+              const std::string& step) {
+  try {
+    if (p->timeout.count() > 0) {
+      w->wait(p->timeout);
+    } else {
+      w->wait();
+    }
+  } catch (const c10::Error& e) {
+    fail(p, step, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    fail(p, step, e.what());
+  }
+}
+
+}  // namespace
+
+std::function<void()> start_pairwise_reduce_scatter(
+    const compat::BackendPtr& backend, int rank, int world, std::chrono::milliseconds timeout,
+    std::shared_ptr<std::atomic<bool>> group_failed, int tag, const at::Tensor& out_flat,
+    const at::Tensor& in_flat, ReduceOp op, std::string what, std::function<void()> finish_avg) {
+  auto p = std::make_shared<Pairwise>();
+  p->in = in_flat;
+  p->out = out_flat;
+  p->n = out_flat.numel();
+  p->rank = rank;
+  p->world = world;
+  p->tag = tag;
+  p->op = op;
+  p->backend = backend;
+  p->timeout = timeout;
+  p->group_failed = std::move(group_failed);
+  p->what = std::move(what);
+  p->recv_of.resize(static_cast<size_t>(world));
+  for (int q = 0; q < world; ++q) {
+    if (q != rank) p->peers.push_back(q);
+  }
+  // Two buffers let the next piece arrive while one is summed. They are also what the rank-ordered
+  // sum needs when ranks 0 and 1 are both peers: x0 + x1 is computed in one pass (add_out), as
+  // kAllToAll does, which needs both at once.
+  const int nbufs = std::min<int>(2, world - 1);
+  for (int b = 0; b < nbufs; ++b) {
+    p->bufs.push_back(at::empty({p->n}, in_flat.options()));
+    p->free_bufs.push_back(b);
+  }
+  try {
+    for (int q : p->peers) {
+      std::vector<at::Tensor> t{in_flat.narrow(0, q * p->n, p->n)};
+      p->sends.push_back(backend->send(t, q, tag));
+    }
+    p->post_next_receive();
+  } catch (const c10::Error& e) {
+    fail(p, "starting", e.what_without_backtrace());
+  }
+
+  return [p, finish_avg = std::move(finish_avg)]() {
+    const int64_t n = p->n;
+    // x_q: rank q's piece of this rank's chunk, received (buffer index >= 0) or our own (-1).
+    auto piece = [&](int q) -> std::pair<at::Tensor, int> {
+      if (q == p->rank) return {p->in.narrow(0, q * n, n), -1};
+      auto& [w, b] = p->recv_of[static_cast<size_t>(q)];
+      wait_for(p, w, "receiving from rank " + std::to_string(q));
+      w.reset();
+      return {p->bufs[static_cast<size_t>(b)], b};
+    };
+    auto release = [&](int b) {
+      if (b < 0) return;
+      p->free_bufs.push_back(b);
+      try {
+        p->post_next_receive();
+      } catch (const c10::Error& e) {
+        fail(p, "posting a receive", e.what_without_backtrace());
+      }
+    };
+    int q = 0;
+    if (p->op == ReduceOp::SUM || p->op == ReduceOp::AVG) {
+      auto [x0, b0] = piece(0);
+      auto [x1, b1] = piece(1);
+      at::Tensor out = p->out;
+      at::add_out(out, x0, x1);
+      release(b0);
+      release(b1);
+      q = 2;
+    }
+    for (; q < p->world; ++q) {
+      auto [x, b] = piece(q);
+      if (q == 0) {
+        p->out.copy_(x);
+      } else {
+        combine_into(p->out, x, p->op);
+      }
+      release(b);
+    }
+    for (size_t k = 0; k < p->sends.size(); ++k) {
+      wait_for(p, p->sends[k], "sending to rank " + std::to_string(p->peers[k]));
+    }
+    p->sends.clear();
+    finish_avg();
+    // Freed now rather than whenever the backend's works let go of them (as release_completed in
+    // collectives.cpp, and for the same reason: a peak that does not depend on thread timing).
+    if (p->in.device().is_cpu()) {
+      for (auto& b : p->bufs) fsdp::detail::free_storage(b);
+    }
+  };
+}
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace fsdp
