@@ -81,17 +81,48 @@ std::function<void()> copy_back(Work inner, const at::Tensor& dst, const at::Ten
   };
 }
 
+}  // namespace
+
 // Frees a scratch buffer of a collective that wait() has seen complete. The backend's own work
 // object still holds a reference and drops it on its worker thread some time after the
 // completion; until then the buffer would stay allocated, so whether it counts towards the peak
 // of what the caller does next (the next unit's backward) depends on thread timing. Freeing the
 // storage makes the release deterministic. CPU only: there wait() means the collective is done,
 // while a device backend's wait() may only order streams.
-void release_completed(const at::Tensor& scratch) {
+void detail::release_completed(const at::Tensor& scratch) {
   if (scratch.device().is_cpu()) fsdp::detail::free_storage(scratch);
 }
 
-}  // namespace
+std::chrono::milliseconds detail::work_timeout(const std::string& backend_name,
+                                               std::chrono::milliseconds group_timeout) {
+  // 0: no timeout passed to wait() (see wait_backend_work).
+  return backend_name == "nccl" ? std::chrono::milliseconds(0) : group_timeout;
+}
+
+void detail::wait_backend_work(const compat::WorkPtr& work, std::chrono::milliseconds timeout,
+                               const std::shared_ptr<std::atomic<bool>>& group_failed,
+                               const std::string& what) {
+  try {
+    if (timeout.count() > 0) {
+      // c10d's Work::wait throws "Operation timed out!" past the deadline; Gloo also enforces the
+      // same timeout inside the transport, so the background op does not linger either.
+      work->wait(timeout);
+    } else {
+      // NCCL: given a timeout, WorkNCCL::wait blocks the CPU thread and polls until the kernel
+      // is done, which costs every collective a polling delay and ends all overlap of CPU and
+      // GPU work (measured: reduce_grad took 4.8 ms where the raw reduce-scatter took 2.7).
+      // Without one it only orders the current stream after the collective, as in PyTorch;
+      // timeouts are then c10d's watchdog's (or wait()'s, with TORCH_NCCL_BLOCKING_WAIT=1).
+      work->wait();
+    }
+  } catch (const c10::Error& e) {
+    if (group_failed) group_failed->store(true);
+    throw DistError(what + " failed: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    if (group_failed) group_failed->store(true);
+    throw DistError(what + " failed: " + e.what());
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Work
@@ -122,26 +153,7 @@ Work::~Work() {
 void Work::wait() {
   if (!pending_) return;
   std::unique_ptr<Pending> p = std::move(pending_);
-  try {
-    if (p->work && p->timeout.count() > 0) {
-      // c10d's Work::wait throws "Operation timed out!" past the deadline; Gloo also enforces the
-      // same timeout inside the transport, so the background op does not linger either.
-      p->work->wait(p->timeout);
-    } else if (p->work) {
-      // NCCL: given a timeout, WorkNCCL::wait blocks the CPU thread and polls until the kernel
-      // is done, which costs every collective a polling delay and ends all overlap of CPU and
-      // GPU work (measured: reduce_grad took 4.8 ms where the raw reduce-scatter took 2.7).
-      // Without one it only orders the current stream after the collective, as in PyTorch;
-      // timeouts are then c10d's watchdog's (or wait()'s, with TORCH_NCCL_BLOCKING_WAIT=1).
-      p->work->wait();
-    }
-  } catch (const c10::Error& e) {
-    if (p->group_failed) p->group_failed->store(true);
-    throw DistError(p->what + " failed: " + e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    if (p->group_failed) p->group_failed->store(true);
-    throw DistError(p->what + " failed: " + e.what());
-  }
+  if (p->work) detail::wait_backend_work(p->work, p->timeout, p->group_failed, p->what);
   if (p->finish) p->finish();
 }
 
@@ -152,9 +164,7 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
   w.pending_->finish = std::move(finish);
   w.pending_->what = describe(op, *this);
   w.pending_->group_failed = state_->failed;
-  // 0: no timeout passed to wait() (see Work::wait).
-  w.pending_->timeout =
-      state_->backend_name == "nccl" ? std::chrono::milliseconds(0) : state_->timeout;
+  w.pending_->timeout = detail::work_timeout(state_->backend_name, state_->timeout);
   return w;
 }
 
@@ -311,7 +321,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
         }
         for (; r < world; ++r) detail::combine_into(out_flat, recv.narrow(0, r * n, n), op_kind);
         finish_avg();
-        release_completed(recv);
+        detail::release_completed(recv);
       });
     }
     case ReduceScatterAlgo::kAllReduce: {
@@ -325,16 +335,14 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       return launch(op, std::move(w), [tmp, out_flat, start, n, finish_avg]() {
         out_flat.copy_(tmp.narrow(0, start, n));
         finish_avg();
-        release_completed(tmp);
+        detail::release_completed(tmp);
       });
     }
     case ReduceScatterAlgo::kPairwise: {
       const int tag = static_cast<int>(s.next_pairwise_tag++ & 0x7fffffffu);
-      const std::chrono::milliseconds timeout =
-          s.backend_name == "nccl" ? std::chrono::milliseconds(0) : s.timeout;
       std::function<void()> finish = detail::start_pairwise_reduce_scatter(
-          s.backend, s.rank, world, timeout, s.failed, tag, out_flat, in_flat, op_kind,
-          describe(op, *this), finish_avg);
+          s.backend, s.rank, world, detail::work_timeout(s.backend_name, s.timeout), s.failed, tag,
+          out_flat, in_flat, op_kind, describe(op, *this), finish_avg);
       return launch(op, {}, std::move(finish));
     }
     case ReduceScatterAlgo::kAuto:

@@ -13,7 +13,6 @@
 // a tag of its own (a per-group counter, advanced identically on every rank, as collectives are
 // called in the same order), so reductions in flight together never take each other's pieces.
 #include "dist/state.h"
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 
 #include <deque>
@@ -39,7 +38,7 @@ void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op) {
 
 namespace {
 
-// Everything the finish needs, shared so that a failure can keep it alive for good (see fail()).
+// Everything the finish needs, shared so that a failure can keep it alive for good (see keep_alive_for_good()).
 struct Pairwise {
   at::Tensor in, out;
   int64_t n = 0;
@@ -70,25 +69,25 @@ struct Pairwise {
 // After a failed or timed-out wait, Gloo may still write into a receive buffer or read a sent
 // piece, and its unbound buffers hold raw pointers to them. The state is kept alive for the rest
 // of the process (the group is unusable anyway: State::failed makes later collectives refuse).
-[[noreturn]] void fail(const std::shared_ptr<Pairwise>& p, const std::string& step,
-                       const std::string& why) {
-  if (p->group_failed) p->group_failed->store(true);
+void keep_alive_for_good(const std::shared_ptr<Pairwise>& p) {
   new std::shared_ptr<Pairwise>(p);  // deliberately leaked, see above
-  throw DistError(p->what + " failed while " + step + ": " + why);
+}
+
+// A send or receive that could not even be posted.
+[[noreturn]] void fail_to_post(const std::shared_ptr<Pairwise>& p, const std::string& step,
+                               const c10::Error& e) {
+  if (p->group_failed) p->group_failed->store(true);
+  keep_alive_for_good(p);
+  throw DistError(p->what + " failed while " + step + ": " + e.what_without_backtrace());
 }
 
 void wait_for(const std::shared_ptr<Pairwise>& p, const compat::WorkPtr& w,
               const std::string& step) {
   try {
-    if (p->timeout.count() > 0) {
-      w->wait(p->timeout);
-    } else {
-      w->wait();
-    }
-  } catch (const c10::Error& e) {
-    fail(p, step, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    fail(p, step, e.what());
+    wait_backend_work(w, p->timeout, p->group_failed, p->what + " (" + step + ")");
+  } catch (...) {
+    keep_alive_for_good(p);
+    throw;
   }
 }
 
@@ -129,7 +128,7 @@ std::function<void()> start_pairwise_reduce_scatter(
     }
     p->post_next_receive();
   } catch (const c10::Error& e) {
-    fail(p, "starting", e.what_without_backtrace());
+    fail_to_post(p, "starting", e);
   }
 
   return [p, finish_avg = std::move(finish_avg)]() {
@@ -148,7 +147,7 @@ std::function<void()> start_pairwise_reduce_scatter(
       try {
         p->post_next_receive();
       } catch (const c10::Error& e) {
-        fail(p, "posting a receive", e.what_without_backtrace());
+        fail_to_post(p, "posting a receive", e);
       }
     };
     int q = 0;
@@ -175,11 +174,7 @@ std::function<void()> start_pairwise_reduce_scatter(
     }
     p->sends.clear();
     finish_avg();
-    // Freed now rather than whenever the backend's works let go of them (as release_completed in
-    // collectives.cpp, and for the same reason: a peak that does not depend on thread timing).
-    if (p->in.device().is_cpu()) {
-      for (auto& b : p->bufs) fsdp::detail::free_storage(b);
-    }
+    for (auto& b : p->bufs) release_completed(b);
   };
 }
 

@@ -46,6 +46,19 @@ struct Work::Pending {
 
 namespace detail {
 
+// The timeout Work waits with on `backend_name`: the group's, except on NCCL (0: none).
+std::chrono::milliseconds work_timeout(const std::string& backend_name,
+                                       std::chrono::milliseconds group_timeout);
+
+// Waits for a backend work, bounded by `timeout` when it is positive. A failure sets
+// `group_failed` and becomes DistError("<what> failed: <reason>").
+void wait_backend_work(const compat::WorkPtr& work, std::chrono::milliseconds timeout,
+                       const std::shared_ptr<std::atomic<bool>>& group_failed,
+                       const std::string& what);
+
+// Frees (CPU) the storage of a collective's scratch buffer once wait() has seen it complete.
+void release_completed(const at::Tensor& scratch);
+
 // Element-wise combine of `src` into `acc`: the local half of an emulated reduce-scatter.
 void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op);
 
