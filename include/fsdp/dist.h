@@ -48,9 +48,11 @@ enum class ReduceScatterAlgo {
   /// The backend's _reduce_scatter_base. Throws where the backend lacks it.
   kNative,
   /// Point-to-point: piece q of the input is sent to rank q, and the pieces of this rank's chunk
-  /// are received into at most two chunk-sized buffers and summed in rank order (the same sums as
-  /// kAllToAll, bit for bit). Holds 1/W or 2/W of the input in scratch where kAllToAll holds all
-  /// of it: the lower peak of backward under FULL_SHARD. Each call sends under a tag of its own
+  /// are received (for SUM and AVG the first one straight into the output, the others into at
+  /// most two chunk-sized buffers) and summed in rank order (the same sums as kAllToAll, bit for
+  /// bit, NaN payloads aside). Holds at most 2/W of the input in scratch, none at W=2 for a sum,
+  /// where kAllToAll holds all of it: the lower peak of backward under FULL_SHARD. Each call sends
+  /// under a tag of its own
   /// (a per-group counter): code that sends on the same c10d backend directly must not use tags
   /// from 0 up.
   kPairwise,
@@ -173,7 +175,8 @@ class ProcessGroup {
   /// output (numel = input.numel() / W) receives this rank's chunk of the element-wise reduction
   /// of every rank's `input`. input.numel() must be divisible by W. `input` is left unchanged; the
   /// emulations allocate scratch: kAllToAll and kAllReduce one buffer of input's size, kPairwise
-  /// one or two of output's.
+  /// at most two of output's (none at W=2 for SUM and AVG, whose first piece it receives straight
+  /// into `output`).
   void reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
                              ReduceOp op = ReduceOp::SUM,
                              ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);

@@ -3,10 +3,11 @@
 // Why not the all-to-all: alltoall_base needs a receive buffer the size of the whole input (W
 // pieces, one of them this rank's own, copied locally by Gloo), so a unit's reduction holds two
 // unit-sized buffers at the peak of backward: the flat gradient and that receive buffer. Here every
-// rank sends piece q of its input to rank q and receives the pieces of its own chunk into at most
-// two chunk-sized buffers, reused as the sum goes on, and reads its own piece in place: W=2 holds
-// half a unit fewer, W=4 three quarters (one buffer) or a half (two). The sum is the all-to-all's,
-// in rank order, so the results are bit-identical to kAllToAll.
+// rank sends piece q of its input to rank q, receives the first piece of its own chunk straight
+// into the output (sums) and the others into at most two chunk-sized buffers, reused as the sum
+// goes on, and reads its own piece in place: W=2 needs no scratch at all, W=4 one or two chunks
+// where the all-to-all holds a whole unit. The sum is the all-to-all's, in rank order, so the
+// results are bit-identical to kAllToAll.
 //
 // The sends and the first receives are posted at the start; the sum, and the receives that reuse a
 // buffer, run in the finish (Work::wait), each wait bounded by the group's timeout. Every call uses
@@ -41,6 +42,7 @@ namespace {
 // Everything the finish needs, shared so that a failure can keep it alive for good (see keep_alive_for_good()).
 struct Pairwise {
   at::Tensor in, out;
+  at::Tensor user_out;  // the caller's output where `out` is a chunk of our own (see the start)
   int64_t n = 0;
   int rank = 0, world = 1, tag = 0;
   ReduceOp op = ReduceOp::SUM;
@@ -52,7 +54,8 @@ struct Pairwise {
   std::vector<at::Tensor> bufs;  // chunk-sized receive buffers
   std::deque<int> free_bufs;     // indices into bufs
   std::vector<int> peers;        // the other ranks, in rank order
-  size_t next_post = 0;          // peers[next_post] is the next to receive from
+  size_t next_post = 0;          // peers[next_post] is the next to receive into a buffer
+  compat::WorkPtr direct;        // the lowest peer's piece, received straight into `out`
   std::vector<std::pair<compat::WorkPtr, int>> recv_of;  // per rank: (receive, buffer)
 
   void post_next_receive() {
@@ -100,6 +103,13 @@ std::function<void()> start_pairwise_reduce_scatter(
   auto p = std::make_shared<Pairwise>();
   p->in = in_flat;
   p->out = out_flat;
+  // An output that shares memory with the input (in place: this rank's own chunk) is written only
+  // after every piece was read and every send is done; until then the sum goes to a chunk of its
+  // own. Writing it directly would overwrite this rank's piece before it is added.
+  if (out_flat.storage().is_alias_of(in_flat.storage()) || !out_flat.is_contiguous()) {
+    p->user_out = out_flat;
+    p->out = at::empty({out_flat.numel()}, out_flat.options());
+  }
   p->n = out_flat.numel();
   p->rank = rank;
   p->world = world;
@@ -113,10 +123,17 @@ std::function<void()> start_pairwise_reduce_scatter(
   for (int q = 0; q < world; ++q) {
     if (q != rank) p->peers.push_back(q);
   }
+  // For a sum, the lowest peer's piece (x0, or x1 on rank 0) is received straight into the
+  // output, and the other of x0 and x1 is added to it in place: x0 + x1 either way round, the
+  // same bits as the all-to-all's x0 + x1 (IEEE addition commutes; only the payload of a NaN
+  // plus a NaN may differ). That saves W=2 its receive buffer and its page faults altogether. Not
+  // for max/min, whose ties between +0 and -0 depend on the order.
+  const bool direct = op == ReduceOp::SUM || op == ReduceOp::AVG;
+  const size_t buffered = p->peers.size() - (direct ? 1 : 0);
   // Two buffers let the next piece arrive while one is summed. They are also what the rank-ordered
-  // sum needs when ranks 0 and 1 are both peers: x0 + x1 is computed in one pass (add_out), as
-  // kAllToAll does, which needs both at once.
-  const int nbufs = std::min<int>(2, world - 1);
+  // sum needs when ranks 0 and 1 are both peers and there is no direct receive: x0 + x1 is
+  // computed in one pass (add_out), as kAllToAll does, which needs both at once.
+  const int nbufs = static_cast<int>(std::min<size_t>(2, buffered));
   for (int b = 0; b < nbufs; ++b) {
     p->bufs.push_back(at::empty({p->n}, in_flat.options()));
     p->free_bufs.push_back(b);
@@ -125,6 +142,11 @@ std::function<void()> start_pairwise_reduce_scatter(
     for (int q : p->peers) {
       std::vector<at::Tensor> t{in_flat.narrow(0, q * p->n, p->n)};
       p->sends.push_back(backend->send(t, q, tag));
+    }
+    if (direct) {
+      std::vector<at::Tensor> t{p->out};
+      p->direct = backend->recv(t, p->peers[0], tag);
+      p->next_post = 1;
     }
     p->post_next_receive();
   } catch (const c10::Error& e) {
@@ -151,7 +173,15 @@ std::function<void()> start_pairwise_reduce_scatter(
       }
     };
     int q = 0;
-    if (p->op == ReduceOp::SUM || p->op == ReduceOp::AVG) {
+    if (p->direct) {
+      const int first = p->peers[0];  // 0, or 1 on rank 0
+      wait_for(p, p->direct, "receiving from rank " + std::to_string(first));
+      p->direct.reset();
+      auto [x, b] = piece(first == 0 ? 1 : 0);
+      p->out.add_(x);
+      release(b);
+      q = 2;
+    } else if (p->op == ReduceOp::SUM || p->op == ReduceOp::AVG) {
       auto [x0, b0] = piece(0);
       auto [x1, b1] = piece(1);
       at::Tensor out = p->out;
@@ -173,6 +203,10 @@ std::function<void()> start_pairwise_reduce_scatter(
       wait_for(p, p->sends[k], "sending to rank " + std::to_string(p->peers[k]));
     }
     p->sends.clear();
+    if (p->user_out.defined()) {
+      p->user_out.copy_(p->out);
+      release_completed(p->out);
+    }
     finish_avg();
     for (auto& b : p->bufs) release_completed(b);
   };
