@@ -110,8 +110,10 @@ void BM_RawReduceScatter(benchmark::State& st) {
   for (auto _ : st) op();
 }
 
-// What the runtime does after a unit's backward: flatten the parameters' gradients into the
-// padded flat gradient, reduce-scatter it and keep this rank's shard as the sharded gradient.
+// What the runtime does after a unit's backward: free the unsharded parameters, flatten the
+// gradients into the padded flat gradient (in the parameters' memory, as the runtime's
+// post-backward reshard hands it over), reduce-scatter it and keep this rank's shard as the
+// sharded gradient. The unshard that precedes it in training is not timed.
 void BM_ReduceGrad(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   const int64_t n = st.range(0);
@@ -122,14 +124,29 @@ void BM_ReduceGrad(benchmark::State& st) {
   std::vector<at::Tensor> params = h.orig_params();
   const at::Tensor grad = at::ones({n * pg.size()}, on_device());
   auto op = [&] {
-    for (auto& p : params) p.mutable_grad() = grad;  // as autograd leaves them
+    h.set_training_state(fsdp::HandleTrainingState::BACKWARD_POST);
+    h.reshard();
     h.reduce_grad();
+    h.set_training_state(fsdp::HandleTrainingState::IDLE);
     h.flat_param().mutable_grad().reset();
     sync_device();
   };
-  fsdp_bench::warm_up(op);
+  auto untimed = [&] {
+    h.unshard();
+    params = h.orig_params();
+    for (auto& p : params) p.mutable_grad() = grad;  // as autograd leaves them
+  };
+  for (int i = 0; i < 2; ++i) {
+    untimed();
+    op();
+  }
   pg.barrier();
-  for (auto _ : st) op();
+  for (auto _ : st) {
+    st.PauseTiming();
+    untimed();
+    st.ResumeTiming();
+    op();
+  }
 }
 
 // ProcessGroup::reduce_scatter_tensor with one emulation, on preallocated input and output.

@@ -8,6 +8,7 @@
 #include "flat_param_model.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "memory_watch.h"
 #include "multi_rank.h"
 
 using fsdp::FlatParamHandle;
@@ -193,6 +194,63 @@ TEST(FlatParamHandle, ParametersWithoutAGradientGapsAndPaddingReduceToZero) {
       h.reshard();
     });
   }
+}
+
+// The runtime's post-backward reshards and then reduces. On the CPU the flat gradient is then built
+// in the memory the unsharded parameters just gave up (already faulted in, the same size): no
+// allocation, the right values, and a view of the parameters kept from before (as autograd keeps
+// saved tensors under retain_graph) is left without memory rather than showing the gradient.
+// Outside post-backward, or where the parameters' dtype is narrower than the reduce dtype, the
+// gradient gets memory of its own.
+TEST(FlatParamHandle, PostBackwardReshardHandsTheParametersMemoryToTheFlatGradient) {
+  run_ranks(3, [](ProcessGroup& pg) {
+    using State = fsdp::HandleTrainingState;
+    struct Case {
+      const char* name;
+      State state;
+      bool leave_state_first;  // BACKWARD_POST left before the gradient is built
+      at::ScalarType param_dtype;
+      bool reuses;
+    };
+    for (const Case& c :
+         {Case{"post-backward", State::BACKWARD_POST, false, at::kFloat, true},
+          Case{"idle", State::IDLE, false, at::kFloat, false},
+          Case{"post-backward left", State::BACKWARD_POST, true, at::kFloat, false},
+          Case{"bf16 params, f32 reduce", State::BACKWARD_POST, false, at::kBFloat16, false}}) {
+      Net net(3);
+      FlatParamHandle h(
+          fsdp::collect_params(net.ptr()), pg,
+          FlatParamHandleOptions().param_dtype(c.param_dtype).reduce_dtype(at::kFloat));
+      const auto& l = h.layout();
+      h.unshard();
+      auto params = h.orig_params();
+      for (size_t i = 0; i < params.size(); ++i)
+        params[i].mutable_grad() = grad_for(pg.rank(), i, l.shapes[i]).to(c.param_dtype);
+      const at::Tensor kept = params[0].detach();  // a view of the unsharded parameters
+      h.set_training_state(c.state);
+      at::Tensor flat;
+      int64_t allocated = 0;
+      {
+        fsdp::testing::MemoryWatch watch;
+        h.reshard();
+        if (c.leave_state_first) h.set_training_state(State::IDLE);
+        flat = h.take_orig_grads();
+        allocated = watch.peak();
+      }
+      h.set_training_state(State::IDLE);
+      EXPECT_EQ(allocated, c.reuses ? 0 : l.padded_unsharded_numel * 4)
+          << c.name << ", rank " << pg.rank();
+      EXPECT_EQ(kept.storage().nbytes(), 0u) << c.name << ": a stale view kept memory";
+      ASSERT_EQ(flat.numel(), l.padded_unsharded_numel);
+      at::Tensor expect = at::zeros({l.padded_unsharded_numel});
+      for (size_t i = 0; i < params.size(); ++i) {
+        expect.narrow(0, l.param_offset(i), l.numels[i])
+            .copy_(grad_for(pg.rank(), i, l.shapes[i]).to(c.param_dtype).reshape({-1}));
+        EXPECT_FALSE(params[i].grad().defined()) << c.name << ", " << l.fqns[i];
+      }
+      EXPECT_TRUE(at::equal(flat, expect)) << c.name << ", rank " << pg.rank();
+    }
+  });
 }
 
 std::vector<Config> round_trip_configs() {

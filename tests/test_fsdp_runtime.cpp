@@ -102,11 +102,15 @@ TEST(FsdpRuntime, StepMemoryPeakIsTheSameOnEveryStep) {
     }
     // The first steps differ for good reasons: the first records the forward order that later
     // steps prefetch by, and the first optimizer step creates state.
+    // What this guards against is a unit more or less from one step to the next (Gloo's threads
+    // releasing a unit-sized buffer early or late). Since the flat gradient takes over the
+    // parameters' memory, the peak also moves by an activation or two ([4, 160], 2560 B) from step
+    // to step, a tenth of what is checked here.
     const int64_t unit_bytes = (160 * 160 + 160) * 4;
     for (size_t k = 3; k < peaks.size(); ++k) {
-      EXPECT_EQ(peaks[k], peaks[2]) << "rank " << pg.rank() << ", step " << k << ": peak "
-                                    << peaks[k] << " B against " << peaks[2] << " B (a unit is "
-                                    << unit_bytes << " B)";
+      EXPECT_LE(std::abs(peaks[k] - peaks[2]), unit_bytes / 10)
+          << "rank " << pg.rank() << ", step " << k << ": peak " << peaks[k] << " B against "
+          << peaks[2] << " B (a unit is " << unit_bytes << " B)";
     }
   });
 }

@@ -308,7 +308,10 @@ class FlatParamHandle {
   void reset_flat_param_grad_info_if_needed();
   /// The flattened, padded unsharded gradient built from the original parameters' gradients, in
   /// reduce_dtype (what reduce_grad() communicates); each parameter's gradient is released once
-  /// copied.
+  /// copied. On the CPU, after a reshard() in BACKWARD_POST state (the runtime's post-backward:
+  /// reshard, then reduce), it is built in the memory the unsharded parameters just gave up when
+  /// that is large enough and nothing else still references it (e.g. autograd under
+  /// retain_graph), instead of freshly allocated memory that the kernel must fault in again.
   at::Tensor take_orig_grads();
 
   // ---------------------------------------------------------------------------------------
@@ -359,7 +362,12 @@ class FlatParamHandle {
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
 
   HandleTrainingState training_state() const { return training_state_; }
-  void set_training_state(HandleTrainingState s) { training_state_ = s; }
+  /// Leaving BACKWARD_POST drops the unsharded parameters' memory that a reshard kept for the
+  /// gradient reduction that follows it there (see take_orig_grads).
+  void set_training_state(HandleTrainingState s) {
+    training_state_ = s;
+    if (s != HandleTrainingState::BACKWARD_POST) grad_scratch_ = at::Tensor();
+  }
   /// Unshard in full precision although param_dtype is set (PyTorch's FSDP_USE_FULL_PREC_IN_EVAL
   /// for modules in eval mode); the runtime sets it before each unit's forward.
   void set_full_precision_in_eval(bool on) { full_prec_in_eval_ = on; }
@@ -404,6 +412,9 @@ class FlatParamHandle {
   // (unless it holds full gradients awaiting reduction). use_orig_params only.
   void drop_flat_grad_if_all_none();
   void release_unsharded_storage();
+  // Called by reshard(free_unsharded) before the release: keeps the unsharded buffer's memory in
+  // grad_scratch_ if the flat gradient can be built in it (see take_orig_grads).
+  void keep_param_memory_for_grad();
   void validate_and_describe(const std::vector<at::Tensor>& tensors);
 
   FlatParamHandleOptions options_;
@@ -431,6 +442,10 @@ class FlatParamHandle {
   at::Tensor mp_shard_;              // low-precision shard on `device` during unshard
   at::Tensor cpu_grad_;              // offload: the sharded gradient's persistent CPU buffer
   at::Tensor unsharded_flat_;        // the unpadded view that original parameters point into
+  // The unsharded parameters' memory, kept by a reshard in BACKWARD_POST for the flat gradient
+  // take_orig_grads builds next (reduce dtype, padded unsharded numel); dropped on leaving that
+  // state, so it never outlives the post-backward that kept it.
+  at::Tensor grad_scratch_;
   bool unsharded_views_ = false;
   bool skipped_sharded_views_ = false;  // see skipped_use_sharded_views()
   // Set by mark_grads_unreduced() (autograd accumulated) and by reduce_grad_async (the gradients

@@ -144,8 +144,12 @@ at::Tensor FlatParamHandle::take_orig_grads() {
     if (g.defined()) check_grad_shape(i, g);
   }
   at::NoGradGuard no_grad;
-  at::Tensor flat = at::empty({layout_.padded_unsharded_numel},
-                              at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
+  // In the unsharded parameters' memory if the reshard before kept it (keep_param_memory_for_grad).
+  at::Tensor flat =
+      grad_scratch_.defined()
+          ? std::exchange(grad_scratch_, at::Tensor())
+          : at::empty({layout_.padded_unsharded_numel},
+                      at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
   // One walk over the layout's entries writes every element once: a gradient where there is one,
   // zero in alignment padding, the trailing padding and the ranges of parameters without a
   // gradient. (Zero-filling the whole buffer first would cost one more pass over the unit on

@@ -241,6 +241,7 @@ void FlatParamHandle::unshard() {
 void FlatParamHandle::unshard_async() {
   if (pending_unshard_) throw StateError("FlatParamHandle::unshard_async: an unshard is pending");
   throw_if_comm_failed("unshard");
+  grad_scratch_ = at::Tensor();  // kept for a reduction that did not come: not held any longer
   // Views kept from forward (see reshard) serve backward as they are; anything else (a summon, a
   // state dict) first restores the sharded invariants and then unshards as usual, as PyTorch's
   // pre_unshard does, so that it gets full precision where it asks for it.
@@ -380,6 +381,7 @@ void FlatParamHandle::reshard(bool free_unsharded) {
   // A full-precision gather (summon, eval) is never kept: the next forward may want low precision
   // and checks only the low-precision buffer's validity.
   if ((free_unsharded || force_full_precision()) && uses_sharded_strategy()) {
+    if (free_unsharded) keep_param_memory_for_grad();
     release_unsharded_storage();
     buffer_valid_ = false;
   }
@@ -410,6 +412,29 @@ void FlatParamHandle::release_unsharded_storage() {
   if (comm_failed_) return;
   free_storage(full_param_padded_);
   free_storage(full_prec_full_param_padded_);
+}
+
+void FlatParamHandle::keep_param_memory_for_grad() {
+  // Only in post-backward, whose reduction comes right after this reshard, so that the memory
+  // changes hands without the peak ever holding it twice. Only on the CPU: CUDA's caching
+  // allocator already reuses blocks without faulting them in, and its stream bookkeeping is
+  // better left alone.
+  if (training_state_ != HandleTrainingState::BACKWARD_POST || comm_failed_ ||
+      !options_.device().is_cpu() || !flat_param_.requires_grad() || grad_scratch_.defined()) {
+    return;
+  }
+  const size_t have = static_cast<size_t>(storage_bytes(full_param_padded_));
+  const size_t need =
+      static_cast<size_t>(layout_.padded_unsharded_numel) * c10::elementSize(reduce_dtype_);
+  // The memory moves to the gradient's own storage; the buffer's storage is left freed exactly as
+  // release_unsharded_storage leaves it, so a view of it still alive (one autograd saved under
+  // retain_graph, one a user kept) sees no memory rather than the gradient, and the next
+  // unshard allocates into it again as usual. Gloo still holding the completed all-gather's
+  // tensors does not matter either: it no longer touches their memory.
+  if (have == 0 || have < need) return;
+  grad_scratch_ =
+      tensor_on_memory(take_memory(full_param_padded_), have, layout_.padded_unsharded_numel,
+                       at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU));
 }
 
 int64_t FlatParamHandle::unsharded_storage_bytes() const {

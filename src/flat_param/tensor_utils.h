@@ -40,6 +40,34 @@ inline void alloc_storage(const at::Tensor& t) {
   st->set_nbytes(nbytes);
 }
 
+// Moves a tensor's memory out of its storage, which is left freed as by free_storage (and so are
+// its views), and returns it: a unit-sized block handed from one buffer to the next without a
+// trip through the allocator, which on the CPU would give it back to the kernel (glibc returns
+// blocks over its mmap threshold) and page-fault it in anew.
+inline at::DataPtr take_memory(const at::Tensor& t) {
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  at::DataPtr memory = st->set_data_ptr(at::DataPtr(nullptr, t.device()));
+  st->set_nbytes(0);
+  return memory;
+}
+
+// A 1-D tensor of `numel` elements of `options` on `nbytes` of memory from take_memory (at least
+// numel elements' worth; the allocator's deleter frees it with the tensor's storage).
+inline at::Tensor tensor_on_memory(at::DataPtr memory, size_t nbytes, int64_t numel,
+                                   const at::TensorOptions& options) {
+  if (nbytes <
+      static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()))) {
+    throw InternalError("tensor_on_memory: " + std::to_string(nbytes) + " bytes hold fewer than " +
+                        std::to_string(numel) + " elements");
+  }
+  at::Tensor t = at::empty({0}, options);
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  st->set_data_ptr_noswap(std::move(memory));
+  st->set_nbytes(nbytes);
+  t.set_(t.storage(), 0, {numel}, {1});
+  return t;
+}
+
 inline int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0;
 }
