@@ -52,9 +52,8 @@ enum class ReduceScatterAlgo {
   /// most two chunk-sized buffers) and summed in rank order (the same sums as kAllToAll, bit for
   /// bit, NaN payloads aside). Holds at most 2/W of the input in scratch, none at W=2 for a sum,
   /// where kAllToAll holds all of it: the lower peak of backward under FULL_SHARD. Each call sends
-  /// under a tag of its own
-  /// (a per-group counter): code that sends on the same c10d backend directly must not use tags
-  /// from 0 up.
+  /// under a tag of its own (a per-group counter): code that sends on the same c10d backend
+  /// directly must not use tags from 0 up.
   kPairwise,
 };
 

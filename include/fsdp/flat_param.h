@@ -310,8 +310,9 @@ class FlatParamHandle {
   /// reduce_dtype (what reduce_grad() communicates); each parameter's gradient is released once
   /// copied. On the CPU, after a reshard() in BACKWARD_POST state (the runtime's post-backward:
   /// reshard, then reduce), it is built in the memory the unsharded parameters just gave up when
-  /// that is large enough and nothing else still references it (e.g. autograd under
-  /// retain_graph), instead of freshly allocated memory that the kernel must fault in again.
+  /// that is large enough, instead of freshly allocated memory that the kernel must fault in
+  /// again. Their storage is left freed as before: a view of it still held (autograd under
+  /// retain_graph) sees no memory, never the gradient.
   at::Tensor take_orig_grads();
 
   // ---------------------------------------------------------------------------------------
