@@ -130,9 +130,7 @@ std::function<void()> start_pairwise_reduce_scatter(
   // for max/min, whose ties between +0 and -0 depend on the order.
   const bool direct = op == ReduceOp::SUM || op == ReduceOp::AVG;
   const size_t buffered = p->peers.size() - (direct ? 1 : 0);
-  // Two buffers let the next piece arrive while one is summed. They are also what the rank-ordered
-  // sum needs when ranks 0 and 1 are both peers and there is no direct receive: x0 + x1 is
-  // computed in one pass (add_out), as kAllToAll does, which needs both at once.
+  // Two buffers let the next piece arrive while one is combined.
   const int nbufs = static_cast<int>(std::min<size_t>(2, buffered));
   for (int b = 0; b < nbufs; ++b) {
     p->bufs.push_back(at::empty({p->n}, in_flat.options()));
@@ -180,14 +178,6 @@ std::function<void()> start_pairwise_reduce_scatter(
       auto [x, b] = piece(first == 0 ? 1 : 0);
       p->out.add_(x);
       release(b);
-      q = 2;
-    } else if (p->op == ReduceOp::SUM || p->op == ReduceOp::AVG) {
-      auto [x0, b0] = piece(0);
-      auto [x1, b1] = piece(1);
-      at::Tensor out = p->out;
-      at::add_out(out, x0, x1);
-      release(b0);
-      release(b1);
       q = 2;
     }
     for (; q < p->world; ++q) {
