@@ -295,7 +295,9 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
     row("Python torch.save", ps, save);
     row("Python torch.load", pl, load);
   } else {
-    std::printf("Python torch.save / torch.load: no /usr/bin/python3 with torch\n");
+    std::printf("Python torch.save / torch.load: skipped, no /usr/bin/python3 with torch here "
+                "(scripts/bench.sh also runs this program in the LibTorch 2.6 chroot, which has "
+                "it)\n");
   }
   std::printf("training blocked by a save, ratio to checkpoint::save:\n");
   row("AsyncSaver::save (CPU snapshot)", rep.get("async_save_blocked"), save);

@@ -124,6 +124,12 @@ if ((TORCH2)) && [ -n "$REL_OUT" ] && scripts/torch2-env.sh -- true; then
       in_torch2 peers.log env FSDP_BENCH_TAG=torch2 build-trixie/fsdp-run --nproc-per-node 2 -- \
         python3 bench/py_training.py --iters "$TRAIN_ITERS" --out "$M2"
     done
+    # The checkpoint part again, for its peers on 2.6: LibTorch 2.6's torch::save and the
+    # chroot's Python torch.save / torch.load (the host's python3 has no torch).
+    for w in $CKPT_WORLDS; do
+      in_torch2 checkpoint-2.6.log env FSDP_BENCH_OUT="$M2" FSDP_BENCH_TAG=torch2 FSDP_BENCH_WORLD=$w \
+        FSDP_BENCH_ROUNDS=$CKPT_ROUNDS build-trixie/bench/bench_checkpoint
+    done
     for w in $COLL_WORLDS; do
       in_torch2 collectives-2.6.log env FSDP_BENCH_OUT="$M2" FSDP_BENCH_TAG=torch2 FSDP_BENCH_WORLD=$w \
         FSDP_BENCH_SIZES_MB=$COLL_SIZES FSDP_BENCH_ROUNDS=$COLL_ROUNDS build-trixie/bench/bench_collectives

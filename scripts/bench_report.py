@@ -193,15 +193,17 @@ def memory(m):
 
 
 def checkpoints(m):
-    for w in m.values("world", bench="checkpoint", run="host"):
-        key = dict(bench="checkpoint", run="host", world=w)
+    for run, w in [(run, w) for run in ("host", "torch2")
+                   for w in m.values("world", bench="checkpoint", run=run)]:
+        sfx = suffix(m, run)
+        key = dict(bench="checkpoint", run=run, world=w)
         row = m.first(**key)
         nbytes = row["bytes"]
         med = lambda c: m.median(case=c, **key)  # noqa: E731
         bw = lambda t: nbytes / t / 1e6 if t else None  # noqa: E731
-        record(f"checkpoint/save_bandwidth/W{w}", bw(med("save")), "MB/s",
+        record(f"checkpoint/save_bandwidth/W{w}{sfx}", bw(med("save")), "MB/s",
                "raw write+fsync of the same bytes, every rank", bw(med("raw_write_fsync")), ">= 0.8")
-        record(f"checkpoint/load_bandwidth/W{w}", bw(med("load")), "MB/s",
+        record(f"checkpoint/load_bandwidth/W{w}{sfx}", bw(med("load")), "MB/s",
                "raw pread of the same bytes, every rank", bw(med("raw_read")), ">= 0.8")
         for ours, peer, label in (("save", "torch_save", "LibTorch torch::save"),
                                   ("load", "torch_load", "LibTorch torch::load"),
@@ -209,14 +211,14 @@ def checkpoints(m):
                                   ("load", "python_torch_load", "Python torch.load")):
             t, p = med(ours), med(peer)
             if t and p:
-                record(f"checkpoint/{ours}_vs_{peer}/W{w}", t * 1e3, "ms", f"{label} of the same "
-                       "state, one process", p * 1e3, "<= 0.333",
+                record(f"checkpoint/{ours}_vs_{peer}/W{w}{sfx}", t * 1e3, "ms",
+                       f"{label} of the same state, one process", p * 1e3, "<= 0.333",
                        note="target: 3x faster than the peer")
         t, sync = med("async_save_blocked"), med("save")
         if t and sync:
-            record(f"checkpoint/async_save_blocking/W{w}", t * 1e3, "ms",
+            record(f"checkpoint/async_save_blocking/W{w}{sfx}", t * 1e3, "ms",
                    "synchronous checkpoint::save", sync * 1e3, "<= 0.1")
-        record(f"checkpoint/export_safetensors/W{w}", bw(med("export_safetensors")), "MB/s",
+        record(f"checkpoint/export_safetensors/W{w}{sfx}", bw(med("export_safetensors")), "MB/s",
                "raw write+fsync of the same bytes, one process", bw(med("raw_write_full")))
     for row in m.find(bench="scaling", run="host", case="consolidate_full"):
         key = dict(bench="scaling", run="host", world=row["world"], params=row["params"])
@@ -377,22 +379,30 @@ def plots(m, out, fits):
     plt.close(fig)
     made.append("memory.png")
 
-    # Checkpoint bandwidth per case.
-    key = dict(bench="checkpoint", run="host", world=2)
-    if m.find(**key):
-        nbytes = m.first(**key)["bytes"]
+    # Checkpoint bandwidth per case, one bar per run (LibTorch of the host, 2.6 in the chroot,
+    # where the Python peer runs when the host's python3 has no torch).
+    runs = [r for r in ("host", "torch2") if m.find(bench="checkpoint", run=r, world=2)]
+    if runs:
+        nbytes = m.first(bench="checkpoint", run=runs[0], world=2)["bytes"]
         cases = [("raw_write_fsync", "raw write+fsync"), ("save", "checkpoint::save"),
                  ("torch_save", "torch::save"), ("python_torch_save", "Python torch.save"),
                  ("raw_read", "raw pread"), ("load", "checkpoint::load"),
                  ("torch_load", "torch::load"), ("python_torch_load", "Python torch.load")]
-        vals = [(label, nbytes / m.median(case=c, **key) / 1e6) for c, label in cases
-                if m.median(case=c, **key)]
         fig, ax = plt.subplots(figsize=(8, 4))
-        ax.bar(range(len(vals)), [v for _, v in vals],
-               color=["C7" if "raw" in l else "C0" if "checkpoint" in l else "C1" for l, _ in vals])
-        ax.set_xticks(range(len(vals)))
-        ax.set_xticklabels([l for l, _ in vals], rotation=30, ha="right", fontsize=8)
+        width = 0.8 / len(runs)
+        for k, run in enumerate(runs):
+            key = dict(bench="checkpoint", run=run, world=2)
+            xs, ys = [], []
+            for i, (c, _) in enumerate(cases):
+                t = m.median(case=c, **key)
+                if t:
+                    xs.append(i + (k - (len(runs) - 1) / 2) * width)
+                    ys.append(nbytes / t / 1e6)
+            ax.bar(xs, ys, width, label="LibTorch " + m.first(**key).get("libtorch", run))
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels([l for _, l in cases], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("MB/s")
+        ax.legend(fontsize=8)
         ax.set_title(f"checkpoint of {nbytes / 1e6:.0f} MB at W=2 (peers: one process)")
         fig.tight_layout()
         fig.savefig(os.path.join(out, "checkpoint.png"), dpi=110)
