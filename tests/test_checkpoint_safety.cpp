@@ -85,6 +85,43 @@ double saved_scale(const std::string& dir) {
 
 // ---- the manifest and checksums ----
 
+// The manifest's checksums are XXH3-64 as xxHash defines it, whichever build computes them (the
+// portable one, the AVX2 one where the CPU has it), in one piece or streamed in uneven pieces.
+// The digests were computed by Debian's libxxhash (a separate build of the reference code) for
+// sizes on each side of XXH3's internal boundaries (16, 128, 240 bytes, 1 KB blocks).
+TEST(Xxh3, EveryBuildComputesTheReferenceDigest) {
+  const std::vector<std::pair<size_t, std::string>> reference = {
+      {0, "2d06800538d394c2"},      {1, "4c5cca45d0f4811f"},    {3, "6e3e2670e61106ac"},
+      {16, "86abf6baccea0858"},     {17, "b58bf5dc5022d071"},   {128, "10d17f72c0ccba41"},
+      {129, "1648bdc3db49d1a2"},    {240, "b6cfaf343fab81e6"},  {241, "956cae592c67279e"},
+      {1024, "9fb9947417c15b80"},   {1025, "fe1b47100b1d79d8"}, {65543, "b3b117903157eaa7"},
+      {1000003, "3b34f5bc1d444bbc"}};
+  std::vector<ckpt::files::Xxh3Build> builds = {ckpt::files::Xxh3Build::kBest,
+                                                ckpt::files::Xxh3Build::kPortable};
+  if (ckpt::files::xxh3_avx2_available())
+    builds.push_back(ckpt::files::Xxh3Build::kAvx2);
+  else
+    std::printf("note: no AVX2 build or CPU here; only the portable build is checked\n");
+  for (const auto& [n, digest] : reference) {
+    std::string bytes(n, '\0');
+    for (size_t i = 0; i < n; ++i) bytes[i] = static_cast<char>(((i * 131 + 7) ^ (i >> 8)) & 0xff);
+    for (const auto build : builds) {
+      SCOPED_TRACE("build " + std::to_string(static_cast<int>(build)) + ", " + std::to_string(n) +
+                   " bytes");
+      EXPECT_EQ(ckpt::files::xxh3_hex(bytes.data(), n, build), digest);
+      // Streamed in pieces from 1 byte to past a 1 KB block, so that pieces end inside stripes.
+      ckpt::files::Xxh3Stream stream(build);
+      size_t at = 0;
+      for (size_t k = 0; at < n; ++k) {
+        const size_t piece = std::min(n - at, (k * 7919 + 1) % 1500 + 1);
+        stream.update(bytes.data() + at, piece);
+        at += piece;
+      }
+      EXPECT_EQ(stream.hex(), digest);
+    }
+  }
+}
+
 TEST(CheckpointSafety, ManifestRecordsEveryItemAndVerifies) {
   TempDir tmp;
   run_ranks(2, [&](ProcessGroup& pg) {

@@ -6,9 +6,6 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-// Header-only xxHash: no library to link or ship.
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -316,24 +313,6 @@ void remove_tree_in_background(FileIO& io, const std::vector<std::string>& paths
   if (r.thread.joinable()) r.thread.join();
   r.thread = std::thread([remove_all] { remove_all(default_file_io()); });
 }
-
-namespace {
-std::string hex16(XXH64_hash_t h) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
-  return buf;
-}
-}  // namespace
-
-std::string xxh3_hex(const void* data, size_t n) { return hex16(XXH3_64bits(data, n)); }
-
-struct Xxh3Stream::State {
-  XXH3_state_t s;
-};
-Xxh3Stream::Xxh3Stream() : state_(std::make_unique<State>()) { XXH3_64bits_reset(&state_->s); }
-Xxh3Stream::~Xxh3Stream() = default;
-void Xxh3Stream::update(const void* data, size_t n) { XXH3_64bits_update(&state_->s, data, n); }
-std::string Xxh3Stream::hex() const { return hex16(XXH3_64bits_digest(&state_->s)); }
 
 }  // namespace files
 }  // namespace checkpoint
