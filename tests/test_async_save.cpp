@@ -6,8 +6,10 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
+#include "checkpoint/stream_copy.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/async_save.h"
 #include "fsdp/checkpoint/checkpoint.h"
@@ -26,12 +28,17 @@ using fsdp::testing::TempDir;
 
 namespace {
 
+constexpr int64_t kBig = 300001;  // 1.2 MB of float32
+at::Tensor big_values(float value) { return at::arange(kBig, at::kFloat) + value; }
+
 StateDict sample(int rank, float value) {
   StateDict model;
   model.insert_or_assign("w", ShardedTensor({4, 256}, at::kFloat,
                                             {{at::full({2, 256}, value + rank),
                                               ShardMetadata{{2 * rank, 0}, {2, 256}, rank}}}));
   model.insert_or_assign("b", at::full({8}, value));
+  // Past kStreamCopyMinBytes: staged with streaming stores.
+  model.insert_or_assign("big", big_values(value));
   StateDict sd;
   sd.insert_or_assign("model", model);
   sd.insert_or_assign("step", int64_t{static_cast<int64_t>(value)});
@@ -86,10 +93,11 @@ TEST(AsyncSave, OverlapsTrainingAndSnapshotsTheTensors) {
       sd.at("model").dict().at("w").sharded_tensor().local_shards()[0].tensor.fill_(step + 1 +
                                                                                     pg.rank());
       sd.at("model").dict().at("b").tensor().fill_(step + 1);
+      sd.at("model").dict().at("big").tensor().copy_(big_values(step + 1));
       io.gate = true;
     }
     const int64_t staged = saver.staging_bytes();
-    EXPECT_EQ(staged, (2 * 256 + 8) * 4) << "one set of staging buffers, reused";
+    EXPECT_EQ(staged, (2 * 256 + 8 + kBig) * 4) << "one set of staging buffers, reused";
     saver.wait();
     EXPECT_FALSE(saver.pending());
     pg.barrier();
@@ -99,6 +107,8 @@ TEST(AsyncSave, OverlapsTrainingAndSnapshotsTheTensors) {
       const at::Tensor w = saved_w(ckpt::step_dir(root, 3));
       EXPECT_TRUE(at::equal(fsdp::testing::load_tensor(ckpt::step_dir(root, 3), "model.b", {8}),
                             at::full({8}, 3.0f)));
+      EXPECT_TRUE(at::equal(
+          fsdp::testing::load_tensor(ckpt::step_dir(root, 3), "model.big", {kBig}), big_values(3)));
       EXPECT_TRUE(at::equal(w.narrow(0, 0, 2), at::full({2, 256}, 3.0f)));
       EXPECT_TRUE(at::equal(w.narrow(0, 2, 2), at::full({2, 256}, 4.0f)));
       EXPECT_TRUE(ckpt::verify(ckpt::step_dir(root, 3)).ok());
@@ -129,6 +139,27 @@ TEST(AsyncSave, ErrorsSurfaceAtTheNextWaitOnEveryRank) {
     EXPECT_NE(err2.find("No space left on device"), std::string::npos) << err2;
     saver.wait();
   });
+}
+
+// The staging copy gives memcpy's bytes for every size around its threshold and its 64-byte
+// loop, and every misalignment of either side.
+TEST(StreamCopy, SameBytesAsMemcpyAtEverySizeAndAlignment) {
+  const size_t min = ckpt::kStreamCopyMinBytes;
+  std::vector<unsigned char> src(min + 300);
+  for (size_t i = 0; i < src.size(); ++i)
+    src[i] = static_cast<unsigned char>(i * 2654435761u >> 13);
+  for (size_t n :
+       {size_t{0}, size_t{1}, size_t{63}, min - 1, min, min + 1, min + 63, min + 64, min + 100}) {
+    for (size_t s_off : {0, 1, 8, 15}) {
+      for (size_t d_off : {0, 3, 16, 33}) {
+        std::vector<unsigned char> dst(n + 64, 0xAB), want(n + 64, 0xAB);
+        ckpt::stream_copy(dst.data() + d_off, src.data() + s_off, n);
+        std::memcpy(want.data() + d_off, src.data() + s_off, n);
+        ASSERT_TRUE(dst == want) << n << " bytes, source offset " << s_off
+                                 << ", destination offset " << d_off;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 
 #include <numeric>
 
+#include "checkpoint/stream_copy.h"
+
 namespace fsdp {
 namespace checkpoint {
 
@@ -52,7 +54,14 @@ StateDict AsyncSaver::snapshot(const StateDict& state_dict) {
     at::Tensor& buf = staging_[next++];
     if (!buf.defined() || buf.sizes() != t.sizes() || buf.scalar_type() != t.scalar_type())
       buf = at::empty(t.sizes(), t.options().device(at::kCPU).requires_grad(false));
-    buf.copy_(t.detach());
+    // Large contiguous CPU tensors of the same dtype (what a sharded state dict holds) are
+    // copied with streaming stores: this copy is all the time training is blocked.
+    if (t.device().is_cpu() && t.layout() == at::kStrided && !t.is_quantized() && !t.is_conj() &&
+        !t.is_neg() && t.is_contiguous() && buf.is_contiguous() &&
+        t.scalar_type() == buf.scalar_type() && t.numel() > 0)
+      stream_copy(buf.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+    else
+      buf.copy_(t.detach());
     return buf;
   };
   std::function<StateValue(const StateValue&)> copy = [&](const StateValue& v) -> StateValue {
