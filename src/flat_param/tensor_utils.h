@@ -18,14 +18,22 @@ inline std::string shape_str(at::IntArrayRef s) {
   return os.str();
 }
 
+// Moves a tensor's memory out of its storage, which is left empty (and so are its views), and
+// returns it: a unit-sized block handed from one buffer to the next without a trip through the
+// allocator, which on the CPU would give it back to the kernel (glibc returns blocks over its
+// mmap threshold) and page-fault it in anew.
+inline at::DataPtr take_memory(const at::Tensor& t) {
+  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+  at::DataPtr memory = st->set_data_ptr(at::DataPtr(nullptr, t.device()));
+  st->set_nbytes(0);
+  return memory;
+}
+
 // Frees a tensor's storage for real (the allocator gets the memory back) while keeping the tensor
 // and every view of it; alloc_storage gives it fresh memory of the tensor's size again.
 inline void free_storage(const at::Tensor& t) {
-  if (!t.defined()) return;
-  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
-  if (st->nbytes() == 0) return;
-  st->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  st->set_nbytes(0);
+  if (!t.defined() || t.storage().nbytes() == 0) return;
+  take_memory(t);  // dropped here: the allocator's deleter frees it
 }
 
 inline void alloc_storage(const at::Tensor& t) {
@@ -38,17 +46,6 @@ inline void alloc_storage(const at::Tensor& t) {
   }
   st->set_data_ptr_noswap(st->allocator()->allocate(nbytes));
   st->set_nbytes(nbytes);
-}
-
-// Moves a tensor's memory out of its storage, which is left freed as by free_storage (and so are
-// its views), and returns it: a unit-sized block handed from one buffer to the next without a
-// trip through the allocator, which on the CPU would give it back to the kernel (glibc returns
-// blocks over its mmap threshold) and page-fault it in anew.
-inline at::DataPtr take_memory(const at::Tensor& t) {
-  c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
-  at::DataPtr memory = st->set_data_ptr(at::DataPtr(nullptr, t.device()));
-  st->set_nbytes(0);
-  return memory;
 }
 
 // A 1-D tensor of `numel` elements of `options` on `nbytes` of memory from take_memory (at least
