@@ -301,7 +301,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       return launch(op, std::move(w), finish_avg);
     }
     case ReduceScatterAlgo::kAllToAll: {
-      at::Tensor recv = at::empty_like(in_flat);
+      at::Tensor recv = fsdp::detail::empty_buffer(in_flat.numel(), in_flat.options());
       c10d::AllToAllOptions opts;
       opts.timeout = s.timeout;
       std::vector<int64_t> splits;  // empty: equal splits

@@ -14,6 +14,7 @@
 // a tag of its own (a per-group counter, advanced identically on every rank, as collectives are
 // called in the same order), so reductions in flight together never take each other's pieces.
 #include "dist/state.h"
+#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 
 #include <deque>
@@ -108,7 +109,7 @@ std::function<void()> start_pairwise_reduce_scatter(
   // own. Writing it directly would overwrite this rank's piece before it is added.
   if (out_flat.storage().is_alias_of(in_flat.storage()) || !out_flat.is_contiguous()) {
     p->user_out = out_flat;
-    p->out = at::empty({out_flat.numel()}, out_flat.options());
+    p->out = fsdp::detail::empty_buffer(out_flat.numel(), out_flat.options());
   }
   p->n = out_flat.numel();
   p->rank = rank;
@@ -133,7 +134,7 @@ std::function<void()> start_pairwise_reduce_scatter(
   // Two buffers let the next piece arrive while one is combined.
   const int nbufs = static_cast<int>(std::min<size_t>(2, buffered));
   for (int b = 0; b < nbufs; ++b) {
-    p->bufs.push_back(at::empty({p->n}, in_flat.options()));
+    p->bufs.push_back(fsdp::detail::empty_buffer(p->n, in_flat.options()));
     p->free_bufs.push_back(b);
   }
   try {

@@ -145,11 +145,11 @@ at::Tensor FlatParamHandle::take_orig_grads() {
   }
   at::NoGradGuard no_grad;
   // In the unsharded parameters' memory if the reshard before kept it (keep_param_memory_for_grad).
-  at::Tensor flat =
-      grad_scratch_.defined()
-          ? std::exchange(grad_scratch_, at::Tensor())
-          : at::empty({layout_.padded_unsharded_numel},
-                      at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
+  at::Tensor flat = grad_scratch_.defined()
+                        ? std::exchange(grad_scratch_, at::Tensor())
+                        : detail::empty_buffer(
+                              layout_.padded_unsharded_numel,
+                              at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
   // One walk over the layout's entries writes every element once: a gradient where there is one,
   // zero in alignment padding, the trailing padding and the ranges of parameters without a
   // gradient. (Zero-filling the whole buffer first would cost one more pass over the unit on
@@ -217,7 +217,7 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
   // reduce-scatter, with bit-identical results. float16 keeps PyTorch's order.
   if (predivide_ > 1 && g.scalar_type() == at::kHalf) g.div_(predivide_);
   if (uses_sharded_strategy()) {
-    at::Tensor out = at::empty({layout_.sharded_numel}, g.options());
+    at::Tensor out = detail::empty_buffer(layout_.sharded_numel, g.options());
     dist::Work w = group_.reduce_scatter_tensor_async(out, g, dist::ReduceOp::SUM);
     pending_reduce_.reset(new PendingReduce{std::move(g), std::move(out), std::move(w)});
   } else {

@@ -8,6 +8,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "memory/huge_pages.h"
 
 namespace fsdp {
 namespace detail {
@@ -46,6 +47,15 @@ inline void alloc_storage(const at::Tensor& t) {
   }
   st->set_data_ptr_noswap(st->allocator()->allocate(nbytes));
   st->set_nbytes(nbytes);
+  if (t.device().is_cpu()) advise_huge_pages(st->data(), nbytes);
+}
+
+// at::empty for a 1-D buffer that is written whole right after (a collective's output, a gradient
+// copy): fresh CPU memory of a unit's size gets huge pages (memory/huge_pages.h).
+inline at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) {
+  at::Tensor t = at::empty({numel}, options);
+  if (t.device().is_cpu()) advise_huge_pages(t.storage().data(), t.storage().nbytes());
+  return t;
 }
 
 // A 1-D tensor of `numel` elements of `options` on `nbytes` of memory from take_memory (at least
