@@ -103,12 +103,16 @@ TEST(FsdpRuntime, StepMemoryPeakIsTheSameOnEveryStep) {
     // The first steps differ for good reasons: the first records the forward order that later
     // steps prefetch by, and the first optimizer step creates state.
     // What this guards against is a unit more or less from one step to the next (Gloo's threads
-    // releasing a unit-sized buffer early or late). Since the flat gradient takes over the
-    // parameters' memory, the peak also moves by an activation or two ([4, 160], 2560 B) from step
-    // to step, a tenth of what is checked here.
+    // releasing a unit-sized buffer early or late). Two smaller things move legitimately: an
+    // activation or two ([4, 160], 2560 B), since the flat gradient takes over the parameters'
+    // memory; and, under load, a shard-sized buffer (half a unit here) that is sometimes freed
+    // before the peak and sometimes after: with a busy loop on the other core, some steps peak
+    // 52148 B lower than step 2, on LibTorch 1.13 at 3f569ea as with gradients sent in pieces.
+    // The timing of the collectives' completions on Gloo's worker threads decides it. So the
+    // tolerance is 0.6 of a unit: both causes fit in it, a unit does not.
     const int64_t unit_bytes = (160 * 160 + 160) * 4;
     for (size_t k = 3; k < peaks.size(); ++k) {
-      EXPECT_LE(std::abs(peaks[k] - peaks[2]), unit_bytes / 10)
+      EXPECT_LE(std::abs(peaks[k] - peaks[2]), unit_bytes * 6 / 10)
           << "rank " << pg.rank() << ", step " << k << ": peak " << peaks[k] << " B against "
           << peaks[2] << " B (a unit is " << unit_bytes << " B)";
     }
