@@ -3,8 +3,6 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
-#include <cstdio>
-#include <fstream>
 #include <thread>
 
 #include "flat_param_model.h"
@@ -379,62 +377,6 @@ TEST(FlatParamHandle, ShardGradOpKeepsUnshardedStorageUntilFreed) {
     EXPECT_EQ(net->odd.numel(), 7);
     h.reshard(true);
     EXPECT_EQ(h.unsharded_storage_bytes(), 0);
-  });
-}
-
-// The kernel's transparent-huge-page mode: "always", "madvise", "never", or "" where it has none.
-std::string thp_mode() {
-  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
-  std::string line;
-  std::getline(f, line);
-  const size_t a = line.find('['), b = line.find(']');
-  return a == std::string::npos || b == std::string::npos ? "" : line.substr(a + 1, b - a - 1);
-}
-
-// kB of the mapping holding the middle of `t`'s memory that are backed by transparent huge pages
-// (/proc/self/smaps). The middle: the advice covers whole pages only, so the block's first page,
-// shared with the allocator's header, is a mapping of its own.
-int64_t anon_huge_kb_in(const at::Tensor& t) {
-  std::ifstream f("/proc/self/smaps");
-  const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr()) + t.nbytes() / 2;
-  bool inside = false;
-  for (std::string line; std::getline(f, line);) {
-    unsigned long lo = 0, hi = 0;
-    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find(' ')) {
-      inside = lo <= addr && addr < hi;
-    } else if (inside && line.rfind("AnonHugePages:", 0) == 0) {
-      return std::stoll(line.substr(14));
-    }
-  }
-  return -1;
-}
-
-// Unit-sized buffers allocated anew on every step get huge pages (memory/huge_pages.h): 4 KiB
-// faults made a 64-256 MB unshard 0.65-0.82 of the raw all-gather's speed. The control, a plain
-// tensor written whole, shows that the check sees the difference where THP is "madvise".
-TEST(FlatParamHandle, UnitSizedBuffersGetHugePages) {
-  const std::string mode = thp_mode();
-  if (mode != "madvise" && mode != "always") GTEST_SKIP() << "no transparent huge pages here";
-  run_ranks(2, [mode](ProcessGroup& pg) {
-    auto m = std::make_shared<torch::nn::Module>();
-    m->register_parameter("w", torch::ones({16 << 20}));  // 64 MB unsharded
-    FlatParamHandle h(fsdp::collect_params(m), pg);
-    h.unshard();
-    EXPECT_GT(anon_huge_kb_in(h.orig_params()[0]), 0) << "the unsharded flat parameter";
-    for (auto& p : h.orig_params()) p.mutable_grad() = torch::ones_like(p);
-    h.set_training_state(fsdp::HandleTrainingState::BACKWARD_POST);
-    h.reshard();
-    h.reduce_grad();
-    h.set_training_state(fsdp::HandleTrainingState::IDLE);
-    const at::Tensor g = h.flat_param().grad();  // 32 MB: the reduce-scatter's fresh output
-    ASSERT_TRUE(g.defined());
-    EXPECT_TRUE(g.eq(1).all().item<bool>());  // the average of ones
-    EXPECT_GT(anon_huge_kb_in(g), 0) << "the sharded gradient";
-    if (mode == "madvise") {
-      at::Tensor plain = at::empty({16 << 20});
-      plain.fill_(1);
-      EXPECT_EQ(anon_huge_kb_in(plain), 0) << "control: a tensor nobody advised";
-    }
   });
 }
 

@@ -183,6 +183,19 @@ class ProcessGroup {
                                    ReduceOp op = ReduceOp::SUM,
                                    ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);
 
+  /// reduce_scatter_tensor with the input in pieces rather than one flat tensor: chunks[q] lists
+  /// the contiguous tensors whose concatenation (flattened) is the chunk of the input that rank q
+  /// receives the reduction of, output.numel() elements in all. With kPairwise (kAuto on Gloo)
+  /// every piece is sent as it is, saving the copy that flattening them costs (FSDP sends
+  /// autograd's gradients this way); each piece is one message, so chunk q must be split into
+  /// pieces of the same sizes on every rank. Other algorithms, and tensors off device(), go
+  /// through one concatenated copy. Pieces are of output's dtype and are not modified; the Work
+  /// holds them until it has been waited on.
+  Work reduce_scatter_pieces_async(const at::Tensor& output,
+                                   std::vector<std::vector<at::Tensor>> chunks,
+                                   ReduceOp op = ReduceOp::SUM,
+                                   ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);
+
   /// Rank r's `input` is split into W consecutive runs of input_split_sizes[q] elements; run q goes
   /// to rank q, and `output` receives, in rank order, output_split_sizes[r] elements from each
   /// rank r (PyTorch's all_to_all_single). Sizes must agree pairwise across ranks; empty split

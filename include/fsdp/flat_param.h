@@ -385,8 +385,11 @@ class FlatParamHandle {
   void start_reduce(at::Tensor g);
   // A started reduction: the collective and both of its buffers, which the backend reads and
   // writes until the collective is done.
+  // take_orig_grads' alternative that copies only small gradients: the gradient as chunks of
+  // pieces for dist::ProcessGroup::reduce_scatter_pieces_async, or empty where it does not apply.
+  std::vector<std::vector<at::Tensor>> take_orig_grads_in_pieces();
   struct PendingReduce {
-    at::Tensor input;   // the unsharded flat gradient being reduced
+    at::Tensor input;   // the unsharded flat gradient being reduced (undefined: sent in pieces)
     at::Tensor output;  // the reduced shard (the whole gradient under NO_SHARD)
     dist::Work work;
   };

@@ -339,10 +339,13 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       });
     }
     case ReduceScatterAlgo::kPairwise: {
+      std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world));
+      for (int q = 0; q < world; ++q)
+        chunks[static_cast<size_t>(q)] = {in_flat.narrow(0, q * n, n)};
       const int tag = static_cast<int>(s.next_pairwise_tag++ & 0x7fffffffu);
       std::function<void()> finish = detail::start_pairwise_reduce_scatter(
           s.backend, s.rank, world, detail::work_timeout(s.backend_name, s.timeout), s.failed, tag,
-          out_flat, in_flat, op_kind, describe(op, *this), finish_avg);
+          out_flat, std::move(chunks), op_kind, describe(op, *this), finish_avg);
       return launch(op, {}, std::move(finish));
     }
     case ReduceScatterAlgo::kAuto:
@@ -354,6 +357,61 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
 void ProcessGroup::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
                                          ReduceOp op, ReduceScatterAlgo algo) {
   reduce_scatter_tensor_async(output, input, op, algo).wait();
+}
+
+Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
+                                               std::vector<std::vector<at::Tensor>> chunks,
+                                               ReduceOp op_kind, ReduceScatterAlgo algo) {
+  const char* op = "reduce_scatter_pieces";
+  State& s = checked_state(op);
+  check_flat(op, *this, output, "output");
+  const int64_t n = output.numel();
+  if (chunks.size() != static_cast<size_t>(s.size)) {
+    throw ValueError(describe(op, *this) + ": expected " + std::to_string(s.size) +
+                     " chunks (one per rank), got " + std::to_string(chunks.size()));
+  }
+  bool on_device = !elsewhere(s.device, output);
+  for (size_t q = 0; q < chunks.size(); ++q) {
+    int64_t total = 0;
+    std::vector<at::Tensor> kept;
+    for (const at::Tensor& t : chunks[q]) {
+      const std::string which = "piece of chunk " + std::to_string(q);
+      check_flat(op, *this, t, which.c_str());
+      if (t.scalar_type() != output.scalar_type()) {
+        throw ValueError(describe(op, *this) + ": " + which + " is " +
+                         c10::toString(t.scalar_type()) + ", the output " +
+                         c10::toString(output.scalar_type()));
+      }
+      total += t.numel();
+      on_device = on_device && !elsewhere(s.device, t);
+      if (t.numel() > 0) kept.push_back(t.view(-1));  // empty pieces are no messages
+    }
+    if (total != n) {
+      throw ValueError(describe(op, *this) + ": chunk " + std::to_string(q) + " has " +
+                       std::to_string(total) + " elements, the output " + std::to_string(n));
+    }
+    chunks[q] = std::move(kept);
+  }
+  const bool pairwise = algo == ReduceScatterAlgo::kPairwise ||
+                        (algo == ReduceScatterAlgo::kAuto && s.backend_name == "gloo");
+  if (!pairwise || !on_device || s.size == 1 || n == 0 ||
+      gloo_lacks(s.backend_name, output.scalar_type())) {
+    // Everything else goes through the flat form, on one concatenated copy of the input.
+    std::vector<at::Tensor> all;
+    for (auto& c : chunks) all.insert(all.end(), c.begin(), c.end());
+    at::Tensor flat = all.empty() ? at::empty({0}, output.options()) : at::cat(all);
+    return reduce_scatter_tensor_async(output, flat, op_kind, algo);
+  }
+  at::Tensor out_flat = output.view(-1);
+  const int world = s.size;
+  auto finish_avg = [out_flat, op_kind, world]() {
+    if (op_kind == ReduceOp::AVG) out_flat.div_(world);
+  };
+  const int tag = static_cast<int>(s.next_pairwise_tag++ & 0x7fffffffu);
+  std::function<void()> finish = detail::start_pairwise_reduce_scatter(
+      s.backend, s.rank, world, detail::work_timeout(s.backend_name, s.timeout), s.failed, tag,
+      out_flat, std::move(chunks), op_kind, describe(op, *this), finish_avg);
+  return launch(op, {}, std::move(finish));
 }
 
 // ---------------------------------------------------------------------------------------------

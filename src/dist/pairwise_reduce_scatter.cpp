@@ -42,7 +42,9 @@ namespace {
 
 // Everything the finish needs, shared so that a failure can keep it alive for good (see keep_alive_for_good()).
 struct Pairwise {
-  at::Tensor in, out;
+  std::vector<std::vector<at::Tensor>> chunks;  // chunks[q]: the pieces of input chunk q
+  std::vector<int64_t> own_offsets;             // where each of chunks[rank]'s pieces starts
+  at::Tensor out;
   at::Tensor user_out;  // the caller's output where `out` is a chunk of our own (see the start)
   int64_t n = 0;
   int rank = 0, world = 1, tag = 0;
@@ -51,21 +53,47 @@ struct Pairwise {
   std::chrono::milliseconds timeout{0};
   std::shared_ptr<std::atomic<bool>> group_failed;
   std::string what;
-  std::vector<compat::WorkPtr> sends;
+  std::vector<std::pair<compat::WorkPtr, int>> sends;  // (send, peer)
   std::vector<at::Tensor> bufs;  // chunk-sized receive buffers
   std::deque<int> free_bufs;     // indices into bufs
   std::vector<int> peers;        // the other ranks, in rank order
   size_t next_post = 0;          // peers[next_post] is the next to receive into a buffer
-  compat::WorkPtr direct;        // the lowest peer's piece, received straight into `out`
-  std::vector<std::pair<compat::WorkPtr, int>> recv_of;  // per rank: (receive, buffer)
+  bool has_direct = false;       // the lowest peer's chunk is received straight into `out`
+  std::vector<compat::WorkPtr> direct;  // ... by these receives
+  // Per rank: the receives of its pieces of this rank's chunk, and the buffer they land in.
+  std::vector<std::pair<std::vector<compat::WorkPtr>, int>> recv_of;
+
+  // Posts the receives of rank q's pieces of this rank's chunk into `dst`: one per piece, of the
+  // piece's size, so that they pair with q's sends (every rank splits chunk `rank` alike).
+  std::vector<compat::WorkPtr> receive(int q, const at::Tensor& dst) {
+    std::vector<compat::WorkPtr> works;
+    const auto& own = chunks[static_cast<size_t>(rank)];
+    for (size_t i = 0; i < own.size(); ++i) {
+      std::vector<at::Tensor> t{dst.narrow(0, own_offsets[i], own[i].numel())};
+      works.push_back(backend->recv(t, q, tag));
+    }
+    return works;
+  }
 
   void post_next_receive() {
     while (next_post < peers.size() && !free_bufs.empty()) {
       const int q = peers[next_post++];
       const int b = free_bufs.front();
       free_bufs.pop_front();
-      std::vector<at::Tensor> t{bufs[b]};
-      recv_of[q] = {backend->recv(t, q, tag), b};
+      recv_of[static_cast<size_t>(q)] = {receive(q, bufs[static_cast<size_t>(b)]), b};
+    }
+  }
+
+  // acc (chunk-sized) = acc op (this rank's own chunk), or a copy of it (`first`), piece by piece.
+  void combine_own(const at::Tensor& acc, bool first) const {
+    const auto& own = chunks[static_cast<size_t>(rank)];
+    for (size_t i = 0; i < own.size(); ++i) {
+      at::Tensor dst = acc.narrow(0, own_offsets[i], own[i].numel());
+      if (first) {
+        dst.copy_(own[i]);
+      } else {
+        combine_into(dst, own[i], op);
+      }
     }
   }
 };
@@ -95,19 +123,37 @@ void wait_for(const std::shared_ptr<Pairwise>& p, const compat::WorkPtr& w,
   }
 }
 
+void wait_all(const std::shared_ptr<Pairwise>& p, std::vector<compat::WorkPtr>& ws,
+              const std::string& step) {
+  for (auto& w : ws) wait_for(p, w, step);
+  ws.clear();
+}
+
+bool aliases_any(const at::Tensor& out, const std::vector<std::vector<at::Tensor>>& chunks) {
+  for (const auto& c : chunks) {
+    for (const auto& t : c) {
+      if (t.numel() > 0 && out.storage().is_alias_of(t.storage())) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
-std::function<void()> start_pairwise_reduce_scatter(
-    const compat::BackendPtr& backend, int rank, int world, std::chrono::milliseconds timeout,
-    std::shared_ptr<std::atomic<bool>> group_failed, int tag, const at::Tensor& out_flat,
-    const at::Tensor& in_flat, ReduceOp op, std::string what, std::function<void()> finish_avg) {
+std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& backend, int rank,
+                                                    int world, std::chrono::milliseconds timeout,
+                                                    std::shared_ptr<std::atomic<bool>> group_failed,
+                                                    int tag, const at::Tensor& out_flat,
+                                                    std::vector<std::vector<at::Tensor>> chunks,
+                                                    ReduceOp op, std::string what,
+                                                    std::function<void()> finish_avg) {
   auto p = std::make_shared<Pairwise>();
-  p->in = in_flat;
+  p->chunks = std::move(chunks);
   p->out = out_flat;
   // An output that shares memory with the input (in place: this rank's own chunk) is written only
   // after every piece was read and every send is done; until then the sum goes to a chunk of its
   // own. Writing it directly would overwrite this rank's piece before it is added.
-  if (out_flat.storage().is_alias_of(in_flat.storage()) || !out_flat.is_contiguous()) {
+  if (aliases_any(out_flat, p->chunks) || !out_flat.is_contiguous()) {
     p->user_out = out_flat;
     p->out = fsdp::detail::empty_buffer(out_flat.numel(), out_flat.options());
   }
@@ -121,6 +167,11 @@ std::function<void()> start_pairwise_reduce_scatter(
   p->group_failed = std::move(group_failed);
   p->what = std::move(what);
   p->recv_of.resize(static_cast<size_t>(world));
+  int64_t offset = 0;
+  for (const auto& t : p->chunks[static_cast<size_t>(rank)]) {
+    p->own_offsets.push_back(offset);
+    offset += t.numel();
+  }
   for (int q = 0; q < world; ++q) {
     if (q != rank) p->peers.push_back(q);
   }
@@ -134,17 +185,19 @@ std::function<void()> start_pairwise_reduce_scatter(
   // Two buffers let the next piece arrive while one is combined.
   const int nbufs = static_cast<int>(std::min<size_t>(2, buffered));
   for (int b = 0; b < nbufs; ++b) {
-    p->bufs.push_back(fsdp::detail::empty_buffer(p->n, in_flat.options()));
+    p->bufs.push_back(fsdp::detail::empty_buffer(p->n, p->out.options()));
     p->free_bufs.push_back(b);
   }
   try {
     for (int q : p->peers) {
-      std::vector<at::Tensor> t{in_flat.narrow(0, q * p->n, p->n)};
-      p->sends.push_back(backend->send(t, q, tag));
+      for (const auto& piece : p->chunks[static_cast<size_t>(q)]) {
+        std::vector<at::Tensor> t{piece};
+        p->sends.emplace_back(backend->send(t, q, tag), q);
+      }
     }
     if (direct) {
-      std::vector<at::Tensor> t{p->out};
-      p->direct = backend->recv(t, p->peers[0], tag);
+      p->direct = p->receive(p->peers[0], p->out);
+      p->has_direct = true;
       p->next_post = 1;
     }
     p->post_next_receive();
@@ -153,14 +206,21 @@ std::function<void()> start_pairwise_reduce_scatter(
   }
 
   return [p, finish_avg = std::move(finish_avg)]() {
-    const int64_t n = p->n;
-    // x_q: rank q's piece of this rank's chunk, received (buffer index >= 0) or our own (-1).
-    auto piece = [&](int q) -> std::pair<at::Tensor, int> {
-      if (q == p->rank) return {p->in.narrow(0, q * n, n), -1};
-      auto& [w, b] = p->recv_of[static_cast<size_t>(q)];
-      wait_for(p, w, "receiving from rank " + std::to_string(q));
-      w.reset();
-      return {p->bufs[static_cast<size_t>(b)], b};
+    // Rank q's piece of this rank's chunk, once received: its buffer index, or -1 for our own.
+    auto arrived = [&](int q) -> int {
+      if (q == p->rank) return -1;
+      auto& [ws, b] = p->recv_of[static_cast<size_t>(q)];
+      wait_all(p, ws, "receiving from rank " + std::to_string(q));
+      return b;
+    };
+    auto combine = [&](int b, bool first) {
+      if (b < 0) {
+        p->combine_own(p->out, first);
+      } else if (first) {
+        p->out.copy_(p->bufs[static_cast<size_t>(b)]);
+      } else {
+        combine_into(p->out, p->bufs[static_cast<size_t>(b)], p->op);
+      }
     };
     auto release = [&](int b) {
       if (b < 0) return;
@@ -172,27 +232,20 @@ std::function<void()> start_pairwise_reduce_scatter(
       }
     };
     int q = 0;
-    if (p->direct) {
+    if (p->has_direct) {
       const int first = p->peers[0];  // 0, or 1 on rank 0
-      wait_for(p, p->direct, "receiving from rank " + std::to_string(first));
-      p->direct.reset();
-      auto [x, b] = piece(first == 0 ? 1 : 0);
-      p->out.add_(x);
+      wait_all(p, p->direct, "receiving from rank " + std::to_string(first));
+      const int b = arrived(first == 0 ? 1 : 0);
+      combine(b, /*first=*/false);
       release(b);
       q = 2;
     }
     for (; q < p->world; ++q) {
-      auto [x, b] = piece(q);
-      if (q == 0) {
-        p->out.copy_(x);
-      } else {
-        combine_into(p->out, x, p->op);
-      }
+      const int b = arrived(q);
+      combine(b, /*first=*/q == 0);
       release(b);
     }
-    for (size_t k = 0; k < p->sends.size(); ++k) {
-      wait_for(p, p->sends[k], "sending to rank " + std::to_string(p->peers[k]));
-    }
+    for (auto& [w, peer] : p->sends) wait_for(p, w, "sending to rank " + std::to_string(peer));
     p->sends.clear();
     if (p->user_out.defined()) {
       p->user_out.copy_(p->out);
@@ -200,6 +253,9 @@ std::function<void()> start_pairwise_reduce_scatter(
     }
     finish_avg();
     for (auto& b : p->bufs) release_completed(b);
+    // The input's pieces are dropped with the sends that referenced them: where they are the
+    // caller's gradients, their memory goes back now, not when Gloo lets go of its work objects.
+    p->chunks.clear();
   };
 }
 

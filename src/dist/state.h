@@ -64,11 +64,16 @@ void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op);
 
 // Starts ReduceScatterAlgo::kPairwise (pairwise_reduce_scatter.cpp): posts the sends and the first
 // receives and returns the finish step for Work (receives the rest, sums in rank order into
-// `out_flat`, runs `finish_avg`). Failures throw DistError naming `what` and set `group_failed`.
-std::function<void()> start_pairwise_reduce_scatter(
-    const compat::BackendPtr& backend, int rank, int world, std::chrono::milliseconds timeout,
-    std::shared_ptr<std::atomic<bool>> group_failed, int tag, const at::Tensor& out_flat,
-    const at::Tensor& in_flat, ReduceOp op, std::string what, std::function<void()> finish_avg);
+// `out_flat`, runs `finish_avg`). The input is given as chunks[q], the non-empty 1-D pieces whose
+// concatenation is the chunk rank q receives the reduction of; each piece is one message, so every
+// rank must split a chunk alike. Failures throw DistError naming `what` and set `group_failed`.
+std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& backend, int rank,
+                                                    int world, std::chrono::milliseconds timeout,
+                                                    std::shared_ptr<std::atomic<bool>> group_failed,
+                                                    int tag, const at::Tensor& out_flat,
+                                                    std::vector<std::vector<at::Tensor>> chunks,
+                                                    ReduceOp op, std::string what,
+                                                    std::function<void()> finish_avg);
 
 }  // namespace detail
 }  // namespace dist

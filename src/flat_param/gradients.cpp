@@ -189,7 +189,112 @@ void FlatParamHandle::reduce_grad_async() {
   }
   finish_reduce_grad();  // a reduction still in flight adds to the gradient this one adds to
   check_flat_param_device("reduce_grad");  // before the gradients are taken: an error keeps them
-  start_reduce(take_orig_grads());         // freshly built: no copy needed
+  throw_if_comm_failed("reduce_grad");
+  std::vector<std::vector<at::Tensor>> chunks = take_orig_grads_in_pieces();
+  if (!chunks.empty()) {
+    at::NoGradGuard no_grad;
+    at::Tensor out = detail::empty_buffer(
+        layout_.sharded_numel, at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU));
+    dist::Work w = group_.reduce_scatter_pieces_async(out, std::move(chunks), dist::ReduceOp::SUM);
+    pending_reduce_.reset(new PendingReduce{at::Tensor(), std::move(out), std::move(w)});
+    grads_unreduced_ = true;
+    return;
+  }
+  start_reduce(take_orig_grads());  // freshly built: no copy needed
+}
+
+// The unsharded gradient as the reduce-scatter's chunks, each a list of pieces: slices of
+// autograd's own gradients where they are large (sent as they are: no copy), the small ones
+// between them copied together, with the padding's zeros, into one buffer per run (one message
+// rather than many). Where the pieces start and end depends on the layout alone, the same on
+// every rank, as the messages must pair. Empty (the flat path) unless every parameter has a
+// contiguous CPU gradient in the reduce dtype, which is float32 or float64 (float16 is predivided
+// in place, and bfloat16 travels as float32 over Gloo), the group is Gloo's, and some piece is
+// large enough to be worth a message of its own.
+std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces() {
+  constexpr int64_t kPieceMinBytes = int64_t{256} << 10;  // below: copying beats a message
+  std::vector<std::vector<at::Tensor>> chunks;
+  if (!uses_sharded_strategy() || world_size_ < 2 || group_.backend_name() != "gloo" ||
+      !options_.device().is_cpu() ||
+      (reduce_dtype_ != at::kFloat && reduce_dtype_ != at::kDouble)) {
+    return chunks;
+  }
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(reduce_dtype_));
+  bool any_large = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor g = params_[i].grad();
+    if (!g.defined() || g.scalar_type() != reduce_dtype_ || !g.device().is_cpu() ||
+        !g.is_contiguous() || g.layout() != at::kStrided || g.is_neg() || g.is_conj()) {
+      return chunks;
+    }
+    check_grad_shape(i, g);
+    any_large = any_large || g.numel() * elem >= 2 * kPieceMinBytes;
+  }
+  if (!any_large) return chunks;
+  at::NoGradGuard no_grad;
+  // The layout's runs over [0, W * n): a parameter's gradient (flattened), or zeros (padding).
+  struct Run {
+    int64_t begin, numel;
+    at::Tensor grad;  // undefined: zeros
+  };
+  std::vector<Run> runs;
+  int64_t offset = 0;
+  size_t i = 0;
+  for (size_t k = 0; k < layout_.numels_with_padding.size(); ++k) {
+    const int64_t numel = layout_.numels_with_padding[k];
+    if (numel > 0) {
+      runs.push_back({offset, numel,
+                      layout_.is_padding_mask[k] ? at::Tensor() : params_[i].grad().view({-1})});
+    }
+    if (!layout_.is_padding_mask[k]) ++i;
+    offset += numel;
+  }
+  const int64_t n = layout_.sharded_numel;
+  if (offset < n * world_size_) runs.push_back({offset, n * world_size_ - offset, at::Tensor()});
+
+  chunks.resize(static_cast<size_t>(world_size_));
+  const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU);
+  size_t r = 0;
+  for (int q = 0; q < world_size_; ++q) {
+    const int64_t lo = q * n, hi = lo + n;
+    // Pieces of [lo, hi) too small to send alone, gathered until the next large one.
+    std::vector<std::pair<const Run*, std::pair<int64_t, int64_t>>> small;  // (run, [a, b))
+    auto flush = [&]() {
+      if (small.empty()) return;
+      const int64_t a0 = small.front().second.first, b1 = small.back().second.second;
+      at::Tensor buf = at::empty({b1 - a0}, opts);
+      for (const auto& [run, ab] : small) {
+        at::Tensor dst = buf.narrow(0, ab.first - a0, ab.second - ab.first);
+        if (run->grad.defined()) {
+          dst.copy_(run->grad.narrow(0, ab.first - run->begin, ab.second - ab.first));
+        } else {
+          dst.zero_();
+        }
+      }
+      chunks[static_cast<size_t>(q)].push_back(buf);
+      small.clear();
+    };
+    for (; r < runs.size() && runs[r].begin < hi; ++r) {
+      const Run& run = runs[r];
+      const int64_t a = std::max(run.begin, lo), b = std::min(run.begin + run.numel, hi);
+      if (run.grad.defined() && (b - a) * elem >= kPieceMinBytes) {
+        flush();
+        chunks[static_cast<size_t>(q)].push_back(run.grad.narrow(0, a - run.begin, b - a));
+      } else {
+        small.push_back({&run, {a, b}});
+      }
+      if (run.begin + run.numel > hi) break;  // continues in the next chunk
+    }
+    flush();
+  }
+  // The gradients now travel in the pieces (released when the reduction finishes), and the
+  // unsharded parameters' memory kept for a flat gradient is not needed.
+  for (auto& p : params_) p.mutable_grad().reset();
+  if (grad_scratch_.defined()) {
+    detail::free_storage(grad_scratch_);
+    grad_scratch_ = at::Tensor();
+  }
+  return chunks;
 }
 
 void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
@@ -255,8 +360,8 @@ void FlatParamHandle::finish_reduce_grad() {
   // worker thread lets go, some time after the completion: freed here, the unit of memory it
   // holds is gone before the next unit's backward starts, on every run alike (see
   // release_completed in dist/collectives.cpp; CPU only, where wait() means done).
-  if (uses_sharded_strategy() && pending_reduce_->input.device().is_cpu() &&
-      !pending_reduce_->input.is_same(out)) {
+  if (uses_sharded_strategy() && pending_reduce_->input.defined() &&
+      pending_reduce_->input.device().is_cpu() && !pending_reduce_->input.is_same(out)) {
     detail::free_storage(pending_reduce_->input);
   }
   pending_reduce_.reset();
