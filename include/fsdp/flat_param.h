@@ -259,7 +259,10 @@ class FlatParamHandle {
   /// Reduces the original parameters' gradients into the sharded gradient: flattens them (zeros
   /// where a parameter has no gradient), casts to reduce_dtype, reduce-scatters across the group
   /// averaging (pre- and post-divided as PyTorch FSDP does, to keep fp16 from overflowing), then
-  /// all-reduces across replicate_group. The result (in the parameter dtype unless
+  /// all-reduces across replicate_group. On Gloo, where every parameter has a float32/float64
+  /// gradient, the gradients are not flattened first: large slices of them are sent as they are
+  /// (dist::ProcessGroup::reduce_scatter_pieces_async; the same sums, bit for bit), and are only
+  /// read, then released when the reduction finishes. The result (in the parameter dtype unless
   /// keep_low_precision_grads) is added to an existing sharded gradient or becomes it; it is
   /// flat_param().grad() (on CPU under offload). Original parameters' gradients become shard views
   /// of it (use_orig_params) or are reset. Must be called while unsharded or right after

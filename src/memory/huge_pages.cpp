@@ -22,7 +22,7 @@ bool huge_page_advice_enabled() {
   return enabled;
 }
 
-bool advise_huge_pages(void* data, size_t nbytes) {
+bool advise_huge_pages(const void* data, size_t nbytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (data == nullptr || nbytes < kHugePageAdviceMinBytes || !huge_page_advice_enabled()) {
     return false;

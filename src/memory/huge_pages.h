@@ -29,7 +29,7 @@ constexpr size_t kHugePageAdviceMinBytes = size_t{4} << 20;
 // Advises MADV_HUGEPAGE for the whole 4 KiB pages of [data, data + nbytes), if nbytes is at least
 // kHugePageAdviceMinBytes and the advice is enabled. Call it before the memory is first written.
 // Never fails: advice the kernel refuses is simply not taken. Returns whether advice was given.
-bool advise_huge_pages(void* data, size_t nbytes);
+bool advise_huge_pages(const void* data, size_t nbytes);
 
 // Whether advise_huge_pages gives advice in this process ($FSDP_HUGE_PAGES, read once).
 bool huge_page_advice_enabled();
