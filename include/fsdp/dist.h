@@ -188,9 +188,10 @@ class ProcessGroup {
   /// receives the reduction of, output.numel() elements in all. With kPairwise (kAuto on Gloo)
   /// every piece is sent as it is, saving the copy that flattening them costs (FSDP sends
   /// autograd's gradients this way); each piece is one message, so chunk q must be split into
-  /// pieces of the same sizes on every rank. Other algorithms, and tensors off device(), go
-  /// through one concatenated copy. Pieces are of output's dtype and are not modified; the Work
-  /// holds them until it has been waited on.
+  /// pieces of the same sizes on every rank. Other algorithms, tensors off device(), one rank,
+  /// an empty output and dtypes Gloo cannot reduce (bfloat16) go through one concatenated copy.
+  /// Pieces are of output's dtype and are not modified; the Work holds them until it has been
+  /// waited on.
   Work reduce_scatter_pieces_async(const at::Tensor& output,
                                    std::vector<std::vector<at::Tensor>> chunks,
                                    ReduceOp op = ReduceOp::SUM,

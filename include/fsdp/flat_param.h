@@ -259,10 +259,13 @@ class FlatParamHandle {
   /// Reduces the original parameters' gradients into the sharded gradient: flattens them (zeros
   /// where a parameter has no gradient), casts to reduce_dtype, reduce-scatters across the group
   /// averaging (pre- and post-divided as PyTorch FSDP does, to keep fp16 from overflowing), then
-  /// all-reduces across replicate_group. On Gloo, where every parameter has a float32/float64
-  /// gradient, the gradients are not flattened first: large slices of them are sent as they are
-  /// (dist::ProcessGroup::reduce_scatter_pieces_async; the same sums, bit for bit), and are only
-  /// read, then released when the reduction finishes. The result (in the parameter dtype unless
+  /// all-reduces across replicate_group. For a sharded strategy on the CPU over Gloo with a
+  /// float32 or float64 reduce dtype and a parameter of 512 KiB or more, the gradients are not
+  /// flattened first: slices of 256 KiB and up are sent as they are
+  /// (dist::ProcessGroup::reduce_scatter_pieces_async; the same sums, bit for bit). They are read
+  /// until the reduction finishes (reduce_grad_async: until finish_reduce_grad), so a gradient
+  /// tensor the caller still holds must not be written to before then. The result (in the
+  /// parameter dtype unless
   /// keep_low_precision_grads) is added to an existing sharded gradient or becomes it; it is
   /// flat_param().grad() (on CPU under offload). Original parameters' gradients become shard views
   /// of it (use_orig_params) or are reset. Must be called while unsharded or right after
@@ -386,11 +389,12 @@ class FlatParamHandle {
   // Starts reducing `g` (padded unsharded numel, reduce dtype, on device, owned: modified in
   // place) into pending_reduce_; finish_reduce_grad() completes it.
   void start_reduce(at::Tensor g);
+  // take_orig_grads' alternative that copies only small gradients: the gradient as chunks of
+  // pieces for dist::ProcessGroup::reduce_scatter_pieces_async, or empty where it does not apply
+  // (decided by the configuration and layout alone, the same on every rank).
+  std::vector<std::vector<at::Tensor>> take_orig_grads_in_pieces();
   // A started reduction: the collective and both of its buffers, which the backend reads and
   // writes until the collective is done.
-  // take_orig_grads' alternative that copies only small gradients: the gradient as chunks of
-  // pieces for dist::ProcessGroup::reduce_scatter_pieces_async, or empty where it does not apply.
-  std::vector<std::vector<at::Tensor>> take_orig_grads_in_pieces();
   struct PendingReduce {
     at::Tensor input;   // the unsharded flat gradient being reduced (undefined: sent in pieces)
     at::Tensor output;  // the reduced shard (the whole gradient under NO_SHARD)

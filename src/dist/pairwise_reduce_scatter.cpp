@@ -64,15 +64,15 @@ struct Pairwise {
   std::vector<std::pair<std::vector<compat::WorkPtr>, int>> recv_of;
 
   // Posts the receives of rank q's pieces of this rank's chunk into `dst`: one per piece, of the
-  // piece's size, so that they pair with q's sends (every rank splits chunk `rank` alike).
-  std::vector<compat::WorkPtr> receive(int q, const at::Tensor& dst) {
-    std::vector<compat::WorkPtr> works;
+  // piece's size, so that they pair with q's sends (every rank splits chunk `rank` alike). Each
+  // is kept in `works` (owned by this state) as soon as it is posted: should a later one fail to
+  // post, those already posted stay alive with the state (see keep_alive_for_good()).
+  void receive(int q, const at::Tensor& dst, std::vector<compat::WorkPtr>& works) {
     const auto& own = chunks[static_cast<size_t>(rank)];
     for (size_t i = 0; i < own.size(); ++i) {
       std::vector<at::Tensor> t{dst.narrow(0, own_offsets[i], own[i].numel())};
       works.push_back(backend->recv(t, q, tag));
     }
-    return works;
   }
 
   void post_next_receive() {
@@ -80,7 +80,9 @@ struct Pairwise {
       const int q = peers[next_post++];
       const int b = free_bufs.front();
       free_bufs.pop_front();
-      recv_of[static_cast<size_t>(q)] = {receive(q, bufs[static_cast<size_t>(b)]), b};
+      auto& slot = recv_of[static_cast<size_t>(q)];
+      slot.second = b;
+      receive(q, bufs[static_cast<size_t>(b)], slot.first);
     }
   }
 
@@ -196,8 +198,8 @@ std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& ba
       }
     }
     if (direct) {
-      p->direct = p->receive(p->peers[0], p->out);
       p->has_direct = true;
+      p->receive(p->peers[0], p->out, p->direct);
       p->next_post = 1;
     }
     p->post_next_receive();

@@ -206,11 +206,13 @@ void FlatParamHandle::reduce_grad_async() {
 // The unsharded gradient as the reduce-scatter's chunks, each a list of pieces: slices of
 // autograd's own gradients where they are large (sent as they are: no copy), the small ones
 // between them copied together, with the padding's zeros, into one buffer per run (one message
-// rather than many). Where the pieces start and end depends on the layout alone, the same on
-// every rank, as the messages must pair. Empty (the flat path) unless every parameter has a
-// contiguous CPU gradient in the reduce dtype, which is float32 or float64 (float16 is predivided
-// in place, and bfloat16 travels as float32 over Gloo), the group is Gloo's, and some piece is
-// large enough to be worth a message of its own.
+// rather than many). Each piece is one message, so whether this path is taken and where the
+// pieces start and end depend on the handle's configuration and layout alone, never on this
+// rank's gradients (ranks may differ there: a parameter unused on one rank has no gradient): a
+// gradient that is missing, strided or of another dtype is stood in for by zeros or a converted
+// copy of the same extent. Empty (the flat path) unless the reduction is a sharded one over Gloo
+// on the CPU in float32 or float64 (float16 is predivided in place, and bfloat16 travels as
+// float32 over Gloo), and some parameter is large enough to be worth messages of its own.
 std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces() {
   constexpr int64_t kPieceMinBytes = int64_t{256} << 10;  // below: copying beats a message
   std::vector<std::vector<at::Tensor>> chunks;
@@ -221,36 +223,48 @@ std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces(
   }
   const int64_t elem = static_cast<int64_t>(c10::elementSize(reduce_dtype_));
   bool any_large = false;
+  for (int64_t numel : layout_.numels) any_large = any_large || numel * elem >= 2 * kPieceMinBytes;
+  if (!any_large) return chunks;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor g = params_[i].grad();
-    if (!g.defined() || g.scalar_type() != reduce_dtype_ || !g.device().is_cpu() ||
-        !g.is_contiguous() || g.layout() != at::kStrided || g.is_neg() || g.is_conj()) {
-      return chunks;
-    }
-    check_grad_shape(i, g);
-    any_large = any_large || g.numel() * elem >= 2 * kPieceMinBytes;
+    if (g.defined()) check_grad_shape(i, g);  // before anything is taken: an error keeps them
   }
-  if (!any_large) return chunks;
   at::NoGradGuard no_grad;
-  // The layout's runs over [0, W * n): a parameter's gradient (flattened), or zeros (padding).
+  // The layout's runs over [0, W * n): a parameter's gradient (flattened), or zeros (padding, or
+  // a parameter without a gradient).
   struct Run {
     int64_t begin, numel;
-    at::Tensor grad;  // undefined: zeros
+    bool param;       // a parameter's range (else padding)
+    at::Tensor grad;  // flat, contiguous, reduce dtype; undefined: zeros
   };
   std::vector<Run> runs;
   int64_t offset = 0;
   size_t i = 0;
   for (size_t k = 0; k < layout_.numels_with_padding.size(); ++k) {
     const int64_t numel = layout_.numels_with_padding[k];
+    const bool param = !layout_.is_padding_mask[k];
     if (numel > 0) {
-      runs.push_back({offset, numel,
-                      layout_.is_padding_mask[k] ? at::Tensor() : params_[i].grad().view({-1})});
+      at::Tensor g = param ? params_[i].grad() : at::Tensor();
+      if (g.defined()) {
+        g = g.reshape({-1});
+        if (g.scalar_type() != reduce_dtype_ || !g.device().is_cpu() || !g.is_contiguous() ||
+            g.layout() != at::kStrided || g.is_neg() || g.is_conj()) {
+          g = g.to(at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU),
+                   /*non_blocking=*/false, /*copy=*/true)
+                  .resolve_neg()
+                  .resolve_conj()
+                  .contiguous();
+        }
+      }
+      runs.push_back({offset, numel, param, g});
     }
-    if (!layout_.is_padding_mask[k]) ++i;
+    if (param) ++i;
     offset += numel;
   }
   const int64_t n = layout_.sharded_numel;
-  if (offset < n * world_size_) runs.push_back({offset, n * world_size_ - offset, at::Tensor()});
+  if (offset < n * world_size_) {
+    runs.push_back({offset, n * world_size_ - offset, /*param=*/false, at::Tensor()});
+  }
 
   chunks.resize(static_cast<size_t>(world_size_));
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU);
@@ -277,9 +291,11 @@ std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces(
     for (; r < runs.size() && runs[r].begin < hi; ++r) {
       const Run& run = runs[r];
       const int64_t a = std::max(run.begin, lo), b = std::min(run.begin + run.numel, hi);
-      if (run.grad.defined() && (b - a) * elem >= kPieceMinBytes) {
+      if (run.param && (b - a) * elem >= kPieceMinBytes) {  // the layout alone decides
         flush();
-        chunks[static_cast<size_t>(q)].push_back(run.grad.narrow(0, a - run.begin, b - a));
+        chunks[static_cast<size_t>(q)].push_back(run.grad.defined()
+                                                     ? run.grad.narrow(0, a - run.begin, b - a)
+                                                     : at::zeros({b - a}, opts));
       } else {
         small.push_back({&run, {a, b}});
       }
