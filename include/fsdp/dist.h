@@ -232,6 +232,11 @@ class ProcessGroup {
   explicit ProcessGroup(std::shared_ptr<State> s) : state_(std::move(s)) {}
   State& checked_state(const char* op) const;
   Work launch(const char* op, compat::WorkPtr work, std::function<void()> finish = {});
+  // ReduceScatterAlgo::kPairwise over `chunks` (see reduce_scatter_pieces_async), under the
+  // group's next pairwise tag; `finish_avg` runs once the sum is complete.
+  Work launch_pairwise(const char* op, const at::Tensor& out_flat,
+                       std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
+                       std::function<void()> finish_avg);
   std::shared_ptr<State> state_;
 };
 

@@ -342,11 +342,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world));
       for (int q = 0; q < world; ++q)
         chunks[static_cast<size_t>(q)] = {in_flat.narrow(0, q * n, n)};
-      const int tag = static_cast<int>(s.next_pairwise_tag++ & 0x7fffffffu);
-      std::function<void()> finish = detail::start_pairwise_reduce_scatter(
-          s.backend, s.rank, world, detail::work_timeout(s.backend_name, s.timeout), s.failed, tag,
-          out_flat, std::move(chunks), op_kind, describe(op, *this), finish_avg);
-      return launch(op, {}, std::move(finish));
+      return launch_pairwise(op, out_flat, std::move(chunks), op_kind, finish_avg);
     }
     case ReduceScatterAlgo::kAuto:
       break;
@@ -404,13 +400,19 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
   }
   at::Tensor out_flat = output.view(-1);
   const int world = s.size;
-  auto finish_avg = [out_flat, op_kind, world]() {
+  return launch_pairwise(op, out_flat, std::move(chunks), op_kind, [out_flat, op_kind, world]() {
     if (op_kind == ReduceOp::AVG) out_flat.div_(world);
-  };
+  });
+}
+
+Work ProcessGroup::launch_pairwise(const char* op, const at::Tensor& out_flat,
+                                   std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
+                                   std::function<void()> finish_avg) {
+  State& s = checked_state(op);
   const int tag = static_cast<int>(s.next_pairwise_tag++ & 0x7fffffffu);
   std::function<void()> finish = detail::start_pairwise_reduce_scatter(
-      s.backend, s.rank, world, detail::work_timeout(s.backend_name, s.timeout), s.failed, tag,
-      out_flat, std::move(chunks), op_kind, describe(op, *this), finish_avg);
+      s.backend, s.rank, s.size, detail::work_timeout(s.backend_name, s.timeout), s.failed, tag,
+      out_flat, std::move(chunks), op_kind, describe(op, *this), std::move(finish_avg));
   return launch(op, {}, std::move(finish));
 }
 
