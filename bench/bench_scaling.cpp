@@ -154,6 +154,7 @@ void BM_StepFullShard(benchmark::State& st) {
   fsdp_bench::reset_peak_rss();
   fsdp_bench::group()->barrier();
   for (auto _ : st) train_step(*f.model, *f.opt, f.input);
+  if (fsdp_bench::group()->rank() == 0) mem.print_peak_blocks("step_FULL_SHARD");
   memory()[{"step_FULL_SHARD", st.range(0)}] = {
       double(mem.peak()), double(fsdp_bench::peak_rss()),
       bound_full_shard(d, fsdp_bench::group()->size())};

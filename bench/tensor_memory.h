@@ -9,11 +9,16 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <execinfo.h>
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
+#include <vector>
 
 namespace fsdp_bench {
 
@@ -32,7 +37,27 @@ class TensorMemory : public c10::Allocator {
   int64_t live() const { return live_.load(); }
   int64_t peak() const { return peak_.load(); }
   /// Starts a new peak from what is live now.
-  void reset_peak() { peak_.store(live_.load()); }
+  void reset_peak() {
+    peak_.store(live_.load());
+    std::lock_guard<std::mutex> g(trace_mu_);
+    at_peak_.clear();
+  }
+
+  /// With $FSDP_BENCH_TRACE_PEAK=<MB> set, the blocks of that size and up that were live at the
+  /// latest peak, each with its allocating call stack (for `addr2line -C -f -e <binary>
+  /// <+offset>`), printed to stderr: what to look at when a peak is above its analytic bound.
+  void print_peak_blocks(const char* title) const {
+    if (trace_min_ == 0) return;
+    std::lock_guard<std::mutex> g(trace_mu_);
+    std::fprintf(stderr, "== %s: peak %.2f MB, %zu blocks >= %zu bytes live at it\n", title,
+                 peak_.load() / 1e6, at_peak_.size(), trace_min_);
+    for (const auto& b : at_peak_) {
+      std::fprintf(stderr, "-- %.3f MB\n", b.bytes / 1e6);
+      char** syms = backtrace_symbols(b.stack.data(), static_cast<int>(b.stack.size()));
+      for (size_t i = 2; syms && i < b.stack.size(); ++i) std::fprintf(stderr, "   %s\n", syms[i]);
+      std::free(syms);
+    }
+  }
 
   // LibTorch 1.13 declares `allocate(size_t) const`, 2.x `allocate(size_t)`; defining both (and
   // 2.x's copy_data) without `override` makes this class implement whichever the headers declare.
@@ -43,8 +68,15 @@ class TensorMemory : public c10::Allocator {
   }
 
  private:
-  explicit TensorMemory(c10::Allocator* base) : base_(base) {}
+  explicit TensorMemory(c10::Allocator* base) : base_(base) {
+    if (const char* mb = std::getenv("FSDP_BENCH_TRACE_PEAK"))
+      trace_min_ = static_cast<size_t>(std::atof(mb) * 1e6);
+  }
 
+  struct Traced {
+    size_t bytes;
+    std::vector<void*> stack;
+  };
   struct Block {
     c10::DataPtr inner;  // freed by the wrapped allocator when the Block is deleted
     size_t bytes;
@@ -52,6 +84,10 @@ class TensorMemory : public c10::Allocator {
   };
   static void release(void* ctx) {
     auto* b = static_cast<Block*>(ctx);
+    if (b->owner->trace_min_ && b->bytes >= b->owner->trace_min_) {
+      std::lock_guard<std::mutex> g(b->owner->trace_mu_);
+      b->owner->traced_.erase(b->inner.get());
+    }
     b->owner->live_ -= static_cast<int64_t>(b->bytes);
     delete b;
   }
@@ -64,10 +100,29 @@ class TensorMemory : public c10::Allocator {
     int64_t p = peak_.load();
     while (now > p && !peak_.compare_exchange_weak(p, now)) {
     }
+    if (trace_min_) trace(data, n, now > p);
     return c10::DataPtr(data, block, &TensorMemory::release, device);
   }
 
+  // Slow (a call stack per large block), so only with $FSDP_BENCH_TRACE_PEAK.
+  void trace(void* data, size_t n, bool new_peak) const {
+    std::lock_guard<std::mutex> g(trace_mu_);
+    if (n >= trace_min_) {
+      Traced t{n, std::vector<void*>(24)};
+      t.stack.resize(static_cast<size_t>(backtrace(t.stack.data(), 24)));
+      traced_[data] = std::move(t);
+    }
+    if (new_peak) {
+      at_peak_.clear();
+      for (const auto& kv : traced_) at_peak_.push_back(kv.second);
+    }
+  }
+
   c10::Allocator* base_;
+  size_t trace_min_ = 0;
+  mutable std::mutex trace_mu_;
+  mutable std::map<void*, Traced> traced_;
+  mutable std::vector<Traced> at_peak_;
   mutable std::atomic<int64_t> live_{0};
   mutable std::atomic<int64_t> peak_{0};
 };
