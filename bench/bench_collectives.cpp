@@ -10,8 +10,10 @@
 //                 _reduce_scatter_base where it has one, else the all-to-all that carries
 //                 exactly the bytes a reduce-scatter must move (our emulation adds the sum)
 //
-// With $FSDP_BENCH_RS_ALGOS=1 it also times ProcessGroup::reduce_scatter_tensor's emulations on
-// the same bytes against each other (rs_alltoall, rs_pairwise: what kAuto picks on Gloo).
+// With $FSDP_BENCH_ALGOS=1 (or the older $FSDP_BENCH_RS_ALGOS=1) it also times
+// ProcessGroup::reduce_scatter_tensor's emulations on the same bytes against each other
+// (rs_alltoall, rs_pairwise: what kAuto picks on Gloo), and all_gather_into_tensor's algorithms
+// (ag_native: the backend's own; ag_pairwise: what kAuto picks on Gloo), on preallocated tensors.
 //
 // Rounds are interleaved (bench_ranks.h); rank 0 prints the ratios and emits every sample.
 #include "bench_ranks.h"
@@ -165,12 +167,32 @@ void BM_ReduceScatterAlgo(benchmark::State& st) {
   for (auto _ : st) op();
 }
 
+// ProcessGroup::all_gather_into_tensor with one algorithm, on preallocated input and output.
+template <fsdp::dist::AllGatherAlgo kAlgo>
+void BM_AllGatherAlgo(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  const int64_t n = st.range(0);
+  at::Tensor in = at::ones({n}, on_device());
+  at::Tensor out = at::empty({n * pg.size()}, on_device());
+  auto op = [&] {
+    pg.all_gather_into_tensor(out, in, kAlgo);
+    sync_device();
+  };
+  fsdp_bench::warm_up(op);
+  pg.barrier();
+  for (auto _ : st) op();
+}
+
 bool compare_algos() {
-  const char* e = std::getenv("FSDP_BENCH_RS_ALGOS");
-  return e && std::string(e) == "1";
+  for (const char* v : {"FSDP_BENCH_ALGOS", "FSDP_BENCH_RS_ALGOS"}) {
+    const char* e = std::getenv(v);
+    if (e && std::string(e) == "1") return true;
+  }
+  return false;
 }
 
 void register_all(int world, int rounds) {
+  using fsdp::dist::AllGatherAlgo;
   using fsdp::dist::ReduceScatterAlgo;
   for (int64_t mb : sizes_mb()) {
     const int64_t n = shard_numel(mb, world), it = iters_for(mb);
@@ -181,6 +203,8 @@ void register_all(int world, int rounds) {
     if (compare_algos()) {
       cases.push_back({"rs_alltoall", BM_ReduceScatterAlgo<ReduceScatterAlgo::kAllToAll>, n, it});
       cases.push_back({"rs_pairwise", BM_ReduceScatterAlgo<ReduceScatterAlgo::kPairwise>, n, it});
+      cases.push_back({"ag_native", BM_AllGatherAlgo<AllGatherAlgo::kNative>, n, it});
+      cases.push_back({"ag_pairwise", BM_AllGatherAlgo<AllGatherAlgo::kPairwise>, n, it});
     }
     fsdp_bench::register_rounds(cases, rounds);
   }
@@ -213,11 +237,16 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
       const double a = rep.get("rs_alltoall", n), p = rep.get("rs_pairwise", n);
       std::printf("%10s   reduce_scatter_tensor: all-to-all %.2f ms, pairwise %.2f ms (%.2f)\n", "",
                   a * 1e3, p * 1e3, a > 0 ? p / a : 0.0);
+      const double gn = rep.get("ag_native", n), gp = rep.get("ag_pairwise", n);
+      std::printf("%10s   all_gather_into_tensor: native %.2f ms, pairwise %.2f ms (%.2f)\n", "",
+                  gn * 1e3, gp * 1e3, gn > 0 ? gp / gn : 0.0);
     }
     std::vector<const char*> cases{"raw_allgather", "unshard", "raw_reduce_scatter", "reduce_grad"};
     if (compare_algos()) {
       cases.push_back("rs_alltoall");
       cases.push_back("rs_pairwise");
+      cases.push_back("ag_native");
+      cases.push_back("ag_pairwise");
     }
     for (const char* c : cases) {
       fsdp_bench::emit({{"bench", "collectives"},

@@ -13,6 +13,7 @@
 #include "memory_watch.h"
 #include "multi_rank.h"
 
+using fsdp::dist::AllGatherAlgo;
 using fsdp::dist::ProcessGroup;
 using fsdp::dist::ReduceOp;
 using fsdp::dist::ReduceScatterAlgo;
@@ -39,6 +40,93 @@ TEST_P(DistWorld, AllGatherIntoTensor) {
         ASSERT_TRUE(at::equal(out.narrow(0, r * n, n), rank_input(r, n))) << "n=" << n;
       }
     }
+  });
+}
+
+// Every algorithm, with dtypes Gloo moves as bytes, and in place (the input is this rank's own
+// piece of the output). Pairwise receives straight into the output: it allocates nothing, where
+// Gloo's own all-gather holds a scratch copy of the whole output (the control).
+TEST_P(DistWorld, AllGatherEveryAlgorithmInPlaceAndWithoutScratch) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    const int W = pg.size();
+    for (auto algo : {AllGatherAlgo::kAuto, AllGatherAlgo::kNative, AllGatherAlgo::kPairwise}) {
+      for (auto dtype : {at::kFloat, at::kDouble, at::kShort, at::kHalf}) {
+        for (int64_t n : {0, 1, 5, 4097}) {
+          const std::string what = "algo " + std::to_string(static_cast<int>(algo)) + ", " +
+                                   c10::toString(dtype) + ", n=" + std::to_string(n);
+          at::Tensor in = rank_input(pg.rank(), n, dtype);
+          at::Tensor out = at::full({n * W}, -1, dtype);
+          pg.all_gather_into_tensor(out, in, algo);
+          at::Tensor inplace = at::full({n * W}, -1, dtype);
+          at::Tensor own = inplace.narrow(0, pg.rank() * n, n);
+          own.copy_(in);
+          pg.all_gather_into_tensor(inplace, own, algo);
+          for (int r = 0; r < W; ++r) {
+            ASSERT_TRUE(at::equal(out.narrow(0, r * n, n), rank_input(r, n, dtype))) << what;
+            ASSERT_TRUE(at::equal(inplace.narrow(0, r * n, n), rank_input(r, n, dtype))) << what;
+          }
+          ASSERT_TRUE(at::equal(in, rank_input(pg.rank(), n, dtype))) << what;
+        }
+      }
+    }
+    if (W == 1 || pg.backend_name() != "gloo") return;
+    const int64_t n = 1 << 16;
+    at::Tensor in = rank_input(pg.rank(), n);
+    at::Tensor out = at::empty({n * W});
+    int64_t pairwise = 0, native = 0;
+    {
+      fsdp::testing::MemoryWatch watch;
+      pg.all_gather_into_tensor(out, in, AllGatherAlgo::kPairwise);
+      pairwise = watch.peak();
+    }
+    {
+      fsdp::testing::MemoryWatch watch;
+      pg.all_gather_into_tensor(out, in, AllGatherAlgo::kNative);
+      native = watch.peak();
+    }
+    EXPECT_EQ(pairwise, 0) << "rank " << pg.rank();
+    EXPECT_GE(native, n * W * 4) << "rank " << pg.rank();
+  });
+}
+
+// Pairwise all-gathers in flight together, waited for in the reverse order: each gets its own
+// pieces (each sends under a tag of its own). An input that overlaps the output anywhere but this
+// rank's own piece is refused before anything is sent, naming the bytes.
+TEST_P(DistWorld, PairwiseAllGathersInFlightTogetherAndOverlapRefused) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    const int W = pg.size();
+    const int64_t n = 1031;
+    std::vector<at::Tensor> outs;
+    std::vector<fsdp::dist::Work> works;
+    for (int k = 0; k < 3; ++k) {
+      outs.push_back(at::empty({n * W}));
+      works.push_back(pg.all_gather_into_tensor_async(
+          outs[k], seeded_randn({n}, 500 * (k + 1) + pg.rank()), AllGatherAlgo::kPairwise));
+    }
+    for (int k = 2; k >= 0; --k) works[k].wait();
+    for (int k = 0; k < 3; ++k) {
+      for (int r = 0; r < W; ++r) {
+        ASSERT_TRUE(at::equal(outs[k].narrow(0, r * n, n), seeded_randn({n}, 500 * (k + 1) + r)))
+            << "k=" << k << ", piece of rank " << r;
+      }
+    }
+    if (W == 1) return;
+    at::Tensor out = at::zeros({n * W});
+    const int other = (pg.rank() + 1) % W;
+    // A peer's piece, shifted by one element into it: overlaps, and is not this rank's own.
+    const int64_t at_elem = other * n + (other == W - 1 ? -1 : 1);
+    try {
+      pg.all_gather_into_tensor(out, out.narrow(0, at_elem, n), AllGatherAlgo::kPairwise);
+      FAIL() << "expected ValueError";
+    } catch (const fsdp::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("overlaps the output"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(pg.rank())), std::string::npos);
+    }
+    pg.barrier();  // refused before any message: the group is still in step
+    pg.all_gather_into_tensor(out, rank_input(pg.rank(), n));
+    for (int r = 0; r < W; ++r) ASSERT_TRUE(at::equal(out.narrow(0, r * n, n), rank_input(r, n)));
   });
 }
 
@@ -333,6 +421,33 @@ TEST(Dist, CollectiveTimesOutWithErrorNamingOpAndRank) {
         }
         auto waited = std::chrono::steady_clock::now() - t0;
         EXPECT_LT(waited, std::chrono::milliseconds(3 * 1500));
+      },
+      opts);
+}
+
+// A peer that never joins a pairwise all-gather (the default on Gloo): the receive from it times
+// out with an error naming the operation, this rank and the peer.
+TEST(Dist, PairwiseAllGatherTimesOutNamingThePeer) {
+  fsdp::testing::RunOptions opts;
+  opts.collective_timeout = std::chrono::milliseconds(1500);
+  run_ranks(
+      2,
+      [](ProcessGroup& pg) {
+        if (pg.rank() == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(4000));
+          return;
+        }
+        auto t0 = std::chrono::steady_clock::now();
+        try {
+          pg.all_gather_into_tensor(at::empty({8}), at::ones({4}), AllGatherAlgo::kPairwise);
+          ADD_FAILURE() << "expected a DistError";
+        } catch (const fsdp::DistError& e) {
+          std::string msg = e.what();
+          EXPECT_NE(msg.find("all_gather_into_tensor"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("rank 0 of 2"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("from rank 1"), std::string::npos) << msg;
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(3 * 1500));
       },
       opts);
 }

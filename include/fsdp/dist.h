@@ -57,6 +57,22 @@ enum class ReduceScatterAlgo {
   kPairwise,
 };
 
+/// How all_gather_into_tensor is carried out.
+enum class AllGatherAlgo {
+  /// Native on NCCL; kPairwise on Gloo (no scratch, and no copy of the whole output: measured in
+  /// docs/dist.md).
+  kAuto,
+  /// The backend's own all-gather (_allgather_base, or in LibTorch 1.13's Gloo the list form with
+  /// views of the output). Gloo's receives into a scratch tensor of the whole output and then
+  /// copies every piece into place.
+  kNative,
+  /// Point-to-point: every rank sends its input to each peer and receives each peer's input
+  /// straight into its place in the output. Allocates nothing; only this rank's own piece is
+  /// copied (not even that when the input is that piece of the output). Each call sends under a
+  /// tag of its own (the per-group counter kPairwise reduce-scatters use).
+  kPairwise,
+};
+
 /// How init_process_group finds its peers. Every field left unset is read from the environment
 /// variables torchrun sets.
 struct InitOptions {
@@ -167,9 +183,12 @@ class ProcessGroup {
   // Each blocking form is the async form followed by wait(). Tensors must be contiguous; those
   // not on device() are staged through it (see device()). Inputs are not modified unless stated.
 
-  /// output (numel = W * input.numel()) receives every rank's `input`, in rank order.
-  void all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input);
-  Work all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input);
+  /// output (numel = W * input.numel()) receives every rank's `input`, in rank order. `input` may
+  /// be this rank's own piece of `output` (in place); it must not overlap it anywhere else.
+  void all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input,
+                              AllGatherAlgo algo = AllGatherAlgo::kAuto);
+  Work all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input,
+                                    AllGatherAlgo algo = AllGatherAlgo::kAuto);
 
   /// output (numel = input.numel() / W) receives this rank's chunk of the element-wise reduction
   /// of every rank's `input`. input.numel() must be divisible by W. `input` is left unchanged; the

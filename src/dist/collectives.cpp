@@ -1,10 +1,10 @@
 // Collectives over c10d with timeouts, and the emulations LibTorch 1.13's Gloo needs.
 //
-// Gloo in 1.13 has neither _allgather_base nor reduce_scatter. All-gather becomes the list form of
-// allgather whose outputs are views into the flat output (no copy of ours; Gloo itself receives
-// into a scratch tensor of the whole output on its worker thread and copies each rank's piece
-// into its view, in 1.13 and in 2.x's _allgather_base alike). Reduce-scatter becomes pairwise
-// send/recv (pairwise_reduce_scatter.cpp, the default), alltoall_base (each rank receives the W
+// Gloo in 1.13 has neither _allgather_base nor reduce_scatter. All-gather is pairwise send/recv
+// by default (pairwise.cpp): Gloo's own receives into a scratch tensor of the whole output on its
+// worker thread and copies each rank's piece into place, in 1.13 (the list form of allgather whose
+// outputs are views into the flat output) and in 2.x's _allgather_base alike. Reduce-scatter
+// becomes pairwise send/recv (pairwise.cpp, the default), alltoall_base (each rank receives the W
 // pieces of its own chunk into one buffer, then sums them locally in rank order) or allreduce of
 // the whole tensor followed by a narrow. bench/bench_collectives measures which is faster.
 #include <ATen/Parallel.h>
@@ -182,7 +182,8 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
 // ---------------------------------------------------------------------------------------------
 // All-gather
 
-Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input) {
+Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input,
+                                                AllGatherAlgo algo) {
   const char* op = "all_gather_into_tensor";
   State& s = checked_state(op);
   check_flat(op, *this, output, "output");
@@ -196,7 +197,7 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
     return launch(op, {},
-                  copy_back(all_gather_into_tensor_async(out, staged_input(s.device, input)),
+                  copy_back(all_gather_into_tensor_async(out, staged_input(s.device, input), algo),
                             output, out));
   }
   // Gloo divides by the element count (SIGFPE on 0); every member passes the same shapes, so all
@@ -211,6 +212,31 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
     out_flat = as_wire(out_flat);
     in_flat = as_wire(in_flat);
   }
+  if (algo == AllGatherAlgo::kAuto) {
+    // Gloo's own all-gather allocates and copies a whole output's worth on every call (see
+    // pairwise.cpp); measured with bench/bench_collectives (docs/dist.md).
+    algo = s.backend_name == "gloo" ? AllGatherAlgo::kPairwise : AllGatherAlgo::kNative;
+  }
+  if (algo == AllGatherAlgo::kPairwise) {
+    // Pieces land in the output while the input is still being sent: an input inside the output
+    // must be this rank's own piece of it (in place), where nothing lands.
+    const auto lo = reinterpret_cast<uintptr_t>(out_flat.data_ptr());
+    const auto from = reinterpret_cast<uintptr_t>(in_flat.data_ptr());
+    const auto bytes = static_cast<uintptr_t>(in_flat.numel() * in_flat.element_size());
+    const bool overlaps = from < lo + bytes * s.size && from + bytes > lo;
+    if (overlaps && from != lo + bytes * s.rank) {
+      throw ValueError(describe(op, *this) +
+                       ": the input overlaps the output other than at this "
+                       "rank's own piece of it (bytes " +
+                       std::to_string(bytes * s.rank) + " to " +
+                       std::to_string(bytes * (s.rank + 1)) + " of the output)");
+    }
+    const int tag = static_cast<int>(s.next_pairwise_tag++ & 0x7fffffffu);
+    return launch(op, {},
+                  detail::start_pairwise_all_gather(
+                      s.backend, s.rank, s.size, detail::work_timeout(s.backend_name, s.timeout),
+                      s.failed, tag, out_flat, in_flat, describe(op, *this)));
+  }
   if (compat::native_flat_collectives(s.backend_name)) {
     return launch(op, FSDP_START(op, s.backend->_allgather_base(out_flat, in_flat,
                                                                 c10d::AllgatherOptions())));
@@ -224,8 +250,9 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   return launch(op, FSDP_START(op, s.backend->allgather(outs, ins, opts)));
 }
 
-void ProcessGroup::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input) {
-  all_gather_into_tensor_async(output, input).wait();
+void ProcessGroup::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input,
+                                          AllGatherAlgo algo) {
+  all_gather_into_tensor_async(output, input, algo).wait();
 }
 
 // ---------------------------------------------------------------------------------------------

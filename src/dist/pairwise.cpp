@@ -1,18 +1,29 @@
-// ReduceScatterAlgo::kPairwise: a reduce-scatter out of point-to-point sends and receives.
+// Collectives out of point-to-point sends and receives on the backend (Gloo): the reduce-scatter
+// (ReduceScatterAlgo::kPairwise) and the all-gather (AllGatherAlgo::kPairwise).
 //
-// Why not the all-to-all: alltoall_base needs a receive buffer the size of the whole input (W
-// pieces, one of them this rank's own, copied locally by Gloo), so a unit's reduction holds two
-// unit-sized buffers at the peak of backward: the flat gradient and that receive buffer. Here every
-// rank sends piece q of its input to rank q, receives the first piece of its own chunk straight
-// into the output (sums) and the others into at most two chunk-sized buffers, reused as the sum
-// goes on, and reads its own piece in place: W=2 needs no scratch at all, W=4 one or two chunks
-// where the all-to-all holds a whole unit. The sum is the all-to-all's, in rank order, so the
-// results are bit-identical to kAllToAll.
+// Reduce-scatter. Why not the all-to-all: alltoall_base needs a receive buffer the size of the
+// whole input (W pieces, one of them this rank's own, copied locally by Gloo), so a unit's
+// reduction holds two unit-sized buffers at the peak of backward: the flat gradient and that
+// receive buffer. Here every rank sends piece q of its input to rank q, receives the first piece of
+// its own chunk straight into the output (sums) and the others into at most two chunk-sized
+// buffers, reused as the sum goes on, and reads its own piece in place: W=2 needs no scratch at
+// all, W=4 one or two chunks where the all-to-all holds a whole unit. The sum is the all-to-all's,
+// in rank order, so the results are bit-identical to kAllToAll.
 //
 // The sends and the first receives are posted at the start; the sum, and the receives that reuse a
-// buffer, run in the finish (Work::wait), each wait bounded by the group's timeout. Every call uses
-// a tag of its own (a per-group counter, advanced identically on every rank, as collectives are
-// called in the same order), so reductions in flight together never take each other's pieces.
+// buffer, run in the finish (Work::wait), each wait bounded by the group's timeout.
+//
+// All-gather. Gloo's allgather (1.13's list form and 2.x's _allgather_base alike) receives into a
+// scratch tensor of the whole output on its worker thread and then copies every rank's piece into
+// the caller's output: a unit-sized allocation (fresh memory, faulted in page by page) and a copy
+// of the unit on every unshard, and one more unit alive while a prefetch is in flight, the peak of
+// FULL_SHARD's backward. Here every rank sends its input to each peer and receives each peer's
+// input straight into that peer's place in the output; nothing is allocated or copied but its own
+// piece.
+//
+// Every call uses a tag of its own (a per-group counter, advanced identically on every rank, as
+// collectives are called in the same order), so collectives in flight together never take each
+// other's messages.
 #include "dist/state.h"
 #include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
@@ -40,20 +51,25 @@ void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op) {
 
 namespace {
 
-// Everything the finish needs, shared so that a failure can keep it alive for good (see keep_alive_for_good()).
-struct Pairwise {
+// What every point-to-point collective's state has: the state is shared by its finish, so that a
+// failure can keep it alive for good (see keep_alive_for_good()).
+struct PointToPoint {
+  compat::BackendPtr backend;
+  std::chrono::milliseconds timeout{0};
+  std::shared_ptr<std::atomic<bool>> group_failed;
+  std::string what;
+  int rank = 0, world = 1, tag = 0;
+  std::vector<std::pair<compat::WorkPtr, int>> sends;  // (send, peer)
+};
+
+// The reduce-scatter's state.
+struct Pairwise : PointToPoint {
   std::vector<std::vector<at::Tensor>> chunks;  // chunks[q]: the pieces of input chunk q
   std::vector<int64_t> own_offsets;             // where each of chunks[rank]'s pieces starts
   at::Tensor out;
   at::Tensor user_out;  // the caller's output where `out` is a chunk of our own (see the start)
   int64_t n = 0;
-  int rank = 0, world = 1, tag = 0;
   ReduceOp op = ReduceOp::SUM;
-  compat::BackendPtr backend;
-  std::chrono::milliseconds timeout{0};
-  std::shared_ptr<std::atomic<bool>> group_failed;
-  std::string what;
-  std::vector<std::pair<compat::WorkPtr, int>> sends;  // (send, peer)
   std::vector<at::Tensor> bufs;  // chunk-sized receive buffers
   std::deque<int> free_bufs;     // indices into bufs
   std::vector<int> peers;        // the other ranks, in rank order
@@ -103,19 +119,19 @@ struct Pairwise {
 // After a failed or timed-out wait, Gloo may still write into a receive buffer or read a sent
 // piece, and its unbound buffers hold raw pointers to them. The state is kept alive for the rest
 // of the process (the group is unusable anyway: State::failed makes later collectives refuse).
-void keep_alive_for_good(const std::shared_ptr<Pairwise>& p) {
-  new std::shared_ptr<Pairwise>(p);  // deliberately leaked, see above
+void keep_alive_for_good(const std::shared_ptr<PointToPoint>& p) {
+  new std::shared_ptr<PointToPoint>(p);  // deliberately leaked, see above
 }
 
 // A send or receive that could not even be posted.
-[[noreturn]] void fail_to_post(const std::shared_ptr<Pairwise>& p, const std::string& step,
+[[noreturn]] void fail_to_post(const std::shared_ptr<PointToPoint>& p, const std::string& step,
                                const c10::Error& e) {
   if (p->group_failed) p->group_failed->store(true);
   keep_alive_for_good(p);
   throw DistError(p->what + " failed while " + step + ": " + e.what_without_backtrace());
 }
 
-void wait_for(const std::shared_ptr<Pairwise>& p, const compat::WorkPtr& w,
+void wait_for(const std::shared_ptr<PointToPoint>& p, const compat::WorkPtr& w,
               const std::string& step) {
   try {
     wait_backend_work(w, p->timeout, p->group_failed, p->what + " (" + step + ")");
@@ -125,10 +141,15 @@ void wait_for(const std::shared_ptr<Pairwise>& p, const compat::WorkPtr& w,
   }
 }
 
-void wait_all(const std::shared_ptr<Pairwise>& p, std::vector<compat::WorkPtr>& ws,
+void wait_all(const std::shared_ptr<PointToPoint>& p, std::vector<compat::WorkPtr>& ws,
               const std::string& step) {
   for (auto& w : ws) wait_for(p, w, step);
   ws.clear();
+}
+
+void wait_sends(const std::shared_ptr<PointToPoint>& p) {
+  for (auto& [w, peer] : p->sends) wait_for(p, w, "sending to rank " + std::to_string(peer));
+  p->sends.clear();
 }
 
 bool aliases_any(const at::Tensor& out, const std::vector<std::vector<at::Tensor>>& chunks) {
@@ -247,8 +268,7 @@ std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& ba
       combine(b, /*first=*/q == 0);
       release(b);
     }
-    for (auto& [w, peer] : p->sends) wait_for(p, w, "sending to rank " + std::to_string(peer));
-    p->sends.clear();
+    wait_sends(p);
     if (p->user_out.defined()) {
       p->user_out.copy_(p->out);
       release_completed(p->out);
@@ -258,6 +278,62 @@ std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& ba
     // The input's pieces are dropped with the sends that referenced them: where they are the
     // caller's gradients, their memory goes back now, not when Gloo lets go of its work objects.
     p->chunks.clear();
+  };
+}
+
+namespace {
+
+// The all-gather's state.
+struct PairwiseGather : PointToPoint {
+  at::Tensor out, in;
+  std::vector<std::pair<compat::WorkPtr, int>> recvs;  // (receive, peer)
+};
+
+}  // namespace
+
+std::function<void()> start_pairwise_all_gather(const compat::BackendPtr& backend, int rank,
+                                                int world, std::chrono::milliseconds timeout,
+                                                std::shared_ptr<std::atomic<bool>> group_failed,
+                                                int tag, const at::Tensor& out_flat,
+                                                const at::Tensor& in_flat, std::string what) {
+  auto p = std::make_shared<PairwiseGather>();
+  p->backend = backend;
+  p->timeout = timeout;
+  p->group_failed = std::move(group_failed);
+  p->what = std::move(what);
+  p->rank = rank;
+  p->world = world;
+  p->tag = tag;
+  p->out = out_flat;
+  p->in = in_flat;
+  const int64_t n = in_flat.numel();
+  at::Tensor own = out_flat.narrow(0, static_cast<int64_t>(rank) * n, n);
+  // An input that shares memory with the output is this rank's own piece of it (the caller
+  // refuses any other overlap): nothing to copy.
+  const bool in_place = in_flat.data_ptr() == own.data_ptr();
+  try {
+    // Peers in the order rank+1, rank+2, ...: at W >= 3 the ranks do not all send to rank 0 first.
+    for (int k = 1; k < world; ++k) {
+      const int q = (rank + k) % world;
+      std::vector<at::Tensor> dst{out_flat.narrow(0, static_cast<int64_t>(q) * n, n)};
+      p->recvs.emplace_back(backend->recv(dst, q, tag), q);
+    }
+    for (int k = 1; k < world; ++k) {
+      const int q = (rank + k) % world;
+      std::vector<at::Tensor> src{in_flat};
+      p->sends.emplace_back(backend->send(src, q, tag), q);
+    }
+  } catch (const c10::Error& e) {
+    fail_to_post(p, "starting", e);
+  }
+  // The own piece is copied while the peers' pieces travel.
+  if (!in_place) own.copy_(in_flat);
+  return [p]() {
+    for (auto& [w, peer] : p->recvs) wait_for(p, w, "receiving from rank " + std::to_string(peer));
+    p->recvs.clear();
+    wait_sends(p);
+    p->in = at::Tensor();
+    p->out = at::Tensor();
   };
 }
 

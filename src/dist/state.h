@@ -20,8 +20,8 @@ struct ProcessGroup::State {
   compat::StorePtr store;  // for sub-group rendezvous; may be null
   std::vector<int> global_ranks;
   int next_subgroup = 0;  // advanced identically on every member by new_group
-  // The tag of the next kPairwise reduce-scatter, advanced identically on every member (each call
-  // sends and receives under a tag of its own; pairwise_reduce_scatter.cpp).
+  // The tag of the next pairwise reduce-scatter or all-gather, advanced identically on every member
+  // (each call sends and receives under a tag of its own; pairwise.cpp).
   uint32_t next_pairwise_tag = 0;
   std::string gloo_hostname = "127.0.0.1";
   int gloo_threads = 2;
@@ -62,7 +62,7 @@ void release_completed(const at::Tensor& scratch);
 // Element-wise combine of `src` into `acc`: the local half of an emulated reduce-scatter.
 void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op);
 
-// Starts ReduceScatterAlgo::kPairwise (pairwise_reduce_scatter.cpp): posts the sends and the first
+// Starts ReduceScatterAlgo::kPairwise (pairwise.cpp): posts the sends and the first
 // receives and returns the finish step for Work (receives the rest, sums in rank order into
 // `out_flat`, runs `finish_avg`). The input is given as chunks[q], the non-empty 1-D pieces whose
 // concatenation is the chunk rank q receives the reduction of; each piece is one message, so every
@@ -74,6 +74,16 @@ std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& ba
                                                     std::vector<std::vector<at::Tensor>> chunks,
                                                     ReduceOp op, std::string what,
                                                     std::function<void()> finish_avg);
+
+// Starts AllGatherAlgo::kPairwise (pairwise.cpp): posts a receive of every peer's input into its
+// place in `out_flat` and a send of `in_flat` to every peer, copies this rank's own piece (unless
+// `in_flat` is that piece already) and returns the finish step for Work (waits for all of them).
+// `in_flat` must not overlap `out_flat` anywhere else.
+std::function<void()> start_pairwise_all_gather(const compat::BackendPtr& backend, int rank,
+                                                int world, std::chrono::milliseconds timeout,
+                                                std::shared_ptr<std::atomic<bool>> group_failed,
+                                                int tag, const at::Tensor& out_flat,
+                                                const at::Tensor& in_flat, std::string what);
 
 }  // namespace detail
 }  // namespace dist
