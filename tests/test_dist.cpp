@@ -87,6 +87,25 @@ TEST_P(DistWorld, AllGatherEveryAlgorithmInPlaceAndWithoutScratch) {
     }
     EXPECT_EQ(pairwise, 0) << "rank " << pg.rank();
     EXPECT_GE(native, n * W * 4) << "rank " << pg.rank();
+    // kAuto: Gloo's own below 4 MiB of output (the 256 KiB per rank above), pairwise from there.
+    int64_t auto_small = 0, auto_big = 0;
+    {
+      fsdp::testing::MemoryWatch watch;
+      pg.all_gather_into_tensor(out, in);
+      auto_small = watch.peak();
+    }
+    const int64_t big = (int64_t{4} << 20) / 4 / W + 1;
+    at::Tensor big_in = rank_input(pg.rank(), big);
+    at::Tensor big_out = at::empty({big * W});
+    {
+      fsdp::testing::MemoryWatch watch;
+      pg.all_gather_into_tensor(big_out, big_in);
+      auto_big = watch.peak();
+    }
+    EXPECT_GE(auto_small, n * W * 4) << "rank " << pg.rank();
+    EXPECT_EQ(auto_big, 0) << "rank " << pg.rank();
+    for (int r = 0; r < W; ++r)
+      ASSERT_TRUE(at::equal(big_out.narrow(0, r * big, big), rank_input(r, big)));
   });
 }
 

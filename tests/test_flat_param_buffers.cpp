@@ -51,7 +51,8 @@ int64_t anon_huge_kb_in(const at::Tensor& t) {
   return -1;
 }
 
-// An unshard allocates the unit's unsharded buffer and nothing else. Gloo's own all-gather also
+// An unshard of a unit of 4 MiB and up (where kAuto is pairwise on Gloo) allocates the unit's
+// unsharded buffer and nothing else. Gloo's own all-gather also
 // held a scratch copy of the whole unit (received into, then copied out of), alive on its worker
 // thread while a prefetch was in flight: the fourth unit at the peak of FULL_SHARD's backward
 // (bench_scaling, 50M parameters, W=4: 1.106 of the analytic bound; 1.05 without it).
@@ -59,7 +60,7 @@ TEST(FlatParamHandle, UnshardAllocatesTheUnshardedBufferAndNothingElse) {
   for (int W : {2, 3, 4}) {
     run_ranks(W, [](ProcessGroup& pg) {
       auto m = std::make_shared<torch::nn::Module>();
-      m->register_parameter("w", seeded_randn({257, 31}, 1));
+      m->register_parameter("w", seeded_randn({1031, 1031}, 1));  // 4.25 MB
       m->register_parameter("b", seeded_randn({31}, 2));
       FlatParamHandle h(fsdp::collect_params(m), pg);
       const int64_t unit_bytes = h.layout().padded_unsharded_numel * 4;
@@ -75,7 +76,7 @@ TEST(FlatParamHandle, UnshardAllocatesTheUnshardedBufferAndNothingElse) {
         EXPECT_EQ(peak, 0) << "rank " << pg.rank() << " of " << pg.size() << ", a unit is "
                            << unit_bytes << " B";
         EXPECT_EQ(h.orig_params()[0].storage().nbytes(), static_cast<size_t>(unit_bytes));
-        EXPECT_TRUE(at::equal(h.orig_params()[0], seeded_randn({257, 31}, 1)));
+        EXPECT_TRUE(at::equal(h.orig_params()[0], seeded_randn({1031, 1031}, 1)));
         EXPECT_TRUE(at::equal(h.orig_params()[1], seeded_randn({31}, 2)));
         h.reshard();
       }
