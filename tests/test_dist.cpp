@@ -51,6 +51,12 @@ TEST_P(DistWorld, AllGatherEveryAlgorithmInPlaceAndWithoutScratch) {
   run_ranks(W, [](ProcessGroup& pg) {
     const int W = pg.size();
     for (auto algo : {AllGatherAlgo::kAuto, AllGatherAlgo::kNative, AllGatherAlgo::kPairwise}) {
+      if (algo == AllGatherAlgo::kPairwise && pg.backend_name() != "gloo" && W > 1) {
+        // Receives posted before sends would deadlock NCCL's in-order streams: refused.
+        EXPECT_THROW(pg.all_gather_into_tensor(at::empty({4 * W}), at::ones({4}), algo),
+                     fsdp::ValueError);
+        continue;
+      }
       for (auto dtype : {at::kFloat, at::kDouble, at::kShort, at::kHalf}) {
         for (int64_t n : {0, 1, 5, 4097}) {
           const std::string what = "algo " + std::to_string(static_cast<int>(algo)) + ", " +
@@ -109,9 +115,12 @@ TEST_P(DistWorld, AllGatherEveryAlgorithmInPlaceAndWithoutScratch) {
   });
 }
 
-// Pairwise all-gathers in flight together, waited for in the reverse order: each gets its own
-// pieces (each sends under a tag of its own). An input that overlaps the output anywhere but this
-// rank's own piece is refused before anything is sent, naming the bytes.
+// Pairwise all-gathers in flight together, waited for in the reverse order, and one started while
+// a pairwise MAX reduce-scatter still has a receive to post (from W=4 its third peer's piece is
+// received in the wait, into a buffer freed by the first two): each gets its own pieces, because
+// each sends under a tag of its own. (Gloo matches messages of one tag in posting order; with a
+// shared tag the all-gather's receive, posted first, would take the reduction's piece.) An input
+// that overlaps the output anywhere but this rank's own piece is refused before anything is sent.
 TEST_P(DistWorld, PairwiseAllGathersInFlightTogetherAndOverlapRefused) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
@@ -131,6 +140,24 @@ TEST_P(DistWorld, PairwiseAllGathersInFlightTogetherAndOverlapRefused) {
             << "k=" << k << ", piece of rank " << r;
       }
     }
+    {
+      at::Tensor rs_in = seeded_randn({n * W}, 900 + pg.rank());
+      at::Tensor rs_out = at::empty({n});
+      auto rs = pg.reduce_scatter_tensor_async(rs_out, rs_in, ReduceOp::MAX,
+                                               ReduceScatterAlgo::kPairwise);
+      at::Tensor ag_out = at::empty({n * W});
+      pg.all_gather_into_tensor_async(ag_out, seeded_randn({n}, 950 + pg.rank()),
+                                      AllGatherAlgo::kPairwise)
+          .wait();
+      rs.wait();
+      at::Tensor expect = seeded_randn({n * W}, 900);
+      for (int r = 1; r < W; ++r) expect = at::maximum(expect, seeded_randn({n * W}, 900 + r));
+      ASSERT_TRUE(at::equal(rs_out, expect.narrow(0, pg.rank() * n, n))) << "rank " << pg.rank();
+      for (int r = 0; r < W; ++r) {
+        ASSERT_TRUE(at::equal(ag_out.narrow(0, r * n, n), seeded_randn({n}, 950 + r)))
+            << "all-gather beside a reduction, piece of rank " << r;
+      }
+    }
     if (W == 1) return;
     at::Tensor out = at::zeros({n * W});
     const int other = (pg.rank() + 1) % W;
@@ -143,8 +170,8 @@ TEST_P(DistWorld, PairwiseAllGathersInFlightTogetherAndOverlapRefused) {
       EXPECT_NE(std::string(e.what()).find("overlaps the output"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(pg.rank())), std::string::npos);
     }
-    pg.barrier();  // refused before any message: the group is still in step
-    pg.all_gather_into_tensor(out, rank_input(pg.rank(), n));
+    pg.barrier();  // refused on every rank before any message: the group is still in step
+    pg.all_gather_into_tensor(out, rank_input(pg.rank(), n), AllGatherAlgo::kPairwise);
     for (int r = 0; r < W; ++r) ASSERT_TRUE(at::equal(out.narrow(0, r * n, n), rank_input(r, n)));
   });
 }

@@ -67,10 +67,12 @@ enum class AllGatherAlgo {
   /// views of the output). Gloo's receives into a scratch tensor of the whole output and then
   /// copies every piece into place.
   kNative,
-  /// Point-to-point: every rank sends its input to each peer and receives each peer's input
-  /// straight into its place in the output. Allocates nothing; only this rank's own piece is
-  /// copied (not even that when the input is that piece of the output). Each call sends under a
-  /// tag of its own (the per-group counter kPairwise reduce-scatters use).
+  /// Point-to-point, Gloo only (ValueError elsewhere): every rank sends its input to each peer and
+  /// receives each peer's input straight into its place in the output. Allocates nothing for
+  /// tensors on device(); only this rank's own piece is copied (not even that when the input is
+  /// that piece of the output). Each call sends under a tag of its own (the per-group counter
+  /// kPairwise reduce-scatters use). An input that overlaps the output anywhere but this rank's
+  /// own piece is refused (ValueError) on the rank that passes it.
   kPairwise,
 };
 
@@ -185,7 +187,8 @@ class ProcessGroup {
   // not on device() are staged through it (see device()). Inputs are not modified unless stated.
 
   /// output (numel = W * input.numel()) receives every rank's `input`, in rank order. `input` may
-  /// be this rank's own piece of `output` (in place); it must not overlap it anywhere else.
+  /// be this rank's own piece of `output` (in place); it must not overlap it anywhere else
+  /// (kPairwise refuses that).
   void all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input,
                               AllGatherAlgo algo = AllGatherAlgo::kAuto);
   Work all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input,

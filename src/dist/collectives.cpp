@@ -1,12 +1,13 @@
 // Collectives over c10d with timeouts, and the emulations LibTorch 1.13's Gloo needs.
 //
 // Gloo in 1.13 has neither _allgather_base nor reduce_scatter. All-gather is pairwise send/recv
-// by default (pairwise.cpp): Gloo's own receives into a scratch tensor of the whole output on its
-// worker thread and copies each rank's piece into place, in 1.13 (the list form of allgather whose
-// outputs are views into the flat output) and in 2.x's _allgather_base alike. Reduce-scatter
-// becomes pairwise send/recv (pairwise.cpp, the default), alltoall_base (each rank receives the W
-// pieces of its own chunk into one buffer, then sums them locally in rank order) or allreduce of
-// the whole tensor followed by a narrow. bench/bench_collectives measures which is faster.
+// from 4 MiB of output by default (pairwise.cpp): Gloo's own receives into a scratch tensor of the
+// whole output on its worker thread and copies each rank's piece into place, in 1.13 (the list form
+// of allgather whose outputs are views into the flat output) and in 2.x's _allgather_base alike.
+// Reduce-scatter becomes pairwise send/recv (pairwise.cpp, the default), alltoall_base (each rank
+// receives the W pieces of its own chunk into one buffer, then sums them locally in rank order) or
+// allreduce of the whole tensor followed by a narrow. bench/bench_collectives measures which is
+// faster.
 #include <ATen/Parallel.h>
 
 #include <functional>
@@ -201,6 +202,12 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
                      " elements of " + std::string(c10::toString(output.scalar_type())) +
                      ", expected " + std::to_string(input.numel() * s.size) + " of " +
                      c10::toString(input.scalar_type()));
+  }
+  if (algo == AllGatherAlgo::kPairwise && s.backend_name != "gloo") {
+    // NCCL ignores tags and runs a pair's sends and receives in order on one stream: every rank
+    // receiving before it sends would deadlock, with no timeout to end it.
+    throw ValueError(describe(op, *this) +
+                     ": AllGatherAlgo::kPairwise needs the gloo backend, not " + s.backend_name);
   }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);

@@ -123,12 +123,22 @@ void keep_alive_for_good(const std::shared_ptr<PointToPoint>& p) {
   new std::shared_ptr<PointToPoint>(p);  // deliberately leaked, see above
 }
 
-// A send or receive that could not even be posted.
-[[noreturn]] void fail_to_post(const std::shared_ptr<PointToPoint>& p, const std::string& step,
-                               const c10::Error& e) {
+// A send or receive that could not even be posted. Called from a catch block: c10d's errors are
+// c10::Error, Gloo's own (a peer's socket already closed) other std::exceptions; either way the
+// sends and receives posted before it must stay valid.
+[[noreturn]] void fail_to_post(const std::shared_ptr<PointToPoint>& p, const std::string& step) {
   if (p->group_failed) p->group_failed->store(true);
   keep_alive_for_good(p);
-  throw DistError(p->what + " failed while " + step + ": " + e.what_without_backtrace());
+  std::string reason = "unknown error";
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    reason = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    reason = e.what();
+  } catch (...) {
+  }
+  throw DistError(p->what + " failed while " + step + ": " + reason);
 }
 
 void wait_for(const std::shared_ptr<PointToPoint>& p, const compat::WorkPtr& w,
@@ -224,8 +234,8 @@ std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& ba
       p->next_post = 1;
     }
     p->post_next_receive();
-  } catch (const c10::Error& e) {
-    fail_to_post(p, "starting", e);
+  } catch (...) {
+    fail_to_post(p, "starting");
   }
 
   return [p, finish_avg = std::move(finish_avg)]() {
@@ -250,8 +260,8 @@ std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& ba
       p->free_bufs.push_back(b);
       try {
         p->post_next_receive();
-      } catch (const c10::Error& e) {
-        fail_to_post(p, "posting a receive", e);
+      } catch (...) {
+        fail_to_post(p, "posting a receive");
       }
     };
     int q = 0;
@@ -323,8 +333,8 @@ std::function<void()> start_pairwise_all_gather(const compat::BackendPtr& backen
       std::vector<at::Tensor> src{in_flat};
       p->sends.emplace_back(backend->send(src, q, tag), q);
     }
-  } catch (const c10::Error& e) {
-    fail_to_post(p, "starting", e);
+  } catch (...) {
+    fail_to_post(p, "starting");
   }
   // The own piece is copied while the peers' pieces travel.
   if (!in_place) own.copy_(in_flat);

@@ -279,7 +279,14 @@ void FlatParamHandle::unshard_async() {
   unsharded_flat_ = buf.narrow(0, 0, layout_.unpadded_unsharded_numel);
   if (kept) return;
   buffer_valid_ = false;
-  pending_unshard_ = std::make_unique<dist::Work>(group_.all_gather_into_tensor_async(buf, src));
+  try {
+    pending_unshard_ = std::make_unique<dist::Work>(group_.all_gather_into_tensor_async(buf, src));
+  } catch (const DistError&) {
+    // A pairwise all-gather that failed to start may have posted receives into `buf` already:
+    // as after a failed wait, the buffer is never freed from here on.
+    comm_failed_ = true;
+    throw;
+  }
 }
 
 void FlatParamHandle::wait_unshard() {
