@@ -94,6 +94,18 @@ void detail::release_completed(const at::Tensor& scratch) {
   if (scratch.device().is_cpu()) fsdp::detail::free_storage(scratch);
 }
 
+detail::PointToPointCall ProcessGroup::State::next_point_to_point(std::string what) {
+  detail::PointToPointCall call;
+  call.backend = backend;
+  call.rank = rank;
+  call.world = size;
+  call.tag = static_cast<int>(next_pairwise_tag++ & 0x7fffffffu);
+  call.timeout = detail::work_timeout(backend_name, timeout);
+  call.group_failed = failed;
+  call.what = std::move(what);
+  return call;
+}
+
 std::chrono::milliseconds detail::work_timeout(const std::string& backend_name,
                                                std::chrono::milliseconds group_timeout) {
   // 0: no timeout passed to wait() (see wait_backend_work).
@@ -247,11 +259,9 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
                        std::to_string(bytes * s.rank) + " to " +
                        std::to_string(bytes * (s.rank + 1)) + " of the output)");
     }
-    const int tag = static_cast<int>(s.next_pairwise_tag++ & 0x7fffffffu);
     return launch(op, {},
-                  detail::start_pairwise_all_gather(
-                      s.backend, s.rank, s.size, detail::work_timeout(s.backend_name, s.timeout),
-                      s.failed, tag, out_flat, in_flat, describe(op, *this)));
+                  detail::start_pairwise_all_gather(s.next_point_to_point(describe(op, *this)),
+                                                    out_flat, in_flat));
   }
   if (compat::native_flat_collectives(s.backend_name)) {
     return launch(op, FSDP_START(op, s.backend->_allgather_base(out_flat, in_flat,
@@ -452,10 +462,9 @@ Work ProcessGroup::launch_pairwise(const char* op, const at::Tensor& out_flat,
                                    std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
                                    std::function<void()> finish_avg) {
   State& s = checked_state(op);
-  const int tag = static_cast<int>(s.next_pairwise_tag++ & 0x7fffffffu);
-  std::function<void()> finish = detail::start_pairwise_reduce_scatter(
-      s.backend, s.rank, s.size, detail::work_timeout(s.backend_name, s.timeout), s.failed, tag,
-      out_flat, std::move(chunks), op_kind, describe(op, *this), std::move(finish_avg));
+  std::function<void()> finish =
+      detail::start_pairwise_reduce_scatter(s.next_point_to_point(describe(op, *this)), out_flat,
+                                            std::move(chunks), op_kind, std::move(finish_avg));
   return launch(op, {}, std::move(finish));
 }
 

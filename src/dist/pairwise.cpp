@@ -53,17 +53,14 @@ namespace {
 
 // What every point-to-point collective's state has: the state is shared by its finish, so that a
 // failure can keep it alive for good (see keep_alive_for_good()).
-struct PointToPoint {
-  compat::BackendPtr backend;
-  std::chrono::milliseconds timeout{0};
-  std::shared_ptr<std::atomic<bool>> group_failed;
-  std::string what;
-  int rank = 0, world = 1, tag = 0;
+struct PointToPoint : PointToPointCall {
+  explicit PointToPoint(PointToPointCall call) : PointToPointCall(std::move(call)) {}
   std::vector<std::pair<compat::WorkPtr, int>> sends;  // (send, peer)
 };
 
 // The reduce-scatter's state.
 struct Pairwise : PointToPoint {
+  using PointToPoint::PointToPoint;
   std::vector<std::vector<at::Tensor>> chunks;  // chunks[q]: the pieces of input chunk q
   std::vector<int64_t> own_offsets;             // where each of chunks[rank]'s pieces starts
   at::Tensor out;
@@ -173,14 +170,13 @@ bool aliases_any(const at::Tensor& out, const std::vector<std::vector<at::Tensor
 
 }  // namespace
 
-std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& backend, int rank,
-                                                    int world, std::chrono::milliseconds timeout,
-                                                    std::shared_ptr<std::atomic<bool>> group_failed,
-                                                    int tag, const at::Tensor& out_flat,
+std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
+                                                    const at::Tensor& out_flat,
                                                     std::vector<std::vector<at::Tensor>> chunks,
-                                                    ReduceOp op, std::string what,
-                                                    std::function<void()> finish_avg) {
-  auto p = std::make_shared<Pairwise>();
+                                                    ReduceOp op, std::function<void()> finish_avg) {
+  auto p = std::make_shared<Pairwise>(std::move(call));
+  const int rank = p->rank, world = p->world, tag = p->tag;
+  const compat::BackendPtr& backend = p->backend;
   p->chunks = std::move(chunks);
   p->out = out_flat;
   // An output that shares memory with the input (in place: this rank's own chunk) is written only
@@ -191,14 +187,7 @@ std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& ba
     p->out = fsdp::detail::empty_buffer(out_flat.numel(), out_flat.options());
   }
   p->n = out_flat.numel();
-  p->rank = rank;
-  p->world = world;
-  p->tag = tag;
   p->op = op;
-  p->backend = backend;
-  p->timeout = timeout;
-  p->group_failed = std::move(group_failed);
-  p->what = std::move(what);
   p->recv_of.resize(static_cast<size_t>(world));
   int64_t offset = 0;
   for (const auto& t : p->chunks[static_cast<size_t>(rank)]) {
@@ -295,25 +284,18 @@ namespace {
 
 // The all-gather's state.
 struct PairwiseGather : PointToPoint {
+  using PointToPoint::PointToPoint;
   at::Tensor out, in;
   std::vector<std::pair<compat::WorkPtr, int>> recvs;  // (receive, peer)
 };
 
 }  // namespace
 
-std::function<void()> start_pairwise_all_gather(const compat::BackendPtr& backend, int rank,
-                                                int world, std::chrono::milliseconds timeout,
-                                                std::shared_ptr<std::atomic<bool>> group_failed,
-                                                int tag, const at::Tensor& out_flat,
-                                                const at::Tensor& in_flat, std::string what) {
-  auto p = std::make_shared<PairwiseGather>();
-  p->backend = backend;
-  p->timeout = timeout;
-  p->group_failed = std::move(group_failed);
-  p->what = std::move(what);
-  p->rank = rank;
-  p->world = world;
-  p->tag = tag;
+std::function<void()> start_pairwise_all_gather(PointToPointCall call, const at::Tensor& out_flat,
+                                                const at::Tensor& in_flat) {
+  auto p = std::make_shared<PairwiseGather>(std::move(call));
+  const int rank = p->rank, world = p->world, tag = p->tag;
+  const compat::BackendPtr& backend = p->backend;
   p->out = out_flat;
   p->in = in_flat;
   const int64_t n = in_flat.numel();

@@ -8,6 +8,20 @@
 
 namespace fsdp {
 namespace dist {
+namespace detail {
+
+// What a point-to-point collective (pairwise.cpp) takes of its group for one call: the backend
+// and the ranks, the timeout its waits use, the group's failure flag, the call's own tag and its
+// description for errors.
+struct PointToPointCall {
+  compat::BackendPtr backend;
+  int rank = 0, world = 1, tag = 0;
+  std::chrono::milliseconds timeout{0};
+  std::shared_ptr<std::atomic<bool>> group_failed;
+  std::string what;
+};
+
+}  // namespace detail
 
 struct ProcessGroup::State {
   compat::BackendPtr backend;
@@ -23,6 +37,8 @@ struct ProcessGroup::State {
   // The tag of the next pairwise reduce-scatter or all-gather, advanced identically on every member
   // (each call sends and receives under a tag of its own; pairwise.cpp).
   uint32_t next_pairwise_tag = 0;
+  // The next pairwise collective's call, under the next tag (collectives.cpp).
+  detail::PointToPointCall next_point_to_point(std::string what);
   std::string gloo_hostname = "127.0.0.1";
   int gloo_threads = 2;
   // Set once a collective of this group failed to start or to finish (shared with its pending
@@ -66,24 +82,19 @@ void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op);
 // receives and returns the finish step for Work (receives the rest, sums in rank order into
 // `out_flat`, runs `finish_avg`). The input is given as chunks[q], the non-empty 1-D pieces whose
 // concatenation is the chunk rank q receives the reduction of; each piece is one message, so every
-// rank must split a chunk alike. Failures throw DistError naming `what` and set `group_failed`.
-std::function<void()> start_pairwise_reduce_scatter(const compat::BackendPtr& backend, int rank,
-                                                    int world, std::chrono::milliseconds timeout,
-                                                    std::shared_ptr<std::atomic<bool>> group_failed,
-                                                    int tag, const at::Tensor& out_flat,
+// rank must split a chunk alike. Failures throw DistError naming `call.what` and set the group's
+// failure flag.
+std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
+                                                    const at::Tensor& out_flat,
                                                     std::vector<std::vector<at::Tensor>> chunks,
-                                                    ReduceOp op, std::string what,
-                                                    std::function<void()> finish_avg);
+                                                    ReduceOp op, std::function<void()> finish_avg);
 
 // Starts AllGatherAlgo::kPairwise (pairwise.cpp): posts a receive of every peer's input into its
 // place in `out_flat` and a send of `in_flat` to every peer, copies this rank's own piece (unless
 // `in_flat` is that piece already) and returns the finish step for Work (waits for all of them).
 // `in_flat` must not overlap `out_flat` anywhere else.
-std::function<void()> start_pairwise_all_gather(const compat::BackendPtr& backend, int rank,
-                                                int world, std::chrono::milliseconds timeout,
-                                                std::shared_ptr<std::atomic<bool>> group_failed,
-                                                int tag, const at::Tensor& out_flat,
-                                                const at::Tensor& in_flat, std::string what);
+std::function<void()> start_pairwise_all_gather(PointToPointCall call, const at::Tensor& out_flat,
+                                                const at::Tensor& in_flat);
 
 }  // namespace detail
 }  // namespace dist
