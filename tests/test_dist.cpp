@@ -30,6 +30,25 @@ at::Tensor rank_input(int rank, int64_t n, at::ScalarType dtype = at::kFloat) {
 
 class DistWorld : public ::testing::TestWithParam<int> {};
 
+// The pairwise algorithms are Gloo's alone: on any other backend (NCCL, whose point-to-point
+// order could deadlock them) each must be refused with a ValueError, at every group size. True
+// where `pg` runs them; elsewhere checks the refusals, and the caller's pairwise checks end there.
+bool runs_pairwise(ProcessGroup& pg) {
+  if (pg.backend_name() == "gloo") return true;
+  const int W = pg.size();
+  EXPECT_THROW(
+      pg.all_gather_into_tensor(at::empty({4 * W}), at::ones({4}), AllGatherAlgo::kPairwise),
+      fsdp::ValueError);
+  EXPECT_THROW(pg.reduce_scatter_tensor(at::empty({4}), at::ones({4 * W}), ReduceOp::SUM,
+                                        ReduceScatterAlgo::kPairwise),
+               fsdp::ValueError);
+  std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(W), {at::ones({4})});
+  EXPECT_THROW(pg.reduce_scatter_pieces_async(at::empty({4}), chunks, ReduceOp::SUM,
+                                              ReduceScatterAlgo::kPairwise),
+               fsdp::ValueError);
+  return false;
+}
+
 TEST_P(DistWorld, AllGatherIntoTensor) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
@@ -52,12 +71,7 @@ TEST_P(DistWorld, AllGatherEveryAlgorithmInPlaceAndWithoutScratch) {
   run_ranks(W, [](ProcessGroup& pg) {
     const int W = pg.size();
     for (auto algo : {AllGatherAlgo::kAuto, AllGatherAlgo::kNative, AllGatherAlgo::kPairwise}) {
-      if (algo == AllGatherAlgo::kPairwise && pg.backend_name() != "gloo" && W > 1) {
-        // Receives posted before sends would deadlock NCCL's in-order streams: refused.
-        EXPECT_THROW(pg.all_gather_into_tensor(at::empty({4 * W}), at::ones({4}), algo),
-                     fsdp::ValueError);
-        continue;
-      }
+      if (algo == AllGatherAlgo::kPairwise && !runs_pairwise(pg)) continue;
       for (auto dtype : {at::kFloat, at::kDouble, at::kShort, at::kHalf}) {
         for (int64_t n : {0, 1, 5, 4097}) {
           const std::string what = "algo " + std::to_string(static_cast<int>(algo)) + ", " +
@@ -125,6 +139,7 @@ TEST_P(DistWorld, AllGatherEveryAlgorithmInPlaceAndWithoutScratch) {
 TEST_P(DistWorld, PairwiseAllGathersInFlightTogetherAndOverlapRefused) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
+    if (!runs_pairwise(pg)) return;
     const int W = pg.size();
     const int64_t n = 1031;
     std::vector<at::Tensor> outs;
@@ -184,6 +199,7 @@ TEST_P(DistWorld, ReduceScatterEveryAlgorithmAndOp) {
     for (auto algo :
          {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll, ReduceScatterAlgo::kAllReduce,
           ReduceScatterAlgo::kNative, ReduceScatterAlgo::kPairwise}) {
+      if (algo == ReduceScatterAlgo::kPairwise && !runs_pairwise(pg)) continue;
       for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
         for (int64_t n : {0, 1, 3, 4097}) {
           at::Tensor in = rank_input(pg.rank(), n * W);
@@ -250,6 +266,7 @@ TEST_P(DistWorld, AllToAllReduceScatterIsRankOrderedSum) {
     const int64_t n = 777;
     at::Tensor in = seeded_randn({n * W}, 100 + pg.rank());
     for (auto algo : {ReduceScatterAlgo::kAllToAll, ReduceScatterAlgo::kPairwise}) {
+      if (algo == ReduceScatterAlgo::kPairwise && !runs_pairwise(pg)) continue;
       at::Tensor out = at::empty({n});
       pg.reduce_scatter_tensor(out, in, ReduceOp::AVG, algo);
       ASSERT_TRUE(at::equal(out, rank_ordered_avg(pg, n, 100))) << static_cast<int>(algo);
@@ -264,6 +281,7 @@ TEST_P(DistWorld, AllToAllReduceScatterIsRankOrderedSum) {
 TEST_P(DistWorld, PairwiseReductionsInFlightTogetherKeepTheirOwnPieces) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
+    if (!runs_pairwise(pg)) return;
     const int W = pg.size();
     const int64_t n = 1031;
     constexpr int kInFlight = 3;
@@ -299,6 +317,7 @@ TEST_P(DistWorld, PairwiseReductionsInFlightTogetherKeepTheirOwnPieces) {
 TEST_P(DistWorld, PairwiseSumReceivesIntoTheOutputUnlessItAliasesTheInput) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
+    if (!runs_pairwise(pg)) return;
     const int W = pg.size();
     const int64_t n = 4099;
     const at::Tensor expect = rank_ordered_avg(pg, n, 300).mul_(W);  // the sum: exact, x W = 2^k

@@ -47,13 +47,14 @@ enum class ReduceScatterAlgo {
   kAllReduce,
   /// The backend's _reduce_scatter_base. Throws where the backend lacks it.
   kNative,
-  /// Point-to-point: piece q of the input is sent to rank q, and the pieces of this rank's chunk
-  /// are received (for SUM and AVG the first one straight into the output, the others into at
-  /// most two chunk-sized buffers) and summed in rank order (the same sums as kAllToAll, bit for
-  /// bit, NaN payloads aside). Holds at most 2/W of the input in scratch, none at W=2 for a sum,
-  /// where kAllToAll holds all of it: the lower peak of backward under FULL_SHARD. Each call sends
-  /// under a tag of its own (a per-group counter): code that sends on the same c10d backend
-  /// directly must not use tags from 0 up.
+  /// Point-to-point, Gloo only (ValueError elsewhere: NCCL's in-order point-to-point could
+  /// deadlock it, and NCCL's native form is a real reduce-scatter). Piece q of the input is sent
+  /// to rank q, and the pieces of this rank's chunk are received (for SUM and AVG the first one
+  /// straight into the output, the others into at most two chunk-sized buffers) and summed in
+  /// rank order (the same sums as kAllToAll, bit for bit, NaN payloads aside). Holds at most 2/W
+  /// of the input in scratch, none at W=2 for a sum, where kAllToAll holds all of it: the lower
+  /// peak of backward under FULL_SHARD. Each call sends under a tag of its own (a per-group
+  /// counter): code that sends on the same c10d backend directly must not use tags from 0 up.
   kPairwise,
 };
 

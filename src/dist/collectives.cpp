@@ -52,12 +52,11 @@ void check_flat(const char* op, const ProcessGroup& g, const at::Tensor& t, cons
 bool gloo_lacks(const std::string& backend, at::ScalarType t) {
   return backend == "gloo" && (t == at::kBFloat16 || t == at::kBool);
 }
-// Gloo has no 16-bit integer type either, so data travels as bytes (numel scales by the size).
+// Collectives that only move data (all-gather, broadcast) send bytes whatever the dtype and
+// backend: which dtypes a backend accepts varies (Gloo has no 16-bit integers and LibTorch 2.14's
+// native Gloo all-gather rejects float16; NCCL has no 16-bit integers either), bytes always work,
+// and moving them is the same copy (numel scales by the element size).
 at::Tensor as_wire(const at::Tensor& t) { return t.view(at::kByte); }
-// Collectives that only move data (all-gather, broadcast) send bytes on Gloo whatever the dtype:
-// which dtypes a Gloo build accepts varies (LibTorch 2.14's native all-gather rejects float16),
-// bytes always work, and moving them is the same copy.
-bool move_as_bytes(const std::string& backend) { return backend == "gloo"; }
 
 // Staging (ProcessGroup::device()): NCCL takes CUDA tensors only, and Gloo's CUDA support varies
 // by op and release, so a tensor that is not on the group's device travels through a copy there.
@@ -80,6 +79,18 @@ std::function<void()> copy_back(Work inner, const at::Tensor& dst, const at::Ten
     shared->wait();
     if (!src.is_same(dst)) dst.copy_(src);
   };
+}
+
+// The pairwise algorithms post point-to-point sends and receives that only Gloo runs safely in
+// any order: NCCL ignores tags and runs a pair's sends and receives in order on one stream, so
+// two ranks that each send (or each receive) first wait for each other once a piece outgrows
+// NCCL's buffer, with no timeout to end it. Refused on every other backend, at any group size
+// (the same program must not work at W=1 and hang at W=2).
+void pairwise_needs_gloo(const char* op, const ProcessGroup& g, const std::string& backend,
+                         const char* algo) {
+  if (backend != "gloo") {
+    throw ValueError(describe(op, g) + ": " + algo + " needs the gloo backend, not " + backend);
+  }
 }
 
 }  // namespace
@@ -215,11 +226,8 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
                      ", expected " + std::to_string(input.numel() * s.size) + " of " +
                      c10::toString(input.scalar_type()));
   }
-  if (algo == AllGatherAlgo::kPairwise && s.backend_name != "gloo") {
-    // NCCL ignores tags and runs a pair's sends and receives in order on one stream: every rank
-    // receiving before it sends would deadlock, with no timeout to end it.
-    throw ValueError(describe(op, *this) +
-                     ": AllGatherAlgo::kPairwise needs the gloo backend, not " + s.backend_name);
+  if (algo == AllGatherAlgo::kPairwise) {
+    pairwise_needs_gloo(op, *this, s.backend_name, "AllGatherAlgo::kPairwise");
   }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
@@ -233,12 +241,8 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
     output.view(-1).copy_(input.view(-1).repeat({s.size}));
     return launch(op, {});
   }
-  at::Tensor out_flat = output.view(-1);
-  at::Tensor in_flat = input.view(-1);
-  if (move_as_bytes(s.backend_name)) {
-    out_flat = as_wire(out_flat);
-    in_flat = as_wire(in_flat);
-  }
+  at::Tensor out_flat = as_wire(output.view(-1));
+  at::Tensor in_flat = as_wire(input.view(-1));
   if (algo == AllGatherAlgo::kAuto) {
     // Gloo's own all-gather allocates and copies a whole output's worth on every call (see
     // pairwise.cpp): pairwise from kPairwiseAllGatherMinBytes, where that matters (docs/dist.md).
@@ -297,6 +301,9 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
                      ", expected " + std::to_string(n * s.size) + " (output " + std::to_string(n) +
                      " x " + std::to_string(s.size) + " ranks) of " +
                      c10::toString(output.scalar_type()));
+  }
+  if (algo == ReduceScatterAlgo::kPairwise) {
+    pairwise_needs_gloo(op, *this, s.backend_name, "ReduceScatterAlgo::kPairwise");
   }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
@@ -418,6 +425,9 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
   if (chunks.size() != static_cast<size_t>(s.size)) {
     throw ValueError(describe(op, *this) + ": expected " + std::to_string(s.size) +
                      " chunks (one per rank), got " + std::to_string(chunks.size()));
+  }
+  if (algo == ReduceScatterAlgo::kPairwise) {
+    pairwise_needs_gloo(op, *this, s.backend_name, "ReduceScatterAlgo::kPairwise");
   }
   bool on_device = !elsewhere(s.device, output);
   for (size_t q = 0; q < chunks.size(); ++q) {
@@ -584,7 +594,7 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int src) {
   c10d::BroadcastOptions opts;
   opts.rootRank = src;
   opts.timeout = s.timeout;
-  std::vector<at::Tensor> ts{move_as_bytes(s.backend_name) ? as_wire(tensor) : tensor};
+  std::vector<at::Tensor> ts{as_wire(tensor)};
   launch(op, FSDP_START(op, s.backend->broadcast(ts, opts))).wait();
 }
 
