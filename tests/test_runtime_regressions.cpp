@@ -108,6 +108,61 @@ TEST(RuntimeRegressions, UnfreezingAUnitFrozenAtWrapTimeTrainsIt) {
   }
 }
 
+// Frozen weights beside trainable biases in one unit (bias-only fine-tuning; LoRA's frozen base
+// weights are alike): the biases' gradients are in before autograd has used the frozen weights
+// for the gradient of the unit's input, so a unit resharded then would free weights backward
+// still reads ("out of bounds for storage of size 0" before the fix). Such a unit waits for its
+// inputs' gradients too. Trains like the unwrapped model on the whole batch, under the sharded
+// strategies, with and without use_orig_params.
+TEST(RuntimeRegressions, FrozenWeightsBesideTrainableBiasesTrainLikeOneProcess) {
+  for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+    for (bool orig : {true, false}) {
+      run_ranks(orig ? 3 : 2, [strategy, orig](ProcessGroup& pg) {
+        const int W = pg.size();
+        auto freeze_weights = [](TinyLM& lm) {
+          for (size_t b = 0; b < lm->blocks->size(); ++b) {
+            lm->blocks->ptr<BlockImpl>(b)->fc1->weight.set_requires_grad(false);
+            lm->blocks->ptr<BlockImpl>(b)->fc2->weight.set_requires_grad(false);
+          }
+        };
+        TinyLM m(33), ref(33);
+        // Without use_orig_params a unit's parameters must agree on requires_grad, so there only
+        // TinyLM's `frozen` unit is frozen: whole, with an input that needs a gradient, it now
+        // reshards once that gradient is done instead of at the end of backward.
+        if (orig) {
+          freeze_weights(m);
+          freeze_weights(ref);
+        }
+        FullyShardedDataParallel model(m, lm_options(m, strategy, orig));
+        torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
+        torch::optim::SGD ref_opt(fsdp::testing::unique_params(ref->parameters()), 0.5);
+        for (int step = 0; step < 3; ++step) {
+          auto idx = lm_tokens(2 * W, 40 + step);
+          opt.zero_grad();
+          lm_loss(model->forward(idx.narrow(0, 2 * pg.rank(), 2)), idx.narrow(0, 2 * pg.rank(), 2))
+              .backward();
+          opt.step();
+          ref_opt.zero_grad();
+          lm_loss(ref->forward(idx), idx).backward();
+          ref_opt.step();
+        }
+        const auto got = full_params(model);
+        for (const auto& p : ref->named_parameters()) {
+          const auto& v = got.at(p.key());
+          EXPECT_TRUE(torch::allclose(v, p.value(), 1e-5, 1e-6))
+              << p.key() << " max diff " << (v - p.value()).abs().max().item<float>();
+        }
+        const TinyLM init(33);
+        const auto b1 = init->blocks->ptr<BlockImpl>(1);
+        EXPECT_FALSE(torch::equal(got.at("blocks.1.fc1.bias"), b1->fc1->bias))
+            << "the biases train";
+        EXPECT_EQ(torch::equal(got.at("blocks.1.fc1.weight"), b1->fc1->weight), orig);
+        EXPECT_TRUE(torch::equal(got.at("frozen.weight"), init->frozen->weight));
+      });
+    }
+  }
+}
+
 // And freezing after wrapping: the frozen parameters stay put while the rest trains.
 TEST(RuntimeRegressions, FreezingAfterWrapStopsTheUpdates) {
   run_ranks(2, [](ProcessGroup& pg) {

@@ -141,6 +141,8 @@ class ForwardScope {
   bool active() const { return static_cast<bool>(unit_); }
   /// Registers the pre-backward hook on a forward output (ignored unless it requires grad).
   void track_output(const at::Tensor& t);
+  /// Registers a post-backward wait on a forward input (units with frozen parameters only).
+  void track_input(const at::Tensor& t);
   void post_forward();
 
  private:
@@ -158,6 +160,13 @@ void track(ForwardScope& s, const std::tuple<Ts...>& t) {
 }
 template <typename T>
 void track(ForwardScope&, const T&) {}  // non-tensor outputs carry no gradient
+
+inline void track_input(ForwardScope& s, const at::Tensor& t) { s.track_input(t); }
+inline void track_input(ForwardScope& s, const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) s.track_input(t);
+}
+template <typename T>
+void track_input(ForwardScope&, const T&) {}
 
 /// Root-forward argument casting for mixed precision: floating tensors to `dtype`, the rest as is.
 /// PyTorch's FSDP_USE_FULL_PREC_IN_EVAL: with the environment variable set to "1", units of a model
@@ -195,6 +204,7 @@ auto forward(M& module, Args&&... args) {
     return detail::forward_sequential(module, static_cast<const at::Tensor&>(args)...);
   } else {
     detail::ForwardScope scope(detail::raw(module));
+    if (scope.active()) (detail::track_input(scope, args), ...);
     auto out = module->forward(std::forward<Args>(args)...);
     if (scope.active()) {
       detail::track(scope, out);
@@ -237,6 +247,7 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
         options_.mixed_precision().cast_root_forward_inputs() && !full_prec
             ? options_.mixed_precision().param_dtype()
             : std::nullopt;
+    (detail::track_input(scope, args), ...);  // before the cast: its copy has the gradient path
     Out out = run_inner<Out>(detail::cast_arg(std::forward<Args>(args), cast)...);
     detail::track(scope, out);
     scope.post_forward();

@@ -5,8 +5,9 @@
 //   post-forward  reshard (freeing, or keeping the buffer for SHARD_GRAD_OP); hook the outputs
 //   pre-backward  (hook on an output's gradient) unshard again; queue the end-of-backward
 //                 callback; optionally prefetch the unit whose backward comes next
-//   post-backward (when every parameter's gradient has been accumulated) reduce-scatter the
-//                 gradients and reshard
+//   post-backward (when every parameter's gradient has been accumulated, and, in a unit with
+//                 frozen parameters, every input's gradient too) reshard and reduce-scatter the
+//                 gradients
 //   end of backward  finish units whose gradients were only partly produced, reset
 //
 // Every decision depends only on the forward/backward sequence, which all ranks share, so every
@@ -112,6 +113,11 @@ void ForwardScope::track_output(const at::Tensor& t) {
   });
 }
 
+void ForwardScope::track_input(const at::Tensor& t) {
+  if (!unit_) return;
+  if (auto s = unit_->state.lock()) s->track_input(unit_->index, t);
+}
+
 void ForwardScope::post_forward() {
   if (!unit_ || done_) return;
   done_ = true;
@@ -122,6 +128,7 @@ at::Tensor forward_sequential(torch::nn::Sequential& seq, const at::Tensor& inpu
   at::Tensor x = input;
   for (auto& any : *seq) {
     ForwardScope scope(any.ptr().get());
+    scope.track_input(x);
     x = any.forward(x);
     scope.track_output(x);
     scope.post_forward();
@@ -166,7 +173,8 @@ void FsdpState::reset_iteration() {
       u->handle->set_training_state(HandleTrainingState::IDLE);
     }
     u->forward_done = u->pre_backward_done = u->post_backward_done = false;
-    u->grads_ready = 0;
+    u->grads_ready = u->inputs_hooked = u->inputs_ready = 0;
+    u->input_unhooked = false;
     u->iter_nodes.clear();
   }
   callback_queued = false;
@@ -212,8 +220,12 @@ void FsdpState::post_forward(int idx) {
 void FsdpState::hook_grad_accumulators(Unit& u) {
   auto params = u.handle->orig_params();
   u.hooked.resize(params.size());
+  u.waits_for_inputs = false;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!params[i].requires_grad()) continue;
+    if (!params[i].requires_grad()) {
+      u.waits_for_inputs = true;
+      continue;
+    }
     // Created here, after unshard, so its recorded shape and dtype are those of the forward.
     auto acc = torch::autograd::impl::grad_accumulator(params[i]);
     if (!acc) continue;
@@ -277,7 +289,43 @@ void FsdpState::pre_backward(int idx) {
 void FsdpState::on_grad_ready(int idx) {
   Unit& u = *units[idx];
   if (u.handle) u.handle->mark_grads_unreduced();
-  if (++u.grads_ready == static_cast<int>(u.iter_nodes.size())) post_backward(idx);
+  ++u.grads_ready;
+  post_backward_if_done(idx);
+}
+
+void FsdpState::track_input(int idx, const at::Tensor& t) {
+  Unit& u = *units[idx];
+  if (!u.waits_for_inputs || !torch::GradMode::is_enabled() || !t.defined() || !t.requires_grad()) {
+    return;
+  }
+  if (t.is_leaf()) {
+    u.input_unhooked = true;
+    return;
+  }
+  // A non-leaf input is made by this iteration's forward, so the hook goes with its graph. It
+  // fires once the input's gradient is complete: every use of it inside the unit, frozen
+  // parameters' included, has run its backward by then.
+  ++u.inputs_hooked;
+  std::weak_ptr<FsdpState> weak = weak_from_this();
+  t.register_hook([weak, idx](const at::Tensor&) {
+    if (auto s = weak.lock()) s->on_input_grad(idx);
+  });
+}
+
+void FsdpState::on_input_grad(int idx) {
+  ++units[idx]->inputs_ready;
+  post_backward_if_done(idx);
+}
+
+void FsdpState::post_backward_if_done(int idx) {
+  Unit& u = *units[idx];
+  if (u.post_backward_done || u.grads_ready < static_cast<int>(u.iter_nodes.size())) return;
+  // With frozen parameters, the inputs' gradients too (see Unit::waits_for_inputs). A unit frozen
+  // whole thus reshards as soon as its inputs' gradients are done (PyTorch's reshard-only hook)
+  // rather than at the end of backward. Where no input needs a gradient, the frozen parameters'
+  // backward can only serve the unit's own trainable parameters, all of whose gradients are in.
+  if (u.waits_for_inputs && (u.input_unhooked || u.inputs_ready < u.inputs_hooked)) return;
+  post_backward(idx);
 }
 
 void FsdpState::post_backward(int idx) {

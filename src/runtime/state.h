@@ -30,11 +30,23 @@ struct Unit {
   // post-backward runs once all of them have fired.
   std::vector<compat::AutogradNodePtr> iter_nodes;
 
+  // A unit with frozen parameters (requires_grad false) must not reshard when its trainable
+  // parameters' gradients are in: autograd may still need the frozen ones for the gradient of
+  // the unit's inputs (a frozen weight's matmul, after its bias's gradient is done). So its
+  // post-backward also waits for the gradient of every input that requires it (set in
+  // hook_grad_accumulators; see track_input).
+  bool waits_for_inputs = false;
+
   // Per iteration.
   bool forward_done = false;
   bool pre_backward_done = false;
   bool post_backward_done = false;
   int grads_ready = 0;
+  int inputs_hooked = 0;  // inputs whose gradient hook this iteration's forwards registered
+  int inputs_ready = 0;   // ... of which have fired
+  // An input that requires grad but is a leaf, which gets no hook (it would stay on the user's
+  // tensor across iterations): the post-backward then comes at the end of backward.
+  bool input_unhooked = false;
 };
 
 struct UnitRef {
@@ -76,6 +88,10 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   void post_forward(int u);
   void pre_backward(int u);
   void on_grad_ready(int u);
+  void track_input(int u, const at::Tensor& t);
+  void on_input_grad(int u);
+  // Post-backward, once the unit's gradients, and the inputs' it waits for, are all in.
+  void post_backward_if_done(int u);
   void post_backward(int u);
   void finalize_backward();
   /// Reshards whatever a forward without backward left unsharded; resets per-iteration flags.
