@@ -16,6 +16,7 @@
 using fsdp::FlatParamHandle;
 using fsdp::FlatParamHandleOptions;
 using fsdp::FullyShardedDataParallel;
+using fsdp::ShardingStrategy;
 using fsdp::dist::ProcessGroup;
 using fsdp::dist::ReduceOp;
 using fsdp::dist::ReduceScatterAlgo;
@@ -82,6 +83,66 @@ TEST(FlatParamHandle, UnshardAllocatesTheUnshardedBufferAndNothingElse) {
       }
     });
   }
+}
+
+// take_unsharded_flat_param hands a summon's freshly gathered buffer over: the caller holds the
+// full values after the reshard, the handle holds nothing, and its next unshard gathers into new
+// memory. Anything else is refused with an undefined tensor and no change: outside a summon,
+// before an unshard, under NO_SHARD (the flat parameter is live), and for a buffer kept from a
+// SHARD_GRAD_OP forward (autograd may hold views of it).
+TEST(FlatParamHandle, TakeUnshardedHandsASummonsGatherOver) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    auto make = [] {
+      auto m = std::make_shared<torch::nn::Module>();
+      m->register_parameter("w", seeded_randn({5, 7}, 1));
+      m->register_parameter("b", seeded_randn({3}, 2));
+      return m;
+    };
+    auto m = make();
+    FlatParamHandle h(fsdp::collect_params(m), pg);
+    const int64_t padded = h.layout().padded_unsharded_numel;
+    EXPECT_FALSE(h.take_unsharded_flat_param().defined()) << "sharded";
+    h.unshard();
+    EXPECT_FALSE(h.take_unsharded_flat_param().defined()) << "unsharded, but not in a summon";
+    h.reshard();
+    h.set_training_state(fsdp::HandleTrainingState::SUMMON_FULL_PARAMS);
+    h.unshard();
+    const at::Tensor taken = h.take_unsharded_flat_param();
+    ASSERT_TRUE(taken.defined());
+    EXPECT_EQ(taken.numel(), padded);
+    EXPECT_FALSE(h.take_unsharded_flat_param().defined()) << "taken twice";
+    // The original parameters now read the taken memory, until the reshard.
+    EXPECT_EQ(h.orig_params()[0].storage().data(), taken.storage().data());
+    EXPECT_TRUE(at::equal(h.orig_params()[0], seeded_randn({5, 7}, 1)));
+    h.reshard();
+    EXPECT_EQ(h.unsharded_storage_bytes(), 0);
+    const std::vector<at::Tensor> views = h.layout().unflat_views(taken);
+    EXPECT_TRUE(at::equal(views[0], seeded_randn({5, 7}, 1)));
+    EXPECT_TRUE(at::equal(views[1], seeded_randn({3}, 2)));
+    h.unshard();
+    EXPECT_NE(h.orig_params()[0].storage().data(), taken.storage().data()) << "gathered afresh";
+    h.orig_params()[0].detach().zero_();
+    EXPECT_TRUE(at::equal(views[0], seeded_randn({5, 7}, 1))) << "the handle still writes there";
+    h.reshard();
+    h.set_training_state(fsdp::HandleTrainingState::IDLE);
+
+    for (auto strategy : {ShardingStrategy::NO_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
+      auto m2 = make();
+      FlatParamHandle k(fsdp::collect_params(m2), pg,
+                        FlatParamHandleOptions().sharding_strategy(strategy));
+      if (strategy == ShardingStrategy::SHARD_GRAD_OP) {  // a forward that keeps its parameters
+        k.set_training_state(fsdp::HandleTrainingState::FORWARD);
+        k.unshard();
+        k.reshard(/*free_unsharded=*/false);
+      }
+      k.set_training_state(fsdp::HandleTrainingState::SUMMON_FULL_PARAMS);
+      k.unshard();
+      EXPECT_FALSE(k.take_unsharded_flat_param().defined()) << fsdp::to_string(strategy);
+      EXPECT_TRUE(at::equal(k.orig_params()[0], seeded_randn({5, 7}, 1)));
+      k.reshard();
+      k.set_training_state(fsdp::HandleTrainingState::IDLE);
+    }
+  });
 }
 
 // Unit-sized buffers allocated anew on every step get huge pages (memory/huge_pages.h): 4 KiB

@@ -1,4 +1,5 @@
-// State dicts at the edges the core review (issue 7) named: loads after parameters were replaced,
+// State dicts at the edges the core review (issue 7) named, and FULL state dicts that keep the
+// gathered buffers rather than copies of them: loads after parameters were replaced,
 // dtype casts on load, NO_SHARD falling back to FULL, layout alignment in the compute dtype and
 // NO_SHARD padding, and awkward parameter layouts (0-d, empty, dim0 < W, a rank with an empty
 // shard, frozen and trainable parameters in one unit, a weight tied across two units).
@@ -8,6 +9,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
 #include "fsdp/model_state_dict.h"
+#include "fsdp/optim_state_dict.h"
 #include "multi_rank.h"
 #include "state_dict_testing.h"
 #include "tiny_lm.h"
@@ -97,6 +99,95 @@ TEST(StateDictEdges, LoadCastsDtypesUnlessStrictDtype) {
 }
 
 // The seed falls back to FULL (with a warning) for SHARDED and LOCAL under NO_SHARD.
+// The values of one unit in a FULL state dict: they share one storage, the padded unsharded flat
+// parameter (or flat state) the gather wrote, and hold nothing else but padding (under
+// use_orig_params each parameter starts at 16 bytes, and the whole is a multiple of W).
+void expect_one_gathered_buffer(const std::vector<at::Tensor>& values, int W,
+                                const std::string& what) {
+  ASSERT_FALSE(values.empty()) << what;
+  int64_t bytes = 0;
+  for (const auto& v : values) {
+    EXPECT_EQ(v.storage().data(), values[0].storage().data()) << what << ": copied";
+    bytes += v.numel() * v.element_size();
+  }
+  const auto held = static_cast<int64_t>(values[0].storage().nbytes());
+  EXPECT_GE(held, bytes) << what;
+  const int64_t padding = (W + 4 * static_cast<int64_t>(values.size())) * values[0].element_size();
+  EXPECT_LT(held, bytes + padding) << what << ": more than the padding";
+}
+
+// A FULL state dict keeps each unit's gathered buffer (model) or gathered flat state (optimizer)
+// and returns views of it, instead of copying every value out of a buffer it then frees: on the
+// CPU the copy doubled the memory written and faulted in. The state dict owns that memory:
+// training on and gathering again leave its values as they were. An optimizer state of which
+// the unit's parameters with state fill less than half (most of the unit frozen) is copied out,
+// so that the state dict does not hold a mostly frozen unit's worth for it.
+TEST(StateDictEdges, FullStateDictsOwnTheGatheredBuffers) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [](ProcessGroup& pg) {
+      const int W = pg.size();
+      TinyLM a(71);
+      auto blocks = a->blocks;
+      // Block 1: only the biases train (21 of 229 elements), as in a fine-tune.
+      blocks->ptr<BlockImpl>(1)->fc1->weight.set_requires_grad(false);
+      blocks->ptr<BlockImpl>(1)->fc2->weight.set_requires_grad(false);
+      FullyShardedDataParallel model(a, lm_options(a, ShardingStrategy::FULL_SHARD, true));
+      torch::optim::Adam opt(fsdp::testing::unique_params(model->parameters()),
+                             torch::optim::AdamOptions(0.05));
+      auto step = [&](uint64_t seed) {
+        fsdp::testing::zero_grad_set_to_none(opt);
+        const at::Tensor tokens = fsdp::testing::lm_tokens(4, seed + pg.rank());
+        fsdp::testing::lm_loss(model->forward(tokens), tokens).backward();
+        opt.step();
+      };
+      step(10);
+      const auto params = fsdp::testing::full_params(model);
+      const StateDict sd = full_of(model);
+      const StateDict osd = fsdp::optim_state_dict(model, opt);
+      auto block_values = [&](int b) {
+        std::vector<at::Tensor> out;
+        for (const char* p : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"})
+          out.push_back(sd.at("blocks." + std::to_string(b) + "." + p).tensor());
+        return out;
+      };
+      expect_one_gathered_buffer(block_values(0), W, "model, block 0");
+      expect_one_gathered_buffer(block_values(2), W, "model, block 2");
+      expect_one_gathered_buffer(block_values(1), W, "model, block 1 (frozen weights)");
+      const StateDict& state = osd.at("state").dict();
+      for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+        std::vector<at::Tensor> states;
+        for (const char* p : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"})
+          states.push_back(state.at(std::string("blocks.0.") + p).dict().at(name).tensor());
+        expect_one_gathered_buffer(states, W, std::string("optimizer, block 0, ") + name);
+        for (const char* p : {"fc1.bias", "fc2.bias"}) {
+          const at::Tensor v = state.at(std::string("blocks.1.") + p).dict().at(name).tensor();
+          EXPECT_EQ(static_cast<int64_t>(v.storage().nbytes()), v.numel() * v.element_size())
+              << "block 1's " << p << " " << name << ": the state dict holds more than it";
+        }
+      }
+      std::map<std::string, at::Tensor> kept;
+      for (const auto& [k, v] : state.at("blocks.0.fc1.weight").dict()) {
+        if (v.is_tensor()) kept[k] = v.tensor().clone();
+      }
+      // Training on writes new parameters and state; a new gather allocates afresh.
+      step(20);
+      const StateDict sd2 = full_of(model);
+      const StateDict osd2 = fsdp::optim_state_dict(model, opt);
+      for (const auto& [k, v] : params) {
+        if (k.rfind("blocks.", 0) != 0) continue;
+        ASSERT_TRUE(at::equal(sd.at(k).tensor(), v)) << k << " changed after training on";
+      }
+      EXPECT_FALSE(
+          at::equal(sd2.at("blocks.0.fc1.weight").tensor(), params.at("blocks.0.fc1.weight")))
+          << "the control: training on changed the parameters";
+      for (const auto& [k, v] : kept) {
+        EXPECT_TRUE(at::equal(state.at("blocks.0.fc1.weight").dict().at(k).tensor(), v)) << k;
+      }
+      for (const auto& h : model->handles()) EXPECT_EQ(h->unsharded_storage_bytes(), 0);
+    });
+  }
+}
+
 TEST(StateDictEdges, NoShardFallsBackToFull) {
   run_ranks(2, [](ProcessGroup&) {
     for (auto type : {StateDictType::SHARDED_STATE_DICT, StateDictType::LOCAL_STATE_DICT}) {

@@ -238,6 +238,15 @@ class FlatParamHandle {
   void reshard(bool free_unsharded = true);
   /// True while the original parameters point at the unsharded flat parameter.
   bool is_unsharded() const { return unsharded_views_; }
+  /// Hands the caller the padded unsharded flat parameter that the last unshard() gathered in
+  /// SUMMON_FULL_PARAMS state (full precision), so that values read from it can outlive the
+  /// reshard without a copy (a FULL state dict keeps views of it). The handle gives up the memory:
+  /// the original parameters point into the returned tensor until reshard(), and the next unshard
+  /// allocates afresh. Returns an undefined tensor, and changes nothing, where the memory is not
+  /// the caller's to take: not in SUMMON_FULL_PARAMS, not unsharded, NO_SHARD (the unsharded
+  /// parameter is the flat parameter itself), an unshard pending or failed, or a buffer kept from
+  /// forward (autograd may hold views of it).
+  at::Tensor take_unsharded_flat_param();
   /// PyTorch's `_skipped_use_sharded_views`: true after a reshard in FORWARD state under grad
   /// mode that keeps the unsharded storage (SHARD_GRAD_OP and HYBRID_SHARD_ZERO2 post-forward)
   /// with use_orig_params. The original parameters then stay full-shaped views of the kept
@@ -465,6 +474,7 @@ class FlatParamHandle {
   // written back nor replaced by shard views.
   bool grads_unreduced_ = false;
   bool buffer_valid_ = false;  // the unsharded buffer holds the result of a successful gather
+  bool buffer_gathered_now_ = false;  // the last unshard gathered it (nothing kept from forward)
   bool comm_failed_ = false;   // an unshard's collective failed: never free its buffers
   bool full_prec_in_eval_ = false;
   at::Tensor unsharded_grad_;  // set between unshard_grad() and reshard_grad()

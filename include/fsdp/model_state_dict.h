@@ -8,8 +8,13 @@
 //   }
 //
 // FULL:    keys are the unwrapped model's FQNs, in the order and with the values of
-//          fsdp::module_state_dict(unwrapped model): parameters gathered one unit at a time and
-//          cloned, in their original dtype, buffers included, tied parameters under every FQN.
+//          fsdp::module_state_dict(unwrapped model): parameters gathered one unit at a time, in
+//          their original dtype, buffers included, tied parameters under every FQN. A sharded
+//          unit's parameters are views of the one buffer its gather wrote, which the dict owns
+//          (no copy; the buffer is the unit's flat parameter plus < W elements of padding), so
+//          torch::save of one such value alone writes its unit's whole buffer, as for any view;
+//          clone() it to keep it alone. NO_SHARD units' parameters, ignored parameters and
+//          buffers are copies.
 // SHARDED: the same keys; every parameter is a ShardedTensor over the (shard) group, cut as the
 //          config's ShardLayout says (by default chunked on dim 0 with torch.chunk semantics, as
 //          PyTorch does); buffers are plain tensors. Loads at any world size and from either

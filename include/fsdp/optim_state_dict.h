@@ -27,9 +27,12 @@
 //
 // Memory and traffic (per rank, beyond the shards and the returned dict): FULL export gathers one
 // state tensor of one unit at a time, so the peak is one unit's padded unsharded flat numel times
-// the state's element size (plus the local flat shard it assembles with use_orig_params). SHARDED
-// export and import move pieces with the piece exchange: one metadata all-gather per call, then
-// per state tensor one all_to_all_single carrying only the elements a rank's chunk (export) or
+// the state's element size (plus the local flat shard it assembles with use_orig_params). The
+// returned values of a gathered state are views of that buffer, kept without a copy, where the
+// parameters with that state fill at least half of it (else they are copied out, so a mostly
+// frozen unit's buffer is not kept for a few small states): see model_state_dict.h on views.
+// SHARDED export and import move pieces with the piece exchange: one metadata all-gather per call,
+// then per state tensor one all_to_all_single carrying only the elements a rank's chunk (export) or
 // shard (import) needs; peak: what a rank sends for one tensor plus twice its range of it. No unit
 // is ever whole. FULL import communicates nothing beyond the verdict. Presence, dtypes and steps
 // of all state travel in one metadata all-gather per export.

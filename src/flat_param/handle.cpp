@@ -275,6 +275,7 @@ void FlatParamHandle::unshard_async() {
   }
   // Kept from forward (SHARD_GRAD_OP) and filled by a gather that succeeded: nothing to gather.
   const bool kept = storage_bytes(buf) > 0 && buffer_valid_;
+  buffer_gathered_now_ = !kept;
   alloc_storage(buf);  // before taking views: ATen bounds-checks views against the storage
   unsharded_flat_ = buf.narrow(0, 0, layout_.unpadded_unsharded_numel);
   if (kept) return;
@@ -346,6 +347,26 @@ void FlatParamHandle::abandon_unshard() {
   if (uses_sharded_strategy()) {
     release_unsharded_storage();
   }
+}
+
+at::Tensor FlatParamHandle::take_unsharded_flat_param() {
+  if (training_state_ != HandleTrainingState::SUMMON_FULL_PARAMS || !uses_sharded_strategy() ||
+      !unsharded_views_ || pending_unshard_ || comm_failed_ || !buffer_gathered_now_ ||
+      !buffer_valid_) {
+    return at::Tensor();
+  }
+  at::Tensor& buf = unsharded_buffer();
+  const int64_t have = storage_bytes(buf);
+  if (have == 0) return at::Tensor();
+  // The memory changes owner (take_memory leaves `buf` freed, as a reshard would); the original
+  // parameters move onto the new owner, so nothing of the handle points at freed memory.
+  at::Tensor taken = tensor_on_memory(take_memory(buf), static_cast<size_t>(have),
+                                      layout_.padded_unsharded_numel, buf.options());
+  buffer_valid_ = false;
+  buffer_gathered_now_ = false;
+  unsharded_flat_ = taken.narrow(0, 0, layout_.unpadded_unsharded_numel);
+  use_unsharded_views(unsharded_flat_);
+  return taken;
 }
 
 void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {

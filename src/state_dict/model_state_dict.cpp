@@ -100,9 +100,13 @@ at::Tensor unmanaged_value(FsdpState& st, const at::Tensor& t, bool offload) {
   return v.clone();
 }
 
-// Unshards each unit in turn (full precision) and calls `take(unit, param index, full value)`.
+// Unshards each unit in turn (full precision) and calls `take(unit, param index, full value,
+// owned)`. With `hand_over`, a unit's gathered buffer is taken from its handle where it can be
+// (FlatParamHandle::take_unsharded_flat_param): the values are then views of memory nobody else
+// holds (`owned`), which the caller may keep as they are. Otherwise they are the live parameters
+// (NO_SHARD) or views of a buffer freed at the reshard, and must be copied to be kept.
 template <typename F>
-void gather_units(FsdpState& st, F&& take) {
+void gather_units(FsdpState& st, bool hand_over, F&& take) {
   for (const auto& u : st.units) {
     if (!u->handle) continue;
     FlatParamHandle& h = *u->handle;
@@ -110,8 +114,10 @@ void gather_units(FsdpState& st, F&& take) {
     try {
       h.unshard();
       if (detail::state_dict_gather_probe()) detail::state_dict_gather_probe()();
+      const at::Tensor owned = hand_over ? h.take_unsharded_flat_param() : at::Tensor();
       auto params = h.orig_params();
-      for (size_t i = 0; i < params.size(); ++i) take(u->index, i, params[i].detach());
+      for (size_t i = 0; i < params.size(); ++i)
+        take(u->index, i, params[i].detach(), owned.defined());
     } catch (...) {
       h.reshard(true);
       h.set_training_state(HandleTrainingState::IDLE);
@@ -127,10 +133,18 @@ StateDict full_state_dict(FsdpState& st) {
   const bool keep = !cfg.rank0_only() || st.world_group.rank() == 0;
   const KeyMap km = key_map(st);
   std::map<std::pair<int, size_t>, at::Tensor> values;
-  gather_units(st, [&](int u, size_t i, const at::Tensor& full) {
+  // Every rank gathers (the collective needs them all); only those that keep the result take the
+  // buffers over. Taken over, the values are views of one fresh allocation per unit, written once
+  // by the gather: a copy of each would double the memory written and faulted in, which is most of
+  // consolidation's cost on the CPU (docs/performance.md). Otherwise they are copied, as the
+  // unsharded storage is freed as soon as the unit is resharded.
+  gather_units(st, keep, [&](int u, size_t i, const at::Tensor& full, bool owned) {
     if (!keep) return;
-    // Cloned: the unsharded storage is freed as soon as this unit is resharded.
-    values[{u, i}] = cfg.offload_to_cpu() ? full.to(at::kCPU).clone() : full.clone();
+    if (cfg.offload_to_cpu() && !full.is_cpu()) {
+      values[{u, i}] = full.to(at::kCPU);  // a copy already
+    } else {
+      values[{u, i}] = owned ? full : full.clone();
+    }
   });
   StateDict sd;
   if (!keep) return sd;
@@ -175,7 +189,7 @@ StateDict sharded_state_dict(FsdpState& st) {
       }
     }
   } else {
-    gather_units(st, [&](int u, size_t i, const at::Tensor& full) {
+    gather_units(st, /*hand_over=*/false, [&](int u, size_t i, const at::Tensor& full, bool) {
       ShardedTensor t = chunk_sharded(full, rank, world);
       values[{u, i}] = offload ? t.to(at::kCPU) : t;
     });

@@ -199,8 +199,11 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
     if (const auto* s = find_state(opt, om.entries[e].param)) local[e] = kind.read(*s);
   }
   const bool keep = !rank0_only || !om.st || om.st->world_group.rank() == 0;
-  auto out_tensor = [&](const at::Tensor& t) {
-    return offload ? t.to(at::kCPU).clone() : t.clone();
+  // A value to keep: copied off the device under offload (to() copies already), otherwise copied
+  // unless `owned` (a view of a gathered buffer nobody else holds).
+  auto out_tensor = [&](const at::Tensor& t, bool owned = false) {
+    if (offload && !t.is_cpu()) return t.to(at::kCPU);
+    return owned ? t : t.clone();
   };
   std::map<std::string, StateDict> per_fqn;
   auto start = [&](const std::string& fqn, int64_t step) -> StateDict& {
@@ -325,12 +328,21 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
         }
         if (!keep) continue;
         const std::vector<at::Tensor> views = l.unflat_views(full);
+        // A freshly gathered buffer is kept whole and its views returned, without a copy each
+        // (as the model's FULL state dict does), where the returned states fill most of it; one
+        // mostly of parameters without state (frozen ones, say) is not kept for a few of them.
+        int64_t returned = 0;
+        for (size_t e : mine) {
+          if (merged[e].dtype[n] < 0) continue;
+          for (size_t idx : om.entries[e].indices) returned += l.numels[idx];
+        }
+        const bool owned = !full.is_same(shard) && 2 * returned >= full.numel();
         for (size_t e : mine) {
           if (merged[e].dtype[n] < 0) continue;
           const OptEntry& en = om.entries[e];
           for (size_t p = 0; p < en.indices.size(); ++p) {
             per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n],
-                                                 out_tensor(views[en.indices[p]]));
+                                                 out_tensor(views[en.indices[p]], owned));
           }
         }
       }
