@@ -137,6 +137,9 @@ void BM_ReduceGrad(benchmark::State& st) {
     h.unshard();
     params = h.orig_params();
     for (auto& p : params) p.mutable_grad() = grad;  // as autograd leaves them
+    // On a GPU the unshard's all-gather is only queued: finished here, or the timed reduction
+    // would wait behind it (which read as reduce_grad at half the raw reduce-scatter's speed).
+    sync_device();
   };
   for (int i = 0; i < 2; ++i) {
     untimed();
