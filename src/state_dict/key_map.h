@@ -1,5 +1,5 @@
 // Internal: how the keys of a wrapped model's state dict map onto its units, shared by saving
-// (model_state_dict.cpp) and loading (load_state_dict.cpp).
+// (model_state_dict.cpp) and loading (load_state_dict.cpp); and how saving keeps a value.
 #pragma once
 
 #include <map>
@@ -10,6 +10,14 @@
 
 namespace fsdp {
 namespace detail {
+
+/// A value a saved state dict (model or optimizer) keeps: under `offload` a device tensor is
+/// copied to the CPU (to() copies already), anything else is cloned, unless `owned` (a view of a
+/// gathered buffer nobody else holds, kept as it is).
+inline at::Tensor kept_value(const at::Tensor& t, bool offload, bool owned = false) {
+  if (offload && !t.is_cpu()) return t.to(at::kCPU);
+  return owned ? t : t.clone();
+}
 
 /// While alive, a SHARDED or LOCAL state-dict type on a model with NO_SHARD units acts as FULL
 /// with a default config (PyTorch's _replace_with_full_state_dict_type), with a warning.

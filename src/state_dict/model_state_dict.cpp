@@ -96,8 +96,7 @@ at::Tensor unmanaged_value(FsdpState& st, const at::Tensor& t, bool offload) {
   at::Tensor v = t.detach();
   auto it = st.buffer_orig_dtypes.find(t.unsafeGetTensorImpl());
   if (it != st.buffer_orig_dtypes.end()) v = v.to(it->second);
-  if (offload) v = v.to(at::kCPU);
-  return v.clone();
+  return detail::kept_value(v, offload);
 }
 
 // Unshards each unit in turn (full precision) and calls `take(unit, param index, full value,
@@ -140,11 +139,7 @@ StateDict full_state_dict(FsdpState& st) {
   // unsharded storage is freed as soon as the unit is resharded.
   gather_units(st, keep, [&](int u, size_t i, const at::Tensor& full, bool owned) {
     if (!keep) return;
-    if (cfg.offload_to_cpu() && !full.is_cpu()) {
-      values[{u, i}] = full.to(at::kCPU);  // a copy already
-    } else {
-      values[{u, i}] = owned ? full : full.clone();
-    }
+    values[{u, i}] = detail::kept_value(full, cfg.offload_to_cpu(), owned);
   });
   StateDict sd;
   if (!keep) return sd;
@@ -183,7 +178,7 @@ StateDict sharded_state_dict(FsdpState& st) {
         const ShardParamInfo& s = h.shard_param_infos()[i];
         at::Tensor data = s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard)
                                      : flat.narrow(0, 0, 0);
-        data = offload ? data.to(at::kCPU).clone() : data.clone();
+        data = detail::kept_value(data, offload);
         values[{u->index, i}] = sharded_from_flat_range(
             shape, s.in_shard ? s.intra_param_start_idx : 0, data, rank, boxes.of(i));
       }
@@ -218,7 +213,7 @@ ShardedTensor local_flat_value(const FlatParamHandle& h, bool offload) {
     all.push_back(m);
     if (r == rank) {
       at::Tensor data = h.flat_param().detach().narrow(0, 0, valid);
-      mine.push_back(Shard{offload ? data.to(at::kCPU).clone() : data.clone(), m});
+      mine.push_back(Shard{detail::kept_value(data, offload), m});
     }
   }
   return ShardedTensor({l.unpadded_unsharded_numel}, h.orig_dtype(), std::move(mine),

@@ -199,11 +199,8 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
     if (const auto* s = find_state(opt, om.entries[e].param)) local[e] = kind.read(*s);
   }
   const bool keep = !rank0_only || !om.st || om.st->world_group.rank() == 0;
-  // A value to keep: copied off the device under offload (to() copies already), otherwise copied
-  // unless `owned` (a view of a gathered buffer nobody else holds).
   auto out_tensor = [&](const at::Tensor& t, bool owned = false) {
-    if (offload && !t.is_cpu()) return t.to(at::kCPU);
-    return owned ? t : t.clone();
+    return detail::kept_value(t, offload, owned);
   };
   std::map<std::string, StateDict> per_fqn;
   auto start = [&](const std::string& fqn, int64_t step) -> StateDict& {
