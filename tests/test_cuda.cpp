@@ -15,17 +15,20 @@
 #include "fsdp/fully_sharded.h"
 #include "multi_rank.h"
 #include "offload_testing.h"
+#include "reference_training.h"
 #include "tiny_lm.h"
 
 namespace ckpt = fsdp::checkpoint;
 using fsdp::FullyShardedDataParallel;
 using fsdp::ShardingStrategy;
 using fsdp::dist::ProcessGroup;
+using fsdp::testing::expect_params_close;
 using fsdp::testing::full_params;
 using fsdp::testing::lm_loss;
 using fsdp::testing::lm_options;
 using fsdp::testing::lm_tokens;
 using fsdp::testing::run_ranks;
+using fsdp::testing::step_with_reference;
 using fsdp::testing::TinyLM;
 using fsdp::testing::unique_params;
 
@@ -112,23 +115,12 @@ TEST(Cuda, TrainingMatchesOneProcessOnTheGpu) {
         torch::optim::SGD opt(unique_params(model->parameters()), 0.5);
         torch::optim::SGD ref_opt(unique_params(ref->parameters()), 0.5);
         for (int step = 0; step < 2; ++step) {
-          auto idx = lm_tokens(4, 52 + step).to(kGpu);
-          auto local = idx.narrow(0, 2 * pg.rank(), 2);
-          opt.zero_grad();
-          lm_loss(model->forward(local), local).backward();
-          opt.step();
-          ref_opt.zero_grad();
-          lm_loss(ref->forward(idx), idx).backward();
-          ref_opt.step();
+          step_with_reference(model, opt, ref, ref_opt, lm_tokens(4, 52 + step).to(kGpu), pg.rank(),
+                              2);
         }
         const auto got = full_params(model);
-        for (const auto& p : ref->named_parameters()) {
-          const at::Tensor& v = got.at(p.key());
-          EXPECT_EQ(v.device(), kGpu) << what << " " << p.key();
-          EXPECT_TRUE(torch::allclose(v, p.value(), 1e-5, 1e-6))
-              << what << " " << p.key() << " max diff "
-              << (v - p.value()).abs().max().item<float>();
-        }
+        for (const auto& [k, v] : got) EXPECT_EQ(v.device(), kGpu) << what << " " << k;
+        expect_params_close(got, ref, what);
       }
     }
   });

@@ -10,6 +10,7 @@
 #include "fsdp/model_state_dict.h"
 #include "multi_rank.h"
 #include "offload_testing.h"
+#include "reference_training.h"
 #include "tiny_lm.h"
 
 using fsdp::FullyShardedDataParallel;
@@ -17,13 +18,15 @@ using fsdp::FullyShardedOptions;
 using fsdp::ShardingStrategy;
 using fsdp::dist::ProcessGroup;
 using fsdp::testing::BlockImpl;
-using fsdp::testing::run_ranks;
-using fsdp::testing::TinyLM;
-using fsdp::testing::TinyLMImpl;
+using fsdp::testing::expect_params_close;
 using fsdp::testing::full_params;
 using fsdp::testing::lm_loss;
 using fsdp::testing::lm_options;
 using fsdp::testing::lm_tokens;
+using fsdp::testing::run_ranks;
+using fsdp::testing::step_with_reference;
+using fsdp::testing::TinyLM;
+using fsdp::testing::TinyLMImpl;
 using fsdp::testing::zero_grad_set_to_none;
 
 namespace {
@@ -85,22 +88,11 @@ TEST(RuntimeRegressions, UnfreezingAUnitFrozenAtWrapTimeTrainsIt) {
       torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
       torch::optim::SGD ref_opt(fsdp::testing::unique_params(ref->parameters()), 0.5);
       for (int step = 0; step < 3; ++step) {
-        auto idx = lm_tokens(2 * W, 90 + step);
-        opt.zero_grad();
-        lm_loss(model->forward(idx.narrow(0, 2 * pg.rank(), 2)), idx.narrow(0, 2 * pg.rank(), 2))
-            .backward();
-        opt.step();
-        ref_opt.zero_grad();
-        lm_loss(ref->forward(idx), idx).backward();
-        ref_opt.step();
+        step_with_reference(model, opt, ref, ref_opt, lm_tokens(2 * W, 90 + step), pg.rank(), 2);
       }
       const auto got = full_params(model);
       const TinyLM init(31);
-      for (const auto& p : ref->named_parameters()) {
-        const auto& v = got.at(p.key());
-        EXPECT_TRUE(torch::allclose(v, p.value(), 1e-5, 1e-6))
-            << p.key() << " max diff " << (v - p.value()).abs().max().item<float>();
-      }
+      expect_params_close(got, ref);
       // The control: the unfrozen weights did move (a skipped reduce would leave them, or leave
       // ranks apart).
       EXPECT_FALSE(torch::equal(got.at("frozen.weight"), init->frozen->weight));
@@ -137,21 +129,10 @@ TEST(RuntimeRegressions, FrozenWeightsBesideTrainableBiasesTrainLikeOneProcess) 
         torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.5);
         torch::optim::SGD ref_opt(fsdp::testing::unique_params(ref->parameters()), 0.5);
         for (int step = 0; step < 3; ++step) {
-          auto idx = lm_tokens(2 * W, 40 + step);
-          opt.zero_grad();
-          lm_loss(model->forward(idx.narrow(0, 2 * pg.rank(), 2)), idx.narrow(0, 2 * pg.rank(), 2))
-              .backward();
-          opt.step();
-          ref_opt.zero_grad();
-          lm_loss(ref->forward(idx), idx).backward();
-          ref_opt.step();
+          step_with_reference(model, opt, ref, ref_opt, lm_tokens(2 * W, 40 + step), pg.rank(), 2);
         }
         const auto got = full_params(model);
-        for (const auto& p : ref->named_parameters()) {
-          const auto& v = got.at(p.key());
-          EXPECT_TRUE(torch::allclose(v, p.value(), 1e-5, 1e-6))
-              << p.key() << " max diff " << (v - p.value()).abs().max().item<float>();
-        }
+        expect_params_close(got, ref);
         const TinyLM init(33);
         const auto b1 = init->blocks->ptr<BlockImpl>(1);
         EXPECT_FALSE(torch::equal(got.at("blocks.1.fc1.bias"), b1->fc1->bias))
