@@ -107,8 +107,10 @@ TEST(FlatParamHandle, TakeUnshardedHandsASummonsGatherOver) {
     h.reshard();
     h.set_training_state(fsdp::HandleTrainingState::SUMMON_FULL_PARAMS);
     h.unshard();
+    const void* gathered = h.orig_params()[0].storage().data();
     const at::Tensor taken = h.take_unsharded_flat_param();
     ASSERT_TRUE(taken.defined());
+    EXPECT_EQ(taken.storage().data(), gathered) << "handed over, not copied";
     EXPECT_EQ(taken.numel(), padded);
     EXPECT_FALSE(h.take_unsharded_flat_param().defined()) << "taken twice";
     // The original parameters now read the taken memory, until the reshard.
