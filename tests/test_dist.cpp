@@ -288,18 +288,19 @@ TEST_P(DistWorld, PairwiseReductionsInFlightTogetherKeepTheirOwnPieces) {
     std::vector<at::Tensor> ins, outs;
     std::vector<fsdp::dist::Work> works;
     at::Tensor gathered = at::empty({5 * W});
-    std::optional<fsdp::dist::Work> gather;  // Work() needs the private Work::Pending
+    fsdp::dist::Work gather;  // nothing to wait for until assigned
+    EXPECT_TRUE(gather.done());
     for (int k = 0; k < kInFlight; ++k) {
       ins.push_back(seeded_randn({n * W}, 1000 * (k + 1) + pg.rank()));
       outs.push_back(at::empty({n}));
       works.push_back(pg.reduce_scatter_tensor_async(outs[k], ins[k], ReduceOp::AVG,
                                                      ReduceScatterAlgo::kPairwise));
       if (k == 0) {
-        gather.emplace(pg.all_gather_into_tensor_async(gathered, rank_input(pg.rank(), 5)));
+        gather = pg.all_gather_into_tensor_async(gathered, rank_input(pg.rank(), 5));
       }
     }
     for (int k = kInFlight - 1; k >= 0; --k) works[k].wait();
-    gather->wait();
+    gather.wait();
     for (int k = 0; k < kInFlight; ++k) {
       ASSERT_TRUE(at::equal(outs[k], rank_ordered_avg(pg, n, 1000 * (k + 1)))) << "k=" << k;
       ASSERT_TRUE(at::equal(ins[k], seeded_randn({n * W}, 1000 * (k + 1) + pg.rank())));

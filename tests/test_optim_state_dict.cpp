@@ -436,49 +436,70 @@ TEST(OptimStateDict, ParamGroupsSplitWithinAUnitAndFrozenParameters) {
   });
 }
 
-// Peak memory of a FULL export with offload: one unit's state tensor gathered at a time.
-TEST(OptimStateDict, FullExportHoldsOneUnitsStateAtATime) {
-  run_ranks(2, [](ProcessGroup& pg) {
-    TinyLM m(7);
-    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, true));
-    auto opt = make_optimizer("Adam", unique_params(model->parameters()));
-    fsdp_step(model, *opt, 0, pg.rank());
-    int64_t largest_unit = 0, all_units = 0;
-    for (auto* h : model->handles()) {
-      largest_unit = std::max(largest_unit, h->layout().padded_unsharded_numel);
-      all_units += h->layout().padded_unsharded_numel;
-    }
-    int64_t peak = 0, calls = 0;
-    fsdp::detail::optim_gather_probe() = [&](int64_t bytes) {
-      peak = std::max(peak, bytes);
-      ++calls;
-    };
-    {
-      fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT, fsdp::FullStateDictConfig(),
-                                 fsdp::FullOptimStateDictConfig().offload_to_cpu(true));
-      const StateDict osd = fsdp::optim_state_dict(model, *opt);
-    }
-    // SHARDED routes pieces of the flat shards to the chunks: no unit is ever gathered.
-    const int64_t full_calls = calls;
-    {
-      fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
-      const StateDict osd = fsdp::optim_state_dict(model, *opt);
-    }
-    EXPECT_EQ(calls, full_calls);
-    fsdp::detail::optim_gather_probe() = nullptr;
-    EXPECT_GT(calls, 0);
-    // One unsharded flat state tensor of the largest unit, plus the shard it is assembled in.
-    EXPECT_LE(peak, (largest_unit + largest_unit / pg.size()) * 4);
-    // All state of all units at once would be far more (two state tensors per unit).
-    EXPECT_LT(peak, 2 * all_units * 4);
-    if (pg.rank() == 0) {
-      std::printf(
-          "peak gather bytes %lld; one unit's unsharded state tensor %lld; all units' "
-          "state %lld\n",
-          static_cast<long long>(peak), static_cast<long long>(largest_unit * 4),
-          static_cast<long long>(2 * all_units * 4));
-    }
-  });
+// Peak memory of a FULL export with offload: the gathers in flight hold at most the gather window
+// (one unit's state tensor at a time with a window of 0), small state tensors are gathered
+// together, and every window gives the same state, bit for bit.
+TEST(OptimStateDict, FullExportHoldsAtMostItsGatherWindow) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [](ProcessGroup& pg) {
+      TinyLM m(7);
+      FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, true));
+      auto opt = make_optimizer("Adam", unique_params(model->parameters()));
+      fsdp_step(model, *opt, 0, pg.rank());
+      int64_t largest_unit = 0, all_units = 0;
+      for (auto* h : model->handles()) {
+        largest_unit = std::max(largest_unit, h->layout().padded_unsharded_numel);
+        all_units += h->layout().padded_unsharded_numel;
+      }
+      int64_t peak = 0, calls = 0;
+      fsdp::detail::optim_gather_probe() = [&](int64_t bytes) {
+        peak = std::max(peak, bytes);
+        ++calls;
+      };
+      auto full_export = [&](int64_t window) {
+        fsdp::detail::optim_gather_window_bytes() = window;
+        peak = 0;
+        calls = 0;
+        fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT,
+                                   fsdp::FullStateDictConfig(),
+                                   fsdp::FullOptimStateDictConfig().offload_to_cpu(true));
+        return fsdp::optim_state_dict(model, *opt);
+      };
+      const int64_t default_window = fsdp::detail::optim_gather_window_bytes();
+      const StateDict one_at_a_time = full_export(0);
+      const int64_t peak_one = peak, calls_one = calls;
+      {  // SHARDED routes pieces of the flat shards to the chunks: no unit is ever gathered.
+        calls = 0;
+        fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
+        const StateDict osd = fsdp::optim_state_dict(model, *opt);
+        EXPECT_EQ(calls, 0);
+      }
+      // A window of two blocks' state tensors (a block's is about 1 KB gathered), and the default.
+      for (int64_t window : {int64_t{2000}, default_window}) {
+        const StateDict got = full_export(window);
+        EXPECT_EQ(osd_diff(got, one_at_a_time, 0, 0), "") << "window " << window;
+        EXPECT_LT(calls, calls_one) << "window " << window << ": nothing gathered together";
+        // The window, plus the gather that was started last (input, output, and a bucket's
+        // copies out: at most 2.5x a bucket's gathered bytes).
+        EXPECT_LE(peak, window + 3 * std::max(largest_unit * 4, std::min<int64_t>(window, 4 << 20)))
+            << "window " << window;
+      }
+      fsdp::detail::optim_gather_window_bytes() = default_window;
+      fsdp::detail::optim_gather_probe() = nullptr;
+      EXPECT_GT(calls_one, 0);
+      // One unsharded flat state tensor of the largest unit, plus the shard it is assembled in.
+      EXPECT_LE(peak_one, (largest_unit + largest_unit / pg.size()) * 4);
+      // All state of all units at once would be far more (two state tensors per unit).
+      EXPECT_LT(peak_one, 2 * all_units * 4);
+      if (pg.rank() == 0) {
+        std::printf(
+            "W=%d: one at a time: %lld gathers, peak %lld bytes; one unit's unsharded state "
+            "tensor %lld; all units' state %lld\n",
+            pg.size(), static_cast<long long>(calls_one), static_cast<long long>(peak_one),
+            static_cast<long long>(largest_unit * 4), static_cast<long long>(2 * all_units * 4));
+      }
+    });
+  }
 }
 
 // rank0_only: rank 0 gets the dict, the others an empty one.

@@ -131,7 +131,8 @@ class ProcessGroup;
 /// Destroying an unwaited Work waits for it first, swallowing errors; call wait() to see them.
 class Work {
  public:
-  Work() = default;
+  /// A Work with nothing to wait for. (Defined out of line: Pending is complete only there.)
+  Work();
   Work(Work&&) noexcept;
   Work& operator=(Work&&) noexcept;
   ~Work();

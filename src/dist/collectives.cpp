@@ -164,6 +164,8 @@ Work& Work::operator=(Work&& other) noexcept {
   }
   return *this;
 }
+Work::Work() = default;
+
 Work::~Work() {
   if (pending_) {
     try {

@@ -6,13 +6,23 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
+#include "state_dict/gather_queue.h"
 #include "state_dict/key_map.h"
 #include "state_dict/optim_entries.h"
 #include "state_dict/piece_exchange.h"
 
 namespace fsdp {
+
+int64_t& detail::optim_gather_window_bytes() {
+  // A few coalesced buckets of small state tensors in flight at once; a unit of several MB is
+  // gathered alone (at 12.5 MB per state tensor, two in flight were no faster on loopback Gloo,
+  // and each holds fresh memory).
+  static int64_t bytes = int64_t{16} << 20;
+  return bytes;
+}
 
 std::function<void(int64_t)>& detail::optim_gather_probe() {
   static std::function<void(int64_t)> probe;
@@ -226,6 +236,31 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
   if (om.st) {
     FsdpState& st = *om.st;
     const std::vector<Merged> merged = merge_presence(om, kind, local, st.shard_group);
+    // FULL: each unit's state tensor is gathered whole, several at a time (gather_queue.h).
+    // `finish` takes one unit's gathered state tensor `n`.
+    auto finish = [&](const FlatParamLayout& l, size_t n, const std::vector<size_t>& mine,
+                      const at::Tensor& full, bool fresh) {
+      if (!keep) return;
+      const std::vector<at::Tensor> views = l.unflat_views(full);
+      // A freshly gathered buffer is kept whole and its views returned, without a copy each
+      // (as the model's FULL state dict does), where the returned states fill most of it; one
+      // mostly of parameters without state (frozen ones, say) is not kept for a few of them.
+      int64_t returned = 0;
+      for (size_t e : mine) {
+        if (merged[e].dtype[n] < 0) continue;
+        for (size_t idx : om.entries[e].indices) returned += l.numels[idx];
+      }
+      const bool owned = fresh && 2 * returned >= full.numel();
+      for (size_t e : mine) {
+        if (merged[e].dtype[n] < 0) continue;
+        const OptEntry& en = om.entries[e];
+        for (size_t p = 0; p < en.indices.size(); ++p) {
+          per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n],
+                                               out_tensor(views[en.indices[p]], owned));
+        }
+      }
+    };
+    detail::GatherQueue gathers(detail::optim_gather_window_bytes(), detail::optim_gather_probe());
     for (const auto& u : st.units) {
       if (!u->handle) continue;
       FlatParamHandle& h = *u->handle;
@@ -314,36 +349,17 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
             if (r.n > 0) shard.narrow(0, r.offset, r.n).copy_(local[e]->tensors[n].reshape({-1}));
           }
         }
-        at::Tensor full = shard;
         if (h.uses_sharded_strategy() && h.world_size() > 1) {
-          full = at::empty({l.padded_unsharded_numel}, opts);
-          h.process_group().all_gather_into_tensor(full, shard.contiguous());
-        }
-        if (detail::optim_gather_probe()) {
-          const int64_t elements = full.numel() + (full.is_same(shard) ? 0 : shard.numel());
-          detail::optim_gather_probe()(elements * static_cast<int64_t>(full.element_size()));
-        }
-        if (!keep) continue;
-        const std::vector<at::Tensor> views = l.unflat_views(full);
-        // A freshly gathered buffer is kept whole and its views returned, without a copy each
-        // (as the model's FULL state dict does), where the returned states fill most of it; one
-        // mostly of parameters without state (frozen ones, say) is not kept for a few of them.
-        int64_t returned = 0;
-        for (size_t e : mine) {
-          if (merged[e].dtype[n] < 0) continue;
-          for (size_t idx : om.entries[e].indices) returned += l.numels[idx];
-        }
-        const bool owned = !full.is_same(shard) && 2 * returned >= full.numel();
-        for (size_t e : mine) {
-          if (merged[e].dtype[n] < 0) continue;
-          const OptEntry& en = om.entries[e];
-          for (size_t p = 0; p < en.indices.size(); ++p) {
-            per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n],
-                                                 out_tensor(views[en.indices[p]], owned));
-          }
+          gathers.add(h.process_group(), std::move(shard),
+                      [&finish, &l, n, mine](const at::Tensor& full) {
+                        finish(l, n, mine, full, /*fresh=*/true);
+                      });
+        } else {
+          finish(l, n, mine, shard, /*fresh=*/false);
         }
       }
     }
+    gathers.finish();
     if (!reqs.empty()) {
       // Over the shard group: every rank of it holds pieces of the same flat shards. (Under
       // hybrid sharding each replica group exchanges within itself.)
