@@ -6,7 +6,6 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
 #include "state_dict/gather_queue.h"
