@@ -306,8 +306,8 @@ int main(int argc, char** argv) {
   sizes() = fsdp_bench::env_list("FSDP_BENCH_PARAMS", {1000000, 8000000, 50000000});
   // For A/B runs of the FULL optimizer export: 0 gathers one state tensor at a time, uncoalesced
   // (what it did before src/state_dict/gather_queue.h).
-  if (const char* w = std::getenv("FSDP_BENCH_OPTIM_GATHER_WINDOW")) {
-    fsdp::detail::optim_gather_window_bytes() = std::stoll(w);
+  if (const char* w = std::getenv("FSDP_BENCH_GATHER_WINDOW")) {
+    fsdp::detail::full_gather_window_bytes() = std::stoll(w);
   }
   const char* d = std::getenv("FSDP_BENCH_DIR");
   base_dir() = std::string(d ? d : "/var/tmp") + "/fsdp_bench_scaling_" + std::to_string(::getpid());

@@ -241,7 +241,7 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
     auto opt =
         fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
     int gathered = 0;
-    fsdp::detail::state_dict_gather_probe() = [&] { ++gathered; };
+    fsdp::detail::state_dict_gather_probe() = [&](int64_t) { ++gathered; };
     StateDict sd = train_two_steps(model, *opt, pg.rank());
     fsdp::detail::state_dict_gather_probe() = nullptr;
     EXPECT_EQ(gathered, 0) << "get_state_dict gathered a unit";

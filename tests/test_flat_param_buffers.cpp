@@ -85,12 +85,11 @@ TEST(FlatParamHandle, UnshardAllocatesTheUnshardedBufferAndNothingElse) {
   }
 }
 
-// take_unsharded_flat_param hands a summon's freshly gathered buffer over: the caller holds the
-// full values after the reshard, the handle holds nothing, and its next unshard gathers into new
-// memory. Anything else is refused with an undefined tensor and no change: outside a summon,
-// before an unshard, under NO_SHARD (the flat parameter is live), and for a buffer kept from a
-// SHARD_GRAD_OP forward (autograd may hold views of it).
-TEST(FlatParamHandle, TakeUnshardedHandsASummonsGatherOver) {
+// shard_to_gather gives a caller that gathers units itself (the FULL state dict) what unshard()
+// would gather: the padded local shard, in the original dtype under mixed precision, with
+// parameters replaced since the last unshard written back. It refuses, naming the unit, where the
+// shard may not hold the newest values (unsharded) and under NO_SHARD.
+TEST(FlatParamHandle, ShardToGatherIsWhatUnshardGathers) {
   run_ranks(2, [](ProcessGroup& pg) {
     auto make = [] {
       auto m = std::make_shared<torch::nn::Module>();
@@ -99,51 +98,34 @@ TEST(FlatParamHandle, TakeUnshardedHandsASummonsGatherOver) {
       return m;
     };
     auto m = make();
-    FlatParamHandle h(fsdp::collect_params(m), pg);
-    const int64_t padded = h.layout().padded_unsharded_numel;
-    EXPECT_FALSE(h.take_unsharded_flat_param().defined()) << "sharded";
-    h.unshard();
-    EXPECT_FALSE(h.take_unsharded_flat_param().defined()) << "unsharded, but not in a summon";
-    h.reshard();
-    h.set_training_state(fsdp::HandleTrainingState::SUMMON_FULL_PARAMS);
-    h.unshard();
-    const void* gathered = h.orig_params()[0].storage().data();
-    const at::Tensor taken = h.take_unsharded_flat_param();
-    ASSERT_TRUE(taken.defined());
-    EXPECT_EQ(taken.storage().data(), gathered) << "handed over, not copied";
-    EXPECT_EQ(taken.numel(), padded);
-    EXPECT_FALSE(h.take_unsharded_flat_param().defined()) << "taken twice";
-    // The original parameters now read the taken memory, until the reshard.
-    EXPECT_EQ(h.orig_params()[0].storage().data(), taken.storage().data());
-    EXPECT_TRUE(at::equal(h.orig_params()[0], seeded_randn({5, 7}, 1)));
-    h.reshard();
-    EXPECT_EQ(h.unsharded_storage_bytes(), 0);
-    const std::vector<at::Tensor> views = h.layout().unflat_views(taken);
+    FlatParamHandle h(fsdp::collect_params(m), pg,
+                      FlatParamHandleOptions().use_orig_params(true).param_dtype(at::kHalf));
+    const at::Tensor shard = h.shard_to_gather();
+    EXPECT_EQ(shard.scalar_type(), at::kFloat) << "full precision";
+    EXPECT_EQ(shard.numel(), h.layout().padded_unsharded_numel / 2);
+    at::Tensor full = at::empty({h.layout().padded_unsharded_numel});
+    pg.all_gather_into_tensor(full, shard);
+    std::vector<at::Tensor> views = h.layout().unflat_views(full);
     EXPECT_TRUE(at::equal(views[0], seeded_randn({5, 7}, 1)));
     EXPECT_TRUE(at::equal(views[1], seeded_randn({3}, 2)));
+    // Parameters replaced (not their sharded views written) are written back first.
+    for (auto& p : h.orig_params()) p.set_data(at::full_like(p, 3.0));
+    pg.all_gather_into_tensor(full, h.shard_to_gather());
+    views = h.layout().unflat_views(full);
+    EXPECT_TRUE(at::equal(views[0], at::full({5, 7}, 3.0))) << "written back";
+    EXPECT_TRUE(at::equal(views[1], at::full({3}, 3.0)));
     h.unshard();
-    EXPECT_NE(h.orig_params()[0].storage().data(), taken.storage().data()) << "gathered afresh";
-    h.orig_params()[0].detach().zero_();
-    EXPECT_TRUE(at::equal(views[0], seeded_randn({5, 7}, 1))) << "the handle still writes there";
-    h.reshard();
-    h.set_training_state(fsdp::HandleTrainingState::IDLE);
-
-    for (auto strategy : {ShardingStrategy::NO_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
-      auto m2 = make();
-      FlatParamHandle k(fsdp::collect_params(m2), pg,
-                        FlatParamHandleOptions().sharding_strategy(strategy));
-      if (strategy == ShardingStrategy::SHARD_GRAD_OP) {  // a forward that keeps its parameters
-        k.set_training_state(fsdp::HandleTrainingState::FORWARD);
-        k.unshard();
-        k.reshard(/*free_unsharded=*/false);
-      }
-      k.set_training_state(fsdp::HandleTrainingState::SUMMON_FULL_PARAMS);
-      k.unshard();
-      EXPECT_FALSE(k.take_unsharded_flat_param().defined()) << fsdp::to_string(strategy);
-      EXPECT_TRUE(at::equal(k.orig_params()[0], seeded_randn({5, 7}, 1)));
-      k.reshard();
-      k.set_training_state(fsdp::HandleTrainingState::IDLE);
+    try {
+      h.shard_to_gather();
+      ADD_FAILURE() << "unsharded";
+    } catch (const fsdp::StateError& e) {
+      EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
     }
+    h.reshard();
+    auto m2 = make();
+    FlatParamHandle k(fsdp::collect_params(m2), pg,
+                      FlatParamHandleOptions().sharding_strategy(ShardingStrategy::NO_SHARD));
+    EXPECT_THROW(k.shard_to_gather(), fsdp::StateError);
   });
 }
 

@@ -457,7 +457,7 @@ TEST(OptimStateDict, FullExportHoldsAtMostItsGatherWindow) {
         ++calls;
       };
       auto full_export = [&](int64_t window) {
-        fsdp::detail::optim_gather_window_bytes() = window;
+        fsdp::detail::full_gather_window_bytes() = window;
         peak = 0;
         calls = 0;
         fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT,
@@ -465,7 +465,7 @@ TEST(OptimStateDict, FullExportHoldsAtMostItsGatherWindow) {
                                    fsdp::FullOptimStateDictConfig().offload_to_cpu(true));
         return fsdp::optim_state_dict(model, *opt);
       };
-      const int64_t default_window = fsdp::detail::optim_gather_window_bytes();
+      const int64_t default_window = fsdp::detail::full_gather_window_bytes();
       const StateDict one_at_a_time = full_export(0);
       const int64_t peak_one = peak, calls_one = calls;
       {  // SHARDED routes pieces of the flat shards to the chunks: no unit is ever gathered.
@@ -484,7 +484,7 @@ TEST(OptimStateDict, FullExportHoldsAtMostItsGatherWindow) {
         EXPECT_LE(peak, window + 3 * std::max(largest_unit * 4, std::min<int64_t>(window, 4 << 20)))
             << "window " << window;
       }
-      fsdp::detail::optim_gather_window_bytes() = default_window;
+      fsdp::detail::full_gather_window_bytes() = default_window;
       fsdp::detail::optim_gather_probe() = nullptr;
       EXPECT_GT(calls_one, 0);
       // One unsharded flat state tensor of the largest unit, plus the shard it is assembled in.
@@ -498,6 +498,41 @@ TEST(OptimStateDict, FullExportHoldsAtMostItsGatherWindow) {
             pg.size(), static_cast<long long>(calls_one), static_cast<long long>(peak_one),
             static_cast<long long>(largest_unit * 4), static_cast<long long>(2 * all_units * 4));
       }
+    });
+  }
+}
+
+// A unit whose flat parameter and state tensors are over 1 MiB gathered goes through the gather
+// queue alone, pairwise on Gloo, where a window of 0 gathers it with Gloo's own all-gather: both
+// give the same FULL model and optimizer state, bit for bit, and the model's is what
+// summon_full_params shows (365407 parameters: padded at W=2 and W=3).
+TEST(OptimStateDict, FullExportOfAUnitOverOneMiBIsExact) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [](ProcessGroup& pg) {
+      torch::manual_seed(5);
+      auto m = torch::nn::Sequential(torch::nn::Linear(600, 600), torch::nn::Tanh(),
+                                     torch::nn::Linear(600, 7));
+      FullyShardedDataParallel model(m, fsdp::FullyShardedOptions().process_group(pg));
+      ASSERT_GE(model->handles().at(0)->layout().padded_unsharded_numel * 4, int64_t{1} << 20);
+      torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+      const at::Tensor x = fsdp::testing::seeded_randn({4, 600}, 60 + pg.rank());
+      model->forward(x).pow(2).mean().backward();
+      opt.step();
+      auto full = [&](int64_t window) {
+        fsdp::detail::full_gather_window_bytes() = window;
+        fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT);
+        return std::make_pair(fsdp::state_dict(model), fsdp::optim_state_dict(model, opt));
+      };
+      const int64_t default_window = fsdp::detail::full_gather_window_bytes();
+      const auto [msd0, osd0] = full(0);
+      const auto [msd, osd] = full(default_window);
+      fsdp::detail::full_gather_window_bytes() = default_window;
+      fsdp::testing::expect_same(msd, msd0, "model, default window vs 0");
+      EXPECT_EQ(osd_diff(osd, osd0, 0, 0), "");
+      EXPECT_GT(osd.at("state").dict().size(), 0u);
+      fsdp::SummonFullParamsGuard summon(model, /*writeback=*/false);
+      for (const auto& item : model->module()->named_parameters())
+        EXPECT_TRUE(at::equal(msd.at(item.key()).tensor(), item.value())) << item.key();
     });
   }
 }

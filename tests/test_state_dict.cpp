@@ -206,7 +206,7 @@ TEST_P(StateDictWorld, EveryTypeRoundTrips) {
       const StateDict expect = full_of(src);
       StateDict saved;
       int gathered = 0;
-      fsdp::detail::state_dict_gather_probe() = [&] { ++gathered; };
+      fsdp::detail::state_dict_gather_probe() = [&](int64_t) { ++gathered; };
       {
         fsdp::StateDictTypeGuard g(src, type, fsdp::ShardedStateDictConfig().layout(layout));
         saved = fsdp::state_dict(src);
@@ -328,28 +328,73 @@ TEST(ModelStateDict, MixedPrecisionStateDictKeepsOriginalDtypes) {
   });
 }
 
-TEST(ModelStateDict, FullGatheringHoldsAtMostOneUnitUnsharded) {
-  run_ranks(2, [](ProcessGroup&) {
-    TinyLM m(6);
-    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, true));
-    auto handles = model->handles();
-    int64_t largest = 0, peak = 0;
-    int calls = 0;
-    for (auto* h : handles) largest = std::max(largest, h->layout().padded_unsharded_numel * 4);
-    fsdp::detail::state_dict_gather_probe() = [&] {
-      int64_t now = 0;
-      for (auto* h : handles) now += h->unsharded_storage_bytes();
-      peak = std::max(peak, now);
-      ++calls;
-    };
-    fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT,
-                               fsdp::FullStateDictConfig().offload_to_cpu(true));
-    fsdp::state_dict(model);
-    fsdp::detail::state_dict_gather_probe() = nullptr;
-    EXPECT_EQ(calls, static_cast<int>(handles.size()));
-    EXPECT_GT(peak, 0);
-    EXPECT_LE(peak, largest);
-  });
+// FULL gathering never unshards a sharded unit: the flat shards go through a gather queue whose
+// gathers in flight hold at most its window (one unit at a time with a window of 0), with small
+// units gathered several to a collective, and every window gives the unwrapped model's values
+// bit for bit, with and without rank0_only (offload on, as for a checkpoint).
+TEST(ModelStateDict, FullGatheringHoldsAtMostItsWindow) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [](ProcessGroup& pg) {
+      const StateDict expect = fsdp::module_state_dict(*TinyLM(6));
+      TinyLM m(6);
+      FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, true));
+      auto handles = model->handles();
+      int64_t largest = 0;
+      for (auto* h : handles) largest = std::max(largest, h->layout().padded_unsharded_numel * 4);
+      int64_t peak = 0, unsharded = 0;
+      int calls = 0;
+      fsdp::detail::state_dict_gather_probe() = [&](int64_t bytes) {
+        peak = std::max(peak, bytes);
+        for (auto* h : handles) unsharded += h->unsharded_storage_bytes();
+        ++calls;
+      };
+      const int64_t default_window = fsdp::detail::full_gather_window_bytes();
+      auto full = [&](int64_t window, bool rank0_only) {
+        fsdp::detail::full_gather_window_bytes() = window;
+        peak = 0;
+        calls = 0;
+        fsdp::StateDictTypeGuard g(
+            model, StateDictType::FULL_STATE_DICT,
+            fsdp::FullStateDictConfig().offload_to_cpu(true).rank0_only(rank0_only));
+        return fsdp::state_dict(model);
+      };
+      const StateDict one_at_a_time = full(0, false);
+      const int calls_one = calls;
+      const int64_t peak_one = peak;
+      expect_same(one_at_a_time, expect, "window 0");
+      EXPECT_EQ(calls_one, static_cast<int>(handles.size())) << "one gather per unit";
+      // One unit's gathered flat parameter and the shard it is gathered from.
+      EXPECT_GT(peak_one, 0);
+      EXPECT_LE(peak_one, largest + largest / pg.size());
+      // A window of about two blocks (a block's flat parameter is about 1 KB gathered), and the
+      // default, which takes all of this model's units into one bucket.
+      for (int64_t window : {int64_t{2000}, default_window}) {
+        for (bool rank0_only : {false, true}) {
+          const std::string what =
+              "window " + std::to_string(window) + (rank0_only ? " rank0_only" : "");
+          const StateDict got = full(window, rank0_only);
+          EXPECT_LT(calls, calls_one) << what << ": nothing gathered together";
+          // The window, plus the gather started last (input, output and a bucket's copies out).
+          EXPECT_LE(peak,
+                    window + 3 * std::max(largest, std::min<int64_t>(window, int64_t{4} << 20)))
+              << what;
+          if (rank0_only && pg.rank() != 0) {
+            EXPECT_TRUE(got.empty()) << what;
+          } else {
+            expect_same(got, expect, what);
+          }
+        }
+      }
+      fsdp::detail::full_gather_window_bytes() = default_window;
+      fsdp::detail::state_dict_gather_probe() = nullptr;
+      EXPECT_EQ(unsharded, 0) << "a unit was unsharded during FULL gathering";
+      if (pg.rank() == 0) {
+        std::printf("W=%d: %d units, largest %lld bytes gathered; window 0 peak %lld bytes\n",
+                    pg.size(), calls_one, static_cast<long long>(largest),
+                    static_cast<long long>(peak_one));
+      }
+    });
+  }
 }
 
 // Trains at W=2 and writes the SHARDED pieces of each rank, and rank 0's FULL values, to `dir`.

@@ -238,15 +238,14 @@ class FlatParamHandle {
   void reshard(bool free_unsharded = true);
   /// True while the original parameters point at the unsharded flat parameter.
   bool is_unsharded() const { return unsharded_views_; }
-  /// Hands the caller the padded unsharded flat parameter that the last unshard() gathered in
-  /// SUMMON_FULL_PARAMS state (full precision), so that values read from it can outlive the
-  /// reshard without a copy (a FULL state dict keeps views of it). The handle gives up the memory:
-  /// the original parameters point into the returned tensor until reshard(), and the next unshard
-  /// allocates afresh. Returns an undefined tensor, and changes nothing, where the memory is not
-  /// the caller's to take: not in SUMMON_FULL_PARAMS, not unsharded, NO_SHARD (the unsharded
-  /// parameter is the flat parameter itself), an unshard pending or failed, or a buffer kept from
-  /// forward (autograd may hold views of it).
-  at::Tensor take_unsharded_flat_param();
+  /// The padded local shard, in full precision (the original dtype) on the compute device: what
+  /// unshard() would gather in a summon, for a caller that gathers the units itself. The FULL
+  /// state dict does, to put several small units into one collective and to gather straight into
+  /// memory the dict keeps (docs/state_dict.md). Parameters replaced since the last unshard
+  /// (use_orig_params) are written back first, as unshard() does. Only for sharded strategies and
+  /// while resharded (StateError otherwise: the unsharded views may hold newer values). The result
+  /// may share the flat parameter's memory: read it, don't write it.
+  at::Tensor shard_to_gather();
   /// PyTorch's `_skipped_use_sharded_views`: true after a reshard in FORWARD state under grad
   /// mode that keeps the unsharded storage (SHARD_GRAD_OP and HYBRID_SHARD_ZERO2 post-forward)
   /// with use_orig_params. The original parameters then stay full-shaped views of the kept
@@ -474,7 +473,6 @@ class FlatParamHandle {
   // written back nor replaced by shard views.
   bool grads_unreduced_ = false;
   bool buffer_valid_ = false;  // the unsharded buffer holds the result of a successful gather
-  bool buffer_gathered_now_ = false;  // the last unshard gathered it (nothing kept from forward)
   bool comm_failed_ = false;   // an unshard's collective failed: never free its buffers
   bool full_prec_in_eval_ = false;
   at::Tensor unsharded_grad_;  // set between unshard_grad() and reshard_grad()

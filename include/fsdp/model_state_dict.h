@@ -28,6 +28,8 @@
 // All functions here are collective over the model's process group.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -136,8 +138,15 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
                            bool strict = true, bool strict_dtype = false);
 
 namespace detail {
-/// Test hook: called while each unit is unsharded during FULL/SHARDED gathering.
-std::function<void()>& state_dict_gather_probe();
+/// Test hook: called during a model state dict's gathering (FULL, and SHARDED with DIM0_CHUNKS)
+/// after each unit's gather starts, with the bytes this rank then holds in gather buffers.
+std::function<void(int64_t bytes)>& state_dict_gather_probe();
+/// The FULL model and optimizer state dicts' gathers in flight hold at most this many bytes of
+/// gather buffers (but always one gather); small flat parameters and state tensors are gathered
+/// together in buckets of at most 4 MiB (src/state_dict/gather_queue.h). Default 16 MiB; 0 gathers
+/// one tensor at a time. It decides how the collectives are grouped: every rank must hold the same
+/// value.
+int64_t& full_gather_window_bytes();
 }  // namespace detail
 
 }  // namespace fsdp

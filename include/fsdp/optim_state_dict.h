@@ -104,11 +104,8 @@ namespace detail {
 /// Test hook: called during optim_state_dict export with the bytes this rank holds in gather
 /// buffers (unsharded state outside the shards) at that moment, after each gather starts.
 std::function<void(int64_t bytes)>& optim_gather_probe();
-/// The FULL export's gathers in flight hold at most this many bytes of gather buffers (but always
-/// one gather); small state tensors are gathered together in buckets of at most this size
-/// (src/state_dict/gather_queue.h). Default 16 MiB; 0 gathers one state tensor at a time. It
-/// decides how the collectives are grouped: every rank must hold the same value.
-int64_t& optim_gather_window_bytes();
+/// The FULL export shares the model state dict's window of gathers: full_gather_window_bytes()
+/// (model_state_dict.h).
 }  // namespace detail
 
 }  // namespace fsdp

@@ -275,7 +275,6 @@ void FlatParamHandle::unshard_async() {
   }
   // Kept from forward (SHARD_GRAD_OP) and filled by a gather that succeeded: nothing to gather.
   const bool kept = storage_bytes(buf) > 0 && buffer_valid_;
-  buffer_gathered_now_ = !kept;
   alloc_storage(buf);  // before taking views: ATen bounds-checks views against the storage
   unsharded_flat_ = buf.narrow(0, 0, layout_.unpadded_unsharded_numel);
   if (kept) return;
@@ -349,24 +348,20 @@ void FlatParamHandle::abandon_unshard() {
   }
 }
 
-at::Tensor FlatParamHandle::take_unsharded_flat_param() {
-  if (training_state_ != HandleTrainingState::SUMMON_FULL_PARAMS || !uses_sharded_strategy() ||
-      !unsharded_views_ || pending_unshard_ || comm_failed_ || !buffer_gathered_now_ ||
-      !buffer_valid_) {
-    return at::Tensor();
+at::Tensor FlatParamHandle::shard_to_gather() {
+  throw_if_comm_failed("shard_to_gather");
+  if (!uses_sharded_strategy() || unsharded_views_ || pending_unshard_) {
+    throw StateError(
+        "FlatParamHandle::shard_to_gather: the unit holding '" + layout_.fqns[0] + "' is " +
+        (uses_sharded_strategy() ? "unsharded or unsharding" : "not sharded (NO_SHARD)") +
+        " (rank " + std::to_string(rank_) + ")");
   }
-  at::Tensor& buf = unsharded_buffer();
-  const int64_t have = storage_bytes(buf);
-  if (have == 0) return at::Tensor();
-  // The memory changes owner (take_memory leaves `buf` freed, as a reshard would); the original
-  // parameters move onto the new owner, so nothing of the handle points at freed memory.
-  at::Tensor taken = tensor_on_memory(take_memory(buf), static_cast<size_t>(have),
-                                      layout_.padded_unsharded_numel, buf.options());
-  buffer_valid_ = false;
-  buffer_gathered_now_ = false;
-  unsharded_flat_ = taken.narrow(0, 0, layout_.unpadded_unsharded_numel);
-  use_unsharded_views(unsharded_flat_);
-  return taken;
+  if (options_.use_orig_params()) writeback_orig_params();
+  check_flat_param_device("shard_to_gather");
+  // The shard is kept in the original dtype (mixed precision casts only a copy for compute), so
+  // it is full precision as it is; under offload_params it lives on the CPU.
+  at::Tensor src = flat_param_.detach();
+  return options_.offload_params() ? src.to(options_.device()) : src;
 }
 
 void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {

@@ -13,8 +13,8 @@ namespace {
 // A tensor whose gathered size is under this is coalesced with others. At 1 MiB a gather alone
 // already moves its bytes at about the raw collective's bandwidth (docs/performance.md).
 constexpr int64_t kCoalesceBelowBytes = int64_t{1} << 20;
-// A bucket's gathered size at most: from here the all-gather goes pairwise (no scratch), and the
-// copies out of the bucket stay small next to the state itself.
+// A bucket's gathered size at most: the copies into and out of the bucket stay small next to the
+// state itself, and a few buckets fit in the default window.
 constexpr int64_t kBucketBytes = int64_t{4} << 20;
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
@@ -70,7 +70,14 @@ void GatherQueue::start(dist::ProcessGroup& pg, Gather g) {
   // Fresh memory the gather writes whole: huge pages from a unit's size (memory/huge_pages.h).
   g.out = empty_buffer(g.in.numel() * pg.size(), g.in.options());
   g.bytes += nbytes(g.out);
-  g.work.emplace(pg.all_gather_into_tensor_async(g.out, g.in));
+  // On Gloo, pairwise from 1 MiB rather than kAuto's 4 MiB: Gloo's own all-gather receives into
+  // a scratch output it allocates afresh and then copies out, which on top of the fresh memory
+  // the dict keeps cost more than the transfer (8M parameters in 2 MB units and state tensors,
+  // W=2: consolidation 35-40 ms pairwise against 62 ms native; docs/performance.md). kAuto's
+  // threshold stays for training, where pairwise below 4 MiB measured slower (docs/dist.md).
+  const bool pairwise = pg.backend_name() == "gloo" && nbytes(g.out) >= kCoalesceBelowBytes;
+  g.work.emplace(pg.all_gather_into_tensor_async(
+      g.out, g.in, pairwise ? dist::AllGatherAlgo::kPairwise : dist::AllGatherAlgo::kAuto));
   g.world = pg.size();
   in_flight_bytes_ += g.bytes;
   in_flight_.push_back(std::move(g));

@@ -1,5 +1,6 @@
-// Internal: whole flat tensors gathered from their shards, several at a time, for the FULL
-// optimizer state dict (one gather per unit and state: exp_avg, exp_avg_sq, ...).
+// Internal: whole flat tensors gathered from their shards, several at a time, for the FULL model
+// state dict (one gather per unit's flat parameter) and optimizer state dict (one per unit and
+// state: exp_avg, exp_avg_sq, ...).
 //
 // Why not one blocking all-gather each: a gather of a few hundred KB is bound by the collective's
 // fixed cost, not by its bandwidth. Over Gloo on loopback (2 cores, W=2) a 250 KB all-gather took

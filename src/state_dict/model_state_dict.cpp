@@ -7,13 +7,22 @@
 
 #include "fsdp/errors.h"
 #include "runtime/state.h"
+#include "state_dict/gather_queue.h"
 #include "state_dict/key_map.h"
 
 namespace fsdp {
 
-std::function<void()>& detail::state_dict_gather_probe() {
-  static std::function<void()> probe;
+std::function<void(int64_t)>& detail::state_dict_gather_probe() {
+  static std::function<void(int64_t)> probe;
   return probe;
+}
+
+int64_t& detail::full_gather_window_bytes() {
+  // A few coalesced buckets of small tensors in flight at once; a unit or state tensor of several
+  // MB is gathered alone (at 12.5 MB each, two in flight were no faster on loopback Gloo, and
+  // each holds fresh memory).
+  static int64_t bytes = int64_t{16} << 20;
+  return bytes;
 }
 
 namespace detail {
@@ -99,24 +108,21 @@ at::Tensor unmanaged_value(FsdpState& st, const at::Tensor& t, bool offload) {
   return detail::kept_value(v, offload);
 }
 
-// Unshards each unit in turn (full precision) and calls `take(unit, param index, full value,
-// owned)`. With `hand_over`, a unit's gathered buffer is taken from its handle where it can be
-// (FlatParamHandle::take_unsharded_flat_param): the values are then views of memory nobody else
-// holds (`owned`), which the caller may keep as they are. Otherwise they are the live parameters
-// (NO_SHARD) or views of a buffer freed at the reshard, and must be copied to be kept.
+// Unshards each unit in turn (full precision; only the NO_SHARD ones with `no_shard_only`) and
+// calls `take(unit, param index, full value)`. The values are the live parameters (NO_SHARD) or
+// views of a buffer freed at the reshard: they must be copied to be kept.
 template <typename F>
-void gather_units(FsdpState& st, bool hand_over, F&& take) {
+void unshard_units(FsdpState& st, bool no_shard_only, F&& take) {
   for (const auto& u : st.units) {
-    if (!u->handle) continue;
+    if (!u->handle || (no_shard_only && u->handle->uses_sharded_strategy())) continue;
     FlatParamHandle& h = *u->handle;
     h.set_training_state(HandleTrainingState::SUMMON_FULL_PARAMS);
     try {
       h.unshard();
-      if (detail::state_dict_gather_probe()) detail::state_dict_gather_probe()();
-      const at::Tensor owned = hand_over ? h.take_unsharded_flat_param() : at::Tensor();
+      if (detail::state_dict_gather_probe())
+        detail::state_dict_gather_probe()(h.unsharded_storage_bytes());
       auto params = h.orig_params();
-      for (size_t i = 0; i < params.size(); ++i)
-        take(u->index, i, params[i].detach(), owned.defined());
+      for (size_t i = 0; i < params.size(); ++i) take(u->index, i, params[i].detach());
     } catch (...) {
       h.reshard(true);
       h.set_training_state(HandleTrainingState::IDLE);
@@ -132,14 +138,30 @@ StateDict full_state_dict(FsdpState& st) {
   const bool keep = !cfg.rank0_only() || st.world_group.rank() == 0;
   const KeyMap km = key_map(st);
   std::map<std::pair<int, size_t>, at::Tensor> values;
-  // Every rank gathers (the collective needs them all); only those that keep the result take the
-  // buffers over. Taken over, the values are views of one fresh allocation per unit, written once
-  // by the gather: a copy of each would double the memory written and faulted in, which is most of
-  // consolidation's cost on the CPU (docs/performance.md). Otherwise they are copied, as the
-  // unsharded storage is freed as soon as the unit is resharded.
-  gather_units(st, keep, [&](int u, size_t i, const at::Tensor& full, bool owned) {
-    if (!keep) return;
-    values[{u, i}] = detail::kept_value(full, cfg.offload_to_cpu(), owned);
+  // Sharded units are not unsharded: their shards go through a GatherQueue, which gathers small
+  // units several to a collective (a Gloo all-gather of a few hundred KB is bound by its fixed
+  // cost) and large ones straight into fresh memory. The values are views of that memory, which
+  // nobody else holds: kept as they are, as a copy would double the memory written and faulted
+  // in, most of consolidation's cost on the CPU (docs/performance.md). Every rank gathers (the
+  // collective needs them all); only those that keep the result hold on to it.
+  detail::GatherQueue gathers(detail::full_gather_window_bytes(),
+                              detail::state_dict_gather_probe());
+  for (const auto& u : st.units) {
+    if (!u->handle || !u->handle->uses_sharded_strategy()) continue;
+    FlatParamHandle& h = *u->handle;
+    const int unit = u->index;
+    gathers.add(h.process_group(), h.shard_to_gather(), [&, unit](const at::Tensor& full) {
+      if (!keep) return;
+      const FlatParamLayout& l = st.units[unit]->handle->layout();
+      const auto views = l.unflat_views(full);  // padded: the views end before the padding
+      for (size_t i = 0; i < views.size(); ++i)
+        values[{unit, i}] = detail::kept_value(views[i], cfg.offload_to_cpu(), /*owned=*/true);
+    });
+  }
+  gathers.finish();
+  // NO_SHARD units hold their whole parameters: copied from the live values.
+  unshard_units(st, /*no_shard_only=*/true, [&](int u, size_t i, const at::Tensor& full) {
+    if (keep) values[{u, i}] = detail::kept_value(full, cfg.offload_to_cpu());
   });
   StateDict sd;
   if (!keep) return sd;
@@ -184,7 +206,7 @@ StateDict sharded_state_dict(FsdpState& st) {
       }
     }
   } else {
-    gather_units(st, /*hand_over=*/false, [&](int u, size_t i, const at::Tensor& full, bool) {
+    unshard_units(st, /*no_shard_only=*/false, [&](int u, size_t i, const at::Tensor& full) {
       ShardedTensor t = chunk_sharded(full, rank, world);
       values[{u, i}] = offload ? t.to(at::kCPU) : t;
     });

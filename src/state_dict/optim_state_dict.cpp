@@ -15,14 +15,6 @@
 
 namespace fsdp {
 
-int64_t& detail::optim_gather_window_bytes() {
-  // A few coalesced buckets of small state tensors in flight at once; a unit of several MB is
-  // gathered alone (at 12.5 MB per state tensor, two in flight were no faster on loopback Gloo,
-  // and each holds fresh memory).
-  static int64_t bytes = int64_t{16} << 20;
-  return bytes;
-}
-
 std::function<void(int64_t)>& detail::optim_gather_probe() {
   static std::function<void(int64_t)> probe;
   return probe;
@@ -259,7 +251,7 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
         }
       }
     };
-    detail::GatherQueue gathers(detail::optim_gather_window_bytes(), detail::optim_gather_probe());
+    detail::GatherQueue gathers(detail::full_gather_window_bytes(), detail::optim_gather_probe());
     for (const auto& u : st.units) {
       if (!u->handle) continue;
       FlatParamHandle& h = *u->handle;
