@@ -26,7 +26,7 @@
 #include "bench_ranks.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"
-#include "fsdp/optim_state_dict.h"
+#include "fsdp/model_state_dict.h"
 #include "tensor_memory.h"
 
 namespace ckpt = fsdp::checkpoint;
@@ -304,8 +304,8 @@ int main(int argc, char** argv) {
   const int world = fsdp_bench::world_from_env();
   const int rounds = fsdp_bench::rounds_from_env(3);
   sizes() = fsdp_bench::env_list("FSDP_BENCH_PARAMS", {1000000, 8000000, 50000000});
-  // For A/B runs of the FULL optimizer export: 0 gathers one state tensor at a time, uncoalesced
-  // (what it did before src/state_dict/gather_queue.h).
+  // For A/B runs of FULL consolidation: 0 gathers one flat parameter or state tensor at a time,
+  // uncoalesced (src/state_dict/gather_queue.h).
   if (const char* w = std::getenv("FSDP_BENCH_GATHER_WINDOW")) {
     fsdp::detail::full_gather_window_bytes() = std::stoll(w);
   }

@@ -150,13 +150,13 @@ StateDict full_state_dict(FsdpState& st) {
     if (!u->handle || !u->handle->uses_sharded_strategy()) continue;
     FlatParamHandle& h = *u->handle;
     const int unit = u->index;
-    gathers.add(h.process_group(), h.shard_to_gather(), [&, unit](const at::Tensor& full) {
-      if (!keep) return;
-      const FlatParamLayout& l = st.units[unit]->handle->layout();
-      const auto views = l.unflat_views(full);  // padded: the views end before the padding
-      for (size_t i = 0; i < views.size(); ++i)
-        values[{unit, i}] = detail::kept_value(views[i], cfg.offload_to_cpu(), /*owned=*/true);
-    });
+    gathers.add(
+        h.process_group(), h.shard_to_gather(), [&, unit, &l = h.layout()](const at::Tensor& full) {
+          if (!keep) return;
+          const auto views = l.unflat_views(full);  // padded: the views end before the padding
+          for (size_t i = 0; i < views.size(); ++i)
+            values[{unit, i}] = detail::kept_value(views[i], cfg.offload_to_cpu(), /*owned=*/true);
+        });
   }
   gathers.finish();
   // NO_SHARD units hold their whole parameters: copied from the live values.
