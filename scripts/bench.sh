@@ -79,7 +79,7 @@ else
   CKPT_WORLDS="2 4" CKPT_ROUNDS=5
   TRAIN_ROUNDS=5 TRAIN_ITERS=10
   SCALE_SIZES="1000000,8000000,50000000,200000000" SCALE_FIXED=50000000 SCALE_WORLDS="1 3 4"
-  SCALE_ROUNDS=3
+  SCALE_ROUNDS=5
   PEER_ROUNDS=3
 fi
 
@@ -144,7 +144,7 @@ fi
 
 # Where it ran.
 /usr/bin/python3 - "$OUT/machine.json" "$QUICK" "$(( $(date +%s) - start ))" "$torch2_note" <<'EOF'
-import json, os, platform, subprocess, sys
+import glob, json, os, platform, re, subprocess, sys
 path, quick, secs, note = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
 def sh(cmd):
     try:
@@ -153,10 +153,22 @@ def sh(cmd):
         return ""
 cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2").strip()
 mem = sh("awk '/MemTotal/ {printf \"%.1f GiB\", $2/1048576}' /proc/meminfo")
+# How fresh memory behaves here (docs/performance.md, "Fresh memory"): the transparent huge page
+# mode, and whether a virtio balloon reports freed memory to the hypervisor (feature bit 5,
+# VIRTIO_BALLOON_F_REPORTING), after which touching that memory again costs a fault on the host.
+thp = re.search(r"\[(\w+)\]", sh("cat /sys/kernel/mm/transparent_hugepage/enabled"))
+reporting = False
+for dev in glob.glob("/sys/bus/virtio/devices/*"):
+    try:
+        if open(dev + "/device").read().strip() == "0x0005":
+            reporting |= open(dev + "/features").read()[5:6] == "1"
+    except OSError:
+        pass
 json.dump({"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory": mem,
            "kernel": platform.release(), "os": sh(". /etc/os-release && echo $PRETTY_NAME"),
            "commit": sh("git rev-parse --short HEAD") + (" (dirty)" if sh("git status --porcelain") else ""),
            "command": "scripts/bench.sh" + (" --quick" if quick else ""),
+           "thp": thp.group(1) if thp else "unknown", "free_page_reporting": reporting,
            "seconds": secs, "note": note}, open(path, "w"), indent=2)
 EOF
 /usr/bin/python3 scripts/bench_report.py "$OUT" || FAILED+=("the report (scripts/bench_report.py)")

@@ -460,6 +460,12 @@ def main():
             f"{machine.get('commit', '?')} on {machine.get('cores', '?')} cores "
             f"({machine.get('cpu', '?')}), {machine.get('memory', '?')}, {machine.get('os', '?')}"
             f", {machine.get('seconds', '?')} s.\n")
+    if machine.get("free_page_reporting"):
+        head += ("\nThis machine reports freed memory to its hypervisor (virtio-balloon free page "
+                 "reporting): memory freed and touched again seconds later costs a fault on the "
+                 "host, which makes the figures that allocate fresh memory (consolidation, large "
+                 "unshards and reductions) slower and more variable than on bare metal "
+                 "(docs/performance.md, \"Fresh memory\").\n")
     if machine.get("note"):
         head += f"\nNote: {machine['note']}\n"
     with open(os.path.join(out, "summary.md"), "w") as f:
