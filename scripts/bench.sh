@@ -73,18 +73,21 @@ if ((QUICK)); then
   CKPT_WORLDS="2" CKPT_ROUNDS=3
   TRAIN_ROUNDS=3 TRAIN_ITERS=5
   SCALE_SIZES="1000000,8000000,32000000" SCALE_FIXED=8000000 SCALE_WORLDS="1 4" SCALE_ROUNDS=2
-  PEER_ROUNDS=2
+  PEER_ROUNDS=2 FRESH_ROUNDS=3
 else
   COLL_WORLDS="2 3 4" COLL_SIZES="1,4,16,64,256" COLL_ROUNDS=5
   CKPT_WORLDS="2 4" CKPT_ROUNDS=5
   TRAIN_ROUNDS=5 TRAIN_ITERS=10
   SCALE_SIZES="1000000,8000000,50000000,200000000" SCALE_FIXED=50000000 SCALE_WORLDS="1 3 4"
   SCALE_ROUNDS=5
-  PEER_ROUNDS=3
+  PEER_ROUNDS=3 FRESH_ROUNDS=5
 fi
 
 echo "== fsdp-cpp benchmark suite ($( ((QUICK)) && echo quick || echo full)) -> $OUT"
 
+# 0. The machine's cost of writing fresh memory, right after freeing some and after a pause
+# (what every figure that allocates its result pays; docs/performance.md, "Fresh memory").
+run machine.log FSDP_BENCH_ROUNDS=$FRESH_ROUNDS $B/bench_fresh_memory
 # 1. Collectives (LibTorch of the host).
 for w in $COLL_WORLDS; do
   run collectives.log FSDP_BENCH_WORLD=$w FSDP_BENCH_SIZES_MB=$COLL_SIZES \

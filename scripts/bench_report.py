@@ -99,6 +99,24 @@ def suffix(m, run):
     return f" [LibTorch {row['libtorch']}]" if row and "libtorch" in row else f" [{run}]"
 
 
+def fresh_memory(m):
+    """What writing fresh memory costs here (bench_fresh_memory): no targets, the context of the
+    figures that allocate what they return."""
+    labels = {"4k_hot": "fresh, 4 KiB pages, just after a free",
+              "huge_hot": "fresh, MADV_HUGEPAGE, just after a free",
+              "4k_cold": "fresh, 4 KiB pages, after a pause",
+              "huge_cold": "fresh, MADV_HUGEPAGE, after a pause"}
+    for nbytes in m.values("bytes", bench="fresh_memory", run="host"):
+        key = dict(bench="fresh_memory", run="host", bytes=nbytes)
+        base = m.median(case="faulted", **key)
+        for case, label in labels.items():
+            t = m.median(case=case, **key)
+            row = m.first(case=case, **key)
+            record(f"machine/fresh_memory/{case}/{mb_label(nbytes)}", t * 1e3 if t else None, "ms",
+                   "writing the same bytes already faulted in", base * 1e3 if base else None,
+                   note=f"{label} ({row['pause_s']:g} s)" if "cold" in case and row else label)
+
+
 def collectives(m):
     for run in ("host", "host-heap", "torch2"):
         sfx = suffix(m, run)
@@ -444,6 +462,7 @@ def main():
         sys.exit(2)
     out = sys.argv[1]
     m = Measurements(load(os.path.join(out, "measurements.jsonl")))
+    fresh_memory(m)
     collectives(m)
     training(m)
     memory(m)
