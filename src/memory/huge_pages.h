@@ -12,6 +12,14 @@
 //
 // Where THP is "always" this changes nothing, where it is "never" the kernel ignores the advice,
 // and $FSDP_HUGE_PAGES=0 turns it off (for kernels whose direct compaction stalls the fault).
+//
+// The gain assumes the memory was freed recently, as a training step's buffers are. On a VM whose
+// balloon reports free memory to the host (free page reporting), a 2 MiB block that stayed free
+// for about 2 s faults on the host too: 600 MB advised took 305-859 ms to write there, against
+// about 200 ms with 4 KiB pages, which that reporting did not slow (bench/bench_fresh_memory,
+// docs/performance.md "Fresh memory"). That hits the rare, large FULL state dict buffers, not the
+// step; the advice stays on by default, and $FSDP_HUGE_PAGES=0 is the choice on such a VM where the
+// state dict matters more.
 #pragma once
 
 #include <cstddef>
