@@ -251,4 +251,87 @@ TEST(DcpMetadata, MutatedFilesNeverCrash) {
   std::printf("mutated .metadata files: %d rejected, %d still parse\n", rejected, accepted);
 }
 
+// The ranks' exchange during a save (encode_wire) carries everything the merged `.metadata` is
+// written from: decoding it gives back the same pickle bytes, version and requires_grad included.
+TEST(DcpMetadata, WireFormRoundTrips) {
+  dcp::Metadata m = sample();
+  m.version = "1.0.0";
+  m.state_dict_metadata[0].second.tensor.requires_grad = true;
+  const std::string want = dcp::serialize_metadata(m);
+  EXPECT_EQ(dcp::serialize_metadata(dcp::decode_wire(dcp::encode_wire(m), "rank 1")), want);
+  const dcp::Metadata empty;
+  EXPECT_EQ(dcp::serialize_metadata(dcp::decode_wire(dcp::encode_wire(empty), "rank 1")),
+            dcp::serialize_metadata(empty));
+  // Negative control: the comparison sees a changed chunk, dtype or storage offset.
+  dcp::Metadata other = m;
+  other.state_dict_metadata[0].second.tensor.chunks[1].sizes = {1, 4};
+  EXPECT_NE(dcp::serialize_metadata(dcp::decode_wire(dcp::encode_wire(other), "r")), want);
+  other = m;
+  other.state_dict_metadata[1].second.tensor.dtype = at::kHalf;
+  EXPECT_NE(dcp::serialize_metadata(dcp::decode_wire(dcp::encode_wire(other), "r")), want);
+  other = m;
+  other.storage_data[2].second.offset = 1181;
+  EXPECT_NE(dcp::serialize_metadata(dcp::decode_wire(dcp::encode_wire(other), "r")), want);
+}
+
+// A malformed exchange message is a ValueError naming its sender, never a crash, an overread or a
+// huge allocation: every truncation, trailing bytes, bad values, random corruption.
+TEST(DcpMetadata, WireFormRejectsMalformedMessages) {
+  const dcp::Metadata m = sample();
+  const std::string good = dcp::encode_wire(m);
+  for (size_t n = 0; n < good.size(); ++n)
+    EXPECT_THROW(dcp::decode_wire(good.substr(0, n), "rank 3"), fsdp::ValueError) << n;
+  try {
+    dcp::decode_wire(good + "x", "rank 3's save report");
+    ADD_FAILURE() << "trailing bytes accepted";
+  } catch (const fsdp::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 3's save report"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("trailing"), std::string::npos) << e.what();
+  }
+  auto rejects = [](const dcp::Metadata& bad, const std::string& words) {
+    try {
+      dcp::decode_wire(dcp::encode_wire(bad), "rank 2");
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const fsdp::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  dcp::Metadata bad = m;
+  bad.state_dict_metadata[0].second.tensor.chunks[1].offsets = {4, 0};  // 4 + 2 rows > 5
+  rejects(bad, "leaving the tensor in dim 0");
+  bad = m;
+  bad.state_dict_metadata[0].second.tensor.chunks[0].sizes = {3};
+  rejects(bad, "another rank");
+  bad = m;
+  bad.state_dict_metadata[0].second.tensor.size = {-5, 4};
+  rejects(bad, "negative size");
+  bad = m;
+  bad.state_dict_metadata[0].second.tensor.dtype = at::kQInt8;  // no DCP name
+  rejects(bad, "dtype code");
+  bad = m;
+  bad.storage_data[0].second.relative_path = "../__0_0.distcp";
+  rejects(bad, "not a plain file name");
+  bad = m;
+  bad.storage_data[1].second.length = -1;
+  rejects(bad, "negative offset or length");
+  // A count far beyond the message (the first item count, after the empty version string).
+  std::string huge = good;
+  for (int k = 0; k < 8; ++k) huge[8 + k] = static_cast<char>(k == 7 ? 0x7f : 0xff);
+  EXPECT_THROW(dcp::decode_wire(huge, "rank 1"), fsdp::ValueError);
+
+  std::mt19937 rng(7);
+  int rejected = 0;
+  for (int k = 0; k < 4000; ++k) {
+    std::string b = good;
+    const int flips = 1 + static_cast<int>(rng() % 3);
+    for (int f = 0; f < flips; ++f) b[rng() % b.size()] = static_cast<char>(rng() & 0xff);
+    try {
+      dcp::decode_wire(b, "rank 1");
+    } catch (const fsdp::ValueError&) {
+      ++rejected;
+    }
+  }
+  EXPECT_GT(rejected, 1000);
+}
+
 }  // namespace

@@ -361,6 +361,201 @@ std::string serialize_metadata(const Metadata& m) {
   return pickle::write(dataclass(kMeta, "Metadata", std::move(attrs)));
 }
 
+// ---- the wire form (encode_wire / decode_wire) ----
+// Little-endian fixed-width integers; a string or vector is its count (u64) and then its
+// elements. Layout: version, state_dict_metadata, planner_data, storage_data.
+
+namespace {
+
+class WireWriter {
+ public:
+  void u8(uint8_t v) { out_.push_back(static_cast<char>(v)); }
+  void i64(int64_t v) {
+    const uint64_t u = static_cast<uint64_t>(v);
+    for (int k = 0; k < 8; ++k) out_.push_back(static_cast<char>((u >> (8 * k)) & 0xff));
+  }
+  void str(const std::string& v) {
+    i64(static_cast<int64_t>(v.size()));
+    out_ += v;
+  }
+  void ints(const std::vector<int64_t>& v) {
+    i64(static_cast<int64_t>(v.size()));
+    for (int64_t x : v) i64(x);
+  }
+  std::string take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+class WireReader {
+ public:
+  WireReader(const std::string& b, const std::string& what) : b_(b), what_(what) {}
+  [[noreturn]] void fail(const std::string& msg) const {
+    throw ValueError(what_ + ": " + msg + " (at byte " + std::to_string(pos_) + " of " +
+                     std::to_string(b_.size()) + ")");
+  }
+  uint8_t u8() {
+    need(1);
+    return static_cast<uint8_t>(b_[pos_++]);
+  }
+  int64_t i64() {
+    need(8);
+    uint64_t u = 0;
+    for (int k = 0; k < 8; ++k)
+      u |= static_cast<uint64_t>(static_cast<uint8_t>(b_[pos_ + k])) << (8 * k);
+    pos_ += 8;
+    return static_cast<int64_t>(u);
+  }
+  // A count of elements of at least `min_bytes` each: no larger than the bytes left can hold, so
+  // a corrupt count cannot make a huge allocation.
+  size_t count(size_t min_bytes) {
+    const int64_t n = i64();
+    if (n < 0 || static_cast<uint64_t>(n) > (b_.size() - pos_) / min_bytes)
+      fail("count " + std::to_string(n) + " exceeds the message");
+    return static_cast<size_t>(n);
+  }
+  std::string str() {
+    const size_t n = count(1);
+    std::string s = b_.substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  std::vector<int64_t> ints() {
+    std::vector<int64_t> v(count(8));
+    for (int64_t& x : v) x = i64();
+    return v;
+  }
+  bool done() const { return pos_ == b_.size(); }
+
+ private:
+  void need(size_t n) const {
+    if (b_.size() - pos_ < n) fail("truncated");
+  }
+  const std::string& b_;
+  const std::string& what_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::string encode_wire(const Metadata& m) {
+  WireWriter w;
+  w.str(m.version);
+  w.i64(static_cast<int64_t>(m.state_dict_metadata.size()));
+  for (const auto& [k, item] : m.state_dict_metadata) {
+    w.str(k);
+    w.u8(item.bytes ? 1 : 0);
+    if (item.bytes) continue;
+    const TensorMeta& t = item.tensor;
+    w.i64(static_cast<int64_t>(t.dtype));
+    w.u8(t.requires_grad ? 1 : 0);
+    w.ints(t.size);
+    w.i64(static_cast<int64_t>(t.chunks.size()));
+    for (const ChunkMeta& c : t.chunks) {
+      w.ints(c.offsets);
+      w.ints(c.sizes);
+    }
+  }
+  w.i64(static_cast<int64_t>(m.planner_data.size()));
+  for (const auto& [k, path] : m.planner_data) {
+    w.str(k);
+    w.i64(static_cast<int64_t>(path.size()));
+    for (const PathElement& e : path) {
+      if (const auto* s = std::get_if<std::string>(&e)) {
+        w.u8(0);
+        w.str(*s);
+      } else {
+        w.u8(1);
+        w.i64(std::get<int64_t>(e));
+      }
+    }
+  }
+  w.i64(static_cast<int64_t>(m.storage_data.size()));
+  for (const auto& [idx, info] : m.storage_data) {
+    w.str(idx.fqn);
+    w.u8(idx.offset ? 1 : 0);
+    if (idx.offset) w.ints(*idx.offset);
+    w.u8(idx.index ? 1 : 0);
+    if (idx.index) w.i64(*idx.index);
+    w.str(info.relative_path);
+    w.i64(info.offset);
+    w.i64(info.length);
+  }
+  return w.take();
+}
+
+Metadata decode_wire(const std::string& bytes, const std::string& what) {
+  WireReader r(bytes, what);
+  Metadata m;
+  m.version = r.str();
+  for (size_t n = r.count(9), i = 0; i < n; ++i) {
+    std::string key = r.str();
+    ItemMeta item;
+    const uint8_t kind = r.u8();
+    if (kind > 1) r.fail("item '" + key + "' has kind " + std::to_string(kind));
+    item.bytes = kind == 1;
+    if (!item.bytes) {
+      TensorMeta& t = item.tensor;
+      const int64_t dt = r.i64();
+      bool known = false;
+      for (const auto& [d, name] : dtype_table()) known |= static_cast<int64_t>(d) == dt;
+      if (!known) r.fail("item '" + key + "' has dtype code " + std::to_string(dt));
+      t.dtype = static_cast<at::ScalarType>(dt);
+      t.requires_grad = r.u8() != 0;
+      t.size = r.ints();
+      for (int64_t s : t.size)
+        if (s < 0) r.fail("item '" + key + "' has a negative size");
+      for (size_t nc = r.count(16), c = 0; c < nc; ++c) {
+        ChunkMeta ch{r.ints(), r.ints()};
+        if (ch.offsets.size() != t.size.size() || ch.sizes.size() != t.size.size())
+          r.fail("item '" + key + "' has a chunk of another rank than the tensor");
+        for (size_t d = 0; d < t.size.size(); ++d) {
+          if (ch.offsets[d] < 0 || ch.sizes[d] < 0 || ch.offsets[d] > t.size[d] ||
+              ch.sizes[d] > t.size[d] - ch.offsets[d])
+            r.fail("item '" + key + "' has a chunk leaving the tensor in dim " + std::to_string(d));
+        }
+        t.chunks.push_back(std::move(ch));
+      }
+    }
+    m.state_dict_metadata.emplace_back(std::move(key), std::move(item));
+  }
+  for (size_t n = r.count(16), i = 0; i < n; ++i) {
+    std::string key = r.str();
+    std::vector<PathElement> path;
+    for (size_t np = r.count(9), j = 0; j < np; ++j) {
+      const uint8_t tag = r.u8();
+      if (tag == 0) {
+        path.emplace_back(r.str());
+      } else if (tag == 1) {
+        path.emplace_back(r.i64());
+      } else {
+        r.fail("planner path of '" + key + "' has tag " + std::to_string(tag));
+      }
+    }
+    m.planner_data.emplace_back(std::move(key), std::move(path));
+  }
+  for (size_t n = r.count(34), i = 0; i < n; ++i) {
+    Index idx;
+    idx.fqn = r.str();
+    if (r.u8()) idx.offset = r.ints();
+    if (r.u8()) idx.index = r.i64();
+    StorageInfo info;
+    info.relative_path = r.str();
+    const std::string& rp = info.relative_path;
+    if (rp.empty() || rp == "." || rp == ".." || rp.find('/') != std::string::npos ||
+        rp.find('\\') != std::string::npos || rp.find('\0') != std::string::npos)
+      r.fail("storage of '" + idx.fqn + "' is not a plain file name in the checkpoint directory");
+    info.offset = r.i64();
+    info.length = r.i64();
+    if (info.offset < 0 || info.length < 0)
+      r.fail("storage of '" + idx.fqn + "' has a negative offset or length");
+    m.storage_data.emplace_back(std::move(idx), std::move(info));
+  }
+  if (!r.done()) r.fail("trailing bytes");
+  return m;
+}
+
 }  // namespace dcp
 }  // namespace checkpoint
 }  // namespace fsdp

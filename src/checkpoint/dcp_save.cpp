@@ -56,7 +56,7 @@ struct RankPart {
 };
 
 std::string encode(const RankPart& p) {
-  std::string meta = dcp::serialize_metadata(p.meta);
+  std::string meta = dcp::encode_wire(p.meta);
   std::string out = "M" + std::to_string(meta.size()) + "\n" + meta + p.file + "\n" +
                     std::to_string(p.file_size) + "\n";
   for (const auto& h : p.hashes) out += h + "\n";
@@ -79,7 +79,7 @@ RankPart decode(const std::string& msg, int rank) {
   RankPart p;
   const size_t n = std::stoull(line());
   if (n > msg.size() - pos) return fail();
-  p.meta = dcp::parse_metadata(msg.substr(pos, n), where);
+  p.meta = dcp::decode_wire(msg.substr(pos, n), where);
   pos += n;
   p.file = line();
   p.file_size = std::stoll(line());
