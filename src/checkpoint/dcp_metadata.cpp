@@ -61,6 +61,25 @@ const std::set<std::pair<std::string, std::string>>& allowed_globals() {
   return g;
 }
 
+// Both readers (the `.metadata` parser and decode_wire) hold values to the same rules.
+
+// A storage file must be a single name inside the checkpoint directory, nothing that points
+// outside it.
+bool plain_file_name(const std::string& p) {
+  return !(p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
+           p.find('\\') != std::string::npos || p.find('\0') != std::string::npos);
+}
+
+// The first dim in which chunk `c` (of the tensor's rank) leaves a tensor of `size`, or -1.
+int dim_outside(const ChunkMeta& c, const std::vector<int64_t>& size) {
+  for (size_t d = 0; d < size.size(); ++d) {
+    if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] > size[d] ||
+        c.sizes[d] > size[d] - c.offsets[d])
+      return static_cast<int>(d);
+  }
+  return -1;
+}
+
 class Parser {
  public:
   explicit Parser(std::string what) : what_(std::move(what)) {}
@@ -169,11 +188,8 @@ class Parser {
       if (c.offsets.size() != t.size.size() || c.sizes.size() != t.size.size())
         fail(cw, "has " + std::to_string(c.offsets.size()) + " dims, the tensor " +
                      std::to_string(t.size.size()));
-      for (size_t d = 0; d < t.size.size(); ++d) {
-        if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] > t.size[d] ||
-            c.sizes[d] > t.size[d] - c.offsets[d])
-          fail(cw, "leaves the tensor in dim " + std::to_string(d));
-      }
+      if (const int d = dim_outside(c, t.size); d >= 0)
+        fail(cw, "leaves the tensor in dim " + std::to_string(d));
       t.chunks.push_back(std::move(c));
     }
     return t;
@@ -191,8 +207,7 @@ class Parser {
       fail(where, "relative_path must be a str or a pathlib path");
     }
     // A single file name: nothing may point outside the checkpoint directory.
-    if (p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
-        p.find('\\') != std::string::npos || p.find('\0') != std::string::npos)
+    if (!plain_file_name(p))
       fail(where, "relative_path '" + p + "' is not a plain file name in the checkpoint directory");
     return p;
   }
@@ -257,8 +272,7 @@ class Parser {
       std::string id = idx.fqn + (idx.offset ? std::string(1, '\0') : std::string());
       if (idx.offset)
         for (int64_t x : *idx.offset) id += std::to_string(x) + ",";
-      if (!seen.insert(id).second)
-        fail(vw, "is stored twice");
+      if (!seen.insert(id).second) fail(vw, "is stored twice");
       m.storage_data.emplace_back(std::move(idx), std::move(info));
     }
     if (const NodePtr v = a->get("version"); v && v->is(Kind::Str)) m.version = v->s;
@@ -510,11 +524,8 @@ Metadata decode_wire(const std::string& bytes, const std::string& what) {
         ChunkMeta ch{r.ints(), r.ints()};
         if (ch.offsets.size() != t.size.size() || ch.sizes.size() != t.size.size())
           r.fail("item '" + key + "' has a chunk of another rank than the tensor");
-        for (size_t d = 0; d < t.size.size(); ++d) {
-          if (ch.offsets[d] < 0 || ch.sizes[d] < 0 || ch.offsets[d] > t.size[d] ||
-              ch.sizes[d] > t.size[d] - ch.offsets[d])
-            r.fail("item '" + key + "' has a chunk leaving the tensor in dim " + std::to_string(d));
-        }
+        if (const int d = dim_outside(ch, t.size); d >= 0)
+          r.fail("item '" + key + "' has a chunk leaving the tensor in dim " + std::to_string(d));
         t.chunks.push_back(std::move(ch));
       }
     }
@@ -542,9 +553,7 @@ Metadata decode_wire(const std::string& bytes, const std::string& what) {
     if (r.u8()) idx.index = r.i64();
     StorageInfo info;
     info.relative_path = r.str();
-    const std::string& rp = info.relative_path;
-    if (rp.empty() || rp == "." || rp == ".." || rp.find('/') != std::string::npos ||
-        rp.find('\\') != std::string::npos || rp.find('\0') != std::string::npos)
+    if (!plain_file_name(info.relative_path))
       r.fail("storage of '" + idx.fqn + "' is not a plain file name in the checkpoint directory");
     info.offset = r.i64();
     info.length = r.i64();
