@@ -3,9 +3,9 @@
 // (an unshard, a reduction's output, the FULL state dict's result) pays this on top of the bytes
 // it moves, so it is the machine's side of those figures, recorded in the same run.
 //
-// One process, no LibTorch. For each size in $FSDP_BENCH_FRESH_MB (megabytes, default 256,600: a
-// large unit, and the whole model and Adam state of 50M parameters per rank at W=2), each round
-// times a memset of:
+// One process, no LibTorch. For each size in $FSDP_BENCH_FRESH_MB (whole megabytes, default
+// 256,600: a large unit, and the whole model and Adam state of 50M parameters per rank at W=2),
+// each round times a memset of:
 //   faulted      a buffer written before (the baseline: what the raw collectives write into)
 //   4k_hot       a fresh mapping, right after an equal mapping was written and unmapped
 //   huge_hot     the same, advised MADV_HUGEPAGE (what src/memory/huge_pages.h does)
@@ -33,12 +33,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_env.h"
+
 namespace {
 
-double env_double(const char* name, double fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atof(v) : fallback;
-}
+using fsdp_bench::median;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -71,15 +70,9 @@ double time_fresh(size_t bytes, bool huge, bool hot) {
   return s;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 // Interleaved rounds of every case at one size; prints the medians and appends the samples to
 // $FSDP_BENCH_OUT.
-void measure(double mb, double pause, int rounds) {
+void measure(int64_t mb, double pause, int rounds) {
   const size_t bytes = static_cast<size_t>(mb * 1e6);
   std::vector<char> faulted(bytes, 0);  // written once here: the baseline writes it again
   const std::vector<std::string> cases{"faulted", "4k_hot", "huge_hot", "4k_cold", "huge_cold"};
@@ -103,8 +96,8 @@ void measure(double mb, double pause, int rounds) {
   }
 
   const double base = median(samples["faulted"]);
-  std::printf("\nwriting %.0f MB, medians of %d interleaved rounds (cold: after a %.1f s pause)\n",
-              mb, rounds, pause);
+  std::printf("\nwriting %lld MB, medians of %d interleaved rounds (cold: after a %.1f s pause)\n",
+              static_cast<long long>(mb), rounds, pause);
   std::printf("%-10s %10s %8s %10s   %s\n", "", "ms", "GB/s", "/ faulted", "samples (ms)");
   for (const std::string& c : cases) {
     const double t = median(samples[c]);
@@ -133,23 +126,17 @@ void measure(double mb, double pause, int rounds) {
 }  // namespace
 
 int main() {
-  const double pause = env_double("FSDP_BENCH_FRESH_PAUSE_S", 3);
-  const int rounds = static_cast<int>(env_double("FSDP_BENCH_ROUNDS", 5));
-  std::vector<double> sizes;
-  const char* list = std::getenv("FSDP_BENCH_FRESH_MB");
-  for (std::string rest = list && *list ? list : "256,600"; !rest.empty();) {
-    const size_t comma = rest.find(',');
-    sizes.push_back(std::atof(rest.substr(0, comma).c_str()));
-    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
-  }
-  for (double mb : sizes) {
-    if (!(mb > 0) || rounds < 1 || pause < 0) {
+  const double pause = fsdp_bench::env_double("FSDP_BENCH_FRESH_PAUSE_S", 3);
+  const int rounds = static_cast<int>(fsdp_bench::env_int("FSDP_BENCH_ROUNDS", 5));
+  const std::vector<int64_t> sizes = fsdp_bench::env_list("FSDP_BENCH_FRESH_MB", {256, 600});
+  for (int64_t mb : sizes) {
+    if (mb <= 0 || rounds < 1 || pause < 0) {
       std::fprintf(stderr,
                    "bench_fresh_memory: FSDP_BENCH_FRESH_MB (a list of sizes), "
                    "FSDP_BENCH_ROUNDS and FSDP_BENCH_FRESH_PAUSE_S must be positive\n");
       return 2;
     }
   }
-  for (double mb : sizes) measure(mb, pause, rounds);
+  for (int64_t mb : sizes) measure(mb, pause, rounds);
   return 0;
 }

@@ -29,16 +29,10 @@
 #include <string>
 #include <vector>
 
+#include "bench_env.h"
 #include "fsdp/fsdp.h"
 
 namespace fsdp_bench {
-
-inline double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 /// Rank 0 prints every round as usual and keeps each case's seconds per iteration, by name and
 /// argument, over its rounds.
@@ -102,18 +96,6 @@ inline void register_rounds(const std::vector<Case>& cases, int rounds,
   }
 }
 
-/// Integer from the environment, or `fallback`.
-inline int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoll(v) : fallback;
-}
-
-/// String from the environment, or `fallback`.
-inline std::string env_str(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::string(v) : fallback;
-}
-
 /// The device a benchmark computes on: $FSDP_BENCH_DEVICE, "cpu" (default; Gloo) or "cuda"
 /// (NCCL; ranks may share one GPU, see run()).
 inline const at::Device& device() {
@@ -123,17 +105,6 @@ inline const at::Device& device() {
 /// GPU work is asynchronous (NCCL's wait() only orders streams): each timed operation ends here.
 inline void sync_device() {
   if (device().is_cuda()) torch::cuda::synchronize();
-}
-
-/// Comma-separated integers from the environment, or `fallback`.
-inline std::vector<int64_t> env_list(const char* name, std::vector<int64_t> fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  std::vector<int64_t> out;
-  std::stringstream ss(v);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(std::atoll(item.c_str()));
-  return out;
 }
 
 /// World size of a benchmark run: $FSDP_BENCH_WORLD, default 2.
