@@ -289,6 +289,26 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
       EXPECT_NE(err.find("bad.safetensors"), std::string::npos) << c.name << ": " << err;
       EXPECT_LT(peak, 4096) << c.name;
     }
+    // An index whose weight_map names anything but a file beside it: a path, a Windows path, the
+    // directory itself or its parent, an empty name, a NUL inside a name.
+    ::mkdir(tmp.file("idx").c_str(), 0755);
+    const std::string idx = tmp.file("idx") + "/model.safetensors.index.json";
+    for (const std::string& f :
+         {std::string("../st/model.safetensors"), std::string("sub/model.safetensors"),
+          std::string("..\\\\st\\\\model.safetensors"), std::string(".."), std::string("."),
+          std::string(""), std::string("model.safetensors\\u0000x")}) {
+      write_bytes(idx, "{\"metadata\": {}, \"weight_map\": {\"w\": \"" + f + "\"}}");
+      const std::string err = error_of([&] { ckpt::load_safetensors(tmp.file("idx")); });
+      EXPECT_NE(err.find("not a file beside the index"), std::string::npos) << f << ": " << err;
+      EXPECT_NE(err.find("model.safetensors.index.json"), std::string::npos) << f << ": " << err;
+    }
+    // The negative control: the same index naming a plain file beside it is read (and here finds
+    // the file missing, a different error).
+    write_bytes(idx, "{\"metadata\": {}, \"weight_map\": {\"w\": \"model.safetensors\"}}");
+    EXPECT_EQ(error_of([&] {
+                ckpt::load_safetensors(tmp.file("idx"));
+              }).find("not a file beside the index"),
+              std::string::npos);
     // .pt: garbage, truncated, a TorchScript archive (torch::save), a pickle that calls
     // os.system, a flipped byte in a storage, a directory outside the file.
     std::string os_system;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "fsdp/errors.h"
@@ -101,6 +102,12 @@ TEST(ShardedTensor, ChunkFollowsTorchChunkAndFlatRangesReassemble) {
   EXPECT_THROW(ShardedTensor({4}, torch::kFloat, {fsdp::Shard{torch::ones({2}), {{0}, {3}, 0}}}),
                fsdp::ValueError);
   EXPECT_THROW(ShardedTensor({4}, torch::kDouble, {fsdp::Shard{torch::ones({2}), {{0}, {2}, 0}}}),
+               fsdp::ValueError);
+  // An offset whose sum with the size would wrap past INT64_MAX is outside too, not "negative".
+  const int64_t huge = std::numeric_limits<int64_t>::max() - 1;
+  EXPECT_THROW(ShardedTensor({4}, torch::kFloat, {fsdp::Shard{torch::ones({2}), {{huge}, {2}, 0}}}),
+               fsdp::ValueError);
+  EXPECT_THROW(ShardedTensor({4}, torch::kFloat, {}, {fsdp::ShardMetadata{{huge}, {huge}, 1}}),
                fsdp::ValueError);
 }
 

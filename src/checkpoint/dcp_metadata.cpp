@@ -4,7 +4,9 @@
 
 #include <set>
 
+#include "checkpoint/files.h"
 #include "checkpoint/pickle.h"
+#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {
@@ -63,21 +65,12 @@ const std::set<std::pair<std::string, std::string>>& allowed_globals() {
 
 // Both readers (the `.metadata` parser and decode_wire) hold values to the same rules.
 
-// A storage file must be a single name inside the checkpoint directory, nothing that points
-// outside it.
-bool plain_file_name(const std::string& p) {
-  return !(p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
-           p.find('\\') != std::string::npos || p.find('\0') != std::string::npos);
-}
+// A storage file must be a single name inside the checkpoint directory (files::plain_file_name).
+using files::plain_file_name;
 
 // The first dim in which chunk `c` (of the tensor's rank) leaves a tensor of `size`, or -1.
 int dim_outside(const ChunkMeta& c, const std::vector<int64_t>& size) {
-  for (size_t d = 0; d < size.size(); ++d) {
-    if (c.offsets[d] < 0 || c.sizes[d] < 0 || c.offsets[d] > size[d] ||
-        c.sizes[d] > size[d] - c.offsets[d])
-      return static_cast<int>(d);
-  }
-  return -1;
+  return detail::dim_outside(c.offsets, c.sizes, size);
 }
 
 class Parser {

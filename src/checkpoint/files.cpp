@@ -102,6 +102,11 @@ std::string normalize(const std::string& path) {
   return p.empty() ? "." : p;
 }
 
+bool plain_file_name(const std::string& p) {
+  return !(p.empty() || p == "." || p == ".." || p.find('/') != std::string::npos ||
+           p.find('\\') != std::string::npos || p.find('\0') != std::string::npos);
+}
+
 std::string parent_of(const std::string& path) {
   const std::string p = normalize(path);
   const auto slash = p.rfind('/');

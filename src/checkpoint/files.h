@@ -22,6 +22,10 @@ std::string parent_of(const std::string& path);
 std::string base_of(const std::string& path);
 /// `path` without trailing slashes (and "." for an empty one).
 std::string normalize(const std::string& path);
+/// Whether `name`, read from a file (a `.metadata`, a safetensors index), names a file beside
+/// it: one non-empty component, not "." or "..", with no '/', '\\' or NUL that could point
+/// elsewhere.
+bool plain_file_name(const std::string& name);
 
 /// A file being written: bytes appended in order, then fsynced and closed by `finish`. Closed
 /// (without sync) by the destructor if `finish` was never reached.

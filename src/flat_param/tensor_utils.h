@@ -19,6 +19,17 @@ inline std::string shape_str(at::IntArrayRef s) {
   return os.str();
 }
 
+// The first dim in which the box at `offsets` of `sizes` leaves a tensor of `shape`, or -1 (all
+// three of the same rank). Written so that no sum can overflow: offsets and sizes come from
+// files and peers, and `offset + size > dim` wraps for values near INT64_MAX.
+inline int dim_outside(at::IntArrayRef offsets, at::IntArrayRef sizes, at::IntArrayRef shape) {
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (offsets[d] < 0 || sizes[d] < 0 || offsets[d] > shape[d] || sizes[d] > shape[d] - offsets[d])
+      return static_cast<int>(d);
+  }
+  return -1;
+}
+
 // Moves a tensor's memory out of its storage, which is left empty (and so are its views), and
 // returns it: a unit-sized block handed from one buffer to the next without a trip through the
 // allocator, which on the CPU would give it back to the kernel (glibc returns blocks over its

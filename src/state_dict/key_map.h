@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "flat_param/tensor_utils.h"  // shape_str, dim_outside
 #include "runtime/state.h"
 
 namespace fsdp {
@@ -54,7 +55,6 @@ KeyMap key_map(FsdpState& st);
 void require_idle(FsdpState& st, const char* what);
 /// "<unit fqn>._flat_param", or "_flat_param" for the root.
 std::string flat_key(const Unit& u);
-std::string shape_str(at::IntArrayRef s);
 
 /// Every shard-group rank's boxes of each parameter of a sharded flat-parameter layout: what
 /// each rank holds of it in its flat shard, cut by flat_range_boxes (ShardLayout::FLAT_SHARDS),

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <map>
-#include <sstream>
 
 #include "fsdp/errors.h"
 #include "runtime/state.h"
@@ -26,12 +25,6 @@ int64_t& detail::full_gather_window_bytes() {
 }
 
 namespace detail {
-
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
 
 KeyMap key_map(FsdpState& st) {
   KeyMap km;

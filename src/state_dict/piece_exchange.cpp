@@ -103,7 +103,7 @@ RankMeta parse_meta(const std::string& line, const std::vector<int64_t>& shape) 
   }
   int64_t lo = 0, n = 0, total = 1;
   for (auto d : shape) total *= d;
-  if (!(is >> lo >> n) || lo < 0 || n < 0 || lo + n > total) return bad("bad range");
+  if (!(is >> lo >> n) || lo < 0 || n < 0 || lo > total || n > total - lo) return bad("bad range");
   m.need_lo = lo;
   m.need_n = n;
   if (tag == "-") return m;
@@ -124,11 +124,9 @@ RankMeta parse_meta(const std::string& line, const std::vector<int64_t>& shape) 
       if (!(is >> o)) return bad("truncated piece");
     for (auto& z : b.sizes)
       if (!(is >> z)) return bad("truncated piece");
-    for (size_t d = 0; d < nd; ++d) {
-      if (b.offsets[d] < 0 || b.sizes[d] < 0 || b.offsets[d] + b.sizes[d] > shape[d]) {
-        return bad("piece at " + shape_str(b.offsets) + " of size " + shape_str(b.sizes) +
-                   " lies outside the shape " + shape_str(shape));
-      }
+    if (detail::dim_outside(b.offsets, b.sizes, shape) >= 0) {
+      return bad("piece at " + shape_str(b.offsets) + " of size " + shape_str(b.sizes) +
+                 " lies outside the shape " + shape_str(shape));
     }
     m.boxes.push_back(std::move(b));
   }

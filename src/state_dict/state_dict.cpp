@@ -1,19 +1,14 @@
 // StateDict / StateValue, ShardedTensor, and the unwrapped module's state dict (save and load).
 #include "fsdp/state_dict.h"
 
-#include <sstream>
-
+#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
 
 namespace fsdp {
 namespace {
 
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
-}
+using detail::shape_str;
 
 // Row-major strides of a shape, in elements.
 std::vector<int64_t> strides_of(const std::vector<int64_t>& shape) {
@@ -59,12 +54,9 @@ ShardedTensor::ShardedTensor(std::vector<int64_t> global_shape, at::ScalarType d
                        std::to_string(m.offsets.size()) + " dims, the tensor " +
                        std::to_string(global_shape_.size()));
     }
-    for (size_t d = 0; d < global_shape_.size(); ++d) {
-      if (m.offsets[d] < 0 || m.sizes[d] < 0 || m.offsets[d] + m.sizes[d] > global_shape_[d]) {
-        throw ValueError("ShardedTensor: piece at offsets " + shape_str(m.offsets) + " sizes " +
-                         shape_str(m.sizes) + " leaves the global shape " +
-                         shape_str(global_shape_));
-      }
+    if (detail::dim_outside(m.offsets, m.sizes, global_shape_) >= 0) {
+      throw ValueError("ShardedTensor: piece at offsets " + shape_str(m.offsets) + " sizes " +
+                       shape_str(m.sizes) + " leaves the global shape " + shape_str(global_shape_));
     }
   };
   for (const auto& s : local_shards_) {
