@@ -377,6 +377,24 @@ TEST_P(DistWorld, AllReduceBroadcastBarrierAndBytes) {
     }
     std::string got = pg.broadcast_bytes(pg.rank() == 0 ? "hello from 0" : "ignored");
     ASSERT_EQ(got, "hello from 0");
+    // Around the one-collective slot (248 bytes of payload) and well past it, on some ranks only:
+    // the remainders travel in a second collective that every rank must agree to run.
+    auto pattern = [](size_t n, int r) {
+      std::string b(n, '\0');
+      for (size_t i = 0; i < n; ++i)
+        b[i] = static_cast<char>((i * 7 + static_cast<size_t>(r)) & 0xff);
+      return b;
+    };
+    for (size_t base : {size_t{247}, size_t{248}, size_t{249}, size_t{30000}}) {
+      auto size_of = [&](int r) { return r % 2 ? base : base / 3; };
+      auto got_all = pg.all_gather_bytes(pattern(size_of(pg.rank()), pg.rank()));
+      ASSERT_EQ(static_cast<int>(got_all.size()), W);
+      for (int r = 0; r < W; ++r) ASSERT_EQ(got_all[r], pattern(size_of(r), r)) << base << " " << r;
+      const int src = W - 1;
+      ASSERT_EQ(pg.broadcast_bytes(pg.rank() == src ? pattern(base, src) : "x", src),
+                pattern(base, src))
+          << base;
+    }
   });
 }
 
