@@ -82,6 +82,32 @@ dcp::Metadata sample() {
   return m;
 }
 
+// Enough tensors and chunks that the writer's memo passes 256 entries (LONG_BINPUT / LONG_BINGET).
+dcp::Metadata many() {
+  dcp::Metadata m = sample();
+  for (int i = 0; i < 300; ++i) {
+    const std::string fqn = "layers." + std::to_string(i) + ".weight";
+    dcp::ItemMeta w;
+    w.tensor.dtype = i % 2 ? at::kFloat : at::kBFloat16;
+    w.tensor.size = {4, 3};
+    w.tensor.chunks = {{{0, 0}, {2, 3}}, {{2, 0}, {2, 3}}};
+    m.state_dict_metadata.emplace_back(fqn, w);
+    m.planner_data.emplace_back(fqn, std::vector<dcp::PathElement>{
+                                         std::string("layers"), int64_t{i}, std::string("weight")});
+    for (int r = 0; r < 2; ++r) {
+      m.storage_data.push_back({{fqn, std::vector<int64_t>{2 * r, 0}, 0},
+                                {"__" + std::to_string(r) + "_0.distcp", 24 * i, 24}});
+    }
+  }
+  return m;
+}
+
+size_t occurrences(const std::string& hay, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = hay.find(needle); at != std::string::npos; at = hay.find(needle, at + 1)) ++n;
+  return n;
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
@@ -100,6 +126,15 @@ TEST(DcpMetadata, WrittenMetadataReadsBack) {
   dcp::Metadata other = m;
   other.state_dict_metadata[0].second.tensor.chunks[1].sizes = {1, 4};
   EXPECT_NE(describe(dcp::parse_metadata(dcp::serialize_metadata(other))), describe(m));
+  // Classes and field names recur for every chunk and storage entry: each is written once and
+  // fetched from the memo after that, past 256 entries too.
+  const dcp::Metadata big = many();
+  const std::string big_bytes = dcp::serialize_metadata(big);
+  EXPECT_EQ(describe(dcp::parse_metadata(big_bytes)), describe(big));
+  EXPECT_EQ(occurrences(big_bytes, "ChunkStorageMetadata"), 1u);
+  EXPECT_EQ(occurrences(big_bytes, "relative_path"), 1u);
+  EXPECT_EQ(occurrences(big_bytes, "__1_0.distcp"), 1u);
+  EXPECT_LT(big_bytes.size(), size_t{120000}) << "346 KB without the memo, 92 KB with it";
 }
 
 // Stock PyTorch writes a checkpoint; our reader sees what PyTorch's own reader sees.
@@ -126,7 +161,7 @@ TEST(DcpMetadata, OurMetadataLoadsInPython) {
   if (fsdp::testing::python().empty())
     GTEST_SKIP() << "no Python with torch >= 2 and DCP (the trixie chroot has one)";
   fsdp::testing::TempDir tmp;
-  const dcp::Metadata m = sample();
+  const dcp::Metadata m = many();  // the memo past 256 entries, as Python reads it
   {
     std::ofstream f(tmp.file(".metadata"), std::ios::binary);
     f << dcp::serialize_metadata(m);

@@ -477,9 +477,11 @@ class Writer {
       }
       case Node::Kind::Str:
         if (n->s.size() > 0xffffffffu) throw PickleError("pickle write: string too long");
+        if (recall('s' + n->s)) return;
         out_ += 'X';
         u32(static_cast<uint32_t>(n->s.size()));
         out_ += n->s;
+        remember();
         return;
       case Node::Kind::Bytes:
         throw PickleError("pickle write: bytes need protocol 3, this writer emits protocol 2");
@@ -517,7 +519,9 @@ class Writer {
       case Node::Kind::Global:
         if (n->module.find('\n') != std::string::npos || n->name.find('\n') != std::string::npos)
           throw PickleError("pickle write: newline in a global's name");
+        if (recall('g' + n->module + '\n' + n->name)) return;
         out_ += 'c' + n->module + '\n' + n->name + '\n';
+        remember();
         return;
       case Node::Kind::PersId:
         if (n->items.size() != 1)
@@ -556,7 +560,37 @@ class Writer {
       for (int k = 0; k < 8; ++k) out_ += static_cast<char>((u >> (8 * k)) & 0xff);
     }
   }
+  // The memo, as Python's pickler keeps it: a class or a string written once and fetched again by
+  // index (BINGET, 2 bytes) wherever it recurs. A DCP `.metadata` names the same few dataclasses
+  // and field names for every chunk and storage entry; without the memo they were most of its
+  // bytes. Strings are immutable in Python, so sharing equal ones changes nothing for a reader.
+  bool recall(std::string key) {
+    auto [it, fresh] = memo_.emplace(std::move(key), static_cast<uint32_t>(memo_.size()));
+    if (fresh) {
+      pending_ = it->second;
+      return false;
+    }
+    if (it->second < 0x100) {
+      out_ += 'h';  // BINGET
+      out_ += static_cast<char>(it->second);
+    } else {
+      out_ += 'j';  // LONG_BINGET
+      u32(it->second);
+    }
+    return true;
+  }
+  void remember() {  // stores what was just pushed at the index recall() gave it
+    if (pending_ < 0x100) {
+      out_ += 'q';  // BINPUT
+      out_ += static_cast<char>(pending_);
+    } else {
+      out_ += 'r';  // LONG_BINPUT
+      u32(pending_);
+    }
+  }
   std::string out_;
+  std::unordered_map<std::string, uint32_t> memo_;
+  uint32_t pending_ = 0;
 };
 
 }  // namespace
