@@ -240,10 +240,12 @@ class ProcessGroup {
   /// Blocks until every member has arrived (or the timeout passes).
   void barrier();
 
-  /// Every rank's `bytes`, indexed by rank. For small metadata (shapes, names): sizes differ
-  /// freely between ranks.
+  /// Every rank's `bytes`, indexed by rank. For small metadata (shapes, names, verdicts): sizes
+  /// differ freely between ranks. One collective when every message fits in 248 bytes, a second
+  /// for the rest otherwise.
   std::vector<std::string> all_gather_bytes(const std::string& bytes);
-  /// Rank `src`'s `bytes` on every rank (other ranks' argument is ignored).
+  /// Rank `src`'s `bytes` on every rank (other ranks' argument is ignored). One collective up to
+  /// 248 bytes, two beyond.
   std::string broadcast_bytes(const std::string& bytes, int src = 0);
 
   /// Creates a sub-group of `ranks` (ranks of *this* group, any order; the new group's rank i is
