@@ -377,7 +377,7 @@ TEST_P(DistWorld, AllReduceBroadcastBarrierAndBytes) {
     }
     std::string got = pg.broadcast_bytes(pg.rank() == 0 ? "hello from 0" : "ignored");
     ASSERT_EQ(got, "hello from 0");
-    // Around the one-collective slot (248 bytes of payload) and well past it, on some ranks only:
+    // Around the one-collective slot (120 bytes of payload) and well past it, on some ranks only:
     // the remainders travel in a second collective that every rank must agree to run.
     auto pattern = [](size_t n, int r) {
       std::string b(n, '\0');
@@ -385,7 +385,7 @@ TEST_P(DistWorld, AllReduceBroadcastBarrierAndBytes) {
         b[i] = static_cast<char>((i * 7 + static_cast<size_t>(r)) & 0xff);
       return b;
     };
-    for (size_t base : {size_t{247}, size_t{248}, size_t{249}, size_t{30000}}) {
+    for (size_t base : {size_t{119}, size_t{120}, size_t{121}, size_t{30000}}) {
       auto size_of = [&](int r) { return r % 2 ? base : base / 3; };
       auto got_all = pg.all_gather_bytes(pattern(size_of(pg.rank()), pg.rank()));
       ASSERT_EQ(static_cast<int>(got_all.size()), W);

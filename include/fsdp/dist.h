@@ -241,11 +241,11 @@ class ProcessGroup {
   void barrier();
 
   /// Every rank's `bytes`, indexed by rank. For small metadata (shapes, names, verdicts): sizes
-  /// differ freely between ranks. One collective when every message fits in 248 bytes, a second
+  /// differ freely between ranks. One collective when every message fits in 120 bytes, a second
   /// for the rest otherwise.
   std::vector<std::string> all_gather_bytes(const std::string& bytes);
   /// Rank `src`'s `bytes` on every rank (other ranks' argument is ignored). One collective up to
-  /// 248 bytes, two beyond.
+  /// 120 bytes, two beyond.
   std::string broadcast_bytes(const std::string& bytes, int src = 0);
 
   /// Creates a sub-group of `ranks` (ranks of *this* group, any order; the new group's rank i is

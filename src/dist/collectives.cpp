@@ -618,9 +618,9 @@ namespace {
 // collective's fixed cost is all there is (a few hundred microseconds over Gloo on loopback): each
 // message travels in a fixed-size slot with its length up front, so one collective suffices, and
 // only what does not fit follows in a second one, which every rank knows to run from the lengths
-// it received. The slot is small because every rank holds W + 1 of them during the exchange, often
+// it received. The slot is small because every rank holds W of them during the exchange, often
 // while it holds a unit for a state-dict transfer that promises to hold about one unit more.
-constexpr int64_t kBytesSlot = 256;
+constexpr int64_t kBytesSlot = 128;
 constexpr int64_t kSlotPayload = kBytesSlot - 8;
 
 void put_length(char* slot, int64_t n) { std::memcpy(slot, &n, sizeof n); }
@@ -640,11 +640,12 @@ std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes
   State& s = checked_state("all_gather_bytes");
   if (s.size == 1) return {bytes};
   const int64_t n = static_cast<int64_t>(bytes.size());
-  at::Tensor mine = at::zeros({kBytesSlot}, at::kByte);
+  // In place: this rank's slot is its own piece of the output, so the exchange holds W slots.
+  at::Tensor all = at::zeros({kBytesSlot * s.size}, at::kByte);
+  at::Tensor mine = all.narrow(0, kBytesSlot * s.rank, kBytesSlot);
   char* slot = static_cast<char*>(mine.data_ptr());
   put_length(slot, n);
   std::memcpy(slot + 8, bytes.data(), static_cast<size_t>(std::min(n, kSlotPayload)));
-  at::Tensor all = at::empty({kBytesSlot * s.size}, at::kByte);
   all_gather_into_tensor(all, mine);
   const char* base = static_cast<const char*>(all.data_ptr());
   std::vector<std::string> out;
@@ -658,11 +659,11 @@ std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes
     rest = std::max(rest, lens[r] - kSlotPayload);
   }
   if (rest > 0) {
-    at::Tensor more = at::zeros({rest}, at::kByte);
+    at::Tensor all_more = at::zeros({rest * s.size}, at::kByte);
+    at::Tensor more = all_more.narrow(0, rest * s.rank, rest);
     if (n > kSlotPayload)
       std::memcpy(more.data_ptr(), bytes.data() + kSlotPayload,
                   static_cast<size_t>(n - kSlotPayload));
-    at::Tensor all_more = at::empty({rest * s.size}, at::kByte);
     all_gather_into_tensor(all_more, more);
     const char* m = static_cast<const char*>(all_more.data_ptr());
     for (int r = 0; r < s.size; ++r) {
