@@ -235,6 +235,11 @@ TEST(DcpMetadata, HostileFilesAreRejected) {
        "not a plain file name"},
       {bad_meta([](dcp::Metadata& m) { m.storage_data[0].second.relative_path = "/etc/passwd"; }),
        "not a plain file name"},
+      // A NUL in the name: refused, and shown escaped (it would end the error's what()).
+      {bad_meta([](dcp::Metadata& m) {
+         m.storage_data[0].second.relative_path = std::string("__0_0.distcp\0x", 14);
+       }),
+       "'__0_0.distcp\\x00x' is not a plain file name"},
       {bad_meta([](dcp::Metadata& m) { m.storage_data[1].second.length = -1; }),
        "negative offset or length"},
   };

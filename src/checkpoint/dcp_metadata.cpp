@@ -63,16 +63,6 @@ const std::set<std::pair<std::string, std::string>>& allowed_globals() {
   return g;
 }
 
-// Both readers (the `.metadata` parser and decode_wire) hold values to the same rules.
-
-// A storage file must be a single name inside the checkpoint directory (files::plain_file_name).
-using files::plain_file_name;
-
-// The first dim in which chunk `c` (of the tensor's rank) leaves a tensor of `size`, or -1.
-int dim_outside(const ChunkMeta& c, const std::vector<int64_t>& size) {
-  return detail::dim_outside(c.offsets, c.sizes, size);
-}
-
 class Parser {
  public:
   explicit Parser(std::string what) : what_(std::move(what)) {}
@@ -181,7 +171,7 @@ class Parser {
       if (c.offsets.size() != t.size.size() || c.sizes.size() != t.size.size())
         fail(cw, "has " + std::to_string(c.offsets.size()) + " dims, the tensor " +
                      std::to_string(t.size.size()));
-      if (const int d = dim_outside(c, t.size); d >= 0)
+      if (const int d = detail::dim_outside(c.offsets, c.sizes, t.size); d >= 0)
         fail(cw, "leaves the tensor in dim " + std::to_string(d));
       t.chunks.push_back(std::move(c));
     }
@@ -200,8 +190,9 @@ class Parser {
       fail(where, "relative_path must be a str or a pathlib path");
     }
     // A single file name: nothing may point outside the checkpoint directory.
-    if (!plain_file_name(p))
-      fail(where, "relative_path '" + p + "' is not a plain file name in the checkpoint directory");
+    if (!files::plain_file_name(p))
+      fail(where, "relative_path '" + files::printable(p) +
+                      "' is not a plain file name in the checkpoint directory");
     return p;
   }
 
@@ -517,7 +508,7 @@ Metadata decode_wire(const std::string& bytes, const std::string& what) {
         ChunkMeta ch{r.ints(), r.ints()};
         if (ch.offsets.size() != t.size.size() || ch.sizes.size() != t.size.size())
           r.fail("item '" + key + "' has a chunk of another rank than the tensor");
-        if (const int d = dim_outside(ch, t.size); d >= 0)
+        if (const int d = detail::dim_outside(ch.offsets, ch.sizes, t.size); d >= 0)
           r.fail("item '" + key + "' has a chunk leaving the tensor in dim " + std::to_string(d));
         t.chunks.push_back(std::move(ch));
       }
@@ -546,7 +537,7 @@ Metadata decode_wire(const std::string& bytes, const std::string& what) {
     if (r.u8()) idx.index = r.i64();
     StorageInfo info;
     info.relative_path = r.str();
-    if (!plain_file_name(info.relative_path))
+    if (!files::plain_file_name(info.relative_path))
       r.fail("storage of '" + idx.fqn + "' is not a plain file name in the checkpoint directory");
     info.offset = r.i64();
     info.length = r.i64();

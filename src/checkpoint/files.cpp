@@ -107,6 +107,21 @@ bool plain_file_name(const std::string& p) {
            p.find('\\') != std::string::npos || p.find('\0') != std::string::npos);
 }
 
+std::string printable(const std::string& s) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 std::string parent_of(const std::string& path) {
   const std::string p = normalize(path);
   const auto slash = p.rfind('/');

@@ -26,6 +26,9 @@ std::string normalize(const std::string& path);
 /// it: one non-empty component, not "." or "..", with no '/', '\\' or NUL that could point
 /// elsewhere.
 bool plain_file_name(const std::string& name);
+/// `name`, read from a file, fit for an error message: control bytes as \xNN (a NUL would end
+/// the message's what()).
+std::string printable(const std::string& name);
 
 /// A file being written: bytes appended in order, then fsynced and closed by `finish`. Closed
 /// (without sync) by the destructor if `finish` was never reached.

@@ -21,22 +21,6 @@ namespace {
 
 constexpr int64_t kMaxHeader = int64_t{100} << 20;  // the reference reader's limit
 
-// A name from a file, fit for an error message: control bytes (a NUL would end what()) as \xNN.
-std::string printable(const std::string& s) {
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : s) {
-    if (c < 0x20 || c == 0x7f) {
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
-
 [[noreturn]] void bad(const std::string& path, const std::string& what) {
   throw ValueError("safetensors " + path + ": " + what);
 }
@@ -153,10 +137,10 @@ StateDict load_safetensors(const std::string& path_in, FileIO* io_in) {
     std::map<std::string, std::vector<std::string>> by_file;
     for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
       if (!it->is_string())
-        bad(path, "weight_map['" + printable(it.key()) + "'] is not a file name");
+        bad(path, "weight_map['" + files::printable(it.key()) + "'] is not a file name");
       const std::string f = it->get<std::string>();
       if (!files::plain_file_name(f))
-        bad(path, "weight_map names '" + printable(f) + "', not a file beside the index");
+        bad(path, "weight_map names '" + files::printable(f) + "', not a file beside the index");
       by_file[f].push_back(it.key());
     }
     const std::string dir = files::parent_of(path);
