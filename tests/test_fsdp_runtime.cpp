@@ -427,6 +427,63 @@ TEST(FsdpRuntime, PrefetchModesGiveBitIdenticalTraining) {
   });
 }
 
+// A root with parameters of its own (a head) over three Blocks, each a unit. The root's forward
+// ends last, so its backward comes first, and it is where the last block's gather should start
+// (PyTorch prefetches in the order forwards ended, not began). `probe` runs on the gradient of the
+// stack's output: after the head's backward, before the last block's.
+struct HeadOverStackImpl : torch::nn::Module {
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+  std::function<void()> probe;
+  HeadOverStackImpl() {
+    fsdp::testing::seed_cpu(37);
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) blocks->push_back(fsdp::testing::Block(6, 9));
+    head = register_module("head", torch::nn::Linear(6, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      auto block = blocks->ptr<BlockImpl>(i);
+      x = fsdp::forward(block, x);
+    }
+    // A tensor of its own: the block's output carries the block's pre-backward hook, which
+    // would run before a probe registered there.
+    x = x * 1.0;
+    x.register_hook([this](const torch::Tensor& g) {
+      if (probe) probe();
+      return g;
+    });
+    return head(x);
+  }
+};
+TORCH_MODULE(HeadOverStack);
+
+TEST(FsdpRuntime, RootBackwardPrefetchesTheLastUnitToFinishForward) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    for (auto bwd : {fsdp::BackwardPrefetch::BACKWARD_PRE, fsdp::BackwardPrefetch::BACKWARD_POST,
+                     fsdp::BackwardPrefetch::NONE}) {
+      HeadOverStack m;
+      FullyShardedDataParallel model(
+          m, FullyShardedOptions().process_group(pg).backward_prefetch(bwd).auto_wrap_policy(
+                 fsdp::module_type_auto_wrap_policy<BlockImpl>()));
+      const auto names = model->unit_names();
+      const auto it = std::find(names.begin(), names.end(), "blocks.2");
+      ASSERT_NE(it, names.end());
+      fsdp::FlatParamHandle* h = model->handles()[static_cast<size_t>(it - names.begin())];
+      ASSERT_NE(h, nullptr);
+      std::vector<bool> gathering;
+      m->probe = [&] { gathering.push_back(h->has_pending_unshard() || h->is_unsharded()); };
+      for (int step = 0; step < 2; ++step) {
+        auto x = seeded_randn({3, 6}, 90 + step + pg.rank());
+        model->forward(x).pow(2).sum().backward();
+      }
+      const bool want = bwd != fsdp::BackwardPrefetch::NONE;
+      EXPECT_EQ(gathering, std::vector<bool>(2, want))
+          << "backward_prefetch " << static_cast<int>(bwd);
+    }
+  });
+}
+
 // Four Blocks, each a unit, with a hook on the gradient of every block's output: it runs in
 // backward after the block above has finished (its post-backward hook included) and before this
 // block's backward starts, which is where the reduction of the block above should be in flight.

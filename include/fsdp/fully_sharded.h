@@ -38,9 +38,10 @@ namespace fsdp {
 /// When to all-gather the next unit during backward (PyTorch's BackwardPrefetch).
 enum class BackwardPrefetch {
   NONE,
-  /// When a unit's backward starts, start gathering the unit whose backward comes next.
+  /// When a unit's backward starts, start gathering the unit whose backward comes next: the one
+  /// whose forward ended just before this one's (for the root, the last unit to end its forward).
   BACKWARD_PRE,
-  /// When a unit's gradients are reduced, start gathering the next unit.
+  /// When a unit's gradients are reduced, start gathering that same next unit.
   BACKWARD_POST,
 };
 

@@ -177,6 +177,7 @@ void FsdpState::reset_iteration() {
     u->input_unhooked = false;
     u->iter_nodes.clear();
   }
+  post_forward_order.clear();  // recorded anew by every forward, as PyTorch does
   callback_queued = false;
   in_backward = false;
 }
@@ -206,6 +207,10 @@ void FsdpState::pre_forward(int idx) {
 void FsdpState::post_forward(int idx) {
   Unit& u = *units[idx];
   if (!u.handle) return;
+  if (std::find(post_forward_order.begin(), post_forward_order.end(), idx) ==
+      post_forward_order.end()) {
+    post_forward_order.push_back(idx);
+  }
   const bool grad = torch::GradMode::is_enabled();
   // The root's parameters are needed again as soon as backward starts: PyTorch keeps them.
   if (!(idx == 0 && grad)) {
@@ -249,6 +254,12 @@ int FsdpState::neighbour_in_order(int idx, int step) const {
   return -1;
 }
 
+int FsdpState::backward_prefetch_target(int idx) const {
+  auto it = std::find(post_forward_order.begin(), post_forward_order.end(), idx);
+  if (it == post_forward_order.end() || it == post_forward_order.begin()) return -1;
+  return *(it - 1);
+}
+
 void FsdpState::prefetch(int idx) {
   if (idx < 0 || options.max_inflight_all_gathers() < 1) return;
   int inflight = 0;
@@ -282,7 +293,7 @@ void FsdpState::pre_backward(int idx) {
   u.handle->unshard();
   u.handle->prepare_grads_for_backward();
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_PRE) {
-    prefetch(neighbour_in_order(idx, -1));
+    prefetch(backward_prefetch_target(idx));
   }
 }
 
@@ -355,7 +366,7 @@ void FsdpState::post_backward(int idx) {
   }
   u.handle->set_training_state(HandleTrainingState::IDLE);
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_POST) {
-    prefetch(neighbour_in_order(idx, -1));
+    prefetch(backward_prefetch_target(idx));
   }
 }
 

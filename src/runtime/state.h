@@ -61,6 +61,11 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   std::optional<dist::ProcessGroup> replicate_group;
   std::vector<std::unique_ptr<Unit>> units;  // units[0] is the root
   std::vector<int> forward_order;            // unit indices in the order of the first forward
+  // Units with a handle in the order their forward ended, this iteration (first use only):
+  // PyTorch's backward-prefetch order. It differs from forward_order for nested units: a parent,
+  // the root included, ends after its children, so its backward, which comes first, prefetches
+  // the last child.
+  std::vector<int> post_forward_order;
   bool order_recorded = false;
   bool sync_gradients = true;
   bool callback_queued = false;
@@ -103,6 +108,7 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   void hook_grad_accumulators(Unit& unit);
   void prefetch(int u);
   int neighbour_in_order(int u, int step) const;
+  int backward_prefetch_target(int u) const;
   void finish_oldest_reduction();
   void finish_prefetched_unshards_on_cpu();
   void cast_buffers(bool full_precision);
