@@ -116,7 +116,10 @@ void BM_ComputeOnly(benchmark::State& st) {
 // NO_SHARD: each unit's gradient reduction overlaps the backward of the next; 0 under the sharded
 // strategies: reduce and wait inside the post-backward hook). The "FULL_SHARD overlapped" and
 // "NO_SHARD reduce_in_hook" cases measure the other choice in the same rounds.
-template <fsdp::ShardingStrategy S, int kInflight = -1>
+// kForwardPrefetch: forward_prefetch(true) (PyTorch's default, kept here, is false): each unit's
+// pre-forward starts gathering the next, so the gather runs while this unit computes ("FULL_SHARD
+// forward_prefetch").
+template <fsdp::ShardingStrategy S, int kInflight = -1, bool kForwardPrefetch = false>
 void BM_Fsdp(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   Transformer m;
@@ -128,17 +131,24 @@ void BM_Fsdp(benchmark::State& st) {
           .auto_wrap_policy(
               fsdp::module_type_auto_wrap_policy<torch::nn::TransformerEncoderLayerImpl>());
   if (kInflight >= 0) options.max_inflight_grad_reductions(kInflight);
+  options.forward_prefetch(kForwardPrefetch);
   fsdp::FullyShardedDataParallel model(m, options);
   auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq}).to(device());
   std::string name = fsdp::to_string(S);
   if (kInflight == 0) name += " reduce_in_hook";
   if (kInflight == 1) name += " overlapped";
+  if (kForwardPrefetch) name += " forward_prefetch";
   timed_steps(st, name, model, idx);
 }
 
-const std::vector<std::string> kCases{
-    "single_process",        "compute_only",           "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
-    "FULL_SHARD overlapped", "NO_SHARD reduce_in_hook"};
+const std::vector<std::string> kCases{"single_process",
+                                      "compute_only",
+                                      "FULL_SHARD",
+                                      "SHARD_GRAD_OP",
+                                      "NO_SHARD",
+                                      "FULL_SHARD overlapped",
+                                      "NO_SHARD reduce_in_hook",
+                                      "FULL_SHARD forward_prefetch"};
 
 void register_all(int rounds) {
   using fsdp::ShardingStrategy;
@@ -150,7 +160,9 @@ void register_all(int rounds) {
        {"SHARD_GRAD_OP", BM_Fsdp<ShardingStrategy::SHARD_GRAD_OP>, 0, iters()},
        {"NO_SHARD", BM_Fsdp<ShardingStrategy::NO_SHARD>, 0, iters()},
        {"FULL_SHARD overlapped", BM_Fsdp<ShardingStrategy::FULL_SHARD, 1>, 0, iters()},
-       {"NO_SHARD reduce_in_hook", BM_Fsdp<ShardingStrategy::NO_SHARD, 0>, 0, iters()}},
+       {"NO_SHARD reduce_in_hook", BM_Fsdp<ShardingStrategy::NO_SHARD, 0>, 0, iters()},
+       {"FULL_SHARD forward_prefetch", BM_Fsdp<ShardingStrategy::FULL_SHARD, -1, true>, 0,
+        iters()}},
       rounds);
 }
 

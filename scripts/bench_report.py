@@ -183,6 +183,17 @@ def training(m):
             if fs and ns:
                 record(f"training/FULL_SHARD/step_vs_NO_SHARD/W{w}{sfx}", fs * 1e3, "ms/step",
                        "fsdp-cpp NO_SHARD", ns * 1e3, "<= 1.05")
+            # forward_prefetch(true), off by default as in PyTorch: the headline records above
+            # keep the defaults; these say what the option buys on this CPU-bound step.
+            fp = m.median(case="FULL_SHARD forward_prefetch", **key)
+            if fp and fs:
+                record(f"training/FULL_SHARD/forward_prefetch_vs_default/W{w}{sfx}", fp * 1e3,
+                       "ms/step", "fsdp-cpp FULL_SHARD, defaults", fs * 1e3,
+                       note="below 1: gathering the next unit during this one's forward pays")
+            if fp and ns:
+                record(f"training/FULL_SHARD/forward_prefetch_vs_NO_SHARD/W{w}{sfx}", fp * 1e3,
+                       "ms/step", "fsdp-cpp NO_SHARD", ns * 1e3,
+                       note="FULL_SHARD with forward_prefetch(true)")
             # The peers: Python FSDP and DDP in the same run, against the same LibTorch.
             pkey = dict(bench="training_python", run=run, world=w)
             if not m.find(**pkey):
