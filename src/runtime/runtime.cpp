@@ -31,6 +31,15 @@ namespace {
 std::mutex g_units_mu;
 std::unordered_map<const torch::nn::Module*, std::shared_ptr<UnitRef>> g_units;
 
+// The unit `step` places after (+1: forward prefetch, in forward_order) or before (-1: backward
+// prefetch, in post_forward_order) the first occurrence of `idx` in `order`; -1 if there is none.
+int neighbour_in(const std::vector<int>& order, int idx, int step) {
+  const auto it = std::find(order.begin(), order.end(), idx);
+  if (it == order.end()) return -1;
+  const long j = static_cast<long>(it - order.begin()) + step;
+  return j < 0 || j >= static_cast<long>(order.size()) ? -1 : order[static_cast<size_t>(j)];
+}
+
 bool keeps_params_after_forward(ShardingStrategy s) {
   return s == ShardingStrategy::SHARD_GRAD_OP || s == ShardingStrategy::HYBRID_SHARD_ZERO2;
 }
@@ -201,7 +210,7 @@ void FsdpState::pre_forward(int idx) {
   u.handle->reset_flat_param_grad_info_if_needed();
   u.handle->unshard();
   if (torch::GradMode::is_enabled()) hook_grad_accumulators(u);
-  if (options.forward_prefetch() && order_recorded) prefetch(neighbour_in_order(idx, +1));
+  if (options.forward_prefetch() && order_recorded) prefetch(neighbour_in(forward_order, idx, +1));
 }
 
 void FsdpState::post_forward(int idx) {
@@ -244,22 +253,6 @@ void FsdpState::hook_grad_accumulators(Unit& u) {
   }
 }
 
-int FsdpState::neighbour_in_order(int idx, int step) const {
-  for (size_t k = 0; k < forward_order.size(); ++k) {
-    if (forward_order[k] != idx) continue;
-    const long j = static_cast<long>(k) + step;
-    if (j < 0 || j >= static_cast<long>(forward_order.size())) return -1;
-    return forward_order[j];
-  }
-  return -1;
-}
-
-int FsdpState::backward_prefetch_target(int idx) const {
-  auto it = std::find(post_forward_order.begin(), post_forward_order.end(), idx);
-  if (it == post_forward_order.end() || it == post_forward_order.begin()) return -1;
-  return *(it - 1);
-}
-
 void FsdpState::prefetch(int idx) {
   if (idx < 0 || options.max_inflight_all_gathers() < 1) return;
   int inflight = 0;
@@ -293,7 +286,7 @@ void FsdpState::pre_backward(int idx) {
   u.handle->unshard();
   u.handle->prepare_grads_for_backward();
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_PRE) {
-    prefetch(backward_prefetch_target(idx));
+    prefetch(neighbour_in(post_forward_order, idx, -1));
   }
 }
 
@@ -366,7 +359,7 @@ void FsdpState::post_backward(int idx) {
   }
   u.handle->set_training_state(HandleTrainingState::IDLE);
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_POST) {
-    prefetch(backward_prefetch_target(idx));
+    prefetch(neighbour_in(post_forward_order, idx, -1));
   }
 }
 

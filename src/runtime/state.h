@@ -107,8 +107,6 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
  private:
   void hook_grad_accumulators(Unit& unit);
   void prefetch(int u);
-  int neighbour_in_order(int u, int step) const;
-  int backward_prefetch_target(int u) const;
   void finish_oldest_reduction();
   void finish_prefetched_unshards_on_cpu();
   void cast_buffers(bool full_precision);
