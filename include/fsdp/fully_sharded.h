@@ -100,7 +100,9 @@ struct FullyShardedOptions {
   TORCH_ARG(AutoWrapPolicy, auto_wrap_policy);
   TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::BACKWARD_PRE;
   /// Start gathering the next unit (in the order of the first forward) when a unit's forward
-  /// starts.
+  /// starts. Off by default, as in PyTorch; it holds one more unit unsharded during forward, and
+  /// pays where ranks would otherwise wait for each other at every gather (CPU-bound steps: on
+  /// two cores it took FULL_SHARD from 1.10 to 1.02 of NO_SHARD's step, docs/performance.md).
   TORCH_ARG(bool, forward_prefetch) = false;
   /// At most this many prefetched all-gathers in flight (PyTorch's limit_all_gathers allows 2
   /// unsharded units at a time: the current one and one prefetched).
