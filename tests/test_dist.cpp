@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <functional>
+#include <limits>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -342,6 +343,85 @@ TEST_P(DistWorld, PairwiseSumReceivesIntoTheOutputUnlessItAliasesTheInput) {
     at::Tensor own = in2.narrow(0, pg.rank() * n, n);
     pg.reduce_scatter_tensor(own, in2, ReduceOp::SUM, ReduceScatterAlgo::kPairwise);
     ASSERT_TRUE(at::equal(own, out)) << "in-place pairwise sum differs on rank " << pg.rank();
+  });
+}
+
+// divide_by: the sum divided by each divisor in turn, bit-identical to div_ calls after the
+// reduction, whichever of them the pairwise sum's last addition applies in its own pass (leading
+// powers of two) and whichever it leaves to div_ (1.5 and 3, and everything after them). The data
+// reach the subnormal range (where a product of the two scales, or a division by their product,
+// would round differently), overflow to infinity in the sum, and hold signed zeros; the output is
+// given whole, as pieces, and in place (a view of this rank's own chunk).
+TEST_P(DistWorld, ReduceScatterDivideByEqualsDivisionsAfterTheSum) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    const int W = pg.size();
+    const bool pairwise = runs_pairwise(pg);
+    const int64_t n = 4099;
+    const std::vector<std::vector<double>> divisor_lists = {{2},      {2, 2}, {4, 2},   {2, 1.5},
+                                                            {1.5, 2}, {3},    {2, 4, 2}};
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      const double tiny = dtype == at::kFloat ? 1e-39 : 1e-310;  // subnormal
+      const double huge = dtype == at::kFloat ? 3e38 : 1.7e308;
+      at::Tensor in = seeded_randn({n * W}, 500 + pg.rank()).to(dtype);
+      for (int q = 0; q < W; ++q) {
+        at::Tensor c = in.narrow(0, q * n, n);
+        c.narrow(0, 0, 64).mul_(tiny);  // subnormal sums
+        c[64] = huge;                   // overflows to inf from W=2
+        c[65] = -0.0;                   // -0 + -0 stays -0
+        c[66] = pg.rank() % 2 ? 1.0 : -1.0;
+      }
+      for (auto op : {ReduceOp::SUM, ReduceOp::AVG}) {
+        for (const auto& divisors : divisor_lists) {
+          at::Tensor expect = at::empty({n}, dtype);
+          pg.reduce_scatter_tensor(expect, in, op, ReduceScatterAlgo::kAllToAll);
+          for (double d : divisors) expect.div_(d);
+          const std::string what =
+              std::string(c10::toString(dtype)) + " op " + std::to_string(static_cast<int>(op)) +
+              ", " + std::to_string(divisors.size()) + " divisors from " +
+              std::to_string(divisors[0]) + ", rank " + std::to_string(pg.rank());
+          for (auto algo : {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll,
+                            ReduceScatterAlgo::kPairwise}) {
+            if (algo == ReduceScatterAlgo::kPairwise && !pairwise) continue;
+            at::Tensor out = at::empty({n}, dtype);
+            pg.reduce_scatter_tensor(out, in, op, algo, divisors);
+            ASSERT_TRUE(at::equal(out, expect)) << what << ", algo " << static_cast<int>(algo);
+          }
+          // As pieces (the first one short, then the rest of each chunk).
+          std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(W));
+          for (int q = 0; q < W; ++q) {
+            chunks[static_cast<size_t>(q)] = {in.narrow(0, q * n, 100),
+                                              in.narrow(0, q * n + 100, n - 100)};
+          }
+          at::Tensor out = at::empty({n}, dtype);
+          pg.reduce_scatter_pieces_async(out, chunks, op, ReduceScatterAlgo::kAuto, divisors)
+              .wait();
+          ASSERT_TRUE(at::equal(out, expect)) << what << ", pieces";
+          if (pairwise) {
+            at::Tensor copy = in.clone();
+            at::Tensor own = copy.narrow(0, pg.rank() * n, n);
+            pg.reduce_scatter_tensor(own, copy, op, ReduceScatterAlgo::kPairwise, divisors);
+            ASSERT_TRUE(at::equal(own, expect)) << what << ", in place";
+          }
+        }
+      }
+    }
+    // Divisors are for sums, and must be finite and non-zero.
+    at::Tensor in = at::ones({4 * W});
+    at::Tensor out = at::empty({4});
+    EXPECT_THROW(pg.reduce_scatter_tensor(out, in, ReduceOp::MAX, ReduceScatterAlgo::kAuto, {2}),
+                 fsdp::ValueError);
+    for (double bad :
+         {0.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+      EXPECT_THROW(
+          pg.reduce_scatter_tensor(out, in, ReduceOp::SUM, ReduceScatterAlgo::kAuto, {bad}),
+          fsdp::ValueError);
+    }
+    std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(W), {at::ones({4})});
+    EXPECT_THROW(
+        pg.reduce_scatter_pieces_async(out, chunks, ReduceOp::MIN, ReduceScatterAlgo::kAuto, {2}),
+        fsdp::ValueError);
+    pg.barrier();
   });
 }
 

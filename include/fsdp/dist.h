@@ -201,12 +201,20 @@ class ProcessGroup {
   /// emulations allocate scratch: kAllToAll and kAllReduce one buffer of input's size, kPairwise
   /// at most two of output's (none at W=2 for SUM and AVG, whose first piece it receives straight
   /// into `output`).
+  ///
+  /// `divide_by` (SUM and AVG only; finite, non-zero): the result is then divided by each in turn
+  /// (after AVG's W), each division rounded as ATen's div_ rounds it: what FSDP's gradient pre-
+  /// and post-division need. kPairwise on float and double applies the leading powers of two (at
+  /// most two) in the pass of the sum's last addition, one pass over the output fewer per divisor
+  /// and the same bits; any other divisor is a div_ of its own.
   void reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
                              ReduceOp op = ReduceOp::SUM,
-                             ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);
+                             ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto,
+                             const std::vector<double>& divide_by = {});
   Work reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
                                    ReduceOp op = ReduceOp::SUM,
-                                   ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);
+                                   ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto,
+                                   const std::vector<double>& divide_by = {});
 
   /// reduce_scatter_tensor with the input in pieces rather than one flat tensor: chunks[q] lists
   /// the contiguous tensors whose concatenation (flattened) is the chunk of the input that rank q
@@ -216,11 +224,12 @@ class ProcessGroup {
   /// pieces of the same sizes on every rank. Other algorithms, tensors off device(), one rank,
   /// an empty output and dtypes Gloo cannot reduce (bfloat16) go through one concatenated copy.
   /// Pieces are of output's dtype and are not modified; the Work holds them until it has been
-  /// waited on.
+  /// waited on. `divide_by` as for reduce_scatter_tensor.
   Work reduce_scatter_pieces_async(const at::Tensor& output,
                                    std::vector<std::vector<at::Tensor>> chunks,
                                    ReduceOp op = ReduceOp::SUM,
-                                   ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto);
+                                   ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto,
+                                   const std::vector<double>& divide_by = {});
 
   /// Rank r's `input` is split into W consecutive runs of input_split_sizes[q] elements; run q goes
   /// to rank q, and `output` receives, in rank order, output_split_sizes[r] elements from each
@@ -260,10 +269,10 @@ class ProcessGroup {
   State& checked_state(const char* op) const;
   Work launch(const char* op, compat::WorkPtr work, std::function<void()> finish = {});
   // ReduceScatterAlgo::kPairwise over `chunks` (see reduce_scatter_pieces_async), under the
-  // group's next pairwise tag; `finish_avg` runs once the sum is complete.
+  // group's next pairwise tag; the sum is then divided by `divisors` in turn.
   Work launch_pairwise(const char* op, const at::Tensor& out_flat,
                        std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
-                       std::function<void()> finish_avg);
+                       std::vector<double> divisors);
   std::shared_ptr<State> state_;
 };
 

@@ -407,7 +407,11 @@ class FlatParamHandle {
     at::Tensor input;   // the unsharded flat gradient being reduced (undefined: sent in pieces)
     at::Tensor output;  // the reduced shard (the whole gradient under NO_SHARD)
     dist::Work work;
+    bool divided = false;  // the collective applied the pre- and post-division (reduce_divisors)
   };
+  // The divisions of a reduction in `dtype` that the reduce-scatter applies itself (divide_by);
+  // empty where finish_reduce_grad applies them (replicated shards: after their all-reduce).
+  std::vector<double> reduce_divisors(at::ScalarType dtype) const;
   void check_grad_shape(size_t i, const at::Tensor& grad) const;
   at::Tensor& unsharded_buffer();
   void use_unsharded_views(const at::Tensor& unsharded_flat);

@@ -10,6 +10,7 @@
 // faster.
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <functional>
 
 #include "dist/state.h"
@@ -86,6 +87,29 @@ std::function<void()> copy_back(Work inner, const at::Tensor& dst, const at::Ten
 // two ranks that each send (or each receive) first wait for each other once a piece outgrows
 // NCCL's buffer, with no timeout to end it. Refused on every other backend, at any group size
 // (the same program must not work at W=1 and hang at W=2).
+// divide_by: finite, non-zero divisors of a sum.
+void check_divisors(const char* op, const ProcessGroup& g, ReduceOp op_kind,
+                    const std::vector<double>& divide_by) {
+  if (divide_by.empty()) return;
+  if (op_kind != ReduceOp::SUM && op_kind != ReduceOp::AVG) {
+    throw ValueError(describe(op, g) + ": divide_by is for SUM and AVG only");
+  }
+  for (double d : divide_by) {
+    if (!std::isfinite(d) || d == 0.0) {
+      throw ValueError(describe(op, g) + ": divide_by holds " + std::to_string(d) +
+                       "; divisors must be finite and non-zero");
+    }
+  }
+}
+
+// What a reduce-scatter divides its sum by, in turn: W for AVG, then the caller's divide_by.
+std::vector<double> divisors_of(ReduceOp op_kind, int world, const std::vector<double>& divide_by) {
+  std::vector<double> divisors;
+  if (op_kind == ReduceOp::AVG) divisors.push_back(world);
+  divisors.insert(divisors.end(), divide_by.begin(), divide_by.end());
+  return divisors;
+}
+
 void pairwise_needs_gloo(const char* op, const ProcessGroup& g, const std::string& backend,
                          const char* algo) {
   if (backend != "gloo") {
@@ -291,9 +315,11 @@ void ProcessGroup::all_gather_into_tensor(const at::Tensor& output, const at::Te
 // Reduce-scatter
 
 Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
-                                               ReduceOp op_kind, ReduceScatterAlgo algo) {
+                                               ReduceOp op_kind, ReduceScatterAlgo algo,
+                                               const std::vector<double>& divide_by) {
   const char* op = "reduce_scatter_tensor";
   State& s = checked_state(op);
+  check_divisors(op, *this, op_kind, divide_by);
   check_flat(op, *this, output, "output");
   check_flat(op, *this, input, "input");
   const int64_t n = output.numel();
@@ -309,10 +335,10 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
   }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
-    return launch(
-        op, {},
-        copy_back(reduce_scatter_tensor_async(out, staged_input(s.device, input), op_kind, algo),
-                  output, out));
+    return launch(op, {},
+                  copy_back(reduce_scatter_tensor_async(out, staged_input(s.device, input), op_kind,
+                                                        algo, divide_by),
+                            output, out));
   }
   if (gloo_lacks(s.backend_name, input.scalar_type()) && s.size > 1 && n > 0) {
     if (input.scalar_type() == at::kBool) {
@@ -320,18 +346,18 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
     }
     at::Tensor out32 = at::empty({n}, output.options().dtype(at::kFloat));
     return launch(op, {},
-                  copy_back(reduce_scatter_tensor_async(out32, input.to(at::kFloat), op_kind, algo),
+                  copy_back(reduce_scatter_tensor_async(out32, input.to(at::kFloat), op_kind, algo,
+                                                        divide_by),
                             output.view(-1), out32));
   }
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
   const int world = s.size;
-  auto finish_avg = [out_flat, op_kind, world]() {
-    if (op_kind == ReduceOp::AVG) out_flat.div_(world);
-  };
+  std::vector<double> divisors = divisors_of(op_kind, world, divide_by);
+  auto divide = [out_flat, divisors]() { detail::divide_in_order(out_flat, divisors); };
   if (world == 1 || n == 0) {
     out_flat.copy_(in_flat);
-    finish_avg();
+    divide();
     return launch(op, {});
   }
   const bool native_ok = compat::native_flat_collectives(s.backend_name) &&
@@ -360,7 +386,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       opts.reduceOp = to_c10d(op_kind);
       opts.timeout = s.timeout;
       auto w = FSDP_START(op, s.backend->_reduce_scatter_base(out_flat, in_flat, opts));
-      return launch(op, std::move(w), finish_avg);
+      return launch(op, std::move(w), divide);
     }
     case ReduceScatterAlgo::kAllToAll: {
       at::Tensor recv = fsdp::detail::empty_buffer(in_flat.numel(), in_flat.options());
@@ -368,7 +394,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       opts.timeout = s.timeout;
       std::vector<int64_t> splits;  // empty: equal splits
       auto w = FSDP_START(op, s.backend->alltoall_base(recv, in_flat, splits, splits, opts));
-      return launch(op, std::move(w), [recv, out_flat, op_kind, world, n, finish_avg]() {
+      return launch(op, std::move(w), [recv, out_flat, op_kind, world, n, divide]() {
         // Rank order, one row at a time: every rank reduces its chunk in the same order, so the
         // result is deterministic and equals a sequential sum over ranks 0..W-1.
         // The first two rows are combined straight into the output (one pass, not a copy and
@@ -382,7 +408,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
           out_flat.copy_(recv.narrow(0, 0, n));
         }
         for (; r < world; ++r) detail::combine_into(out_flat, recv.narrow(0, r * n, n), op_kind);
-        finish_avg();
+        divide();
         detail::release_completed(recv);
       });
     }
@@ -394,9 +420,9 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       std::vector<at::Tensor> ts{tmp};
       auto w = FSDP_START(op, s.backend->allreduce(ts, opts));
       const int64_t start = static_cast<int64_t>(s.rank) * n;
-      return launch(op, std::move(w), [tmp, out_flat, start, n, finish_avg]() {
+      return launch(op, std::move(w), [tmp, out_flat, start, n, divide]() {
         out_flat.copy_(tmp.narrow(0, start, n));
-        finish_avg();
+        divide();
         detail::release_completed(tmp);
       });
     }
@@ -404,7 +430,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world));
       for (int q = 0; q < world; ++q)
         chunks[static_cast<size_t>(q)] = {in_flat.narrow(0, q * n, n)};
-      return launch_pairwise(op, out_flat, std::move(chunks), op_kind, finish_avg);
+      return launch_pairwise(op, out_flat, std::move(chunks), op_kind, std::move(divisors));
     }
     case ReduceScatterAlgo::kAuto:
       break;
@@ -413,15 +439,18 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
 }
 
 void ProcessGroup::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
-                                         ReduceOp op, ReduceScatterAlgo algo) {
-  reduce_scatter_tensor_async(output, input, op, algo).wait();
+                                         ReduceOp op, ReduceScatterAlgo algo,
+                                         const std::vector<double>& divide_by) {
+  reduce_scatter_tensor_async(output, input, op, algo, divide_by).wait();
 }
 
 Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
                                                std::vector<std::vector<at::Tensor>> chunks,
-                                               ReduceOp op_kind, ReduceScatterAlgo algo) {
+                                               ReduceOp op_kind, ReduceScatterAlgo algo,
+                                               const std::vector<double>& divide_by) {
   const char* op = "reduce_scatter_pieces";
   State& s = checked_state(op);
+  check_divisors(op, *this, op_kind, divide_by);
   check_flat(op, *this, output, "output");
   const int64_t n = output.numel();
   if (chunks.size() != static_cast<size_t>(s.size)) {
@@ -461,22 +490,19 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
     std::vector<at::Tensor> all;
     for (auto& c : chunks) all.insert(all.end(), c.begin(), c.end());
     at::Tensor flat = all.empty() ? at::empty({0}, output.options()) : at::cat(all);
-    return reduce_scatter_tensor_async(output, flat, op_kind, algo);
+    return reduce_scatter_tensor_async(output, flat, op_kind, algo, divide_by);
   }
-  at::Tensor out_flat = output.view(-1);
-  const int world = s.size;
-  return launch_pairwise(op, out_flat, std::move(chunks), op_kind, [out_flat, op_kind, world]() {
-    if (op_kind == ReduceOp::AVG) out_flat.div_(world);
-  });
+  return launch_pairwise(op, output.view(-1), std::move(chunks), op_kind,
+                         divisors_of(op_kind, s.size, divide_by));
 }
 
 Work ProcessGroup::launch_pairwise(const char* op, const at::Tensor& out_flat,
                                    std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
-                                   std::function<void()> finish_avg) {
+                                   std::vector<double> divisors) {
   State& s = checked_state(op);
   std::function<void()> finish =
       detail::start_pairwise_reduce_scatter(s.next_point_to_point(describe(op, *this)), out_flat,
-                                            std::move(chunks), op_kind, std::move(finish_avg));
+                                            std::move(chunks), op_kind, std::move(divisors));
   return launch(op, {}, std::move(finish));
 }
 

@@ -78,16 +78,32 @@ void release_completed(const at::Tensor& scratch);
 // Element-wise combine of `src` into `acc`: the local half of an emulated reduce-scatter.
 void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op);
 
+// Divides `t` in place by divisors[from], divisors[from + 1], ... in turn (ATen's div_): what a
+// reduce-scatter does to its sum for AVG and for the caller's divide_by.
+void divide_in_order(const at::Tensor& t, const std::vector<double>& divisors, size_t from = 0);
+
+// How many of `divisors`, from the front, can be applied by the sum's last addition in the same
+// pass (add_then_divide): powers of two (so that scaling by the reciprocal is exact), at most two,
+// for float and double. The rest go through divide_in_order afterwards.
+size_t fusable_divisors(at::ScalarType dtype, const std::vector<double>& divisors);
+
+// acc = (acc + src) / divisors[0] / ... / divisors[count - 1], in one pass, bit-identical to add_
+// followed by `count` div_ calls. acc and src: contiguous, of one dtype and size, not
+// overlapping; count <= fusable_divisors(dtype, divisors) (0: a plain add_).
+void add_then_divide(const at::Tensor& acc, const at::Tensor& src,
+                     const std::vector<double>& divisors, size_t count);
+
 // Starts ReduceScatterAlgo::kPairwise (pairwise.cpp): posts the sends and the first
 // receives and returns the finish step for Work (receives the rest, sums in rank order into
-// `out_flat`, runs `finish_avg`). The input is given as chunks[q], the non-empty 1-D pieces whose
-// concatenation is the chunk rank q receives the reduction of; each piece is one message, so every
-// rank must split a chunk alike. Failures throw DistError naming `call.what` and set the group's
-// failure flag.
+// `out_flat`, divides by `divisors` in turn, the leading powers of two in the last addition's
+// pass; divisors are for SUM and AVG only). The input is given as chunks[q], the non-empty 1-D
+// pieces whose concatenation is the chunk rank q receives the reduction of; each piece is one
+// message, so every rank must split a chunk alike. Failures throw DistError naming `call.what` and
+// set the group's failure flag.
 std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
                                                     const at::Tensor& out_flat,
                                                     std::vector<std::vector<at::Tensor>> chunks,
-                                                    ReduceOp op, std::function<void()> finish_avg);
+                                                    ReduceOp op, std::vector<double> divisors);
 
 // Starts AllGatherAlgo::kPairwise (pairwise.cpp): posts a receive of every peer's input into its
 // place in `out_flat` and a send of `in_flat` to every peer, copies this rank's own piece (unless

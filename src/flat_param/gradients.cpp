@@ -195,8 +195,11 @@ void FlatParamHandle::reduce_grad_async() {
     at::NoGradGuard no_grad;
     at::Tensor out = detail::empty_buffer(
         layout_.sharded_numel, at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU));
-    dist::Work w = group_.reduce_scatter_pieces_async(out, std::move(chunks), dist::ReduceOp::SUM);
-    pending_reduce_.reset(new PendingReduce{at::Tensor(), std::move(out), std::move(w)});
+    std::vector<double> divisors = reduce_divisors(reduce_dtype_);
+    dist::Work w = group_.reduce_scatter_pieces_async(out, std::move(chunks), dist::ReduceOp::SUM,
+                                                      dist::ReduceScatterAlgo::kAuto, divisors);
+    pending_reduce_.reset(
+        new PendingReduce{at::Tensor(), std::move(out), std::move(w), !divisors.empty()});
     grads_unreduced_ = true;
     return;
   }
@@ -339,8 +342,11 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
   if (predivide_ > 1 && g.scalar_type() == at::kHalf) g.div_(predivide_);
   if (uses_sharded_strategy()) {
     at::Tensor out = detail::empty_buffer(layout_.sharded_numel, g.options());
-    dist::Work w = group_.reduce_scatter_tensor_async(out, g, dist::ReduceOp::SUM);
-    pending_reduce_.reset(new PendingReduce{std::move(g), std::move(out), std::move(w)});
+    std::vector<double> divisors = reduce_divisors(g.scalar_type());
+    dist::Work w = group_.reduce_scatter_tensor_async(out, g, dist::ReduceOp::SUM,
+                                                      dist::ReduceScatterAlgo::kAuto, divisors);
+    pending_reduce_.reset(
+        new PendingReduce{std::move(g), std::move(out), std::move(w), !divisors.empty()});
   } else {
     dist::Work w = group_.all_reduce_async(g, dist::ReduceOp::SUM);
     pending_reduce_.reset(new PendingReduce{g, g, std::move(w)});
@@ -349,6 +355,20 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
   // sharded gradient: a reshard must not take the empty original gradients for a zero_grad that
   // drops the sharded one, nor attach views that the finish would replace.
   grads_unreduced_ = true;
+}
+
+std::vector<double> FlatParamHandle::reduce_divisors(at::ScalarType dtype) const {
+  std::vector<double> divisors;
+  // With replicas, the shard is summed over them after the reduce-scatter, and PyTorch divides
+  // after that sum: (a + b) / d is not a / d + b / d once d is not a power of two. float16 and
+  // bfloat16 keep their divisions in finish_reduce_grad: Gloo sums bfloat16 in float32 and
+  // rounds on the way back, and a division before that rounding would change the bits.
+  if (options_.replicate_group().is_member() || (dtype != at::kFloat && dtype != at::kDouble)) {
+    return divisors;
+  }
+  if (predivide_ > 1) divisors.push_back(predivide_);
+  if (postdivide_ > 1) divisors.push_back(postdivide_);
+  return divisors;
 }
 
 void FlatParamHandle::finish_reduce_grad() {
@@ -380,9 +400,12 @@ void FlatParamHandle::finish_reduce_grad() {
       pending_reduce_->input.device().is_cpu() && !pending_reduce_->input.is_same(out)) {
     detail::free_storage(pending_reduce_->input);
   }
+  const bool divided = pending_reduce_->divided;
   pending_reduce_.reset();
-  if (predivide_ > 1 && out.scalar_type() != at::kHalf) out.div_(predivide_);
-  if (postdivide_ > 1) out.div_(postdivide_);
+  if (!divided) {
+    if (predivide_ > 1 && out.scalar_type() != at::kHalf) out.div_(predivide_);
+    if (postdivide_ > 1) out.div_(postdivide_);
+  }
   const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
   out = out.to(target);
 
