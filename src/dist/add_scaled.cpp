@@ -2,10 +2,10 @@
 // floating-point contraction) reach only these loops.
 #include "dist/add_scaled.h"
 
-// On x86-64, GCC and Clang build each entry point twice, for AVX2 and for the baseline (SSE2),
-// and pick one at load time (an ifunc): measured over 32M floats, one thread, the AVX2 build ran
-// at the speed of ATen's add_ alone (15.3 against 15.6 ms), the SSE2 build at 18.6.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// On x86-64 ELF targets, GCC and Clang build each entry point twice, for AVX2 and for the
+// baseline (SSE2), and pick one at load time (an ifunc): measured over 32M floats, one thread, the
+// AVX2 build ran at the speed of ATen's add_ alone (15.3 against 15.6 ms), the SSE2 build at 18.6.
+#if defined(__x86_64__) && defined(__ELF__) && (defined(__GNUC__) || defined(__clang__))
 #define FSDP_ADD_SCALED_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define FSDP_ADD_SCALED_CLONES
