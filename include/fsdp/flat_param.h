@@ -410,7 +410,8 @@ class FlatParamHandle {
     bool divided = false;  // the collective applied the pre- and post-division (reduce_divisors)
   };
   // The divisions of a reduction in `dtype` that the reduce-scatter applies itself (divide_by);
-  // empty where finish_reduce_grad applies them (replicated shards: after their all-reduce).
+  // empty where finish_reduce_grad applies them: replicated shards (after their all-reduce),
+  // float16 and bfloat16, and gradients off the CPU.
   std::vector<double> reduce_divisors(at::ScalarType dtype) const;
   void check_grad_shape(size_t i, const at::Tensor& grad) const;
   at::Tensor& unsharded_buffer();

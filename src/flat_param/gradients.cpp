@@ -362,8 +362,11 @@ std::vector<double> FlatParamHandle::reduce_divisors(at::ScalarType dtype) const
   // With replicas, the shard is summed over them after the reduce-scatter, and PyTorch divides
   // after that sum: (a + b) / d is not a / d + b / d once d is not a power of two. float16 and
   // bfloat16 keep their divisions in finish_reduce_grad: Gloo sums bfloat16 in float32 and
-  // rounds on the way back, and a division before that rounding would change the bits.
-  if (options_.replicate_group().is_member() || (dtype != at::kFloat && dtype != at::kDouble)) {
+  // rounds on the way back, and a division before that rounding would change the bits. So do
+  // gradients off the CPU: over Gloo they are reduced in a CPU copy, and CUDA divides by a scalar
+  // through its reciprocal, as PyTorch's FSDP does on the device (the fused pass is CPU only).
+  if (options_.replicate_group().is_member() || (dtype != at::kFloat && dtype != at::kDouble) ||
+      !options_.device().is_cpu()) {
     return divisors;
   }
   if (predivide_ > 1) divisors.push_back(predivide_);
