@@ -82,11 +82,6 @@ std::function<void()> copy_back(Work inner, const at::Tensor& dst, const at::Ten
   };
 }
 
-// The pairwise algorithms post point-to-point sends and receives that only Gloo runs safely in
-// any order: NCCL ignores tags and runs a pair's sends and receives in order on one stream, so
-// two ranks that each send (or each receive) first wait for each other once a piece outgrows
-// NCCL's buffer, with no timeout to end it. Refused on every other backend, at any group size
-// (the same program must not work at W=1 and hang at W=2).
 // divide_by: finite, non-zero divisors of a sum.
 void check_divisors(const char* op, const ProcessGroup& g, ReduceOp op_kind,
                     const std::vector<double>& divide_by) {
@@ -110,6 +105,11 @@ std::vector<double> divisors_of(ReduceOp op_kind, int world, const std::vector<d
   return divisors;
 }
 
+// The pairwise algorithms post point-to-point sends and receives that only Gloo runs safely in
+// any order: NCCL ignores tags and runs a pair's sends and receives in order on one stream, so
+// two ranks that each send (or each receive) first wait for each other once a piece outgrows
+// NCCL's buffer, with no timeout to end it. Refused on every other backend, at any group size
+// (the same program must not work at W=1 and hang at W=2).
 void pairwise_needs_gloo(const char* op, const ProcessGroup& g, const std::string& backend,
                          const char* algo) {
   if (backend != "gloo") {
