@@ -74,10 +74,6 @@ size_t fusable_divisors(at::ScalarType dtype, const std::vector<double>& divisor
 
 void add_then_divide(const at::Tensor& acc, const at::Tensor& src,
                      const std::vector<double>& divisors, size_t count) {
-  if (count == 0) {
-    acc.add_(src);
-    return;
-  }
   const double s1 = 1.0 / divisors[0];
   const double s2 = count > 1 ? 1.0 / divisors[1] : 1.0;  // times 1: exact, as if not there
   // Over ATen's intra-op threads, as add_ runs: TensorIterator's for_each calls the parallel_for
@@ -160,14 +156,15 @@ struct Pairwise : PointToPoint {
   }
 
   // acc (chunk-sized) = acc op (this rank's own chunk), or a copy of it (`first`), piece by piece;
-  // `last`: the sum's last addition, which also applies the fused divisors.
+  // `last`: the sum's last addition, which also applies the fused divisors (if any; the others,
+  // and all of them where none fuse, are divided after the sum).
   void combine_own(const at::Tensor& acc, bool first, bool last) const {
     const auto& own = chunks[static_cast<size_t>(rank)];
     for (size_t i = 0; i < own.size(); ++i) {
       at::Tensor dst = acc.narrow(0, own_offsets[i], own[i].numel());
       if (first) {
         dst.copy_(own[i]);
-      } else if (last && !divisors.empty()) {
+      } else if (last && fused > 0) {
         add_then_divide(dst, own[i], divisors, fused);
       } else {
         combine_into(dst, own[i], op);
@@ -310,7 +307,7 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
         p->combine_own(p->out, first, last);
       } else if (first) {
         p->out.copy_(p->bufs[static_cast<size_t>(b)]);
-      } else if (last && !p->divisors.empty()) {
+      } else if (last && p->fused > 0) {
         add_then_divide(p->out, p->bufs[static_cast<size_t>(b)], p->divisors, p->fused);
       } else {
         combine_into(p->out, p->bufs[static_cast<size_t>(b)], p->op);

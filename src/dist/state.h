@@ -89,7 +89,7 @@ size_t fusable_divisors(at::ScalarType dtype, const std::vector<double>& divisor
 
 // acc = (acc + src) / divisors[0] / ... / divisors[count - 1], in one pass, bit-identical to add_
 // followed by `count` div_ calls. acc and src: contiguous, of one dtype and size, not
-// overlapping; count <= fusable_divisors(dtype, divisors) (0: a plain add_).
+// overlapping; 1 <= count <= fusable_divisors(dtype, divisors).
 void add_then_divide(const at::Tensor& acc, const at::Tensor& src,
                      const std::vector<double>& divisors, size_t count);
 
