@@ -407,12 +407,16 @@ class FlatParamHandle {
     at::Tensor input;   // the unsharded flat gradient being reduced (undefined: sent in pieces)
     at::Tensor output;  // the reduced shard (the whole gradient under NO_SHARD)
     dist::Work work;
-    bool divided = false;  // the collective applied the pre- and post-division (reduce_divisors)
+    std::vector<double> divide_after;  // the divisions finish_reduce_grad still owes `output`
   };
-  // The divisions of a reduction in `dtype` that the reduce-scatter applies itself (divide_by);
-  // empty where finish_reduce_grad applies them: replicated shards (after their all-reduce),
-  // float16 and bfloat16, and gradients off the CPU.
-  std::vector<double> reduce_divisors(at::ScalarType dtype) const;
+  // The pre- and post-division of a reduction in `dtype` (float16's predivide is applied before
+  // it), split into those the reduce-scatter applies itself (first; dist::ProcessGroup's
+  // divide_by) and those finish_reduce_grad owes (second). The collective takes them for a
+  // reduce-scatter (`scatter`) in float or double on the CPU without replicas; otherwise they are
+  // owed: replicated shards divide after their all-reduce, and float16, bfloat16 and gradients
+  // off the CPU keep the division where PyTorch has it.
+  std::pair<std::vector<double>, std::vector<double>> split_divisions(at::ScalarType dtype,
+                                                                      bool scatter) const;
   void check_grad_shape(size_t i, const at::Tensor& grad) const;
   at::Tensor& unsharded_buffer();
   void use_unsharded_views(const at::Tensor& unsharded_flat);

@@ -195,11 +195,11 @@ void FlatParamHandle::reduce_grad_async() {
     at::NoGradGuard no_grad;
     at::Tensor out = detail::empty_buffer(
         layout_.sharded_numel, at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU));
-    std::vector<double> divisors = reduce_divisors(reduce_dtype_);
-    dist::Work w = group_.reduce_scatter_pieces_async(out, std::move(chunks), dist::ReduceOp::SUM,
-                                                      dist::ReduceScatterAlgo::kAuto, divisors);
+    auto [by_collective, owed] = split_divisions(reduce_dtype_, /*scatter=*/true);
+    dist::Work w = group_.reduce_scatter_pieces_async(
+        out, std::move(chunks), dist::ReduceOp::SUM, dist::ReduceScatterAlgo::kAuto, by_collective);
     pending_reduce_.reset(
-        new PendingReduce{at::Tensor(), std::move(out), std::move(w), !divisors.empty()});
+        new PendingReduce{at::Tensor(), std::move(out), std::move(w), std::move(owed)});
     grads_unreduced_ = true;
     return;
   }
@@ -342,14 +342,15 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
   if (predivide_ > 1 && g.scalar_type() == at::kHalf) g.div_(predivide_);
   if (uses_sharded_strategy()) {
     at::Tensor out = detail::empty_buffer(layout_.sharded_numel, g.options());
-    std::vector<double> divisors = reduce_divisors(g.scalar_type());
-    dist::Work w = group_.reduce_scatter_tensor_async(out, g, dist::ReduceOp::SUM,
-                                                      dist::ReduceScatterAlgo::kAuto, divisors);
+    auto [by_collective, owed] = split_divisions(g.scalar_type(), /*scatter=*/true);
+    dist::Work w = group_.reduce_scatter_tensor_async(
+        out, g, dist::ReduceOp::SUM, dist::ReduceScatterAlgo::kAuto, by_collective);
     pending_reduce_.reset(
-        new PendingReduce{std::move(g), std::move(out), std::move(w), !divisors.empty()});
+        new PendingReduce{std::move(g), std::move(out), std::move(w), std::move(owed)});
   } else {
+    std::vector<double> owed = split_divisions(g.scalar_type(), /*scatter=*/false).second;
     dist::Work w = group_.all_reduce_async(g, dist::ReduceOp::SUM);
-    pending_reduce_.reset(new PendingReduce{g, g, std::move(w)});
+    pending_reduce_.reset(new PendingReduce{g, g, std::move(w), std::move(owed)});
   }
   // Until the finish the gradients are neither in the original parameters (taken) nor in the
   // sharded gradient: a reshard must not take the empty original gradients for a zero_grad that
@@ -357,21 +358,22 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
   grads_unreduced_ = true;
 }
 
-std::vector<double> FlatParamHandle::reduce_divisors(at::ScalarType dtype) const {
+std::pair<std::vector<double>, std::vector<double>> FlatParamHandle::split_divisions(
+    at::ScalarType dtype, bool scatter) const {
   std::vector<double> divisors;
+  if (predivide_ > 1 && dtype != at::kHalf) divisors.push_back(predivide_);  // float16: done
+  if (postdivide_ > 1) divisors.push_back(postdivide_);
   // With replicas, the shard is summed over them after the reduce-scatter, and PyTorch divides
   // after that sum: (a + b) / d is not a / d + b / d once d is not a power of two. float16 and
   // bfloat16 keep their divisions in finish_reduce_grad: Gloo sums bfloat16 in float32 and
   // rounds on the way back, and a division before that rounding would change the bits. So do
   // gradients off the CPU: over Gloo they are reduced in a CPU copy, and CUDA divides by a scalar
   // through its reciprocal, as PyTorch's FSDP does on the device (the fused pass is CPU only).
-  if (options_.replicate_group().is_member() || (dtype != at::kFloat && dtype != at::kDouble) ||
-      !options_.device().is_cpu()) {
-    return divisors;
-  }
-  if (predivide_ > 1) divisors.push_back(predivide_);
-  if (postdivide_ > 1) divisors.push_back(postdivide_);
-  return divisors;
+  const bool by_collective = scatter && !options_.replicate_group().is_member() &&
+                             (dtype == at::kFloat || dtype == at::kDouble) &&
+                             options_.device().is_cpu();
+  if (by_collective) return {std::move(divisors), {}};
+  return {{}, std::move(divisors)};
 }
 
 void FlatParamHandle::finish_reduce_grad() {
@@ -403,12 +405,9 @@ void FlatParamHandle::finish_reduce_grad() {
       pending_reduce_->input.device().is_cpu() && !pending_reduce_->input.is_same(out)) {
     detail::free_storage(pending_reduce_->input);
   }
-  const bool divided = pending_reduce_->divided;
+  const std::vector<double> owed = std::move(pending_reduce_->divide_after);
   pending_reduce_.reset();
-  if (!divided) {
-    if (predivide_ > 1 && out.scalar_type() != at::kHalf) out.div_(predivide_);
-    if (postdivide_ > 1) out.div_(postdivide_);
-  }
+  for (double d : owed) out.div_(d);
   const at::ScalarType target = options_.keep_low_precision_grads() ? fwd_bwd_dtype_ : orig_dtype_;
   out = out.to(target);
 
