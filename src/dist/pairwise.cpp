@@ -31,6 +31,7 @@
 
 #include <ATen/TensorIterator.h>
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
 
@@ -72,35 +73,55 @@ size_t fusable_divisors(at::ScalarType dtype, const std::vector<double>& divisor
   return count;
 }
 
-void add_then_divide(const at::Tensor& acc, const at::Tensor& src,
+void sum_then_divide(const at::Tensor& acc, const std::vector<at::Tensor>& srcs,
                      const std::vector<double>& divisors, size_t count) {
-  const double s1 = 1.0 / divisors[0];
-  const double s2 = count > 1 ? 1.0 / divisors[1] : 1.0;  // times 1: exact, as if not there
+  if (count > divisors.size() || count > 2) {
+    throw InternalError("sum_then_divide: more fused divisors than the kernel applies");
+  }
+  const double s1 = count > 0 ? 1.0 / divisors[0] : 1.0;  // times 1: exact, as if not there
+  const double s2 = count > 1 ? 1.0 / divisors[1] : 1.0;
   // Over ATen's intra-op threads, as add_ runs: TensorIterator's for_each calls the parallel_for
   // compiled into LibTorch (with its OpenMP). The header's own parallel_for would run serially
   // here, in a file built without -fopenmp: measured on 2 threads, 8M floats, 2.5 ms against 1.9
   // for add_ and div_.
-  at::TensorIterator iter =
-      at::TensorIteratorConfig().add_output(acc).add_input(acc).add_input(src).build();
+  at::TensorIteratorConfig config;
+  config.add_output(acc).add_input(acc);
+  for (const auto& s : srcs) config.add_input(s);
+  at::TensorIterator iter = config.build();
   const bool is_float = acc.scalar_type() == at::kFloat;
-  const int64_t elem = is_float ? 4 : 8;
-  iter.for_each([&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
-    for (int64_t j = 0; j < size1; ++j) {
-      char* out = data[0] + j * strides[3];
-      const char* in = data[1] + j * strides[4];
-      const char* other = data[2] + j * strides[5];
-      if (out != in || strides[0] != elem || strides[1] != elem || strides[2] != elem) {
-        throw InternalError("add_then_divide: expected contiguous, in-place operands");
+  if (!is_float && acc.scalar_type() != at::kDouble) {
+    throw InternalError("sum_then_divide: float and double only");
+  }
+  const int k = static_cast<int>(srcs.size());
+  const int ntensors = k + 2;  // the output, acc as an input, the sources
+  auto loop = [&](auto zero) {
+    using T = decltype(zero);
+    iter.for_each([&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
+      std::vector<const T*> src(static_cast<size_t>(k));  // per call: calls run on several threads
+      for (int t = 0; t < ntensors; ++t) {
+        if (strides[t] != static_cast<int64_t>(sizeof(T))) {
+          throw InternalError("sum_then_divide: expected contiguous operands");
+        }
       }
-      if (is_float) {
-        add_then_scale(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(other), size0,
-                       static_cast<float>(s1), static_cast<float>(s2));
-      } else {
-        add_then_scale(reinterpret_cast<double*>(out), reinterpret_cast<const double*>(other),
-                       size0, s1, s2);
+      for (int64_t j = 0; j < size1; ++j) {
+        char* out = data[0] + j * strides[ntensors];
+        if (out != data[1] + j * strides[ntensors + 1]) {
+          throw InternalError("sum_then_divide: expected an in-place accumulator");
+        }
+        for (int t = 0; t < k; ++t) {
+          src[static_cast<size_t>(t)] =
+              reinterpret_cast<const T*>(data[t + 2] + j * strides[ntensors + t + 2]);
+        }
+        sum_then_scale(reinterpret_cast<T*>(out), src.data(), k, size0, static_cast<T>(s1),
+                       static_cast<T>(s2));
       }
-    }
-  });
+    });
+  };
+  if (is_float) {
+    loop(0.0f);
+  } else {
+    loop(0.0);
+  }
 }
 
 namespace {
@@ -131,6 +152,7 @@ struct Pairwise : PointToPoint {
   std::vector<compat::WorkPtr> direct;  // ... by these receives
   // Per rank: the receives of its pieces of this rank's chunk, and the buffer they land in.
   std::vector<std::pair<std::vector<compat::WorkPtr>, int>> recv_of;
+  std::vector<char> posted;  // per rank: its receives into a buffer are posted
 
   // Posts the receives of rank q's pieces of this rank's chunk into `dst`: one per piece, of the
   // piece's size, so that they pair with q's sends (every rank splits chunk `rank` alike). Each
@@ -151,23 +173,57 @@ struct Pairwise : PointToPoint {
       free_bufs.pop_front();
       auto& slot = recv_of[static_cast<size_t>(q)];
       slot.second = b;
+      posted[static_cast<size_t>(q)] = 1;
       receive(q, bufs[static_cast<size_t>(b)], slot.first);
     }
   }
 
-  // acc (chunk-sized) = acc op (this rank's own chunk), or a copy of it (`first`), piece by piece;
-  // `last`: the sum's last addition, which also applies the fused divisors (if any; the others,
-  // and all of them where none fuse, are divided after the sum).
-  void combine_own(const at::Tensor& acc, bool first, bool last) const {
+  // Rank q's pieces can be combined once waited for: ours, or received into a posted buffer.
+  bool ready(int q) const { return q == rank || posted[static_cast<size_t>(q)] != 0; }
+
+  // A sum of float or double adds several ranks' pieces in one pass (sum_then_divide).
+  bool sums_in_one_pass() const {
+    return (op == ReduceOp::SUM || op == ReduceOp::AVG) &&
+           (out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble);
+  }
+
+  // out = out op (the pieces of `group`'s ranks, in order), or, with `first`, out = the first of
+  // them op the rest. `last`: the sum's last addition, which also applies the fused divisors (if
+  // any; the others, and all of them where none fuse, are divided after the sum). One pass over
+  // the chunk for the whole group where sums_in_one_pass(), else one combine per rank.
+  void combine_group(const std::vector<int>& group, bool first, bool last) const {
     const auto& own = chunks[static_cast<size_t>(rank)];
-    for (size_t i = 0; i < own.size(); ++i) {
-      at::Tensor dst = acc.narrow(0, own_offsets[i], own[i].numel());
+    // The stretches of the chunk over which every operand is one tensor: our own pieces where our
+    // own chunk is in the group, else the whole chunk.
+    struct Stretch {
+      int64_t offset, length;
+      size_t own_piece;
+    };
+    std::vector<Stretch> stretches;
+    if (std::find(group.begin(), group.end(), rank) != group.end()) {
+      for (size_t i = 0; i < own.size(); ++i)
+        stretches.push_back({own_offsets[i], own[i].numel(), i});
+    } else {
+      stretches.push_back({0, n, 0});
+    }
+    const bool one_pass = sums_in_one_pass();
+    for (const Stretch& st : stretches) {
+      at::Tensor dst = out.narrow(0, st.offset, st.length);
+      std::vector<at::Tensor> srcs;
+      for (int q : group) {
+        srcs.push_back(
+            q == rank ? own[st.own_piece]
+                      : bufs[static_cast<size_t>(recv_of[static_cast<size_t>(q)].second)].narrow(
+                            0, st.offset, st.length));
+      }
       if (first) {
-        dst.copy_(own[i]);
-      } else if (last && fused > 0) {
-        add_then_divide(dst, own[i], divisors, fused);
+        dst.copy_(srcs.front());
+        srcs.erase(srcs.begin());
+      }
+      if (one_pass) {
+        sum_then_divide(dst, srcs, divisors, last ? fused : 0);
       } else {
-        combine_into(dst, own[i], op);
+        for (const auto& src : srcs) combine_into(dst, src, op);
       }
     }
   }
@@ -254,6 +310,7 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
   p->divisors = std::move(divisors);
   p->fused = fusable_divisors(out_flat.scalar_type(), p->divisors);
   p->recv_of.resize(static_cast<size_t>(world));
+  p->posted.resize(static_cast<size_t>(world));
   int64_t offset = 0;
   for (const auto& t : p->chunks[static_cast<size_t>(rank)]) {
     p->own_offsets.push_back(offset);
@@ -269,7 +326,8 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
   // for max/min, whose ties between +0 and -0 depend on the order.
   const bool direct = op == ReduceOp::SUM || op == ReduceOp::AVG;
   const size_t buffered = p->peers.size() - (direct ? 1 : 0);
-  // Two buffers let the next piece arrive while one is combined.
+  // Two buffers: with our own chunk read in place, every piece up to W=4 is received at once and a
+  // sum adds them in one pass; beyond that, the next pieces arrive while those are combined.
   const int nbufs = static_cast<int>(std::min<size_t>(2, buffered));
   for (int b = 0; b < nbufs; ++b) {
     p->bufs.push_back(fsdp::detail::empty_buffer(p->n, p->out.options()));
@@ -300,19 +358,6 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
       wait_all(p, ws, "receiving from rank " + std::to_string(q));
       return b;
     };
-    // For SUM and AVG (the only ops with divisors) the last combine is an addition: `direct`
-    // received the first piece into the output, so no later combine is a `first`.
-    auto combine = [&](int b, bool first, bool last) {
-      if (b < 0) {
-        p->combine_own(p->out, first, last);
-      } else if (first) {
-        p->out.copy_(p->bufs[static_cast<size_t>(b)]);
-      } else if (last && p->fused > 0) {
-        add_then_divide(p->out, p->bufs[static_cast<size_t>(b)], p->divisors, p->fused);
-      } else {
-        combine_into(p->out, p->bufs[static_cast<size_t>(b)], p->op);
-      }
-    };
     auto release = [&](int b) {
       if (b < 0) return;
       p->free_bufs.push_back(b);
@@ -322,19 +367,38 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
         fail_to_post(p, "posting a receive");
       }
     };
-    int q = 0;
+    // The ranks whose pieces are combined into the output, in the order of the sum: after the
+    // direct receive's peer (0, or 1 on rank 0), the other of 0 and 1, then 2, 3, ...
+    std::vector<int> order;
     if (p->has_direct) {
-      const int first = p->peers[0];  // 0, or 1 on rank 0
+      const int first = p->peers[0];
       wait_all(p, p->direct, "receiving from rank " + std::to_string(first));
-      const int b = arrived(first == 0 ? 1 : 0);
-      combine(b, /*first=*/false, /*last=*/p->world == 2);
-      release(b);
-      q = 2;
+      order.push_back(first == 0 ? 1 : 0);
+      for (int q = 2; q < p->world; ++q) order.push_back(q);
+    } else {
+      for (int q = 0; q < p->world; ++q) order.push_back(q);
     }
-    for (; q < p->world; ++q) {
-      const int b = arrived(q);
-      combine(b, /*first=*/q == 0, /*last=*/q == p->world - 1);
-      release(b);
+    // A sum of float or double takes every piece that is ready at once (at most the two buffers
+    // and our own, so all of them up to W=4): one pass over the chunk instead of one per piece.
+    // Otherwise one piece at a time, each combined while the next arrives.
+    const bool batch = p->sums_in_one_pass();
+    bool first = !p->has_direct;
+    for (size_t i = 0; i < order.size();) {
+      if (!p->ready(order[i])) {
+        keep_alive_for_good(p);
+        throw InternalError("pairwise reduce-scatter: rank " + std::to_string(order[i]) +
+                            "'s pieces were never posted");
+      }
+      std::vector<int> group{order[i++]};
+      while (batch && i < order.size() && p->ready(order[i])) group.push_back(order[i++]);
+      std::vector<int> held;  // the buffers the group's pieces are in
+      for (int q : group) {
+        const int b = arrived(q);
+        if (b >= 0) held.push_back(b);
+      }
+      p->combine_group(group, first, /*last=*/i == order.size());
+      first = false;
+      for (int b : held) release(b);
     }
     divide_in_order(p->out, p->divisors, p->fused);
     wait_sends(p);

@@ -82,15 +82,16 @@ void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op);
 // reduce-scatter does to its sum for AVG and for the caller's divide_by.
 void divide_in_order(const at::Tensor& t, const std::vector<double>& divisors, size_t from = 0);
 
-// How many of `divisors`, from the front, can be applied by the sum's last addition in the same
-// pass (add_then_divide): powers of two (so that scaling by the reciprocal is exact), at most two,
-// for float and double. The rest go through divide_in_order afterwards.
+// How many of `divisors`, from the front, can be applied in the pass of the sum's last addition
+// (sum_then_divide): powers of two (so that scaling by the reciprocal is exact), at most two, for
+// float and double. The rest go through divide_in_order afterwards.
 size_t fusable_divisors(at::ScalarType dtype, const std::vector<double>& divisors);
 
-// acc = (acc + src) / divisors[0] / ... / divisors[count - 1], in one pass, bit-identical to add_
-// followed by `count` div_ calls. acc and src: contiguous, of one dtype and size, not
-// overlapping; 1 <= count <= fusable_divisors(dtype, divisors).
-void add_then_divide(const at::Tensor& acc, const at::Tensor& src,
+// acc = (((acc + srcs[0]) + srcs[1]) + ...) / divisors[0] / ... / divisors[count - 1], in one pass
+// over float or double, bit-identical to one add_ per source in order followed by `count` div_
+// calls. acc and the sources: contiguous, of one dtype and size, none overlapping acc;
+// count <= fusable_divisors(dtype, divisors).
+void sum_then_divide(const at::Tensor& acc, const std::vector<at::Tensor>& srcs,
                      const std::vector<double>& divisors, size_t count);
 
 // Starts ReduceScatterAlgo::kPairwise (pairwise.cpp): posts the sends and the first
