@@ -19,7 +19,16 @@
 
 namespace fsdp {
 namespace dist {
+
+std::string detail::describe(const char* op, const ProcessGroup& g) {
+  return std::string(op) + " on group '" + g.name() + "' (rank " + std::to_string(g.rank()) +
+         " of " + std::to_string(g.size()) + ", global rank " +
+         std::to_string(g.global_ranks()[g.rank()]) + ")";
+}
+
 namespace {
+
+using detail::describe;
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
@@ -32,12 +41,6 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
       return c10d::ReduceOp::MIN;
   }
   throw InternalError("unknown ReduceOp");
-}
-
-std::string describe(const char* op, const ProcessGroup& g) {
-  return std::string(op) + " on group '" + g.name() + "' (rank " + std::to_string(g.rank()) +
-         " of " + std::to_string(g.size()) + ", global rank " +
-         std::to_string(g.global_ranks()[g.rank()]) + ")";
 }
 
 void check_flat(const char* op, const ProcessGroup& g, const at::Tensor& t, const char* which) {
@@ -119,16 +122,6 @@ void pairwise_needs_gloo(const char* op, const ProcessGroup& g, const std::strin
 
 }  // namespace
 
-// Frees a scratch buffer of a collective that wait() has seen complete. The backend's own work
-// object still holds a reference and drops it on its worker thread some time after the
-// completion; until then the buffer would stay allocated, so whether it counts towards the peak
-// of what the caller does next (the next unit's backward) depends on thread timing. Freeing the
-// storage makes the release deterministic. CPU only: there wait() means the collective is done,
-// while a device backend's wait() may only order streams.
-void detail::release_completed(const at::Tensor& scratch) {
-  if (scratch.device().is_cpu()) fsdp::detail::free_storage(scratch);
-}
-
 detail::PointToPointCall ProcessGroup::State::next_point_to_point(std::string what) {
   detail::PointToPointCall call;
   call.backend = backend;
@@ -139,72 +132,6 @@ detail::PointToPointCall ProcessGroup::State::next_point_to_point(std::string wh
   call.group_failed = failed;
   call.what = std::move(what);
   return call;
-}
-
-std::chrono::milliseconds detail::work_timeout(const std::string& backend_name,
-                                               std::chrono::milliseconds group_timeout) {
-  // 0: no timeout passed to wait() (see wait_backend_work).
-  return backend_name == "nccl" ? std::chrono::milliseconds(0) : group_timeout;
-}
-
-void detail::wait_backend_work(const compat::WorkPtr& work, std::chrono::milliseconds timeout,
-                               const std::shared_ptr<std::atomic<bool>>& group_failed,
-                               const std::string& what) {
-  try {
-    if (timeout.count() > 0) {
-      // c10d's Work::wait throws "Operation timed out!" past the deadline; Gloo also enforces the
-      // same timeout inside the transport, so the background op does not linger either.
-      work->wait(timeout);
-    } else {
-      // NCCL: given a timeout, WorkNCCL::wait blocks the CPU thread and polls until the kernel
-      // is done, which costs every collective a polling delay and ends all overlap of CPU and
-      // GPU work (measured: reduce_grad took 4.8 ms where the raw reduce-scatter took 2.7).
-      // Without one it only orders the current stream after the collective, as in PyTorch;
-      // timeouts are then c10d's watchdog's (or wait()'s, with TORCH_NCCL_BLOCKING_WAIT=1).
-      work->wait();
-    }
-  } catch (const c10::Error& e) {
-    if (group_failed) group_failed->store(true);
-    throw DistError(what + " failed: " + e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    if (group_failed) group_failed->store(true);
-    throw DistError(what + " failed: " + e.what());
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Work
-
-Work::Work(Work&&) noexcept = default;
-Work& Work::operator=(Work&& other) noexcept {
-  if (this != &other) {
-    if (pending_) {
-      try {
-        wait();
-      } catch (...) {
-      }
-    }
-    pending_ = std::move(other.pending_);
-  }
-  return *this;
-}
-Work::Work() = default;
-
-Work::~Work() {
-  if (pending_) {
-    try {
-      wait();
-    } catch (...) {
-      // Documented: errors of an unwaited Work are swallowed.
-    }
-  }
-}
-
-void Work::wait() {
-  if (!pending_) return;
-  std::unique_ptr<Pending> p = std::move(pending_);
-  if (p->work) detail::wait_backend_work(p->work, p->timeout, p->group_failed, p->what);
-  if (p->finish) p->finish();
 }
 
 Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<void()> finish) {
@@ -633,94 +560,6 @@ void ProcessGroup::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = s.timeout;
   launch(op, FSDP_START(op, s.backend->barrier(opts))).wait();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Small metadata
-
-namespace {
-
-// Byte exchanges are mostly verdicts (empty, or an error message) and small metadata, for which a
-// collective's fixed cost is all there is (a few hundred microseconds over Gloo on loopback): each
-// message travels in a fixed-size slot with its length up front, so one collective suffices, and
-// only what does not fit follows in a second one, which every rank knows to run from the lengths
-// it received. The slot is small because every rank holds W of them during the exchange, often
-// while it holds a unit for a state-dict transfer that promises to hold about one unit more.
-constexpr int64_t kBytesSlot = 128;
-constexpr int64_t kSlotPayload = kBytesSlot - 8;
-
-void put_length(char* slot, int64_t n) { std::memcpy(slot, &n, sizeof n); }
-int64_t get_length(const char* slot, const std::string& op, int from) {
-  int64_t n = 0;
-  std::memcpy(&n, slot, sizeof n);
-  // Every rank writes its own length, so this only fails on corrupted transport.
-  if (n < 0 || n > (int64_t{1} << 40))
-    throw DistError(op + ": rank " + std::to_string(from) + " sent a length of " +
-                    std::to_string(n));
-  return n;
-}
-
-}  // namespace
-
-std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes) {
-  State& s = checked_state("all_gather_bytes");
-  if (s.size == 1) return {bytes};
-  const int64_t n = static_cast<int64_t>(bytes.size());
-  // In place: this rank's slot is its own piece of the output, so the exchange holds W slots.
-  at::Tensor all = at::zeros({kBytesSlot * s.size}, at::kByte);
-  at::Tensor mine = all.narrow(0, kBytesSlot * s.rank, kBytesSlot);
-  char* slot = static_cast<char*>(mine.data_ptr());
-  put_length(slot, n);
-  std::memcpy(slot + 8, bytes.data(), static_cast<size_t>(std::min(n, kSlotPayload)));
-  all_gather_into_tensor(all, mine);
-  const char* base = static_cast<const char*>(all.data_ptr());
-  std::vector<std::string> out;
-  std::vector<int64_t> lens;
-  int64_t rest = 0;  // the longest remainder past a slot
-  const std::string what = describe("all_gather_bytes", *this);
-  for (int r = 0; r < s.size; ++r) {
-    lens.push_back(get_length(base + r * kBytesSlot, what, r));
-    out.emplace_back(base + r * kBytesSlot + 8,
-                     static_cast<size_t>(std::min(lens[r], kSlotPayload)));
-    rest = std::max(rest, lens[r] - kSlotPayload);
-  }
-  if (rest > 0) {
-    at::Tensor all_more = at::zeros({rest * s.size}, at::kByte);
-    at::Tensor more = all_more.narrow(0, rest * s.rank, rest);
-    if (n > kSlotPayload)
-      std::memcpy(more.data_ptr(), bytes.data() + kSlotPayload,
-                  static_cast<size_t>(n - kSlotPayload));
-    all_gather_into_tensor(all_more, more);
-    const char* m = static_cast<const char*>(all_more.data_ptr());
-    for (int r = 0; r < s.size; ++r) {
-      if (lens[r] > kSlotPayload)
-        out[r].append(m + r * rest, static_cast<size_t>(lens[r] - kSlotPayload));
-    }
-  }
-  return out;
-}
-
-std::string ProcessGroup::broadcast_bytes(const std::string& bytes, int src) {
-  State& s = checked_state("broadcast_bytes");
-  if (s.size == 1) return bytes;
-  at::Tensor buf = at::zeros({kBytesSlot}, at::kByte);
-  char* slot = static_cast<char*>(buf.data_ptr());
-  if (s.rank == src) {
-    put_length(slot, static_cast<int64_t>(bytes.size()));
-    std::memcpy(slot + 8, bytes.data(), std::min(bytes.size(), static_cast<size_t>(kSlotPayload)));
-  }
-  broadcast(buf, src);
-  const int64_t n = get_length(slot, describe("broadcast_bytes", *this), src);
-  std::string out(slot + 8, static_cast<size_t>(std::min(n, kSlotPayload)));
-  if (n > kSlotPayload) {
-    at::Tensor more = at::empty({n - kSlotPayload}, at::kByte);
-    if (s.rank == src)
-      std::memcpy(more.data_ptr(), bytes.data() + kSlotPayload,
-                  static_cast<size_t>(n - kSlotPayload));
-    broadcast(more, src);
-    out.append(static_cast<const char*>(more.data_ptr()), static_cast<size_t>(n - kSlotPayload));
-  }
-  return out;
 }
 
 }  // namespace dist

@@ -1,5 +1,6 @@
 // Process-group creation: environment parsing, rendezvous, backends, sub-groups.
-// The collectives themselves live in collectives.cpp.
+// The collectives themselves live in collectives.cpp and pairwise.cpp, their completion (Work) in
+// work.cpp, the byte exchanges in bytes.cpp.
 #include "dist/state.h"
 
 #include <signal.h>

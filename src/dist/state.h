@@ -62,6 +62,9 @@ struct Work::Pending {
 
 namespace detail {
 
+// "<op> on group '<name>' (rank r of W, global rank g)": how every error of a collective begins.
+std::string describe(const char* op, const ProcessGroup& g);
+
 // The timeout Work waits with on `backend_name`: the group's, except on NCCL (0: none).
 std::chrono::milliseconds work_timeout(const std::string& backend_name,
                                        std::chrono::milliseconds group_timeout);
