@@ -1,5 +1,6 @@
-// fsdp::dist over real Gloo processes: every collective at world sizes 1-4 with element counts
-// 0, 1 and sizes not divisible by anything convenient, sub-groups, and failure behaviour.
+// fsdp::dist over real Gloo processes: every collective at world sizes 1-4 and 6 with element
+// counts 0, 1 and sizes not divisible by anything convenient, sub-groups, and failure behaviour;
+// and the pairwise reduce-scatter's sum kernel on its own.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -9,6 +10,9 @@
 #include <thread>
 #include <tuple>
 
+#include <ATen/Parallel.h>
+
+#include "dist/state.h"  // sum_then_divide
 #include "fsdp/compat.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
@@ -529,12 +533,63 @@ TEST_P(DistWorld, ShapeMismatchIsValueErrorNamingTheOperation) {
   });
 }
 
+// The pairwise sum's pieces as integers and float16: one combine per piece (the one-pass kernel
+// is for float and double), still in rank order and equal to the all-to-all's sum.
+TEST_P(DistWorld, PairwiseSumOfIntegersAndHalvesPieceByPiece) {
+  const int W = GetParam();
+  run_ranks(W, [](ProcessGroup& pg) {
+    if (!runs_pairwise(pg)) return;
+    const int W = pg.size();
+    const int64_t n = 5;  // sums below 2048: exact in float16 too
+    for (auto dtype : {at::kInt, at::kHalf}) {
+      at::Tensor in = rank_input(pg.rank(), n * W, dtype);
+      at::Tensor expect = at::zeros({n}, at::kFloat);
+      for (int r = 0; r < W; ++r) expect += rank_input(r, n * W).narrow(0, pg.rank() * n, n);
+      at::Tensor out = at::empty({n}, dtype), reference = at::empty({n}, dtype);
+      pg.reduce_scatter_tensor(out, in, ReduceOp::SUM, ReduceScatterAlgo::kPairwise);
+      pg.reduce_scatter_tensor(reference, in, ReduceOp::SUM, ReduceScatterAlgo::kAllToAll);
+      ASSERT_TRUE(at::equal(out, reference)) << c10::toString(dtype) << ", rank " << pg.rank();
+      ASSERT_TRUE(at::equal(out, expect.to(dtype))) << c10::toString(dtype);
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, DistWorld, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
 // Beyond four ranks the pairwise reduce-scatter's pieces no longer fit in its two receive buffers
 // at once: it posts receives in the finish and sums in several passes.
 INSTANTIATE_TEST_SUITE_P(BeyondFourRanks, DistWorld, ::testing::Values(6),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
+
+// The sum kernel alone, against ATen: sources added in order, then the power-of-two divisors, on
+// two intra-op threads over sizes TensorIterator splits between them (the multi-rank tests run
+// one thread on small tensors), for 0 to 5 sources (more than three take a second pass).
+TEST(Dist, SumThenDivideEqualsAddThenDivOnSeveralThreads) {
+  using fsdp::dist::detail::sum_then_divide;
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  const int64_t n = 300007;  // several of TensorIterator's 32768-element grains, odd
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    for (int k = 0; k <= 5; ++k) {
+      for (const std::vector<double>& divisors :
+           {std::vector<double>{}, std::vector<double>{2}, std::vector<double>{4, 2}}) {
+        at::Tensor acc = seeded_randn({n}, 7, dtype);
+        std::vector<at::Tensor> srcs;
+        for (int j = 0; j < k; ++j) srcs.push_back(seeded_randn({n}, 8 + j, dtype));
+        at::Tensor expect = acc.clone();
+        for (const auto& src : srcs) expect.add_(src);
+        for (double d : divisors) expect.div_(d);
+        sum_then_divide(acc, srcs, divisors, divisors.size());
+        EXPECT_TRUE(at::equal(acc, expect))
+            << c10::toString(dtype) << ", " << k << " sources, " << divisors.size() << " divisors";
+      }
+    }
+  }
+  EXPECT_THROW(sum_then_divide(at::zeros({4}, at::kHalf), {at::zeros({4}, at::kHalf)}, {}, 0),
+               fsdp::InternalError);
+  EXPECT_THROW(sum_then_divide(at::zeros({4}), {}, {2}, 2), fsdp::InternalError);
+  at::set_num_threads(threads);
+}
 
 TEST(Dist, SubGroupsAndHybridLayout) {
   run_ranks(4, [](ProcessGroup& pg) {

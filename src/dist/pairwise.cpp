@@ -378,29 +378,50 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
     } else {
       for (int q = 0; q < p->world; ++q) order.push_back(q);
     }
-    // A sum of float or double takes every piece that is ready at once (at most the two buffers
-    // and our own, so all of them up to W=4): one pass over the chunk instead of one per piece.
-    // Otherwise one piece at a time, each combined while the next arrives.
+    // A step of our own that throws (an allocation, an internal check) leaves sends and receives
+    // in flight that point into this state: as after a failed wait, it is kept for good and the
+    // group marked failed.
+    auto locally = [&](const auto& step) {
+      try {
+        step();
+      } catch (...) {
+        if (p->group_failed) p->group_failed->store(true);
+        keep_alive_for_good(p);
+        throw;
+      }
+    };
+    // A sum of float or double takes the pieces that are ready together, in one pass over the
+    // chunk instead of one per piece: up to W=4 all of them (two buffers and our own), since every
+    // receive is posted at the start. While receives remain to be posted, a group holds at most one
+    // buffer, so that the other keeps receiving the next piece during the pass. Other ops and
+    // dtypes go one piece at a time, each combined while the next arrives.
     const bool batch = p->sums_in_one_pass();
     bool first = !p->has_direct;
     for (size_t i = 0; i < order.size();) {
       if (!p->ready(order[i])) {
-        keep_alive_for_good(p);
-        throw InternalError("pairwise reduce-scatter: rank " + std::to_string(order[i]) +
-                            "'s pieces were never posted");
+        locally([&] {
+          throw InternalError("pairwise reduce-scatter: rank " + std::to_string(order[i]) +
+                              "'s pieces were never posted");
+        });
       }
       std::vector<int> group{order[i++]};
-      while (batch && i < order.size() && p->ready(order[i])) group.push_back(order[i++]);
+      int buffers = group[0] == p->rank ? 0 : 1;
+      while (batch && i < order.size() && p->ready(order[i])) {
+        const bool buffered = order[i] != p->rank;
+        if (buffered && buffers > 0 && p->next_post < p->peers.size()) break;
+        buffers += buffered ? 1 : 0;
+        group.push_back(order[i++]);
+      }
       std::vector<int> held;  // the buffers the group's pieces are in
       for (int q : group) {
         const int b = arrived(q);
         if (b >= 0) held.push_back(b);
       }
-      p->combine_group(group, first, /*last=*/i == order.size());
+      locally([&] { p->combine_group(group, first, /*last=*/i == order.size()); });
       first = false;
       for (int b : held) release(b);
     }
-    divide_in_order(p->out, p->divisors, p->fused);
+    locally([&] { divide_in_order(p->out, p->divisors, p->fused); });
     wait_sends(p);
     if (p->user_out.defined()) {
       p->user_out.copy_(p->out);
