@@ -157,6 +157,11 @@ std::string CheckpointReader::where(const std::string& key, const dcp::StorageIn
 }
 
 void CheckpointReader::fill(StateDict& state_dict) const {
+  Buffer buf;
+  fill(state_dict, buf);
+}
+
+void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
   const std::string& dir = dir_;
   // Plan: which saved chunk fills which part of which target, all checked before any change.
   struct Copy {
@@ -256,7 +261,6 @@ void CheckpointReader::fill(StateDict& state_dict) const {
   }
   // Apply: each needed chunk read, checked and decoded once.
   at::NoGradGuard no_grad;
-  Buffer buf;
   for (auto& [info, job] : reads) {
     const std::string place = where(job.key, *info);
     const std::string_view raw = read_item(job.key, *info, buf);

@@ -30,8 +30,6 @@ class CheckpointReader {
   /// The key's entry in `.metadata`, or null.
   const dcp::ItemMeta* item(const std::string& key) const;
 
-  /// Fills `sd` as checkpoint::load does.
-  void fill(StateDict& sd) const;
   /// Where items are read: grown as needed and reused, so reading an item allocates nothing
   /// and touches no fresh pages once the buffer has reached the largest item.
   class Buffer {
@@ -42,6 +40,11 @@ class CheckpointReader {
     std::unique_ptr<char[]> data_;
     size_t capacity_ = 0;
   };
+  /// Fills `sd` as checkpoint::load does.
+  void fill(StateDict& sd) const;
+  /// The same, reading items into `buf`, which a caller that fills again and again keeps (the
+  /// exports, which fill one tensor at a time).
+  void fill(StateDict& sd, Buffer& buf) const;
   /// The bytes of one stored item, read into `buf` and checked against the manifest (when
   /// verifying and it has one); valid until `buf` is used again.
   std::string_view read_item(const std::string& key, const dcp::StorageInfo& info,

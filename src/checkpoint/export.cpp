@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -37,7 +38,8 @@ struct Entry {
 
 struct Source {
   std::vector<Entry> entries;
-  std::function<at::Tensor(const Entry&)> fetch;  // a contiguous CPU tensor
+  // A contiguous CPU tensor, valid until the next fetch (the writers copy it out before that).
+  std::function<at::Tensor(const Entry&)> fetch;
 };
 
 bool under(const std::string& key, const std::string& prefix) {
@@ -61,10 +63,24 @@ Source from_checkpoint(const CheckpointReader& reader, const std::string& prefix
     if (!item.bytes && (prefix.empty() || under(key, prefix)))
       src.entries.push_back(entry(key, prefix, item.tensor.dtype, item.tensor.size));
   if (src.entries.empty()) no_tensors(reader.dir(), prefix);
-  src.fetch = [&reader](const Entry& e) {
+  // Every tensor is read into the same memory, as large as the largest, and through the same read
+  // buffer: each is written out before the next is fetched, so the export faults in its memory
+  // once, where a fresh tensor and a fresh read buffer per tensor cost a page fault for every 4 KiB
+  // of the checkpoint, twice (docs/performance.md, "Checkpoints").
+  struct Scratch {
+    CheckpointReader::Buffer buf;
+    at::Storage storage;
+  };
+  int64_t largest = 0;
+  for (const Entry& e : src.entries) largest = std::max(largest, e.nbytes);
+  auto scratch = std::make_shared<Scratch>();
+  scratch->storage = at::empty({largest}, at::kByte).storage();
+  src.fetch = [&reader, scratch](const Entry& e) {
+    at::Tensor t = at::empty({0}, at::TensorOptions().dtype(e.dtype));
+    t.set_(scratch->storage, 0, e.shape);
     StateDict one;
-    one.insert_or_assign(e.key, at::empty(e.shape, at::TensorOptions().dtype(e.dtype)));
-    reader.fill(one);
+    one.insert_or_assign(e.key, t);
+    reader.fill(one, scratch->buf);
     return one.at(e.key).tensor();
   };
   return src;
