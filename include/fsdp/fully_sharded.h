@@ -176,11 +176,15 @@ void track_input(ForwardScope&, const T&) {}
 /// in eval mode (train(false)) compute in the parameters' own dtype despite a param_dtype.
 bool full_precision_in_eval();
 
-inline at::Tensor cast_arg(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
-  return dtype && t.defined() && t.is_floating_point() ? t.to(*dtype) : t;
+/// `dtype` Undefined: no cast. (A plain ScalarType rather than an optional: GCC 12 at -O2 warns,
+/// wrongly, that an inlined optional's payload may be used uninitialized, in every program that
+/// builds forward() with -Wall.)
+inline at::Tensor cast_arg(const at::Tensor& t, at::ScalarType dtype) {
+  return dtype != at::ScalarType::Undefined && t.defined() && t.is_floating_point() ? t.to(dtype)
+                                                                                    : t;
 }
 template <typename T, typename = std::enable_if_t<!std::is_same_v<std::decay_t<T>, at::Tensor>>>
-T&& cast_arg(T&& x, std::optional<at::ScalarType>) {
+T&& cast_arg(T&& x, at::ScalarType) {
   return std::forward<T>(x);
 }
 
@@ -246,10 +250,10 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
     detail::ForwardScope scope(module_.get());
     // In eval with FSDP_USE_FULL_PREC_IN_EVAL=1 the units compute in full precision: no cast.
     const bool full_prec = !is_training() && detail::full_precision_in_eval();
-    const std::optional<at::ScalarType> cast =
+    const at::ScalarType cast =
         options_.mixed_precision().cast_root_forward_inputs() && !full_prec
-            ? options_.mixed_precision().param_dtype()
-            : std::nullopt;
+            ? options_.mixed_precision().param_dtype().value_or(at::ScalarType::Undefined)
+            : at::ScalarType::Undefined;
     (detail::track_input(scope, args), ...);  // before the cast: its copy has the gradient path
     Out out = run_inner<Out>(detail::cast_arg(std::forward<Args>(args), cast)...);
     detail::track(scope, out);
