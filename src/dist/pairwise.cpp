@@ -236,12 +236,19 @@ void keep_alive_for_good(const std::shared_ptr<PointToPoint>& p) {
   new std::shared_ptr<PointToPoint>(p);  // deliberately leaked, see above
 }
 
+// After a failure of our own (a send or receive that could not be posted, a throw in the sum)
+// the sends and receives already posted may still be in flight: the group is marked failed, as a
+// failed wait marks it, and the state kept alive for good.
+void abandon(const std::shared_ptr<PointToPoint>& p) {
+  if (p->group_failed) p->group_failed->store(true);
+  keep_alive_for_good(p);
+}
+
 // A send or receive that could not even be posted. Called from a catch block: c10d's errors are
 // c10::Error, Gloo's own (a peer's socket already closed) other std::exceptions; either way the
 // sends and receives posted before it must stay valid.
 [[noreturn]] void fail_to_post(const std::shared_ptr<PointToPoint>& p, const std::string& step) {
-  if (p->group_failed) p->group_failed->store(true);
-  keep_alive_for_good(p);
+  abandon(p);
   std::string reason = "unknown error";
   try {
     throw;
@@ -378,15 +385,12 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
     } else {
       for (int q = 0; q < p->world; ++q) order.push_back(q);
     }
-    // A step of our own that throws (an allocation, an internal check) leaves sends and receives
-    // in flight that point into this state: as after a failed wait, it is kept for good and the
-    // group marked failed.
+    // A step of our own that throws (an allocation, an internal check) abandons the state.
     auto locally = [&](const auto& step) {
       try {
         step();
       } catch (...) {
-        if (p->group_failed) p->group_failed->store(true);
-        keep_alive_for_good(p);
+        abandon(p);
         throw;
       }
     };
@@ -399,10 +403,9 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
     bool first = !p->has_direct;
     for (size_t i = 0; i < order.size();) {
       if (!p->ready(order[i])) {
-        locally([&] {
-          throw InternalError("pairwise reduce-scatter: rank " + std::to_string(order[i]) +
-                              "'s pieces were never posted");
-        });
+        abandon(p);
+        throw InternalError("pairwise reduce-scatter: rank " + std::to_string(order[i]) +
+                            "'s pieces were never posted");
       }
       std::vector<int> group{order[i++]};
       int buffers = group[0] == p->rank ? 0 : 1;
