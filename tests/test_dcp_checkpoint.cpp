@@ -13,6 +13,8 @@
 #include <sys/stat.h>
 
 #include "checkpoint/dcp_metadata.h"
+#include "checkpoint/dcp_reader.h"
+#include "checkpoint/manifest.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"
@@ -63,6 +65,102 @@ TEST(DcpCheckpoint, SaveAndLoadRoundTripInOneProcess) {
     EXPECT_NE(error_of([&] { ckpt::load(extra, tmp.file("none")); }).find("does not exist"),
               std::string::npos);
   });
+}
+
+// A chunk that fills one contiguous target whole (a shard loaded at the world size that saved it,
+// the rows of a whole tensor) is read straight into the target, so the reader's buffer holds only
+// the few hundred bytes of archive around it; other targets (strided, or a box that cuts through
+// chunks) go through the buffer. Every way gives the saved values bit for bit, moves the target's
+// version counter as copy_ would, and names a flipped byte anywhere in the chunk.
+TEST(DcpCheckpoint, LargeChunksAreReadStraightIntoTheirTargets) {
+  fsdp::testing::TempDir tmp;
+  const std::string dir = tmp.file("big");
+  constexpr int64_t kRows = 256, kCols = 384;  // 384 KiB of float32 per chunk
+  const at::Tensor full = at::arange(2 * kRows * kCols, at::kFloat).reshape({2 * kRows, kCols}) / 7;
+  const at::Tensor dbl = at::arange(40000, at::kDouble) / 3;  // 312 KiB, saved by rank 0
+  auto box = [&](int64_t row0, int64_t rows, at::Tensor local) {
+    StateDict sd, model;
+    model.insert_or_assign(
+        "w", fsdp::ShardedTensor({2 * kRows, kCols}, at::kFloat,
+                                 {{local, fsdp::ShardMetadata{{row0, 0}, {rows, kCols}, 0}}}));
+    model.insert_or_assign("d", at::full({40000}, -1.0, at::kDouble));
+    sd.insert_or_assign("model", model);
+    return sd;
+  };
+  run_ranks(2, [&](ProcessGroup& pg) {
+    StateDict sd = box(kRows * pg.rank(), kRows, full.narrow(0, kRows * pg.rank(), kRows).clone());
+    sd.at("model").dict().insert_or_assign("d", dbl.clone());
+    ckpt::save(sd, dir);
+  });
+  const ckpt::CheckpointReader reader(ckpt::default_file_io(), dir, /*verify=*/true, "test");
+  // What `t` holds of "model.w" equals the saved rows it covers, and "model.d" the saved values.
+  auto check = [&](StateDict& t, int64_t row0, int64_t rows, const std::string& what) {
+    const auto& w = t.at("model").dict().at("w").sharded_tensor().local_shards()[0].tensor;
+    EXPECT_TRUE(at::equal(w, full.narrow(0, row0, rows))) << what;
+    EXPECT_TRUE(at::equal(t.at("model").dict().at("d").tensor(), dbl)) << what;
+  };
+  {  // rank 1's shard as saved: straight in
+    StateDict t = box(kRows, kRows, at::full({kRows, kCols}, -1.0));
+    const at::Tensor target =
+        t.at("model").dict().at("w").sharded_tensor().local_shards()[0].tensor;
+    const auto version = target._version();
+    ckpt::CheckpointReader::Buffer buf;
+    reader.fill(t, buf);
+    check(t, kRows, kRows, "rank 1's shard");
+    EXPECT_LT(buf.capacity(), size_t{4096}) << "the chunks passed through the buffer";
+    EXPECT_GT(target._version(), version) << "written behind autograd's back";
+  }
+  {  // the whole tensor (both chunks fill whole row ranges of it): straight in
+    StateDict t = box(0, 2 * kRows, at::full({2 * kRows, kCols}, -1.0));
+    ckpt::CheckpointReader::Buffer buf;
+    reader.fill(t, buf);
+    check(t, 0, 2 * kRows, "the whole tensor");
+    EXPECT_LT(buf.capacity(), size_t{4096});
+  }
+  {  // a strided target and a box across both chunks: through the buffer
+    StateDict t = box(0, 2 * kRows, at::full({kCols, 2 * kRows}, -1.0).t());
+    ckpt::CheckpointReader::Buffer buf;
+    reader.fill(t, buf);
+    check(t, 0, 2 * kRows, "a transposed target");
+    EXPECT_GE(buf.capacity(), size_t{kRows * kCols * 4});
+    StateDict across = box(kRows / 2, kRows, at::full({kRows, kCols}, -1.0));
+    ckpt::load(across, dir);
+    check(across, kRows / 2, kRows, "a box across two chunks");
+  }
+  // A flipped byte at the start, in the middle (tensor data) and at the end (the zip directory)
+  // of rank 1's chunk: named by the checksum; without the manifest, the middle one by the zip's
+  // CRC-32 and the end one by the archive's parser.
+  const auto mf = ckpt::manifest::parse(read_bytes(dir + "/.fsdp_manifest.json"), "manifest");
+  const ckpt::manifest::Item* item = nullptr;
+  for (const auto& i : mf.items)
+    if (i.key == "model.w" && i.length > kRows * kCols * 4 && i.file == "__1_0.distcp") item = &i;
+  ASSERT_NE(item, nullptr);
+  const std::string path = dir + "/" + item->file;
+  const std::string good = read_bytes(path);
+  auto load_with_flip = [&](int64_t at) {
+    std::string bad = good;
+    bad[static_cast<size_t>(at)] ^= 0x10;
+    write_bytes(path, bad);
+    StateDict t = box(kRows, kRows, at::full({kRows, kCols}, -1.0));
+    const std::string err = error_of([&] { ckpt::load(t, dir); });
+    write_bytes(path, good);
+    return err;
+  };
+  const int64_t first = item->offset, middle = item->offset + item->length / 2,
+                last = item->offset + item->length - 1;
+  for (int64_t at : {first, middle, last}) {
+    const std::string err = load_with_flip(at);
+    EXPECT_NE(err.find("checksum mismatch for 'model.w' in " + path), std::string::npos)
+        << "@" << at << ": " << err;
+  }
+  ASSERT_EQ(::rename((dir + "/.fsdp_manifest.json").c_str(), (dir + "/manifest.away").c_str()), 0);
+  const std::string crc = load_with_flip(middle), zip = load_with_flip(last);
+  EXPECT_NE(crc.find("fails its CRC-32"), std::string::npos) << crc;
+  EXPECT_NE(zip.find("not a torch.save archive"), std::string::npos) << zip;
+  for (const std::string& err : {crc, zip})
+    EXPECT_NE(err.find("'model.w' in " + path), std::string::npos) << err;
+  const std::string header = load_with_flip(first);  // the first record's local header
+  EXPECT_NE(header.find("'model.w' in " + path), std::string::npos) << header;
 }
 
 // Damaged files are errors naming the file, never crashes (silent corruption of tensor bytes
@@ -342,8 +440,13 @@ TEST(DcpCheckpoint, PythonLoadsOursAndWeLoadPythons) {
     theirs.at("model").dict().erase("e");  // dcp_python.py's dict has no empty tensor
     theirs.erase("name");
     theirs.at("optim").dict().at("param_groups").list()[0].dict().erase("amsgrad");
+    theirs.at("model").dict().insert_or_assign("big", at::full({300, 400}, -1.0));
+    theirs.at("model").dict().insert_or_assign("big_t", at::full({300, 400}, -1.0));
     ckpt::load(theirs, tmp.file("theirs"));
     const StateDict& m = theirs.at("model").dict();
+    const at::Tensor big = at::arange(300 * 400, at::kFloat).reshape({300, 400});
+    EXPECT_TRUE(torch::equal(m.at("big").tensor(), big));
+    EXPECT_TRUE(torch::equal(m.at("big_t").tensor(), big.reshape({400, 300}).t()));
     EXPECT_TRUE(torch::equal(m.at("w").tensor(), at::arange(12, at::kFloat).reshape({3, 4})));
     EXPECT_TRUE(torch::equal(m.at("i").tensor(), at::tensor({1, 2}, at::kLong)));
     EXPECT_EQ(m.at("s").tensor().item<double>(), 2.5);

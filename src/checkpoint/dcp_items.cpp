@@ -5,6 +5,7 @@
 
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "checkpoint/pickle.h"
@@ -133,39 +134,58 @@ namespace {
 // The archive an item's bytes hold, and the values of its data.pkl: storages are views of the
 // bytes where they lie (no copy), CRC-checked when asked.
 struct ItemArchive {
-  const char* data;
-  size_t n;
+  ItemParts item;
   archive::ReadFn read;
   archive::Directory dir;
   archive::Values values;
   // `views`: storages are views of the bytes; otherwise copies (values outlive the buffer).
-  ItemArchive(const char* d, size_t size, const std::string& where, bool check_crc, bool views)
-      : data(d),
-        n(size),
+  ItemArchive(ItemParts parts, const std::string& where, bool check_crc, bool views)
+      : item(std::move(parts)),
         read([this, where](int64_t off, size_t len, char* dst) {
+          const size_t n = item.size;
           if (off < 0 || static_cast<uint64_t>(off) > n || len > n - static_cast<size_t>(off))
             throw ValueError(where + ": a read past the end of the item");
-          std::memcpy(dst, data + off, len);
+          const auto end = static_cast<size_t>(off) + len;
+          for (const ItemParts::Part& p : item.parts) {
+            const size_t lo = std::max(static_cast<size_t>(off), static_cast<size_t>(p.offset));
+            const size_t hi = std::min(end, static_cast<size_t>(p.offset) + p.n);
+            if (lo < hi)
+              std::memcpy(dst + (lo - static_cast<size_t>(off)), p.data + (lo - p.offset), hi - lo);
+          }
         }),
-        dir(static_cast<int64_t>(size), read, where),
+        dir(static_cast<int64_t>(item.size), read, where),
         values(
             [this, where, check_crc, views](const std::string& key, at::ScalarType dtype,
                                             int64_t numel) {
               const archive::Record& r = archive::storage_record(dir, key, dtype, numel);
-              const char* p = data + r.offset;
+              const char* p = nullptr;
+              for (const ItemParts::Part& part : item.parts)
+                if (r.offset >= part.offset &&
+                    static_cast<uint64_t>(r.offset - part.offset) + static_cast<uint64_t>(r.size) <=
+                        part.n)
+                  p = part.data + (r.offset - part.offset);
+              if (!p)
+                throw ValueError(where + ": storage " + key +
+                                 " does not lie where the item was read to hold it");
               if (check_crc && archive::crc32(p, static_cast<size_t>(r.size)) != r.crc32)
                 throw ValueError(where + ": storage " + key + " fails its CRC-32: the file is corrupt");
               at::Tensor t =
                   at::from_blob(const_cast<char*>(p), {numel}, at::TensorOptions().dtype(dtype));
               return views ? t : t.clone();
             },
-            static_cast<int64_t>(size), where) {}
+            static_cast<int64_t>(item.size), where) {}
 };
+
+ItemParts whole(const char* data, size_t n) { return ItemParts{{{0, n, data}}, n}; }
 
 }  // namespace
 
 at::Tensor decode_tensor(const char* data, size_t n, const std::string& where, bool check_crc) {
-  ItemArchive a(data, n, where, check_crc, /*views=*/true);
+  return decode_tensor(whole(data, n), where, check_crc);
+}
+
+at::Tensor decode_tensor(const ItemParts& item, const std::string& where, bool check_crc) {
+  ItemArchive a(item, where, check_crc, /*views=*/true);
   const pickle::NodePtr root = archive::read_data_pkl(a.dir, a.read, check_crc);
   if (!root->is(Node::Kind::Object) || root->class_name() != "torch._utils._rebuild_tensor_v2")
     throw ValueError(where + " is not a readable tensor: it holds a " +
@@ -175,7 +195,7 @@ at::Tensor decode_tensor(const char* data, size_t n, const std::string& where, b
 }
 
 StateValue decode_value(const char* data, size_t n, const std::string& where, bool check_crc) {
-  ItemArchive a(data, n, where, check_crc, /*views=*/false);
+  ItemArchive a(whole(data, n), where, check_crc, /*views=*/false);
   return a.values.value(archive::read_data_pkl(a.dir, a.read, check_crc), "the value");
 }
 

@@ -38,10 +38,25 @@ void write_tensor_item(const at::Tensor& t, const ByteSink& sink);
 /// for a value DCP stores as bytes but that holds a tensor.
 std::string value_payload(const StateValue& v, const std::string& key);
 
+/// An item's bytes where they lie, in pieces that tile [0, size) in order: one for an item read
+/// into a buffer; three for a chunk read straight into its destination (the archive's head, the
+/// storage record in the destination's memory, the tail).
+struct ItemParts {
+  struct Part {
+    int64_t offset;  // in the item
+    size_t n;
+    const char* data;
+  };
+  std::vector<Part> parts;
+  size_t size = 0;
+};
+
 /// Decodes a tensor payload (`n` bytes at `data`): a view of the bytes, valid while they are.
 /// ValueError naming `where` if it is not one; with `check_crc`, also if a record fails its
 /// CRC-32 (for items no manifest checksum covers).
 at::Tensor decode_tensor(const char* data, size_t n, const std::string& where, bool check_crc);
+/// The same for an item in pieces; a storage must lie within one piece (else ValueError).
+at::Tensor decode_tensor(const ItemParts& item, const std::string& where, bool check_crc);
 /// Decodes a value payload through the restricted reader (tensors inside it are views, as above).
 StateValue decode_value(const char* data, size_t n, const std::string& where, bool check_crc);
 

@@ -12,6 +12,7 @@
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/files.h"
+#include "checkpoint/torch_archive.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
 
@@ -79,6 +80,16 @@ int64_t uncovered(const ShardMetadata& box, const std::vector<Region>& regions) 
   return box_volume - covered.sum().item<int64_t>();
 }
 
+// Whether a chunk's bytes may be read into `t`'s memory as they are stored: a dense CPU tensor of
+// the chunk's dtype, large enough that the extra reads of the archive around the record (its
+// directory, head and tail: a few small preads) are paid back by the copy they save.
+bool direct_target(const at::Tensor& t, at::ScalarType dtype) {
+  constexpr int64_t kMinBytes = int64_t{256} << 10;
+  return t.device().is_cpu() && t.layout() == at::kStrided && t.scalar_type() == dtype &&
+         !t.is_quantized() && !t.is_conj() && !t.is_neg() && t.is_contiguous() &&
+         static_cast<int64_t>(t.nbytes()) >= kMinBytes && t.data_ptr() != nullptr;
+}
+
 }  // namespace
 
 CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in, bool verify,
@@ -127,6 +138,24 @@ char* CheckpointReader::Buffer::get(size_t n) {
   return data_.get();
 }
 
+void CheckpointReader::check_item(const std::string& key, const dcp::StorageInfo& info,
+                                  std::initializer_list<std::string_view> bytes) const {
+  if (!verify_ || !mf_) return;
+  const manifest::Item* m = mf_->find(info.relative_path, info.offset);
+  const std::string at = where(key, info);
+  if (!m) throw ValueError(std::string(what_) + ": " + at + " has no checksum in the manifest");
+  if (m->length != info.length || m->key != key)
+    throw ValueError(std::string(what_) + ": " + at + " disagrees with the manifest (which has '" +
+                     m->key + "', " + std::to_string(m->length) + " bytes)");
+  files::Xxh3Stream hash;
+  for (std::string_view b : bytes) hash.update(b.data(), b.size());
+  const std::string h = hash.hex();
+  if (h != m->xxh3)
+    throw ValueError(std::string(what_) + ": checksum mismatch for " + at + " (" +
+                     std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " + m->xxh3 +
+                     "): the file is corrupt");
+}
+
 std::string_view CheckpointReader::read_item(const std::string& key, const dcp::StorageInfo& info,
                                              Buffer& buf) const {
   const std::string path = files::join(dir_, info.relative_path);
@@ -134,21 +163,53 @@ std::string_view CheckpointReader::read_item(const std::string& key, const dcp::
   char* data = buf.get(static_cast<size_t>(info.length));
   files::pread_all(io_, path, info.offset, info.length, data, what_);
   const std::string_view raw(data, static_cast<size_t>(info.length));
-  if (verify_ && mf_) {
-    const manifest::Item* m = mf_->find(info.relative_path, info.offset);
-    const std::string at = where(key, info);
-    if (!m) throw ValueError(std::string(what_) + ": " + at + " has no checksum in the manifest");
-    if (m->length != info.length || m->key != key)
-      throw ValueError(std::string(what_) + ": " + at +
-                       " disagrees with the manifest (which has '" + m->key + "', " +
-                       std::to_string(m->length) + " bytes)");
-    const std::string h = files::xxh3_hex(raw.data(), raw.size());
-    if (h != m->xxh3)
-      throw ValueError(std::string(what_) + ": checksum mismatch for " + at + " (" +
-                       std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " + m->xxh3 +
-                       "): the file is corrupt");
-  }
+  check_item(key, info, {raw});
   return raw;
+}
+
+std::optional<at::Tensor> CheckpointReader::read_chunk_into(const std::string& key,
+                                                            const dcp::StorageInfo& info, char* dst,
+                                                            size_t dst_bytes, Buffer& buf) const {
+  const std::string path = files::join(dir_, info.relative_path);
+  files::check_range(io_, path, info.offset, info.length, what_);
+  const int64_t len = info.length;
+  // Where the storage record lies: only the zip directory is read for it (through the same
+  // checked parser that decodes), nothing is decoded before the checksum has passed.
+  archive::Record rec;
+  try {
+    const archive::Directory zip(
+        len,
+        [&](int64_t off, size_t n, char* out) {
+          if (off < 0 || off > len || static_cast<int64_t>(n) > len - off)
+            throw ValueError(where(key, info) + ": a read outside the item");  // unreachable
+          files::pread_all(io_, path, info.offset + off, static_cast<int64_t>(n), out, what_);
+        },
+        where(key, info));
+    const archive::Record* only = nullptr;
+    for (const auto& [name, r] : zip.records()) {
+      if (name.compare(0, 5, "data/") != 0) continue;
+      if (only) return std::nullopt;  // two storages: not a single chunk's layout
+      only = &r;
+    }
+    if (!only || only->size != static_cast<int64_t>(dst_bytes)) return std::nullopt;
+    rec = *only;
+  } catch (const ValueError&) {
+    return std::nullopt;
+  }
+  const auto head = static_cast<size_t>(rec.offset);
+  const auto tail = static_cast<size_t>(len - rec.offset - rec.size);
+  char* around = buf.get(head + tail);
+  files::pread_all(io_, path, info.offset, static_cast<int64_t>(head), around, what_);
+  files::pread_all(io_, path, info.offset + rec.offset, rec.size, dst, what_);
+  files::pread_all(io_, path, info.offset + rec.offset + rec.size, static_cast<int64_t>(tail),
+                   around + head, what_);
+  check_item(key, info, {{around, head}, {dst, dst_bytes}, {around + head, tail}});
+  items::ItemParts parts;
+  parts.size = static_cast<size_t>(len);
+  parts.parts = {{0, head, around},
+                 {rec.offset, dst_bytes, dst},
+                 {rec.offset + rec.size, tail, around + head}};
+  return items::decode_tensor(parts, std::string(what_) + ": " + where(key, info), check_crc());
 }
 
 std::string CheckpointReader::where(const std::string& key, const dcp::StorageInfo& info) const {
@@ -263,6 +324,24 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
   at::NoGradGuard no_grad;
   for (auto& [info, job] : reads) {
     const std::string place = where(job.key, *info);
+    // A chunk that fills one contiguous target whole (a shard loaded at the world size that saved
+    // it, a tensor of an export) is read straight into the target: no pass through `buf`.
+    if (job.copies.size() == 1) {
+      at::Tensor& dst = job.copies[0].dst;
+      if (dst.sizes().vec() == job.sizes && direct_target(dst, job.dtype)) {
+        char* p = static_cast<char*>(dst.data_ptr());
+        if (std::optional<at::Tensor> chunk =
+                read_chunk_into(job.key, *info, p, dst.nbytes(), buf)) {
+          check_chunk(*chunk, job.dtype, job.sizes, place, what_);
+          if (chunk->data_ptr() == dst.data_ptr() && chunk->is_contiguous()) {
+            dst.unsafeGetTensorImpl()->bump_version();  // written behind autograd's back
+          } else {
+            dst.copy_(chunk->clone());  // stored in another element order than the target's
+          }
+          continue;
+        }
+      }
+    }
     const std::string_view raw = read_item(job.key, *info, buf);
     // A view of `buf`: copied into the destinations before the next item is read.
     const at::Tensor chunk = items::decode_tensor(raw.data(), raw.size(),

@@ -3,6 +3,9 @@
 // load, verify and the exports (which pull one tensor at a time).
 #pragma once
 
+#include <ATen/ATen.h>
+
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -35,6 +38,8 @@ class CheckpointReader {
   class Buffer {
    public:
     char* get(size_t n);
+    /// Bytes held: what the largest item read through it needed.
+    size_t capacity() const { return capacity_; }
 
    private:
     std::unique_ptr<char[]> data_;
@@ -49,12 +54,27 @@ class CheckpointReader {
   /// verifying and it has one); valid until `buf` is used again.
   std::string_view read_item(const std::string& key, const dcp::StorageInfo& info,
                              Buffer& buf) const;
+  /// A tensor chunk read straight into the memory of its destination, `dst` (`dst_bytes`, what
+  /// the chunk's storage record must hold), without passing through `buf`, which receives only
+  /// the archive around the record (a few hundred bytes). Checked against the manifest as
+  /// read_item does, then decoded: the chunk is a view of `dst` (in the element order the file
+  /// stores, which the caller compares with its target's). nullopt, with `dst` untouched, when the
+  /// item is not laid out for it (not one storage record of that size, or a zip directory that
+  /// does not parse): the caller then reads it through read_item, which reports what is wrong.
+  /// After a checksum or decoding error `dst` holds the item's unverified bytes.
+  std::optional<at::Tensor> read_chunk_into(const std::string& key, const dcp::StorageInfo& info,
+                                            char* dst, size_t dst_bytes, Buffer& buf) const;
   /// Whether decoding must check CRC-32s: verifying, with no manifest checksum to rely on.
   bool check_crc() const { return verify_ && !mf_; }
   /// "'key' in <file> at offset N", for messages.
   std::string where(const std::string& key, const dcp::StorageInfo& info) const;
 
  private:
+  /// The manifest's checks of an item (entry, length, xxh3 of the bytes given in order); nothing
+  /// when not verifying or there is no manifest.
+  void check_item(const std::string& key, const dcp::StorageInfo& info,
+                  std::initializer_list<std::string_view> bytes) const;
+
   FileIO& io_;
   std::string dir_;
   bool verify_;

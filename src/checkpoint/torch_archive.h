@@ -45,6 +45,8 @@ class Directory {
   Directory(int64_t size, const ReadFn& read, std::string where);
   /// The record "<folder>/<name>", or null.
   const Record* find(const std::string& name) const;
+  /// Every record, by name under the folder.
+  const std::map<std::string, Record>& records() const { return records_; }
   const std::string& where() const { return where_; }
   int64_t size() const { return size_; }
 

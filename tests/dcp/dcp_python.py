@@ -64,7 +64,11 @@ def values(path):
 def save(path):
     sd = {
         "model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.zeros(3, dtype=torch.bfloat16),
-                  "i": torch.tensor([1, 2], dtype=torch.int64), "s": torch.tensor(2.5)},
+                  "i": torch.tensor([1, 2], dtype=torch.int64), "s": torch.tensor(2.5),
+                  # Large enough to be read straight into the target; "big_t" is stored in
+                  # transposed element order (DCP saves a view whole when it spans its storage).
+                  "big": torch.arange(300 * 400.0).reshape(300, 400),
+                  "big_t": torch.arange(300 * 400.0).reshape(400, 300).t()},
         "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.ones(3, 4)}},
                   "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": ["w"]}]},
         "epoch": 7,

@@ -88,8 +88,9 @@ void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGrou
 /// for a key the checkpoint lacks, a shape that differs, or elements no saved chunk covers (with
 /// the uncovered count) before anything in `state_dict` is changed. A data file that is short,
 /// does not decode or fails its checksum is a ValueError naming the file, offset and key, found
-/// when that item is read: values read before it have been filled already (items are read one at
-/// a time, so memory stays at about one chunk; run `verify` first to rule this out). Local: no
+/// when that item is read: values read before it have been filled already, and a large chunk read
+/// straight into its destination has left its unverified bytes there (items are read one at a
+/// time, so memory stays at about one chunk; run `verify` first to rule this out). Local: no
 /// communication.
 void load(StateDict& state_dict, const std::string& dir, const LoadOptions& options = {});
 
