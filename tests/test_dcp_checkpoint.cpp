@@ -75,7 +75,8 @@ TEST(DcpCheckpoint, SaveAndLoadRoundTripInOneProcess) {
 TEST(DcpCheckpoint, LargeChunksAreReadStraightIntoTheirTargets) {
   fsdp::testing::TempDir tmp;
   const std::string dir = tmp.file("big");
-  constexpr int64_t kRows = 256, kCols = 384;  // 384 KiB of float32 per chunk
+  // 1.1 MB of float32 per chunk: read in two blocks, the second partial.
+  constexpr int64_t kRows = 256, kCols = 1100;
   const at::Tensor full = at::arange(2 * kRows * kCols, at::kFloat).reshape({2 * kRows, kCols}) / 7;
   const at::Tensor dbl = at::arange(40000, at::kDouble) / 3;  // 312 KiB, saved by rank 0
   auto box = [&](int64_t row0, int64_t rows, at::Tensor local) {

@@ -141,15 +141,19 @@ char* CheckpointReader::Buffer::get(size_t n) {
 void CheckpointReader::check_item(const std::string& key, const dcp::StorageInfo& info,
                                   std::initializer_list<std::string_view> bytes) const {
   if (!verify_ || !mf_) return;
+  files::Xxh3Stream hash;
+  for (std::string_view b : bytes) hash.update(b.data(), b.size());
+  check_digest(key, info, hash.hex());
+}
+
+void CheckpointReader::check_digest(const std::string& key, const dcp::StorageInfo& info,
+                                    const std::string& h) const {
   const manifest::Item* m = mf_->find(info.relative_path, info.offset);
   const std::string at = where(key, info);
   if (!m) throw ValueError(std::string(what_) + ": " + at + " has no checksum in the manifest");
   if (m->length != info.length || m->key != key)
     throw ValueError(std::string(what_) + ": " + at + " disagrees with the manifest (which has '" +
                      m->key + "', " + std::to_string(m->length) + " bytes)");
-  files::Xxh3Stream hash;
-  for (std::string_view b : bytes) hash.update(b.data(), b.size());
-  const std::string h = hash.hex();
   if (h != m->xxh3)
     throw ValueError(std::string(what_) + ": checksum mismatch for " + at + " (" +
                      std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " + m->xxh3 +
@@ -199,11 +203,24 @@ std::optional<at::Tensor> CheckpointReader::read_chunk_into(const std::string& k
   const auto head = static_cast<size_t>(rec.offset);
   const auto tail = static_cast<size_t>(len - rec.offset - rec.size);
   char* around = buf.get(head + tail);
+  std::optional<files::Xxh3Stream> hash;
+  if (verify_ && mf_) hash.emplace();
   files::pread_all(io_, path, info.offset, static_cast<int64_t>(head), around, what_);
-  files::pread_all(io_, path, info.offset + rec.offset, rec.size, dst, what_);
+  if (hash) hash->update(around, head);
+  // The record in blocks that stay in the cache, each hashed right after it is read: one pass
+  // over memory for both.
+  constexpr int64_t kBlock = int64_t{1} << 20;
+  for (int64_t done = 0; done < rec.size; done += kBlock) {
+    const int64_t n = std::min(kBlock, rec.size - done);
+    files::pread_all(io_, path, info.offset + rec.offset + done, n, dst + done, what_);
+    if (hash) hash->update(dst + done, static_cast<size_t>(n));
+  }
   files::pread_all(io_, path, info.offset + rec.offset + rec.size, static_cast<int64_t>(tail),
                    around + head, what_);
-  check_item(key, info, {{around, head}, {dst, dst_bytes}, {around + head, tail}});
+  if (hash) {
+    hash->update(around + head, tail);
+    check_digest(key, info, hash->hex());
+  }
   items::ItemParts parts;
   parts.size = static_cast<size_t>(len);
   parts.parts = {{0, head, around},

@@ -74,6 +74,10 @@ class CheckpointReader {
   /// when not verifying or there is no manifest.
   void check_item(const std::string& key, const dcp::StorageInfo& info,
                   std::initializer_list<std::string_view> bytes) const;
+  /// The same for an item whose XXH3-64 (hex) the caller computed; only when verifying with a
+  /// manifest.
+  void check_digest(const std::string& key, const dcp::StorageInfo& info,
+                    const std::string& xxh3_hex) const;
 
   FileIO& io_;
   std::string dir_;
