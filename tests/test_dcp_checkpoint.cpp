@@ -3,6 +3,7 @@
 // and stock PyTorch's dcp.load / dcp.save as the reference (LibTorch 2.x build with its Python).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <fstream>
@@ -93,6 +94,7 @@ TEST(DcpCheckpoint, LargeChunksAreReadStraightIntoTheirTargets) {
     sd.at("model").dict().insert_or_assign("d", dbl.clone());
     ckpt::save(sd, dir);
   });
+  EXPECT_TRUE(ckpt::verify(dir).ok());
   const ckpt::CheckpointReader reader(ckpt::default_file_io(), dir, /*verify=*/true, "test");
   // What `t` holds of "model.w" equals the saved rows it covers, and "model.d" the saved values.
   auto check = [&](StateDict& t, int64_t row0, int64_t rows, const std::string& what) {
@@ -144,6 +146,15 @@ TEST(DcpCheckpoint, LargeChunksAreReadStraightIntoTheirTargets) {
     write_bytes(path, bad);
     StateDict t = box(kRows, kRows, at::full({kRows, kCols}, -1.0));
     const std::string err = error_of([&] { ckpt::load(t, dir); });
+    // verify reads every item through the buffer, block by block as well, and names this one
+    // (beside the missing manifest, once it is gone).
+    const ckpt::VerifyReport rep = ckpt::verify(dir);
+    EXPECT_EQ(std::count_if(rep.problems.begin(), rep.problems.end(),
+                            [&](const std::string& p) {
+                              return p.find("'model.w' in " + path) != std::string::npos;
+                            }),
+              1)
+        << "@" << at;
     write_bytes(path, good);
     return err;
   };

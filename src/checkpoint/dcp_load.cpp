@@ -138,14 +138,6 @@ char* CheckpointReader::Buffer::get(size_t n) {
   return data_.get();
 }
 
-void CheckpointReader::check_item(const std::string& key, const dcp::StorageInfo& info,
-                                  std::initializer_list<std::string_view> bytes) const {
-  if (!verify_ || !mf_) return;
-  files::Xxh3Stream hash;
-  for (std::string_view b : bytes) hash.update(b.data(), b.size());
-  check_digest(key, info, hash.hex());
-}
-
 void CheckpointReader::check_digest(const std::string& key, const dcp::StorageInfo& info,
                                     const std::string& h) const {
   const manifest::Item* m = mf_->find(info.relative_path, info.offset);
@@ -160,15 +152,28 @@ void CheckpointReader::check_digest(const std::string& key, const dcp::StorageIn
                      "): the file is corrupt");
 }
 
+void CheckpointReader::read_hashed(const std::string& path, int64_t offset, int64_t length,
+                                   char* out, files::Xxh3Stream* hash) const {
+  // In blocks that stay in the cache, each hashed right after it is read: one pass over memory
+  // for both, where reading everything first would read it back from memory to hash it.
+  constexpr int64_t kBlock = int64_t{1} << 20;
+  for (int64_t done = 0; done < length; done += kBlock) {
+    const int64_t n = std::min(kBlock, length - done);
+    files::pread_all(io_, path, offset + done, n, out + done, what_);
+    if (hash) hash->update(out + done, static_cast<size_t>(n));
+  }
+}
+
 std::string_view CheckpointReader::read_item(const std::string& key, const dcp::StorageInfo& info,
                                              Buffer& buf) const {
   const std::string path = files::join(dir_, info.relative_path);
   files::check_range(io_, path, info.offset, info.length, what_);  // before allocating
+  files::Xxh3Stream hash;
+  files::Xxh3Stream* h = verify_ && mf_ ? &hash : nullptr;
   char* data = buf.get(static_cast<size_t>(info.length));
-  files::pread_all(io_, path, info.offset, info.length, data, what_);
-  const std::string_view raw(data, static_cast<size_t>(info.length));
-  check_item(key, info, {raw});
-  return raw;
+  read_hashed(path, info.offset, info.length, data, h);
+  if (h) check_digest(key, info, hash.hex());
+  return {data, static_cast<size_t>(info.length)};
 }
 
 std::optional<at::Tensor> CheckpointReader::read_chunk_into(const std::string& key,
@@ -203,24 +208,13 @@ std::optional<at::Tensor> CheckpointReader::read_chunk_into(const std::string& k
   const auto head = static_cast<size_t>(rec.offset);
   const auto tail = static_cast<size_t>(len - rec.offset - rec.size);
   char* around = buf.get(head + tail);
-  std::optional<files::Xxh3Stream> hash;
-  if (verify_ && mf_) hash.emplace();
-  files::pread_all(io_, path, info.offset, static_cast<int64_t>(head), around, what_);
-  if (hash) hash->update(around, head);
-  // The record in blocks that stay in the cache, each hashed right after it is read: one pass
-  // over memory for both.
-  constexpr int64_t kBlock = int64_t{1} << 20;
-  for (int64_t done = 0; done < rec.size; done += kBlock) {
-    const int64_t n = std::min(kBlock, rec.size - done);
-    files::pread_all(io_, path, info.offset + rec.offset + done, n, dst + done, what_);
-    if (hash) hash->update(dst + done, static_cast<size_t>(n));
-  }
-  files::pread_all(io_, path, info.offset + rec.offset + rec.size, static_cast<int64_t>(tail),
-                   around + head, what_);
-  if (hash) {
-    hash->update(around + head, tail);
-    check_digest(key, info, hash->hex());
-  }
+  files::Xxh3Stream hash;
+  files::Xxh3Stream* h = verify_ && mf_ ? &hash : nullptr;
+  const int64_t record_end = info.offset + rec.offset + rec.size;
+  read_hashed(path, info.offset, static_cast<int64_t>(head), around, h);
+  read_hashed(path, info.offset + rec.offset, rec.size, dst, h);
+  read_hashed(path, record_end, static_cast<int64_t>(tail), around + head, h);
+  if (h) check_digest(key, info, hash.hex());
   items::ItemParts parts;
   parts.size = static_cast<size_t>(len);
   parts.parts = {{0, head, around},

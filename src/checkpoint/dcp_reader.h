@@ -5,7 +5,6 @@
 
 #include <ATen/ATen.h>
 
-#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "checkpoint/dcp_metadata.h"
+#include "checkpoint/files.h"
 #include "checkpoint/manifest.h"
 #include "fsdp/checkpoint/file_io.h"
 #include "fsdp/state_dict.h"
@@ -70,12 +70,12 @@ class CheckpointReader {
   std::string where(const std::string& key, const dcp::StorageInfo& info) const;
 
  private:
-  /// The manifest's checks of an item (entry, length, xxh3 of the bytes given in order); nothing
-  /// when not verifying or there is no manifest.
-  void check_item(const std::string& key, const dcp::StorageInfo& info,
-                  std::initializer_list<std::string_view> bytes) const;
-  /// The same for an item whose XXH3-64 (hex) the caller computed; only when verifying with a
-  /// manifest.
+  /// Reads `length` bytes at `offset` of `path` into `out`, adding them to `hash` (if not null)
+  /// block by block as they arrive.
+  void read_hashed(const std::string& path, int64_t offset, int64_t length, char* out,
+                   files::Xxh3Stream* hash) const;
+  /// The manifest's checks of an item (its entry, its length, the XXH3-64 of its bytes in hex);
+  /// only when verifying with a manifest.
   void check_digest(const std::string& key, const dcp::StorageInfo& info,
                     const std::string& xxh3_hex) const;
 
