@@ -13,6 +13,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <sys/stat.h>
 
+#include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/manifest.h"
@@ -173,6 +174,30 @@ TEST(DcpCheckpoint, LargeChunksAreReadStraightIntoTheirTargets) {
     EXPECT_NE(err.find("'model.w' in " + path), std::string::npos) << err;
   const std::string header = load_with_flip(first);  // the first record's local header
   EXPECT_NE(header.find("'model.w' in " + path), std::string::npos) << header;
+}
+
+// The zip end record is found whether the archive ends with it (torch.save, read from its last 22
+// bytes) or with a comment after it (anything up to 64 KiB, read from the wider window).
+TEST(DcpCheckpoint, ArchivesWithAndWithoutAZipCommentDecode) {
+  const at::Tensor t = at::arange(1000, at::kFloat);
+  std::string item;
+  ckpt::items::write_tensor_item(t, [&](const char* d, size_t n) { item.append(d, n); });
+  auto decode = [](const std::string& bytes) {
+    return ckpt::items::decode_tensor(bytes.data(), bytes.size(), "item", /*check_crc=*/true);
+  };
+  EXPECT_TRUE(at::equal(decode(item), t));
+  for (size_t comment : {size_t{1}, size_t{300}, size_t{65535}}) {
+    std::string with = item;
+    with[with.size() - 2] = static_cast<char>(comment & 0xFF);
+    with[with.size() - 1] = static_cast<char>(comment >> 8);
+    with.append(comment, 'c');
+    EXPECT_TRUE(at::equal(decode(with), t)) << comment << "-byte comment";
+  }
+  // Negative control: a comment length that does not reach the end of the archive.
+  std::string bad = item;
+  bad[bad.size() - 2] = 5;
+  EXPECT_NE(error_of([&] { decode(bad); }).find("no zip end-of-directory record"),
+            std::string::npos);
 }
 
 // Damaged files are errors naming the file, never crashes (silent corruption of tensor bytes

@@ -41,16 +41,24 @@ Directory::Directory(int64_t size, const ReadFn& read, std::string where)
     throw ValueError(where_ + ": not a torch.save archive: " + what);
   };
   if (size < static_cast<int64_t>(kEndSize)) fail("it is too short to be a zip file");
-  // The end record sits in the last 22 + 65535 bytes (its comment may be up to 64 KiB).
-  const int64_t tail_n = std::min<int64_t>(size, kEndSize + 0xFFFF);
-  std::string tail(static_cast<size_t>(tail_n), '\0');
-  read(size - tail_n, tail.size(), tail.data());
-  int64_t end = -1;
-  for (int64_t i = tail_n - static_cast<int64_t>(kEndSize); i >= 0; --i) {
-    if (le(&tail[i], 4) == kEndSig && i + kEndSize + le(&tail[i + 20], 2) == tail.size()) {
-      end = i;
-      break;
+  // The end record sits in the last 22 + 65535 bytes (its comment may be up to 64 KiB). torch.save
+  // writes no comment, so the last 22 bytes are read first, and the whole window only if they are
+  // not the record (the backward search over the window stops at that same record when they are):
+  // a chunk read straight into its tensor (dcp_load.cpp) reads its directory from the file.
+  std::string tail;
+  int64_t tail_n = 0, end = -1;
+  for (const int64_t window :
+       {static_cast<int64_t>(kEndSize), static_cast<int64_t>(kEndSize) + 0xFFFF}) {
+    tail_n = std::min<int64_t>(size, window);
+    tail.assign(static_cast<size_t>(tail_n), '\0');
+    read(size - tail_n, tail.size(), tail.data());
+    for (int64_t i = tail_n - static_cast<int64_t>(kEndSize); i >= 0; --i) {
+      if (le(&tail[i], 4) == kEndSig && i + kEndSize + le(&tail[i + 20], 2) == tail.size()) {
+        end = i;
+        break;
+      }
     }
+    if (end >= 0 || tail_n == size) break;
   }
   if (end < 0) fail("no zip end-of-directory record");
   const char* e = &tail[end];
