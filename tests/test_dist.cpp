@@ -449,6 +449,11 @@ TEST_P(DistWorld, AllReduceBroadcastBarrierAndBytes) {
       pg.broadcast(b, W - 1);
       ASSERT_TRUE(at::equal(b, rank_input(W - 1, 4, dtype))) << c10::toString(dtype);
     }
+    // A 0-d tensor (a scalar parameter, an optimizer's step) travels in place too.
+    at::Tensor scalar = at::scalar_tensor(pg.rank() + 0.5, at::kFloat);
+    pg.broadcast(scalar, W - 1);
+    ASSERT_EQ(scalar.dim(), 0);
+    ASSERT_EQ(scalar.item<float>(), W - 0.5f);
     pg.barrier();
 
     // Sizes differ by rank, one is empty, and the bytes include NULs.

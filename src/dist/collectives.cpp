@@ -60,7 +60,11 @@ bool gloo_lacks(const std::string& backend, at::ScalarType t) {
 // backend: which dtypes a backend accepts varies (Gloo has no 16-bit integers and LibTorch 2.14's
 // native Gloo all-gather rejects float16; NCCL has no 16-bit integers either), bytes always work,
 // and moving them is the same copy (numel scales by the element size).
-at::Tensor as_wire(const at::Tensor& t) { return t.view(at::kByte); }
+// A 0-d tensor (a scalar parameter, an optimizer's step) cannot be viewed as another dtype: it goes
+// as its one-element 1-d view, which aliases it as the byte view must.
+at::Tensor as_wire(const at::Tensor& t) {
+  return (t.dim() == 0 ? t.view({1}) : t).view(at::kByte);
+}
 
 // Staging (ProcessGroup::device()): NCCL takes CUDA tensors only, and Gloo's CUDA support varies
 // by op and release, so a tensor that is not on the group's device travels through a copy there.
