@@ -90,9 +90,11 @@ enum class OptimStateKeyType {
 };
 
 /// Re-keys a FULL dict between FQNs and parameter IDs of `optimizer` over `model` (e.g. to hand
-/// a dict to code that keys by position). Parameter IDs need one FQN per optimizer parameter, so
-/// a wrapped model must use use_orig_params (a flat parameter stands for many FQNs): ValueError
-/// otherwise, and for keys that name no parameter. Local (no communication).
+/// a dict to code that keys by position). A dict already keyed as asked is returned unchanged,
+/// whatever the model (PyTorch's early return; a common defensive call). Otherwise parameter IDs
+/// need one FQN per optimizer parameter, so a wrapped model must use use_orig_params (a flat
+/// parameter stands for many FQNs): ValueError otherwise, and for keys that name no parameter.
+/// Local (no communication).
 StateDict rekey_optim_state_dict(const StateDict& osd, OptimStateKeyType key_type,
                                  FullyShardedDataParallel& model,
                                  torch::optim::Optimizer& optimizer);

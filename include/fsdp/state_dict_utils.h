@@ -36,8 +36,9 @@ std::pair<StateDict, FlattenMapping> flatten_state_dict(const StateDict& sd);
 /// where an index is skipped). Throws ValueError naming a key of `flat` missing from `mapping`.
 StateDict unflatten_state_dict(const StateDict& flat, const FlattenMapping& mapping);
 
-/// True if `a` and `b` have the same keys, list lengths and value kinds everywhere, and every
-/// tensor (or ShardedTensor) the same shape and dtype (PyTorch's _check_state_dict_similarity).
+/// True if `a` and `b` have the same keys (in any order), list lengths and value kinds
+/// everywhere, and every tensor (or ShardedTensor) the same shape and dtype (PyTorch's
+/// _check_state_dict_similarity, which compares keys as sets).
 bool check_state_dict_similarity(const StateDict& a, const StateDict& b);
 
 /// A copy of `sd` whose tensors (and ShardedTensor pieces) are on the CPU (shared, not copied,
@@ -48,22 +49,34 @@ StateDict offload_state_dict_to_cpu(const StateDict& sd);
 /// ShardedTensor pieces) for each tensor, pinned when the tensor is on a CUDA device.
 StateDict create_cpu_state_dict(const StateDict& sd);
 
-/// Copies every tensor of `src` into the tensor at the same place in `companion` (which keeps its
-/// own storage; non_blocking where the devices allow). Throws ValueError naming the path where
-/// the structures, shapes or dtypes differ. Non-tensor values are copied by value.
-void copy_state_dict(const StateDict& src, StateDict& companion, bool non_blocking = false);
+/// PyTorch's _copy_state_dict: copies every tensor of `src` into the tensor at the same place in
+/// `companion` (which keeps its own storage; non_blocking where the devices allow), and returns
+/// a dict with `src`'s structure and key order holding `companion`'s tensors and `src`'s other
+/// values. `companion`'s containers and non-tensor values are left as they are. Dict keys must
+/// match as sets. Throws ValueError naming the path where the structures, shapes or dtypes
+/// differ, before any tensor is written.
+StateDict copy_state_dict(const StateDict& src, const StateDict& companion,
+                          bool non_blocking = false);
 
 /// PyTorch's _gather_state_dict: every ShardedTensor of `sd` as a full tensor, one tensor at a
-/// time, on the ranks in `ranks_only` (all ranks if empty; the others get an empty dict), moved to
-/// the CPU with `cpu_offload`. Pieces move with the piece exchange (each target rank receives
-/// only what it lacks), so peak extra memory is about one full tensor. Collective over `pg`.
+/// time, on the ranks in `ranks_only` (all ranks if empty; the others get an empty dict). A
+/// gathered tensor stays on the device of this rank's first piece of it (the CPU if it holds
+/// none), as in PyTorch; `cpu_offload` moves every tensor to the CPU. Pieces move with the piece
+/// exchange (each target rank receives only what it lacks), so peak extra memory is about one
+/// full tensor. Collective over `pg`.
 StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
                             const std::vector<int>& ranks_only = {}, bool cpu_offload = false);
 
-/// PyTorch's _distribute_state_dict: fills `local` (a SHARDED template, e.g. this rank's own
-/// state dict) from `full` (full tensors, on every rank): each ShardedTensor's local pieces are
-/// copied from the full tensor at their offsets, plain tensors copied whole. Local, no
-/// communication. Throws ValueError naming the key where `full` lacks a value or shapes differ.
+/// PyTorch's _distribute_state_dict: fills `local` (a template, e.g. this rank's own SHARDED
+/// state dict) from `full` (full tensors and other values, on every rank), compared by path
+/// (flatten_state_dict's keys). For each value of `full`: a tensor of one or more dimensions is
+/// copied into the template's tensor, or for a ShardedTensor into its local pieces at their
+/// offsets, where the template has that path (and skipped where it has not); a 0-d tensor or a
+/// non-tensor value (an optimizer's step, a learning rate) is written at its path, into the
+/// template's tensor there if it has one of the same shape (so the template keeps its kinds
+/// and storage), else as the value itself, added if the template lacks the path. Paths only in
+/// `local` are left as they are. Local, no communication. Throws ValueError naming the path
+/// where a tensor's shape differs (checked before anything is written).
 void distribute_state_dict(const StateDict& full, StateDict& local);
 
 /// PyTorch's _broadcast_state_dict: rank `src` holds `full` (full tensors and other values; the

@@ -5,10 +5,14 @@
 // form, and loading from rank 0).
 #include "fsdp/checkpoint/state_dict.h"
 
-#include <map>
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <functional>
 #include <optional>
 #include <set>
 
+#include "checkpoint/optim_dict_forms.h"
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
 #include "fsdp/state_dict_utils.h"
@@ -134,18 +138,19 @@ void enter_type(std::optional<StateDictTypeGuard>& g, const Target& t, const Sta
                   .offload_to_cpu(o.cpu_offload())
                   .rank0_only(o.cpu_offload() || o.broadcast_from_rank0()));
   } else {
-    g.emplace(model, StateDictType::SHARDED_STATE_DICT,
-              ShardedStateDictConfig().offload_to_cpu(o.cpu_offload()).layout(o.shard_layout()),
-              ShardedOptimStateDictConfig()
-                  .offload_to_cpu(o.cpu_offload())
-                  .layout(o.shard_layout()));
+    g.emplace(
+        model, StateDictType::SHARDED_STATE_DICT,
+        ShardedStateDictConfig().offload_to_cpu(o.cpu_offload()).layout(o.shard_layout()),
+        ShardedOptimStateDictConfig().offload_to_cpu(o.cpu_offload()).layout(o.shard_layout()));
   }
 }
 
 // PyTorch's _maybe_full_or_cpu_state_dict. FULL dicts of wrapped models are already gathered
 // (and on rank 0 only where the config said so); plain modules hold whole tensors.
+// With full_state_dict and cpu_offload only rank 0 keeps values: the other ranks get empty dicts,
+// optimizer dicts included (the seed's ranks_only=(0,) empties every container there).
 StateDict full_or_cpu(StateDict sd, const Target& t, const StateDictOptions& o) {
-  if (o.full_state_dict() && o.cpu_offload() && t.plain && t.rank() != 0) return StateDict();
+  if (o.full_state_dict() && o.cpu_offload() && t.rank() != 0) return StateDict();
   if (o.cpu_offload()) return offload_state_dict_to_cpu(sd);
   return sd;
 }
@@ -164,8 +169,13 @@ std::optional<double> lr_of(torch::optim::OptimizerParamGroup& g) {
 }
 
 // PyTorch's _init_optim_state: an optimizer without state gets it by one step with zero
-// gradients and zero learning rate, which leaves the parameters as they are.
-void init_optim_state(torch::optim::Optimizer& opt) {
+// gradients and zero learning rate, which leaves the parameters as they are. On a wrapped model
+// only the parameters that training gives gradients get one: not an original parameter
+// (use_orig_params) that holds no elements on this rank, an empty one included, which the
+// runtime leaves without a gradient, so without state (PyTorch fakes one for every parameter, so
+// a freshly initialised optimizer there has states that training never makes, and a checkpoint
+// template taken from it asks for keys a trained model's checkpoint lacks).
+void init_optim_state(torch::optim::Optimizer& opt, bool wrapped) {
   if (!opt.state().empty()) return;
   auto& groups = opt.param_groups();
   for (auto& g : groups) {
@@ -182,7 +192,7 @@ void init_optim_state(torch::optim::Optimizer& opt) {
   std::vector<std::optional<double>> lrs;
   for (auto& g : groups) {
     for (auto& p : g.params()) {
-      if (p.requires_grad()) p.mutable_grad() = at::zeros_like(p);
+      if (p.requires_grad() && !(wrapped && p.numel() == 0)) p.mutable_grad() = at::zeros_like(p);
     }
     lrs.push_back(lr_of(g));
     if (lrs.back()) g.options().set_lr(0.0);
@@ -204,177 +214,90 @@ void init_optim_state(torch::optim::Optimizer& opt) {
   restore();
 }
 
-detail::OptModel describe(const Target& t, torch::optim::Optimizer& opt) {
-  return t.wrapped ? detail::describe_model(&t.wrapped, nullptr, opt)
-                   : detail::describe_model(nullptr, t.plain, opt);
+optim_forms::DescribeOptimizer describer(const Target& t) {
+  return [t](torch::optim::Optimizer& opt) {
+    return t.wrapped ? detail::describe_model(&t.wrapped, nullptr, opt)
+                     : detail::describe_model(nullptr, t.plain, opt);
+  };
 }
 
-// True if two hyperparameter values are the same (numbers, strings, lists of them).
-bool same_value(const StateValue& a, const StateValue& b) {
-  if ((a.is_int() || a.is_double()) && (b.is_int() || b.is_double()))
-    return a.to_double() == b.to_double();
-  if (a.kind() != b.kind()) return false;
-  switch (a.kind()) {
-    case StateValue::Kind::None:
-      return true;
-    case StateValue::Kind::Bool:
-      return a.to_bool() == b.to_bool();
-    case StateValue::Kind::String:
-      return a.string() == b.string();
-    case StateValue::Kind::List:
-      if (a.list().size() != b.list().size()) return false;
-      for (size_t i = 0; i < a.list().size(); ++i)
-        if (!same_value(a.list()[i], b.list()[i])) return false;
-      return true;
-    default:
-      return false;
+// PyTorch's "<fqn> is not in the optimizer state" (seed 000, _convert_state_with_orig_params):
+// under use_orig_params, a unit some of whose parameters the optimizers hold must have all its
+// trainable ones held. A trainable parameter left out of every optimizer is usually a mistake
+// (it was meant to be frozen, or added); PyTorch refuses the dict rather than save it silently.
+// Several optimizers may share a unit's parameters between them.
+void check_units_covered(const Target& t, const Optimizers& optimizers) {
+  if (!t.wrapped || !t.wrapped->options().use_orig_params() || optimizers.empty()) return;
+  std::map<int, std::set<std::string>> held;
+  std::map<int, std::vector<std::string>> trainable;
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    const detail::OptModel om = describer(t)(*optimizers[i]);
+    for (const auto& en : om.entries) {
+      if (en.unit < 0 || en.flat) continue;
+      if (en.group >= 0) held[en.unit].insert(en.fqns.front());
+      if (i == 0 && en.param.requires_grad()) trainable[en.unit].push_back(en.fqns.front());
+    }
+  }
+  for (const auto& [unit, fqns] : held) {
+    for (const auto& fqn : trainable[unit]) {
+      if (fqns.count(fqn)) continue;
+      std::string unit_params, optim_params;
+      for (const auto& f : trainable[unit]) unit_params += (unit_params.empty() ? "" : ", ") + f;
+      for (const auto& f : fqns) optim_params += (optim_params.empty() ? "" : ", ") + f;
+      throw ValueError(fqn + " is not in the optimizer state. The unit has the trainable " +
+                       "parameters [" + unit_params + "] while the optimizers hold [" +
+                       optim_params + "] (freeze it with requires_grad(false), or give it to " +
+                       "an optimizer)");
+    }
   }
 }
 
-std::string value_text(const StateValue& v) {
-  if (v.is_int()) return std::to_string(v.to_int());
-  if (v.is_double()) return std::to_string(v.to_double());
-  if (v.is_bool()) return v.to_bool() ? "True" : "False";
-  if (v.is_string()) return v.string();
-  if (v.is_list()) {
-    std::string out = "[";
-    for (size_t i = 0; i < v.list().size(); ++i) out += (i ? ", " : "") + value_text(v.list()[i]);
-    return out + "]";
+// A call's local preparation, agreed on before its first collective. Every rank runs `prepare`
+// (which may throw, and returns flags for the others); where the call is collective (`pg`), the
+// ranks then exchange outcomes. If any rank failed, every rank throws: the failed one its own
+// error, the others an error of the same kind naming it. Without this a rank whose dict is
+// malformed would fail alone while the others waited in a collective it never joins, until the
+// timeout. Returns every rank's flags (only this rank's where not collective).
+std::vector<std::string> agree(dist::ProcessGroup* pg, const std::string& api,
+                               const std::function<std::string()>& prepare) {
+  std::string flags, error;
+  char kind = 0;  // of this rank's failure: V(alue), S(tate), D(ist), E(lse)
+  std::exception_ptr mine;
+  try {
+    flags = prepare();
+  } catch (const ValueError& e) {
+    kind = 'V', error = e.what(), mine = std::current_exception();
+  } catch (const StateError& e) {
+    kind = 'S', error = e.what(), mine = std::current_exception();
+  } catch (const DistError& e) {
+    kind = 'D', error = e.what(), mine = std::current_exception();
+  } catch (const std::exception& e) {  // LibTorch's own (c10::Error): an fsdp error instead
+    kind = 'E', error = api + ": " + e.what();
   }
-  return to_string(v.kind());
-}
-
-// PyTorch's _split_optim_state_dict: the part of a merged dict that belongs to `opt`: the state
-// of its parameters and the param groups that list them.
-StateDict split_for(const Target& t, torch::optim::Optimizer& opt, const StateDict& osd) {
-  if (!osd.contains(kState) || !osd.contains(kGroups)) {
-    throw ValueError("optimizer state dict: expected the keys \"state\" and \"param_groups\"");
+  auto raise = [&](char k, const std::string& msg) -> std::vector<std::string> {
+    if (k == 'S') throw StateError(msg);
+    if (k == 'D') throw DistError(msg);
+    throw ValueError(msg);
+  };
+  if (!pg || pg->size() == 1) {
+    if (mine) std::rethrow_exception(mine);
+    if (kind) raise(kind, error);
+    return {flags};
   }
-  const StateDict& state = osd.at(kState).dict();
-  bool all_ids = !state.empty();
-  for (const auto& [k, v] : state)
-    all_ids = all_ids && !k.empty() && k.find_first_not_of("0123456789") == std::string::npos;
-  if (all_ids) return osd;  // keyed by parameter IDs: one optimizer's own dict
-  const detail::OptModel om = describe(t, opt);
-  std::set<std::string> mine;
-  for (const auto& g : om.groups)
-    for (size_t e : g) mine.insert(om.entries[e].fqns.begin(), om.entries[e].fqns.end());
-  StateDict out_state;
-  for (const auto& [fqn, v] : state) {
-    if (mine.count(fqn)) out_state.insert_or_assign(fqn, v);
-  }
-  StateList out_groups;
-  const StateList& groups = osd.at(kGroups).list();
-  for (size_t i = 0; i < groups.size(); ++i) {
-    const StateList& params = groups[i].dict().at(kParams).list();
-    size_t ours = 0;
-    for (const auto& p : params) ours += p.is_string() && mine.count(p.string()) ? 1 : 0;
-    if (ours == 0) continue;
-    if (ours != params.size()) {
-      throw ValueError("optimizer state dict: param_groups[" + std::to_string(i) +
-                       "] lists parameters of more than one of the given optimizers");
+  const auto all = pg->all_gather_bytes(kind ? std::string(1, kind) + error : "+" + flags);
+  std::vector<std::string> out(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!all[r].empty() && all[r][0] == '+') {
+      out[r] = all[r].substr(1);
+      continue;
     }
-    out_groups.push_back(groups[i]);
+    if (mine) std::rethrow_exception(mine);
+    if (kind) raise(kind, error);
+    return raise(all[r].empty() ? 'E' : all[r][0],
+                 api + " failed on rank " + std::to_string(r) + " (this is rank " +
+                     std::to_string(pg->rank()) + "); nothing was changed: " +
+                     (all[r].empty() ? std::string() : all[r].substr(1)));
   }
-  StateDict out;
-  out.insert_or_assign(kState, std::move(out_state));
-  out.insert_or_assign(kGroups, std::move(out_groups));
-  return out;
-}
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// Flat optimizer dicts
-
-StateDict flatten_optim_state_dict(const StateDict& osd) {
-  StateDict out;
-  for (const auto& [fqn, st] : osd.at(kState).dict()) {
-    for (const auto& [name, v] : st.dict()) {
-      if (!v.is_tensor() && !v.is_sharded_tensor() && !v.is_int() && !v.is_double()) {
-        throw ValueError(
-            "Flattening optimizer state_dict only supports tensor, int, float states now. Type "
-            "is " +
-            std::string(to_string(v.kind())) + " (state '" + fqn + "', '" + name + "').");
-      }
-      out.insert_or_assign(std::string(kState) + "." + fqn + "." + name, v);
-    }
-  }
-  for (const auto& g : osd.at(kGroups).list()) {
-    for (const auto& p : g.dict().at(kParams).list()) {
-      for (const auto& [k, v] : g.dict()) {
-        if (k == kParams) continue;
-        out.insert_or_assign(std::string(kGroups) + "." + p.string() + "." + k, v);
-      }
-    }
-  }
-  return out;
-}
-
-namespace {
-
-StateDict unflatten_optim(const Target& t, const Optimizers& optimizers, const StateDict& flat) {
-  // "<prefix>.<fqn>.<name>": state names and group keys never contain dots, FQNs may.
-  std::map<std::string, StateDict> states, group_values;
-  for (const auto& [k, v] : flat) {
-    const bool is_state = k.rfind(std::string(kState) + ".", 0) == 0;
-    const bool is_group = k.rfind(std::string(kGroups) + ".", 0) == 0;
-    const size_t dot = k.rfind('.');
-    const size_t start =
-        is_state ? std::string(kState).size() + 1 : std::string(kGroups).size() + 1;
-    if ((!is_state && !is_group) || dot == std::string::npos || dot <= start) {
-      throw ValueError("flattened optimizer state dict: unexpected key '" + k +
-                       "' (keys are \"state.<fqn>.<name>\" and \"param_groups.<fqn>.<key>\")");
-    }
-    const std::string fqn = k.substr(start, dot - start);
-    (is_state ? states : group_values)[fqn].insert_or_assign(k.substr(dot + 1), v);
-  }
-  std::set<std::string> known;
-  StateDict state;
-  StateList groups;
-  for (torch::optim::Optimizer* opt : optimizers) {
-    const detail::OptModel om = describe(t, *opt);
-    for (const auto& g : om.groups) {
-      StateDict group;
-      StateList params;
-      std::string first;
-      for (size_t e : g) {
-        for (const auto& fqn : om.entries[e].fqns) {
-          known.insert(fqn);
-          params.emplace_back(fqn);
-          auto s = states.find(fqn);
-          if (s != states.end()) state.insert_or_assign(fqn, s->second);
-          auto gv = group_values.find(fqn);
-          if (gv == group_values.end()) continue;
-          for (const auto& [key, v] : gv->second) {
-            if (!group.contains(key)) {
-              group.insert_or_assign(key, v);
-              if (first.empty()) first = fqn;
-            } else if (!same_value(group.at(key), v)) {
-              throw ValueError(
-                  "All the parameters in the same parameter group should have the same saved "
-                  "param_group value. But " +
-                  fqn + "." + key + " is " + value_text(v) + " while other(s) is " +
-                  value_text(group.at(key)) + ".");
-            }
-          }
-        }
-      }
-      group.insert_or_assign(kParams, std::move(params));
-      groups.emplace_back(std::move(group));
-    }
-  }
-  for (const auto* m : {&states, &group_values}) {
-    for (const auto& [fqn, v] : *m) {
-      if (!known.count(fqn)) {
-        throw ValueError("flattened optimizer state dict: '" + fqn +
-                         "' is not a parameter of the given optimizers");
-      }
-    }
-  }
-  StateDict out;
-  out.insert_or_assign(kState, std::move(state));
-  out.insert_or_assign(kGroups, std::move(groups));
   return out;
 }
 
@@ -384,7 +307,6 @@ StateDict get_optim_impl(const Target& t, const Optimizers& optimizers, const St
   std::optional<StateDictTypeGuard> guard;
   enter_type(guard, t, o);
   for (torch::optim::Optimizer* opt : optimizers) {
-    init_optim_state(*opt);
     StateDict osd =
         t.wrapped ? optim_state_dict(t.wrapped, *opt) : optim_state_dict(*t.plain, *opt);
     if (osd.empty()) continue;  // rank0_only, on another rank
@@ -406,6 +328,14 @@ StateDict get_model_impl(const Target& t, const StateDictOptions& o,
     enter_type(guard, t, o);
     sd = t.wrapped ? state_dict(t.wrapped) : module_state_dict(*t.plain);
   }
+  if (o.ignore_frozen_params()) {
+    // By FQN, before submodule prefixes are stripped (as the seed). Original parameters keep
+    // their requires_grad flag in the wrapped module's tree; a tied parameter goes under every
+    // name.
+    for (const auto& p : t.inner().named_parameters(/*recurse=*/true)) {
+      if (!p.value().requires_grad()) sd.erase(p.key());
+    }
+  }
   if (!prefixes.empty()) {
     StateDict kept;
     for (const auto& [fqn, v] : sd) {
@@ -416,13 +346,6 @@ StateDict get_model_impl(const Target& t, const StateDictOptions& o,
     }
     sd = std::move(kept);
   }
-  if (o.ignore_frozen_params()) {
-    // Original parameters keep their requires_grad flag in the wrapped module's tree; a tied
-    // parameter goes under every name.
-    for (const auto& p : t.inner().named_parameters(/*recurse=*/true)) {
-      if (!p.value().requires_grad()) sd.erase(p.key());
-    }
-  }
   std::vector<std::string> meta;
   for (const auto& [k, v] : sd) {
     if (v.is_tensor() && v.tensor().is_meta()) meta.push_back(k);
@@ -431,55 +354,152 @@ StateDict get_model_impl(const Target& t, const StateDictOptions& o,
   return full_or_cpu(std::move(sd), t, o);
 }
 
-void set_optim_impl(const Target& t, const Optimizers& optimizers, const StateDict& osd_in,
-                    const StateDictOptions& o) {
-  for (torch::optim::Optimizer* opt : optimizers) init_optim_state(*opt);
-  dist::ProcessGroup* pg = t.group();
-  const bool broadcast = o.broadcast_from_rank0() && pg && pg->size() > 1;
-  const bool source = !broadcast || pg->rank() == 0;
-  if (!broadcast && osd_in.empty()) return;  // full + cpu_offload: nothing for this rank
-  StateDict osd;
-  if (source) {
-    osd = osd_in.contains(kState) ? osd_in : unflatten_optim(t, optimizers, osd_in);
-  }
-  for (torch::optim::Optimizer* opt : optimizers) {
-    const StateDict part = source ? split_for(t, *opt, osd) : StateDict();
-    if (!broadcast) {
+// The optimizers' part of set_*. `parts` holds each optimizer's dict where this rank supplies
+// values; `from_rank0` (the same on every rank) loads rank 0's everywhere.
+void load_optimizers(const Target& t, const Optimizers& optimizers,
+                     const std::vector<StateDict>& parts, bool from_rank0,
+                     const StateDictOptions& o) {
+  if (!from_rank0) {
+    // An empty dict is only allowed where it means "nothing for this rank": a plain module's
+    // full + cpu_offload dict on ranks > 0 (a wrapped model's is loaded from rank 0).
+    for (size_t i = 0; i < parts.size(); ++i) {
       std::optional<StateDictTypeGuard> guard;
       enter_type(guard, t, o);
       if (t.wrapped) {
-        load_optim_state_dict(t.wrapped, *opt, part);
+        load_optim_state_dict(t.wrapped, *optimizers[i], parts[i]);
       } else {
-        load_optim_state_dict(*t.plain, *opt, part);
+        load_optim_state_dict(*t.plain, *optimizers[i], parts[i]);
       }
-      continue;
     }
+    return;
+  }
+  dist::ProcessGroup& pg = *t.group();
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    const StateDict part = pg.rank() == 0 ? parts[i] : StateDict();
     if (t.wrapped) {  // each state tensor in turn; every rank keeps its range
-      detail::load_optim_state_dict_from_rank0(t.wrapped, *opt, part);
+      detail::load_optim_state_dict_from_rank0(t.wrapped, *optimizers[i], part);
       continue;
     }
-    // Plain replicas hold whole states anyway: rank 0's values go into a template of this
-    // rank's own (its current state, as a dict), one tensor at a time, then load.
-    StateDict local = optim_state_dict(*t.plain, *opt);
-    broadcast_state_dict(part, local, *pg, 0, /*strict=*/true);
-    load_optim_state_dict(*t.plain, *opt, local);
+    // Plain replicas hold whole states anyway: every rank receives rank 0's dict and loads it as
+    // rank 0 does, so a state rank 0's dict lacks (a parameter that never had a gradient) or a
+    // group key of another PyTorch version is handled alike everywhere (the seed's broadcast is
+    // not strict for optimizers).
+    StateDict whole = detail::broadcast_whole_state_dict(part, pg, 0);
+    for (const char* k : {kState, kGroups}) {  // empty ones vanish in transit
+      if (!whole.contains(k)) {
+        whole.insert_or_assign(
+            k, std::string(k) == kState ? StateValue(StateDict()) : StateValue(StateList()));
+      }
+    }
+    load_optim_state_dict(*t.plain, *optimizers[i], whole);
   }
 }
 
-LoadResult set_model_impl(const Target& t, const StateDict& msd, const StateDictOptions& o) {
-  if (msd.empty() && !o.broadcast_from_rank0()) return LoadResult();
-  dist::ProcessGroup* pg = t.group();
-  const bool broadcast = o.broadcast_from_rank0() && pg && pg->size() > 1;
-  if (t.wrapped) {
-    if (broadcast) return detail::load_state_dict_from_rank0(t.wrapped, msd, o.strict());
-    std::optional<StateDictTypeGuard> guard;
-    enter_type(guard, t, o);
-    return load_state_dict(t.wrapped, msd, o.strict());
+// A strict load's key check, made before anything is loaded: PyTorch's load_state_dict raises
+// only after set_state_dict's optimizers took their dicts, leaving them loaded and the model not.
+void check_model_keys(const Target& t, const StateDict& msd) {
+  LoadResult r;
+  std::set<std::string> keys;
+  for (const auto& key : module_state_dict(t.inner()).keys()) {
+    keys.insert(key);
+    if (!msd.contains(key)) r.missing_keys.push_back(key);
   }
-  if (!broadcast) return load_module_state_dict(*t.plain, msd, o.strict());
-  // A replica per rank: rank 0's values go straight into every rank's own tensors.
-  StateDict local = module_state_dict(*t.plain);
-  return broadcast_state_dict(msd, local, *pg, 0, o.strict());
+  for (const auto& [key, v] : msd)
+    if (!keys.count(key)) r.unexpected_keys.push_back(key);
+  const std::string error = fsdp::detail::load_keys_error(r);
+  if (!error.empty()) throw ValueError(error);
+}
+
+// Where set_* takes the model's values from, decided alike on every rank.
+enum class ModelFrom { kNowhere, kOwn, kRank0 };
+
+// `flags[r][0]` is 'm' where rank r passed a non-empty model dict. Throws ValueError (on every
+// rank alike, from the same flags) where the ranks' dicts do not fit together.
+ModelFrom model_source(const Target& t, const StateDictOptions& o,
+                       const std::vector<std::string>& flags) {
+  dist::ProcessGroup* pg = t.group();
+  const bool multi = pg && pg->size() > 1;
+  if (o.broadcast_from_rank0() && multi) return ModelFrom::kRank0;
+  if (!t.wrapped || !multi) return ModelFrom::kOwn;  // local: an empty dict loads nothing
+  // A wrapped model over several ranks: what the ranks passed decides.
+  std::vector<int> with, without;
+  for (size_t r = 0; r < flags.size(); ++r)
+    (flags[r][0] == 'm' ? with : without).push_back(static_cast<int>(r));
+  if (with.empty()) return ModelFrom::kNowhere;  // an empty dict loads nothing (PyTorch)
+  if (without.empty()) return ModelFrom::kOwn;
+  // What a full_state_dict + cpu_offload get leaves: values on rank 0, empty dicts elsewhere.
+  // (PyTorch's FSDP would wait forever here: rank 0 loads while the others skip the load.)
+  if (o.full_state_dict() && o.cpu_offload() && with.front() == 0) return ModelFrom::kRank0;
+  throw ValueError(
+      "set_model_state_dict: rank " + std::to_string(without.front()) +
+      " passed an empty model state dict but rank " + std::to_string(with.front()) +
+      " did not; every rank passes its dict, or rank 0 alone with broadcast_from_rank0 (or "
+      "with full_state_dict and cpu_offload)");
+}
+
+LoadResult load_model(const Target& t, const StateDict& msd, const StateDictOptions& o,
+                      ModelFrom from) {
+  if (from == ModelFrom::kNowhere) return LoadResult();
+  if (from == ModelFrom::kRank0) {
+    if (t.wrapped) return detail::load_state_dict_from_rank0(t.wrapped, msd, o.strict());
+    // A replica per rank: rank 0's values go straight into every rank's own tensors.
+    StateDict local = module_state_dict(*t.plain);
+    return broadcast_state_dict(msd, local, *t.group(), 0, o.strict());
+  }
+  if (msd.empty()) return LoadResult();  // an empty dict loads nothing, as in PyTorch
+  if (!t.wrapped) return load_module_state_dict(*t.plain, msd, o.strict());
+  std::optional<StateDictTypeGuard> guard;
+  enter_type(guard, t, o);
+  return load_state_dict(t.wrapped, msd, o.strict());
+}
+
+// set_*: the optimizers first, then the model, as in PyTorch. `msd` null: optimizers only;
+// `osd` null: the model only. `optim_only` (PyTorch's): an empty model dict means optimizers
+// only (set_state_dict; not under broadcast_from_rank0, where ranks > 0 pass empty dicts but
+// take part).
+LoadResult set_impl(const Target& t, const Optimizers& optimizers, const StateDict* msd,
+                    const StateDict* osd, const StateDictOptions& o, bool optim_only,
+                    const std::string& api) {
+  dist::ProcessGroup* pg = t.group();
+  const bool multi = pg && pg->size() > 1;
+  const int rank = multi ? pg->rank() : 0;
+  // Rank 0's optimizer dict is loaded everywhere under broadcast_from_rank0, and for a wrapped
+  // model under full_state_dict + cpu_offload (PyTorch's optim_state_dict_to_load, whose
+  // rank0_only those options set).
+  const bool optim_rank0 = osd && multi && o.full_state_dict() &&
+                           (o.broadcast_from_rank0() || (t.wrapped && o.cpu_offload()));
+  const bool collective = multi && (t.wrapped || o.broadcast_from_rank0());
+  std::vector<StateDict> parts;
+  auto prepare = [&]() -> std::string {
+    verify_options(t, o, optim_only, optimizers, {});
+    verify_state_dict(t, optim_only ? nullptr : msd, osd, o, false);
+    // The dict this rank supplies (under broadcast_from_rank0 only rank 0's is loaded).
+    if (msd && !optim_only && o.strict() && !msd->empty() &&
+        (!o.broadcast_from_rank0() || rank == 0)) {
+      check_model_keys(t, *msd);
+    }
+    for (torch::optim::Optimizer* opt : optimizers)
+      init_optim_state(*opt, static_cast<bool>(t.wrapped));
+    if (osd && !osd->empty() && (!optim_rank0 || rank == 0)) {
+      const StateDict nested = osd->contains(kState)
+                                   ? *osd
+                                   : optim_forms::unflatten_optim(describer(t), optimizers, *osd);
+      for (torch::optim::Optimizer* opt : optimizers)
+        parts.push_back(optim_forms::split_for(describer(t), *opt, nested));
+    }
+    std::string flags(1, msd && !msd->empty() ? 'm' : '-');
+    return flags + (osd && !osd->empty() ? 'o' : '-');
+  };
+  const std::vector<std::string> flags = agree(collective ? pg : nullptr, api, prepare);
+  // Everything that can be refused is refused before anything is loaded.
+  if (optim_rank0 && flags[0][1] != 'o') {
+    throw ValueError(api +
+                     ": rank 0 holds no optimizer state dict, and its dict is the one "
+                     "loaded (broadcast_from_rank0, or full_state_dict with cpu_offload)");
+  }
+  const ModelFrom from = msd ? model_source(t, o, flags) : ModelFrom::kNowhere;
+  if (osd) load_optimizers(t, optimizers, parts, optim_rank0, o);
+  return msd ? load_model(t, *msd, o, from) : LoadResult();
 }
 
 }  // namespace
@@ -491,7 +511,7 @@ StateDict unflatten_optim_state_dict(torch::nn::Module& model, const Optimizers&
                                      const StateDict& flat) {
   const Target t = resolve(model);
   verify_options(t, StateDictOptions(), true, optimizers, {});
-  return unflatten_optim(t, optimizers, flat);
+  return optim_forms::unflatten_optim(describer(t), optimizers, flat);
 }
 
 StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options,
@@ -503,26 +523,22 @@ StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions&
   return sd;
 }
 
-StateDict get_optimizer_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
-                                   const StateDictOptions& options, const Submodules& submodules) {
-  const Target t = resolve(model);
-  const auto prefixes = verify_options(t, options, true, optimizers, submodules);
-  StateDict osd = get_optim_impl(t, optimizers, options);
-  verify_state_dict(t, nullptr, &osd, options, !prefixes.empty());
-  return osd;
-}
-
-StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                   const StateDictOptions& options, const Submodules& submodules) {
-  return get_optimizer_state_dict(model, Optimizers{&optimizer}, options, submodules);
-}
-
 std::pair<StateDict, StateDict> get_state_dict(torch::nn::Module& model,
                                                const Optimizers& optimizers,
                                                const StateDictOptions& options,
                                                const Submodules& submodules) {
   const Target t = resolve(model);
   const auto prefixes = verify_options(t, options, false, optimizers, submodules);
+  // Optimizer state is initialised (and checked) on every rank before the first collective.
+  if (!optimizers.empty()) {
+    dist::ProcessGroup* pg = t.wrapped ? t.group() : nullptr;
+    agree(pg, "get_state_dict", [&] {
+      check_units_covered(t, optimizers);
+      for (torch::optim::Optimizer* opt : optimizers)
+        init_optim_state(*opt, static_cast<bool>(t.wrapped));
+      return std::string();
+    });
+  }
   StateDict msd = get_model_impl(t, options, prefixes);
   StateDict osd = optimizers.empty() ? StateDict() : get_optim_impl(t, optimizers, options);
   verify_state_dict(t, &msd, optimizers.empty() ? nullptr : &osd, options, !prefixes.empty());
@@ -536,20 +552,39 @@ std::pair<StateDict, StateDict> get_state_dict(torch::nn::Module& model,
   return get_state_dict(model, Optimizers{&optimizer}, options, submodules);
 }
 
+StateDict get_optimizer_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
+                                   const StateDictOptions& options, const Submodules& submodules) {
+  const Target t = resolve(model);
+  const auto prefixes = verify_options(t, options, true, optimizers, submodules);
+  dist::ProcessGroup* pg = t.wrapped ? t.group() : nullptr;
+  agree(pg, "get_optimizer_state_dict", [&] {
+    check_units_covered(t, optimizers);
+    for (torch::optim::Optimizer* opt : optimizers)
+      init_optim_state(*opt, static_cast<bool>(t.wrapped));
+    return std::string();
+  });
+  StateDict osd = get_optim_impl(t, optimizers, options);
+  verify_state_dict(t, nullptr, &osd, options, !prefixes.empty());
+  return osd;
+}
+
+StateDict get_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                   const StateDictOptions& options, const Submodules& submodules) {
+  return get_optimizer_state_dict(model, Optimizers{&optimizer}, options, submodules);
+}
+
 LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& model_state_dict,
                                 const StateDictOptions& options) {
   const Target t = resolve(model);
-  verify_options(t, options, false, {}, {});
-  verify_state_dict(t, &model_state_dict, nullptr, options, false);
-  return set_model_impl(t, model_state_dict, options);
+  return set_impl(t, {}, &model_state_dict, nullptr, options, /*optim_only=*/false,
+                  "set_model_state_dict");
 }
 
 void set_optimizer_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
                               const StateDict& optim_state_dict, const StateDictOptions& options) {
   const Target t = resolve(model);
-  verify_options(t, options, true, optimizers, {});
-  verify_state_dict(t, nullptr, &optim_state_dict, options, false);
-  set_optim_impl(t, optimizers, optim_state_dict, options);
+  set_impl(t, optimizers, nullptr, &optim_state_dict, options, /*optim_only=*/true,
+           "set_optimizer_state_dict");
 }
 
 void set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
@@ -561,13 +596,10 @@ LoadResult set_state_dict(torch::nn::Module& model, const Optimizers& optimizers
                           const StateDict& model_state_dict, const StateDict& optim_state_dict,
                           const StateDictOptions& options) {
   const Target t = resolve(model);
-  // Under broadcast_from_rank0 the other ranks pass an empty model dict but must take part.
   const bool optim_only = model_state_dict.empty() && !options.broadcast_from_rank0();
-  verify_options(t, options, optim_only, optimizers, {});
-  verify_state_dict(t, optim_only ? nullptr : &model_state_dict,
-                    optimizers.empty() ? nullptr : &optim_state_dict, options, false);
-  if (!optimizers.empty()) set_optim_impl(t, optimizers, optim_state_dict, options);
-  return optim_only ? LoadResult() : set_model_impl(t, model_state_dict, options);
+  return set_impl(t, optimizers, &model_state_dict,
+                  optimizers.empty() ? nullptr : &optim_state_dict, options, optim_only,
+                  "set_state_dict");
 }
 
 LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,

@@ -302,6 +302,26 @@ StateDict detail::broadcast_structure(const StateDict& sd, dist::ProcessGroup& p
   return unflatten_state_dict(flat, mapping);
 }
 
+StateDict detail::broadcast_whole_state_dict(const StateDict& sd, dist::ProcessGroup& pg, int src) {
+  const std::vector<Entry> entries = broadcast_skeleton(sd, pg, src);
+  const bool is_src = pg.rank() == src;
+  const StateDict flat_src = is_src ? flatten_state_dict(sd).first : StateDict();
+  StateDict flat;
+  FlattenMapping mapping;
+  for (const auto& e : entries) {
+    mapping[e.key] = e.path;
+    if (!e.tensor) {
+      flat.insert_or_assign(e.key, e.value);
+      continue;
+    }
+    at::Tensor buf = is_src ? flat_src.at(e.key).tensor().detach().to(at::kCPU).contiguous()
+                            : at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    pg.broadcast(buf, src);
+    if (!is_src) flat.insert_or_assign(e.key, buf);
+  }
+  return is_src ? sd : unflatten_state_dict(flat, mapping);
+}
+
 LoadResult broadcast_state_dict(const StateDict& full, StateDict& local, dist::ProcessGroup& pg,
                                 int src, bool strict) {
   const bool is_src = pg.rank() == src;

@@ -47,6 +47,12 @@ class ScratchBuffers {
 /// Throws ValueError (on every rank) if `src`'s dict holds a ShardedTensor.
 StateDict broadcast_structure(const StateDict& sd, dist::ProcessGroup& pg, int src);
 
+/// Rank `src`'s dict (full tensors and other values) on every rank, tensors received one at a
+/// time into tensors of their own on the CPU: for plain replicas, which hold whole states anyway.
+/// Empty dicts and lists do not survive. Throws ValueError (on every rank) if `src`'s dict holds
+/// a ShardedTensor. Collective over `pg`.
+StateDict broadcast_whole_state_dict(const StateDict& sd, dist::ProcessGroup& pg, int src);
+
 /// load_state_dict of a FULL dict that only rank 0 holds (the others pass an empty one): rank 0
 /// checks it against the model, the ranks agree, then each parameter and buffer is broadcast in
 /// turn and every rank copies its own range into its shard. Peak extra memory: one parameter.

@@ -237,9 +237,10 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
   auto range_of = [&](size_t e, size_t p, size_t n, int64_t lo, int64_t len) -> at::Tensor {
     const StateValue* v = fs[e][p].values[n];
     if (!v) return at::Tensor();
-    if (from_rank0) {  // one full tensor in flight; the caller keeps only the range
+    const std::vector<int64_t>& shape = om.entries[e].shapes[p];
+    // A 0-d state (of a 0-d parameter) came inline with the structure, as a tensor on every rank.
+    if (from_rank0 && !shape.empty()) {  // one full tensor in flight; the caller keeps the range
       dist::ProcessGroup& pg = st->world_group;
-      const std::vector<int64_t>& shape = om.entries[e].shapes[p];
       const at::Tensor& param = om.entries[e].param;
       at::Tensor buf =
           pg.rank() == 0
@@ -328,6 +329,9 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       }
       ns.tensors[n] = flat;
     }
+    // An original parameter that holds no elements here gets no state, as training leaves it
+    // (its gradient stays undefined) and as the seed's _shard_orig_param_state gives it none.
+    if (en.unit >= 0 && !en.flat && om.local(en, 0).n == 0) continue;
     plan.states[e] = std::move(ns);
   }
   // All-or-nothing across ranks. Every rank reports every failing rank's problem: one rank's bad

@@ -220,6 +220,7 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
     at::ScalarType dtype;
     int rank;
     std::vector<ShardMetadata> chunks;  // every rank's dim-0 chunk (chunk_metadata)
+    at::Device device;                  // the state's (the piece exchange assembles on the CPU)
   };
   std::vector<ChunkJob> jobs;
   std::vector<detail::RangeRequest> reqs;
@@ -308,9 +309,13 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
               q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
               q.shape = shape;
               q.pieces = &held.back();
-              ChunkJob job{en.fqns[p], n,
-                           shape,      static_cast<at::ScalarType>(dtype),
-                           rank,       chunk_metadata(shape, world)};
+              ChunkJob job{en.fqns[p],
+                           n,
+                           shape,
+                           static_cast<at::ScalarType>(dtype),
+                           rank,
+                           chunk_metadata(shape, world),
+                           en.param.device()};
               if (shape.empty()) {
                 q.n = 1;  // a 0-d state stays plain (as PyTorch keeps zero-dim state): all need it
               } else {
@@ -359,16 +364,17 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
       if (!error.empty()) throw StateError("optim_state_dict: " + error);  // a bug, not input
       for (size_t i = 0; i < jobs.size(); ++i) {
         ChunkJob& j = jobs[i];
+        // On the state's own device unless offloaded, as the seed keeps its chunks.
+        const at::Device device = offload ? at::Device(at::kCPU) : j.device;
         if (j.shape.empty()) {
           per_fqn[j.fqn].insert_or_assign(kind.tensor_names[j.name],
-                                          out_tensor(got[i].reshape(at::IntArrayRef{})));
+                                          out_tensor(got[i].reshape(at::IntArrayRef{}).to(device)));
           continue;
         }
         std::vector<Shard> mine;
         for (const auto& m : j.chunks) {
           if (m.placement_rank != j.rank) continue;
-          at::Tensor t = got[i].view(m.sizes);
-          mine.push_back(Shard{offload ? t.to(at::kCPU) : t, m});
+          mine.push_back(Shard{got[i].view(m.sizes).to(device), m});
         }
         per_fqn[j.fqn].insert_or_assign(
             kind.tensor_names[j.name],
@@ -445,6 +451,32 @@ StateDict optim_state_dict(const torch::nn::Module& model, torch::optim::Optimiz
 
 namespace {
 
+bool all_digits(const std::string& k) {
+  return !k.empty() && k.find_first_not_of("0123456789") == std::string::npos;
+}
+
+// True if `osd` is already keyed the way `to` asks: every "state" key a parameter ID and every
+// "params" entry an Int (PARAM_ID), or no "state" key an ID and every "params" entry a string
+// (PARAM_NAME). An empty dict is both, as in PyTorch (whose test is all() over the keys).
+bool keyed_as(const StateDict& osd, OptimStateKeyType to) {
+  const bool ids = to == OptimStateKeyType::PARAM_ID;
+  if (osd.contains("state") && osd.at("state").is_dict()) {
+    for (const auto& [k, v] : osd.at("state").dict()) {
+      if (all_digits(k) != ids) return false;
+    }
+  }
+  if (osd.contains("param_groups") && osd.at("param_groups").is_list()) {
+    for (const auto& g : osd.at("param_groups").list()) {
+      if (!g.is_dict() || !g.dict().contains("params") || !g.dict().at("params").is_list())
+        return false;
+      for (const auto& p : g.dict().at("params").list()) {
+        if (ids ? !p.is_int() : !p.is_string()) return false;
+      }
+    }
+  }
+  return true;
+}
+
 StateDict rekey(const StateDict& osd, OptimStateKeyType to, const OptModel& om) {
   // Position in the optimizer's parameter list <-> FQN.
   std::vector<std::string> fqn_of;
@@ -514,12 +546,14 @@ StateDict rekey(const StateDict& osd, OptimStateKeyType to, const OptModel& om) 
 StateDict rekey_optim_state_dict(const StateDict& osd, OptimStateKeyType key_type,
                                  FullyShardedDataParallel& model,
                                  torch::optim::Optimizer& optimizer) {
+  if (keyed_as(osd, key_type)) return osd;  // PyTorch returns it unchanged (a defensive call)
   return rekey(osd, key_type, detail::describe_model(&model, nullptr, optimizer));
 }
 
 StateDict rekey_optim_state_dict(const StateDict& osd, OptimStateKeyType key_type,
                                  const torch::nn::Module& model,
                                  torch::optim::Optimizer& optimizer) {
+  if (keyed_as(osd, key_type)) return osd;
   return rekey(osd, key_type, detail::describe_model(nullptr, &model, optimizer));
 }
 

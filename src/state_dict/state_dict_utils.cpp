@@ -3,6 +3,7 @@
 
 #include <functional>
 
+#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "state_dict/piece_exchange.h"
 
@@ -117,11 +118,19 @@ void set_element(StateDict& root, const ObjPath& path, const StateValue& value) 
   }
 }
 
+// Dict keys as sets (the seed compares set(keys)): the same entries in another order match.
+bool same_keys(const StateDict& a, const StateDict& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [k, v] : a)
+    if (!b.contains(k)) return false;
+  return true;
+}
+
 bool similar(const StateValue& a, const StateValue& b) {
   if (a.kind() != b.kind()) return false;
   switch (a.kind()) {
     case StateValue::Kind::Dict: {
-      if (a.dict().keys() != b.dict().keys()) return false;
+      if (!same_keys(a.dict(), b.dict())) return false;
       for (const auto& [k, v] : a.dict())
         if (!similar(v, b.dict().at(k))) return false;
       return true;
@@ -143,52 +152,63 @@ bool similar(const StateValue& a, const StateValue& b) {
   }
 }
 
-void copy_into(const StateValue& src, StateValue& dst, ObjPath& path, bool non_blocking) {
+// Copies the tensors of `src` into those at the same place in `dst` and returns `src`'s
+// structure holding `dst`'s tensors and `src`'s other values (the seed's _copy_state_dict: the
+// companion keeps its own containers and non-tensor values). Copies nothing unless `apply`.
+StateValue copy_into(const StateValue& src, const StateValue& dst, ObjPath& path, bool non_blocking,
+                     bool apply) {
   auto fail = [&](const std::string& why) {
     throw ValueError("copy_state_dict: at '" + path_text(path) + "': " + why);
   };
-  if (src.kind() != dst.kind()) {
+  const bool src_tensor = src.is_tensor() || src.is_sharded_tensor();
+  if ((src_tensor || src.is_dict() || src.is_list()) && src.kind() != dst.kind()) {
     fail(std::string("the source holds ") + to_string(src.kind()) + ", the companion " +
          to_string(dst.kind()));
   }
   if (src.is_dict()) {
-    if (src.dict().keys() != dst.dict().keys()) fail("the dicts have different keys");
+    if (!same_keys(src.dict(), dst.dict())) fail("the dicts have different keys");
+    StateDict out;
     for (const auto& [k, v] : src.dict()) {
       path.emplace_back(k);
-      copy_into(v, dst.dict().at(k), path, non_blocking);
+      out.insert_or_assign(k, copy_into(v, dst.dict().at(k), path, non_blocking, apply));
       path.pop_back();
     }
-  } else if (src.is_list()) {
+    return out;
+  }
+  if (src.is_list()) {
     if (src.list().size() != dst.list().size()) fail("the lists have different lengths");
+    StateList out;
     for (size_t i = 0; i < src.list().size(); ++i) {
       path.emplace_back(static_cast<int64_t>(i));
-      copy_into(src.list()[i], dst.list()[i], path, non_blocking);
+      out.push_back(copy_into(src.list()[i], dst.list()[i], path, non_blocking, apply));
       path.pop_back();
     }
-  } else if (src.is_tensor() || src.is_sharded_tensor()) {
-    std::vector<std::pair<at::Tensor, at::Tensor>> pairs;  // companion <- source
-    if (src.is_tensor()) {
-      pairs.emplace_back(dst.tensor(), src.tensor());
-    } else {
-      const auto& s = src.sharded_tensor().local_shards();
-      const auto& d = dst.sharded_tensor().local_shards();
-      if (s.size() != d.size()) fail("the sharded tensors hold different numbers of pieces");
-      for (size_t i = 0; i < s.size(); ++i) {
-        if (!(s[i].metadata == d[i].metadata)) fail("the sharded tensors' pieces differ");
-        pairs.emplace_back(d[i].tensor, s[i].tensor);
-      }
-    }
-    for (auto& [to, from] : pairs) {
-      if (to.sizes() != from.sizes() || to.scalar_type() != from.scalar_type()) {
-        fail("shape or dtype differs: " + std::string(c10::toString(from.scalar_type())) + " of " +
-             std::to_string(from.numel()) + " elements into " + c10::toString(to.scalar_type()) +
-             " of " + std::to_string(to.numel()));
-      }
-      to.copy_(from, non_blocking);
-    }
-  } else {
-    dst = src;
+    return out;
   }
+  if (!src_tensor) return src;
+  std::vector<std::pair<at::Tensor, at::Tensor>> pairs;  // companion <- source
+  if (src.is_tensor()) {
+    pairs.emplace_back(dst.tensor(), src.tensor());
+  } else {
+    const auto& s = src.sharded_tensor().local_shards();
+    const auto& d = dst.sharded_tensor().local_shards();
+    if (s.size() != d.size()) fail("the sharded tensors hold different numbers of pieces");
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (!(s[i].metadata == d[i].metadata)) fail("the sharded tensors' pieces differ");
+      pairs.emplace_back(d[i].tensor, s[i].tensor);
+    }
+  }
+  for (auto& [to, from] : pairs) {
+    if (to.sizes() != from.sizes() || to.scalar_type() != from.scalar_type()) {
+      fail("shape or dtype differs: " + std::string(c10::toString(from.scalar_type())) + " of " +
+           std::to_string(from.numel()) + " elements into " + c10::toString(to.scalar_type()) +
+           " of " + std::to_string(to.numel()));
+    }
+  }
+  if (apply) {
+    for (auto& [to, from] : pairs) to.copy_(from, non_blocking);  // shares dst's storage
+  }
+  return dst;
 }
 
 at::Tensor cpu_zeros_like(const at::Tensor& t) {
@@ -250,11 +270,12 @@ StateDict create_cpu_state_dict(const StateDict& sd) {
   });
 }
 
-void copy_state_dict(const StateDict& src, StateDict& companion, bool non_blocking) {
-  StateValue dst(companion);  // shares the tensors; the containers are rebuilt below
+StateDict copy_state_dict(const StateDict& src, const StateDict& companion, bool non_blocking) {
+  // Checked whole first: a mismatch anywhere leaves every companion tensor as it was.
   ObjPath path;
-  copy_into(StateValue(src), dst, path, non_blocking);
-  companion = dst.dict();
+  copy_into(StateValue(src), StateValue(companion), path, non_blocking, /*apply=*/false);
+  return copy_into(StateValue(src), StateValue(companion), path, non_blocking, /*apply=*/true)
+      .dict();
 }
 
 StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
@@ -281,7 +302,10 @@ StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
   return map_values(sd, [&](const StateValue& v) -> StateValue {
     at::Tensor t;
     if (v.is_sharded_tensor()) {
-      t = got[next++].view(v.sharded_tensor().size());
+      // On the device of this rank's pieces (the seed's local_shard_device), the CPU if none.
+      const auto& pieces = v.sharded_tensor().local_shards();
+      const at::Device device = pieces.empty() ? at::Device(at::kCPU) : pieces[0].tensor.device();
+      t = got[next++].view(v.sharded_tensor().size()).to(device);
     } else if (v.is_tensor()) {
       t = v.tensor();
     } else {
@@ -292,29 +316,51 @@ StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
 }
 
 void distribute_state_dict(const StateDict& full, StateDict& local) {
-  const auto flat_full = flatten_state_dict(full).first;
+  const auto [flat_full, full_paths] = flatten_state_dict(full);
+  const auto [flat_local, local_paths] = flatten_state_dict(local);  // shares local's tensors
+  auto shape_of = [](const StateValue& v) {
+    return v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
+  };
+  // Checked whole first: a shape mismatch anywhere leaves the template as it was.
+  for (const auto& [key, v] : flat_full) {
+    if (!v.is_tensor() || v.tensor().dim() == 0 || !flat_local.contains(key)) continue;
+    const StateValue& dst = flat_local.at(key);
+    if ((dst.is_tensor() || dst.is_sharded_tensor()) && shape_of(dst) != v.tensor().sizes().vec()) {
+      throw ValueError("distribute_state_dict: '" + key + "' has shape " +
+                       detail::shape_str(v.tensor().sizes()) + " in the full dict, " +
+                       detail::shape_str(shape_of(dst)) + " in the local one");
+    }
+  }
   at::NoGradGuard no_grad;
-  traverse(local, [&](const ObjPath& path, const StateValue& v) {
-    if (!v.is_tensor() && !v.is_sharded_tensor()) return;
-    const std::string key = path_text(path);
-    if (!flat_full.contains(key) || !flat_full.at(key).is_tensor()) {
-      throw ValueError("distribute_state_dict: the full dict has no tensor at '" + key + "'");
+  // Copies `src` into the template's tensor or pieces at `key`; false if it holds none there of
+  // that shape.
+  auto fill = [&](const std::string& key, const at::Tensor& src) {
+    if (!flat_local.contains(key)) return false;
+    const StateValue& dst = flat_local.at(key);
+    if (!(dst.is_tensor() || dst.is_sharded_tensor()) || shape_of(dst) != src.sizes().vec())
+      return false;
+    if (dst.is_tensor()) {
+      at::Tensor t = dst.tensor();  // shares the template's storage
+      t.copy_(src);
+    } else {
+      for (const auto& piece : dst.sharded_tensor().local_shards()) {
+        at::Tensor t = piece.tensor;
+        t.copy_(box_view(src, piece.metadata));
+      }
     }
-    const at::Tensor& src = flat_full.at(key).tensor();
-    const std::vector<int64_t> shape =
-        v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
-    if (src.sizes().vec() != shape) {
-      throw ValueError("distribute_state_dict: '" + key + "' has another shape in the full dict");
+    return true;
+  };
+  for (const auto& [key, v] : flat_full) {
+    const bool have = flat_local.contains(key);
+    const ObjPath& path = have ? local_paths.at(key) : full_paths.at(key);
+    if (v.is_tensor() && v.tensor().dim() > 0) {
+      // Where the template has no such path: not this rank's (the seed skips it).
+      if (have && !fill(key, v.tensor())) set_element(local, path, v);
+      continue;
     }
-    if (v.is_tensor()) {
-      v.tensor().copy_(src);
-      return;
-    }
-    for (const auto& s : v.sharded_tensor().local_shards()) {
-      at::Tensor dst = s.tensor;  // shares the piece's storage
-      dst.copy_(box_view(src, s.metadata));
-    }
-  });
+    if (v.is_tensor() && fill(key, v.tensor())) continue;
+    set_element(local, path, v.is_tensor() ? StateValue(v.tensor().to(at::kCPU)) : v);
+  }
 }
 
 }  // namespace fsdp

@@ -18,8 +18,14 @@
 // On a wrapped model these functions set the model's state-dict type for the call (FULL when
 // full_state_dict, SHARDED otherwise, with configs derived from the options as the seed does)
 // and restore the caller's afterwards; they are collective over its process group. On a plain
-// module they are local, except those that use broadcast_from_rank0 or full_state_dict with
-// cpu_offload, which involve the default process group when one exists.
+// module they are local, except set_* with broadcast_from_rank0 (collective over the default
+// process group) and get_* with full_state_dict and cpu_offload (which asks it for the rank).
+//
+// Errors: where a call is collective, every rank checks its options and dicts first and the
+// ranks agree before anything moves or is loaded; if any rank's check fails, every rank throws
+// (that rank its own error, the others one of the same kind naming it) and nothing is changed,
+// so a bad dict on one rank never leaves the others waiting in a collective. A strict load's key
+// check is made then too, so set_state_dict never loads the optimizers of a model it refuses.
 //
 // A plain module that contains a wrapped model (or is a unit inside one) is rejected: pass the
 // wrapped model itself (PyTorch's "... contains _flat_param ... not the root module").
@@ -45,18 +51,27 @@ struct StateDictOptions {
   /// given dict holds full tensors.
   TORCH_ARG(bool, full_state_dict) = false;
   /// Move every tensor to the CPU. With full_state_dict too, only rank 0 receives values; the
-  /// other ranks get empty dicts (to bound host memory, as in PyTorch).
+  /// other ranks get empty dicts, the optimizers' included (to bound host memory, as in
+  /// PyTorch). On load into a wrapped model, rank 0's dicts are then the ones loaded, so ranks > 0
+  /// may pass the empty dicts they got: the optimizers' always come from rank 0 (PyTorch's
+  /// rank0_only), the model's where any rank passed none (where every rank passes one, each
+  /// loads its own). PyTorch's FSDP waits forever in that model load; see docs/state_dict_api.md.
   TORCH_ARG(bool, cpu_offload) = false;
-  /// Leave out parameters with requires_grad == false (and, for the optimizer, their state).
+  /// Leave out parameters with requires_grad == false from the model state dict (by FQN, before
+  /// submodule prefixes are stripped). The optimizers' dict is unaffected, as in PyTorch:
+  /// parameters that never get a gradient have no state there anyway.
   TORCH_ARG(bool, ignore_frozen_params) = false;
   /// With `submodules`: keep the submodule's prefix in the keys ("blocks.0.fc1.weight") or strip
   /// it ("fc1.weight").
   TORCH_ARG(bool, keep_submodule_prefixes) = true;
-  /// On load: missing or unexpected keys raise ValueError (else they are returned).
+  /// On load: missing or unexpected model keys raise ValueError (PyTorch's "Error(s) in loading
+  /// state_dict") before anything is loaded; else they are skipped and returned.
   TORCH_ARG(bool, strict) = true;
-  /// On load: rank 0 holds the full dicts, the other ranks pass empty ones; values are
-  /// broadcast a bounded amount at a time and each rank keeps only what it owns. Requires
-  /// full_state_dict.
+  /// On load: rank 0 holds the full dicts, the other ranks pass empty ones (anything else they
+  /// pass is ignored); values are broadcast a bounded amount at a time and each rank keeps only
+  /// what it owns. Requires full_state_dict. On a plain module every rank receives rank 0's
+  /// optimizer dicts whole (replicas hold whole states anyway) and loads them as rank 0 does;
+  /// as in PyTorch, only the model's keys are held to `strict`.
   TORCH_ARG(bool, broadcast_from_rank0) = false;
   /// Optimizer dicts as one flat level: "state.<fqn>.<name>" and "param_groups.<fqn>.<key>"
   /// (values that are lists, like Adam's betas, stay lists). set_* accepts both forms.
@@ -84,6 +99,11 @@ StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions&
 /// The optimizers' state dict, merged. An optimizer that has no state yet gets it first by one
 /// step with zero learning rate and zero gradients, which leaves the parameters unchanged
 /// (PyTorch's _init_optim_state); that throws StateError if a parameter already has a gradient.
+/// On a wrapped model only the parameters that training gives gradients get state so: not an
+/// original parameter (use_orig_params) holding no elements on this rank. Under
+/// use_orig_params, a unit some of whose parameters the optimizers hold must have all its
+/// trainable ones held (several optimizers may share a unit): ValueError "<fqn> is not in the
+/// optimizer state" otherwise, as in PyTorch.
 StateDict get_optimizer_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
                                    const StateDictOptions& options = {},
                                    const Submodules& submodules = {});
@@ -103,14 +123,19 @@ std::pair<StateDict, StateDict> get_state_dict(torch::nn::Module& model,
 
 /// Loads a model state dict (full tensors with full_state_dict, else pieces as get_* returns
 /// them, from any world size). Returns the keys skipped when not strict. An empty dict loads
-/// nothing (and, with strict, raises ValueError unless broadcast_from_rank0 is set). Keys that
-/// name a flat parameter ("_flat_param", a LOCAL state dict) raise ValueError.
+/// nothing (and, with strict, raises ValueError unless broadcast_from_rank0, or full_state_dict
+/// with cpu_offload, is set). On a wrapped model the ranks pass their dicts together: if some
+/// pass an empty one and others not, rank 0's is loaded everywhere under full_state_dict +
+/// cpu_offload, and anything else raises ValueError on every rank. Keys that name a flat
+/// parameter ("_flat_param", a LOCAL state dict) raise ValueError.
 LoadResult set_model_state_dict(torch::nn::Module& model, const StateDict& model_state_dict,
                                 const StateDictOptions& options = {});
 
 /// Loads an optimizers' state dict as get_optimizer_state_dict returns it (either form): each
 /// optimizer takes the param groups and state of its own parameters. An empty dict raises
-/// ValueError unless broadcast_from_rank0 (ranks > 0) or full_state_dict with cpu_offload.
+/// ValueError unless broadcast_from_rank0 (ranks > 0) or full_state_dict with cpu_offload; with
+/// either, on a wrapped model (and with broadcast_from_rank0 on a plain one), rank 0's dict is
+/// the one loaded on every rank, and ValueError is raised on every rank if rank 0's is empty.
 void set_optimizer_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
                               const StateDict& optim_state_dict,
                               const StateDictOptions& options = {});
@@ -118,8 +143,8 @@ void set_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer&
                               const StateDict& optim_state_dict,
                               const StateDictOptions& options = {});
 
-/// Both; the optimizers first, as in PyTorch. An empty model dict means "optimizers only".
-/// Returns the model's skipped keys.
+/// Both; the optimizers first, as in PyTorch. An empty model dict means "optimizers only" (on a
+/// wrapped model: on every rank). Returns the model's skipped keys.
 LoadResult set_state_dict(torch::nn::Module& model, const Optimizers& optimizers,
                           const StateDict& model_state_dict, const StateDict& optim_state_dict,
                           const StateDictOptions& options = {});
@@ -129,7 +154,7 @@ LoadResult set_state_dict(torch::nn::Module& model, torch::optim::Optimizer& opt
 
 /// PyTorch's _flatten_optim_state_dict: {"state": {fqn: {name: v}}, "param_groups": [...]} as
 /// {"state.<fqn>.<name>": v, "param_groups.<fqn>.<key>": v}. Throws ValueError for a state value
-/// that is not a tensor (or ShardedTensor) or a number.
+/// that is not a tensor (or ShardedTensor), a number or a bool (Python's bool is an int).
 StateDict flatten_optim_state_dict(const StateDict& osd);
 
 /// The inverse, for `optimizers` over `model`: their param groups in order, each listing the
