@@ -185,6 +185,22 @@ TEST(StateDictApi, ABadDictOnOneRankFailsEveryRankAtOnce) {
       ro);
 }
 
+// A SHARDED load takes a parameter held whole as a plain tensor: PyTorch's FSDP runs every
+// strategy as NO_SHARD at world size 1, so its SHARDED dicts hold plain tensors there. Before,
+// "'gain' must be a ShardedTensor in a SHARDED state dict".
+TEST(StateDictApi, ShardedLoadTakesWholeTensors) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    Trained src(1, ShardingStrategy::FULL_SHARD, false, pg, 2);
+    const auto full = src.full();
+    Trained dst(9, ShardingStrategy::FULL_SHARD, false, pg, 0);
+    ckpt::set_state_dict(dst.model, dst.optims.list(), full.first, full.second,
+                         StateDictOptions());  // SHARDED
+    const auto got = dst.full();
+    expect_equal(got.first, full.first, "model");
+    expect_equal(got.second, full.second, "optimizers");
+  });
+}
+
 // Item 4: broadcast_from_rank0 into plain replicas takes an optimizer dict the strict template
 // copy refused: no state for a parameter that never had a gradient, a scheduler's "initial_lr"
 // group key, group keys an older PyTorch did not write. The result equals loading it directly.

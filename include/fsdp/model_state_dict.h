@@ -18,7 +18,8 @@
 // SHARDED: the same keys; every parameter is a ShardedTensor over the (shard) group, cut as the
 //          config's ShardLayout says (by default chunked on dim 0 with torch.chunk semantics, as
 //          PyTorch does); buffers are plain tensors. Loads at any world size and from either
-//          layout, given the pieces that cover what each rank needs.
+//          layout, given the pieces that cover what each rank needs; a parameter may also be a
+//          plain tensor holding it whole (PyTorch's SHARDED dicts at world size 1 are FULL ones).
 // LOCAL:   one key per unit, "<unit fqn>._flat_param" ("_flat_param" for the root): that unit's
 //          flat-parameter shard as a 1-D ShardedTensor (padding dropped); buffers as plain tensors.
 //          Loads only at the same world size and layout.

@@ -171,11 +171,12 @@ std::optional<double> lr_of(torch::optim::OptimizerParamGroup& g) {
 // PyTorch's _init_optim_state: an optimizer without state gets it by one step with zero
 // gradients and zero learning rate, which leaves the parameters as they are. On a wrapped model
 // only the parameters that training gives gradients get one: not an original parameter
-// (use_orig_params) that holds no elements on this rank, an empty one included, which the
-// runtime leaves without a gradient, so without state (PyTorch fakes one for every parameter, so
-// a freshly initialised optimizer there has states that training never makes, and a checkpoint
-// template taken from it asks for keys a trained model's checkpoint lacks).
-void init_optim_state(torch::optim::Optimizer& opt, bool wrapped) {
+// (use_orig_params) that this rank's shard does not hold, which the runtime leaves without a
+// gradient, so without state (PyTorch fakes one for every parameter, so a freshly initialised
+// optimizer there has states that training never makes, and a checkpoint template taken from it
+// asks for keys a trained model's checkpoint lacks). `skip` lists those parameters.
+void init_optim_state(torch::optim::Optimizer& opt,
+                      const std::set<const c10::TensorImpl*>& skip = {}) {
   if (!opt.state().empty()) return;
   auto& groups = opt.param_groups();
   for (auto& g : groups) {
@@ -192,7 +193,9 @@ void init_optim_state(torch::optim::Optimizer& opt, bool wrapped) {
   std::vector<std::optional<double>> lrs;
   for (auto& g : groups) {
     for (auto& p : g.params()) {
-      if (p.requires_grad() && !(wrapped && p.numel() == 0)) p.mutable_grad() = at::zeros_like(p);
+      if (p.requires_grad() && !skip.count(p.unsafeGetTensorImpl())) {
+        p.mutable_grad() = at::zeros_like(p);
+      }
     }
     lrs.push_back(lr_of(g));
     if (lrs.back()) g.options().set_lr(0.0);
@@ -219,6 +222,23 @@ optim_forms::DescribeOptimizer describer(const Target& t) {
     return t.wrapped ? detail::describe_model(&t.wrapped, nullptr, opt)
                      : detail::describe_model(nullptr, t.plain, opt);
   };
+}
+
+// The zero-step state initialisation of every optimizer (see init_optim_state).
+void init_optim_states(const Target& t, const Optimizers& optimizers) {
+  for (torch::optim::Optimizer* opt : optimizers) {
+    if (!opt->state().empty()) continue;
+    std::set<const c10::TensorImpl*> skip;
+    if (t.wrapped) {
+      const detail::OptModel om = describer(t)(*opt);
+      for (const auto& en : om.entries) {
+        if (en.unit >= 0 && !en.flat && !om.local(en, 0).held) {
+          skip.insert(en.param.unsafeGetTensorImpl());
+        }
+      }
+    }
+    init_optim_state(*opt, skip);
+  }
 }
 
 // PyTorch's "<fqn> is not in the optimizer state" (seed 000, _convert_state_with_orig_params):
@@ -478,8 +498,7 @@ LoadResult set_impl(const Target& t, const Optimizers& optimizers, const StateDi
         (!o.broadcast_from_rank0() || rank == 0)) {
       check_model_keys(t, *msd);
     }
-    for (torch::optim::Optimizer* opt : optimizers)
-      init_optim_state(*opt, static_cast<bool>(t.wrapped));
+    init_optim_states(t, optimizers);
     if (osd && !osd->empty() && (!optim_rank0 || rank == 0)) {
       const StateDict nested = osd->contains(kState)
                                    ? *osd
@@ -534,8 +553,7 @@ std::pair<StateDict, StateDict> get_state_dict(torch::nn::Module& model,
     dist::ProcessGroup* pg = t.wrapped ? t.group() : nullptr;
     agree(pg, "get_state_dict", [&] {
       check_units_covered(t, optimizers);
-      for (torch::optim::Optimizer* opt : optimizers)
-        init_optim_state(*opt, static_cast<bool>(t.wrapped));
+      init_optim_states(t, optimizers);
       return std::string();
     });
   }
@@ -559,8 +577,7 @@ StateDict get_optimizer_state_dict(torch::nn::Module& model, const Optimizers& o
   dist::ProcessGroup* pg = t.wrapped ? t.group() : nullptr;
   agree(pg, "get_optimizer_state_dict", [&] {
     check_units_covered(t, optimizers);
-    for (torch::optim::Optimizer* opt : optimizers)
-      init_optim_state(*opt, static_cast<bool>(t.wrapped));
+    init_optim_states(t, optimizers);
     return std::string();
   });
   StateDict osd = get_optim_impl(t, optimizers, options);

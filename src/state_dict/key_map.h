@@ -20,6 +20,29 @@ inline at::Tensor kept_value(const at::Tensor& t, bool offload, bool owned = fal
   return owned ? t : t.clone();
 }
 
+/// Every ShardedTensor in `v` (nested dicts and lists too) with its pieces' placements renamed
+/// from ranks of the shard group `g` to the ranks of the default group, as PyTorch names them
+/// (under hybrid sharding each replica group's pieces then name their own ranks).
+inline void place_on_global_ranks(StateValue& v, const dist::ProcessGroup& g) {
+  const std::vector<int>& global = g.global_ranks();
+  auto rename = [&](ShardMetadata& m) {
+    if (m.placement_rank >= 0 && m.placement_rank < static_cast<int>(global.size()))
+      m.placement_rank = global[m.placement_rank];
+  };
+  if (v.is_sharded_tensor()) {
+    const ShardedTensor& t = v.sharded_tensor();
+    std::vector<Shard> pieces = t.local_shards();
+    std::vector<ShardMetadata> all = t.global_metadata();
+    for (auto& s : pieces) rename(s.metadata);
+    for (auto& m : all) rename(m);
+    v = ShardedTensor(t.size(), t.dtype(), std::move(pieces), std::move(all));
+  } else if (v.is_dict()) {
+    for (auto& [k, x] : v.dict()) place_on_global_ranks(x, g);
+  } else if (v.is_list()) {
+    for (auto& x : v.list()) place_on_global_ranks(x, g);
+  }
+}
+
 /// While alive, a SHARDED or LOCAL state-dict type on a model with NO_SHARD units acts as FULL
 /// with a default config (PyTorch's _replace_with_full_state_dict_type), with a warning.
 class NoShardFallback {

@@ -207,7 +207,9 @@ Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
     if (!sd.contains(k)) continue;
     const StateValue& v = sd.at(k);
     const auto& shape = l.shapes[loc.index];
-    if (type == StateDictType::FULL_STATE_DICT) {
+    // A SHARDED dict may hold a parameter whole, as a plain tensor: PyTorch's FSDP runs every
+    // strategy as NO_SHARD at world size 1, and its SHARDED dicts are then FULL ones.
+    if (type == StateDictType::FULL_STATE_DICT || v.is_tensor()) {
       if (!v.is_tensor()) {
         plan.fail("'" + k + "' must be a Tensor in a FULL state dict, it is " +
                   to_string(v.kind()));
@@ -221,7 +223,8 @@ Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
           plan);
     } else {
       if (!v.is_sharded_tensor()) {
-        plan.fail("'" + k + "' must be a ShardedTensor in a SHARDED state dict, it is " +
+        plan.fail("'" + k +
+                  "' must be a ShardedTensor or a Tensor in a SHARDED state dict, it is " +
                   to_string(v.kind()));
         continue;
       }

@@ -286,9 +286,12 @@ StateDict state_dict(FullyShardedDataParallel& model) {
     case StateDictType::FULL_STATE_DICT:
       return full_state_dict(st);
     case StateDictType::SHARDED_STATE_DICT:
-      return sharded_state_dict(st);
-    case StateDictType::LOCAL_STATE_DICT:
-      return local_state_dict(st);
+    case StateDictType::LOCAL_STATE_DICT: {
+      StateValue sd(st.state_dict_type == StateDictType::SHARDED_STATE_DICT ? sharded_state_dict(st)
+                                                                            : local_state_dict(st));
+      detail::place_on_global_ranks(sd, st.shard_group);
+      return std::move(sd.dict());
+    }
   }
   throw InternalError("unknown StateDictType");
 }

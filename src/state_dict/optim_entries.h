@@ -35,9 +35,13 @@ struct OptModel {
   std::map<std::string, std::pair<size_t, size_t>> by_fqn;  // FQN -> (entry, position)
   std::vector<std::vector<size_t>> groups;  // per optimizer group: its entries, in its order
   /// The range of FQN position `p` of managed entry `e` that this rank keeps: [lo, lo + n) of
-  /// the flattened parameter, and where it goes in the local flat parameter.
+  /// the flattened parameter, and where it goes in the local flat parameter. `held`: the rank's
+  /// shard holds the parameter (PyTorch's in_shard, also under NO_SHARD, where an empty parameter
+  /// at the start of the flat parameter is not held), which is when training gives an original
+  /// parameter a gradient here (FlatParamHandle::use_sharded_grad_views), so optimizer state.
   struct Local {
     int64_t lo = 0, n = 0, offset = 0;
+    bool held = false;
   };
   Local local(const OptEntry& e, size_t p) const;
 };

@@ -329,9 +329,9 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       }
       ns.tensors[n] = flat;
     }
-    // An original parameter that holds no elements here gets no state, as training leaves it
+    // An original parameter this rank's shard does not hold gets no state, as training leaves it
     // (its gradient stays undefined) and as the seed's _shard_orig_param_state gives it none.
-    if (en.unit >= 0 && !en.flat && om.local(en, 0).n == 0) continue;
+    if (en.unit >= 0 && !en.flat && !om.local(en, 0).held) continue;
     plan.states[e] = std::move(ns);
   }
   // All-or-nothing across ranks. Every rank reports every failing rank's problem: one rank's bad

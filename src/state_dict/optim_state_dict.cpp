@@ -25,12 +25,12 @@ namespace detail {
 OptModel::Local OptModel::local(const OptEntry& e, size_t p) const {
   const FlatParamHandle& h = *st->units[e.unit]->handle;
   const size_t i = e.indices[p];
-  if (!h.uses_sharded_strategy()) {
-    return Local{0, h.layout().numels[i], h.layout().param_offset(i)};
-  }
   const ShardParamInfo& s = h.shard_param_infos()[i];
-  if (!s.in_shard) return Local{0, 0, 0};
-  return Local{s.intra_param_start_idx, s.numel_in_shard, s.offset_in_shard};
+  if (!h.uses_sharded_strategy()) {
+    return Local{0, h.layout().numels[i], h.layout().param_offset(i), s.in_shard};
+  }
+  if (!s.in_shard) return Local{0, 0, 0, false};
+  return Local{s.intra_param_start_idx, s.numel_in_shard, s.offset_in_shard, true};
 }
 
 OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module* plain,
@@ -435,10 +435,13 @@ StateDict optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimi
   for (const auto& u : st.units) {
     if (u->handle) u->handle->reset_flat_param_grad_info_if_needed();
   }
-  return export_osd(om, optimizer, sharded,
-                    sharded ? st.sharded_optim_config.offload_to_cpu() : full.offload_to_cpu(),
-                    !sharded && full.rank0_only(),
-                    sharded && st.sharded_optim_config.layout() == ShardLayout::FLAT_SHARDS);
+  StateValue osd(
+      export_osd(om, optimizer, sharded,
+                 sharded ? st.sharded_optim_config.offload_to_cpu() : full.offload_to_cpu(),
+                 !sharded && full.rank0_only(),
+                 sharded && st.sharded_optim_config.layout() == ShardLayout::FLAT_SHARDS));
+  if (sharded) detail::place_on_global_ranks(osd, st.shard_group);
+  return std::move(osd.dict());
 }
 
 StateDict optim_state_dict(const torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
