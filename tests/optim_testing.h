@@ -9,6 +9,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "fsdp/optim_state_dict.h"
@@ -47,21 +48,36 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string
   throw std::runtime_error("unknown optimizer kind " + kind);
 }
 
-/// "" if `a` and `b` have the same FQNs, state names, value kinds, shapes and dtypes, equal steps
-/// and hyperparameters, params listing the same FQNs per group, and tensor values within
-/// |x - y| <= atol + rtol |y|; otherwise the first difference. `max_diff` gets the largest
-/// absolute difference seen.
+/// "" if two non-tensor values (numbers, bools, strings, None, lists of them) are equal; else why.
+inline std::string value_diff(const StateValue& x, const StateValue& y, const std::string& what) {
+  if ((x.is_int() || x.is_double()) && (y.is_int() || y.is_double())) {
+    return x.to_double() == y.to_double() ? "" : what + " differs";
+  }
+  if (x.kind() != y.kind()) return "kind of " + what + " differs";
+  if (x.is_bool() && x.to_bool() != y.to_bool()) return what + " differs";
+  if (x.is_string() && x.string() != y.string()) return what + " differs";
+  if (x.is_list()) {
+    if (x.list().size() != y.list().size()) return "length of " + what + " differs";
+    for (size_t i = 0; i < x.list().size(); ++i) {
+      const std::string d =
+          value_diff(x.list()[i], y.list()[i], what + "[" + std::to_string(i) + "]");
+      if (!d.empty()) return d;
+    }
+  }
+  return "";
+}
+
+/// "" if `a` and `b` have the same FQNs and state names in the same order, value kinds, shapes
+/// and dtypes, equal steps, non-tensor states and hyperparameters (lists element by element),
+/// param groups listing the same FQNs in the same order, and tensor values within
+/// |x - y| <= atol + rtol |y|; otherwise the first difference. Plain tensors only (gather a
+/// SHARDED dict first). `max_diff` gets the largest absolute difference seen.
 inline std::string osd_diff(const StateDict& a, const StateDict& b, double rtol, double atol,
                             double* max_diff = nullptr) {
   double worst = 0;
-  auto keys_sorted = [](const StateDict& d) {
-    auto k = d.keys();
-    std::sort(k.begin(), k.end());
-    return k;
-  };
   const StateDict& sa = a.at("state").dict();
   const StateDict& sb = b.at("state").dict();
-  if (keys_sorted(sa) != keys_sorted(sb)) {
+  if (sa.keys() != sb.keys()) {
     std::string m = "state FQNs differ:";
     for (const auto& k : sa.keys()) m += " " + k;
     m += " vs";
@@ -75,7 +91,12 @@ inline std::string osd_diff(const StateDict& a, const StateDict& b, double rtol,
     for (const auto& [name, x] : da) {
       const StateValue& y = db.at(name);
       if (x.kind() != y.kind()) return "kind of " + fqn + "/" + name + " differs";
-      if (!x.is_tensor()) continue;
+      if (x.is_sharded_tensor()) return fqn + "/" + name + " is a ShardedTensor (gather first)";
+      if (!x.is_tensor()) {
+        const std::string d = value_diff(x, y, fqn + "/" + name);
+        if (!d.empty()) return d;
+        continue;
+      }
       const at::Tensor& tx = x.tensor();
       const at::Tensor& ty = y.tensor();
       if (tx.sizes() != ty.sizes() || tx.scalar_type() != ty.scalar_type()) {
@@ -99,23 +120,90 @@ inline std::string osd_diff(const StateDict& a, const StateDict& b, double rtol,
   for (size_t g = 0; g < ga.size(); ++g) {
     const StateDict& x = ga[g].dict();
     const StateDict& y = gb[g].dict();
-    if (x.keys() != y.keys()) return "keys of param group " + std::to_string(g) + " differ";
-    std::vector<std::string> px, py;
-    for (const auto& v : x.at("params").list()) px.push_back(v.string());
-    for (const auto& v : y.at("params").list()) py.push_back(v.string());
-    std::sort(px.begin(), px.end());
-    std::sort(py.begin(), py.end());
-    if (px != py) return "params of param group " + std::to_string(g) + " differ";
+    const std::string where = "param group " + std::to_string(g);
+    if (x.keys() != y.keys()) return "keys of " + where + " differ";
     for (const auto& [k, v] : x) {
-      if (k == "params") continue;
-      if (v.kind() != y.at(k).kind()) return "kind of hyperparameter " + k + " differs";
-      if ((v.is_double() && v.to_double() != y.at(k).to_double()) ||
-          (v.is_bool() && v.to_bool() != y.at(k).to_bool())) {
-        return "hyperparameter " + k + " differs";
-      }
+      const std::string d = value_diff(v, y.at(k), where + " '" + k + "'");
+      if (!d.empty()) return d;
     }
   }
   if (max_diff) *max_diff = worst;
+  return "";
+}
+
+/// The "state" half of a plain model's optimizer state dict built without the library's export:
+/// straight from torch::optim's per-parameter state objects, keyed by the module's own parameter
+/// names (a tied parameter under its first), with PyTorch's state names. An independent
+/// reference for what the exports must hold.
+inline StateDict raw_optim_state(const torch::nn::Module& model, torch::optim::Optimizer& opt) {
+  namespace o = torch::optim;
+  StateDict state;
+  std::unordered_set<const void*> seen;
+  for (const auto& p : model.named_parameters()) {
+    if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;
+    auto it = opt.state().find(compat::optim_state_key(p.value()));
+    if (it == opt.state().end()) continue;
+    StateDict d;
+    auto put = [&](const char* name, const at::Tensor& t) {
+      if (t.defined()) d.insert_or_assign(name, t);
+    };
+    auto step = [&](int64_t s) {
+      d.insert_or_assign("step", at::scalar_tensor(static_cast<double>(s), at::kFloat));
+    };
+    const o::OptimizerParamState* ps = it->second.get();
+    if (auto* a = dynamic_cast<const o::AdamParamState*>(ps)) {
+      step(a->step());
+      put("exp_avg", a->exp_avg());
+      put("exp_avg_sq", a->exp_avg_sq());
+      put("max_exp_avg_sq", a->max_exp_avg_sq());
+    } else if (auto* w = dynamic_cast<const o::AdamWParamState*>(ps)) {
+      step(w->step());
+      put("exp_avg", w->exp_avg());
+      put("exp_avg_sq", w->exp_avg_sq());
+      put("max_exp_avg_sq", w->max_exp_avg_sq());
+    } else if (auto* g = dynamic_cast<const o::SGDParamState*>(ps)) {
+      put("momentum_buffer", g->momentum_buffer());
+    } else if (auto* ag = dynamic_cast<const o::AdagradParamState*>(ps)) {
+      step(ag->step());
+      put("sum", ag->sum());
+    } else if (auto* r = dynamic_cast<const o::RMSpropParamState*>(ps)) {
+      step(r->step());
+      put("square_avg", r->square_avg());
+      put("momentum_buffer", r->momentum_buffer());
+      put("grad_avg", r->grad_avg());
+    }
+    if (!d.empty()) state.insert_or_assign(p.key(), std::move(d));
+  }
+  return state;
+}
+
+/// "" if an exported dict's "state" holds exactly `raw`'s (parameter, state name) pairs with the
+/// same values (|x - y| <= atol + rtol |y|, steps exactly); else the first difference.
+inline std::string raw_state_diff(const StateDict& osd, const StateDict& raw, double rtol,
+                                  double atol) {
+  const StateDict& st = osd.at("state").dict();
+  for (const auto& [fqn, v] : raw) {
+    if (!st.contains(fqn)) return "no state for '" + fqn + "'";
+  }
+  for (const auto& [fqn, v] : st) {
+    if (!raw.contains(fqn)) return "state for '" + fqn + "', which the optimizer has none for";
+    const StateDict& want = raw.at(fqn).dict();
+    for (const auto& [name, x] : v.dict()) {
+      if (!want.contains(name))
+        return "state '" + name + "' of '" + fqn + "' is not the optimizer's";
+      const at::Tensor& a = x.tensor();
+      const at::Tensor& b = want.at(name).tensor();
+      if (a.sizes() != b.sizes()) return "shape of " + fqn + "/" + name + " differs";
+      if (!torch::allclose(a.to(at::kDouble), b.to(at::kDouble),
+                           name == std::string("step") ? 0 : rtol,
+                           name == std::string("step") ? 0 : atol)) {
+        return fqn + "/" + name + " differs from the optimizer's own state";
+      }
+    }
+    for (const auto& [name, y] : want) {
+      if (!v.dict().contains(name)) return "state '" + name + "' of '" + fqn + "' is missing";
+    }
+  }
   return "";
 }
 

@@ -435,6 +435,7 @@ TEST(CheckpointStateDict, BroadcastFromRank0) {
       const auto off = StateDictOptions().full_state_dict(true).cpu_offload(true);
       const auto [msd, osd] = ckpt::get_state_dict(src, *src_opt, off);  // rank 0 only
       EXPECT_EQ(msd.empty(), pg.rank() != 0);
+      EXPECT_EQ(osd.empty(), pg.rank() != 0) << "the optimizer's too, on ranks > 0";
 
       TinyLM m2(99);
       FullyShardedDataParallel dst(m2, lm_options(m2, ShardingStrategy::SHARD_GRAD_OP, !orig));

@@ -117,6 +117,11 @@ TEST_P(FullOsdWorld, EqualsTheSingleProcessOptimizer) {
       fsdp_step(model, *opt, s, pg.rank());
     }
     const StateDict want = fsdp::optim_state_dict(*ref, *ref_opt);
+    // The reference dict itself against torch::optim's own state objects, read without the
+    // export's code (a shared mistake would otherwise pass both sides).
+    EXPECT_EQ(
+        fsdp::testing::raw_state_diff(want, fsdp::testing::raw_optim_state(*ref, *ref_opt), 0, 0),
+        "");
     double dp_drift = 0;
     ASSERT_EQ(osd_diff(fsdp::optim_state_dict(*dp, *dp_opt), want, 1, 1, &dp_drift), "");
     const double atol = std::max(kAtol, 4 * dp_drift);
@@ -125,6 +130,18 @@ TEST_P(FullOsdWorld, EqualsTheSingleProcessOptimizer) {
     EXPECT_EQ(osd_diff(got, want, kRtol, atol, &worst), "") << c.kind;
     EXPECT_NE(osd_diff(got, perturbed(want, 1e-4 + 10 * atol), kRtol, atol), "")
         << "the comparison cannot fail";
+    // The wrapped export against the unwrapped optimizer's own state, independently.
+    EXPECT_EQ(fsdp::testing::raw_state_diff(got, fsdp::testing::raw_optim_state(*ref, *ref_opt),
+                                            kRtol, atol),
+              "")
+        << c.kind;
+    if (!want.at("state").dict().empty()) {  // negative control: one state left out is seen
+      StateDict one_key = want;
+      one_key.at("state").dict().erase(one_key.at("state").dict().keys().back());
+      EXPECT_NE(fsdp::testing::raw_state_diff(one_key,
+                                              fsdp::testing::raw_optim_state(*ref, *ref_opt), 0, 0),
+                "");
+    }
     EXPECT_FALSE(got.at("state").dict().contains("head.weight")) << "tied: once, as tok.weight";
     // Frozen parameters have no state, except under Adagrad, which creates every parameter's
     // state when it is constructed (PyTorch's does too).
