@@ -13,6 +13,7 @@
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/errors.h"
 #include "fsdp/fully_sharded.h"
+#include "fsdp/state_dict_utils.h"
 #include "multi_rank.h"
 #include "offload_testing.h"
 #include "reference_training.h"
@@ -215,5 +216,36 @@ TEST(Cuda, CheckpointOfAGpuModelRoundTrips) {
     const auto p1 = full_params(model);
     const auto p2 = full_params(model2);
     for (const auto& [k, v] : p1) EXPECT_TRUE(torch::allclose(v, p2.at(k), 1e-6, 1e-7)) << k;
+  });
+}
+
+// Values stay on the shards' device unless offloaded (issue 37, item 6): gather_state_dict and
+// the DIM0_CHUNKS optimizer export put everything on the CPU before.
+TEST(Cuda, GatheredAndChunkedValuesStayOnTheGpu) {
+  FSDP_REQUIRE_CUDA();
+  run_ranks(2, [](ProcessGroup& pg) {
+    require_gpu_in_rank();
+    TinyLM m(61);
+    FullyShardedDataParallel model(
+        m, lm_options(m, ShardingStrategy::FULL_SHARD, false).device_id(kGpu));
+    torch::optim::Adam opt(unique_params(model->parameters()), 0.01);
+    opt.zero_grad();
+    auto idx = lm_tokens(2, 61 + pg.rank()).to(kGpu);
+    lm_loss(model->forward(idx), idx).backward();
+    opt.step();
+    const auto chunks = ckpt::StateDictOptions().shard_layout(fsdp::ShardLayout::DIM0_CHUNKS);
+    auto [msd, osd] = ckpt::get_state_dict(model, opt, chunks);
+    const fsdp::StateValue& exp_avg =
+        osd.at("state").dict().at("blocks.0.fc1.weight").dict().at("exp_avg");
+    for (const auto& s : exp_avg.sharded_tensor().local_shards()) EXPECT_TRUE(s.tensor.is_cuda());
+    const fsdp::StateDict gathered = fsdp::gather_state_dict(msd, pg);
+    EXPECT_TRUE(gathered.at("blocks.0.fc1.weight").tensor().is_cuda());
+    const fsdp::StateDict offloaded = fsdp::gather_state_dict(msd, pg, {}, /*cpu_offload=*/true);
+    EXPECT_TRUE(offloaded.at("blocks.0.fc1.weight").tensor().is_cpu());
+    auto [cpu_m, cpu_o] =
+        ckpt::get_state_dict(model, opt, ckpt::StateDictOptions(chunks).cpu_offload(true));
+    const fsdp::StateValue& off =
+        cpu_o.at("state").dict().at("blocks.0.fc1.weight").dict().at("exp_avg");
+    for (const auto& s : off.sharded_tensor().local_shards()) EXPECT_TRUE(s.tensor.is_cpu());
   });
 }

@@ -209,7 +209,7 @@ def worker(data, out, strategy, orig, combos):
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     # One replica group per shard group of W ranks, 2 x 2 at W=4 (PyTorch's FSDP runs a shard
     # group of one rank as NO_SHARD over it, never reducing across the replicas).
@@ -315,6 +315,16 @@ def worker(data, out, strategy, orig, combos):
             if rank == 0:
                 sd_exchange.write(RuntimeError("PYTORCH_WOULD_HANG: ranks > 0 skip the model load "
                                                "that rank 0 enters"), stem)
+            done(k)
+            continue
+        if orig and c["flatten"] and c["bcast"]:
+            # PyTorch's unflatten raises KeyError 'state.head.weight.step' (a tied parameter's
+            # second FQN) on rank 0 alone here, which leaves the other ranks in the broadcast
+            # until the timeout and the group unusable (seen in every such case run): recorded,
+            # not run. Without broadcast_from_rank0 every rank raises it, and it runs.
+            if rank == 0:
+                sd_exchange.write(RuntimeError("PYTORCH_TIED_FLATTEN: KeyError: 'state.head.weight"
+                                               ".step' on rank 0 alone (not run)"), stem)
             done(k)
             continue
         _, fresh, fresh_optims = build(9)
