@@ -8,7 +8,7 @@
 // each round times a memset of:
 //   faulted      a buffer written before (the baseline: what the raw collectives write into)
 //   4k_hot       a fresh mapping, right after an equal mapping was written and unmapped
-//   huge_hot     the same, advised MADV_HUGEPAGE (what src/memory/huge_pages.h does)
+//   huge_hot     the same, advised MADV_HUGEPAGE (what src/util/huge_pages.h does)
 //   4k_cold      a fresh mapping after $FSDP_BENCH_FRESH_PAUSE_S seconds (default 3) with nothing
 //   huge_cold    freed: the pause a trainer has between two FULL state dicts or checkpoints
 //

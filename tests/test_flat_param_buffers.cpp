@@ -129,7 +129,7 @@ TEST(FlatParamHandle, ShardToGatherIsWhatUnshardGathers) {
   });
 }
 
-// Unit-sized buffers allocated anew on every step get huge pages (memory/huge_pages.h): 4 KiB
+// Unit-sized buffers allocated anew on every step get huge pages (util/huge_pages.h): 4 KiB
 // faults made a 64-256 MB unshard 0.65-0.82 of the raw all-gather's speed. The control, a plain
 // tensor written whole, shows that the check sees the difference where THP is "madvise".
 TEST(FlatParamHandle, UnitSizedBuffersGetHugePages) {

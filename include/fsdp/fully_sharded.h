@@ -133,6 +133,8 @@ struct FullyShardedOptions {
 
 namespace detail {
 class FsdpState;
+class RuntimeView;
+struct StateDictSettings;
 struct UnitRef;
 /// The unit `m` is registered as, or null if `m` is not a unit of any wrapped model.
 std::shared_ptr<UnitRef> find_unit(const torch::nn::Module* m);
@@ -292,12 +294,11 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
 
   void train(bool on = true) override;
 
-  /// Internal runtime state (for fsdp's own state-dict and optimizer code).
-  const std::shared_ptr<detail::FsdpState>& runtime_state() const { return state_; }
-
  private:
   friend class NoSyncGuard;
   friend class SummonFullParamsGuard;
+  friend class detail::RuntimeView;         // the runtime's interface to the layers above
+  friend struct detail::StateDictSettings;  // the state-dict layer's per-model settings
   template <typename Out, typename... Args>
   Out run_inner(Args&&... args) {
     if constexpr (sizeof...(Args) == 1 && std::is_same_v<Out, at::Tensor> &&
@@ -314,6 +315,9 @@ class FullyShardedDataParallelImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::SequentialImpl> sequential_;  // set when the wrapped module is one
   FullyShardedOptions options_;
   std::shared_ptr<detail::FsdpState> state_;
+  // The state-dict type and configs StateDictTypeGuard sets: owned by the state-dict layer,
+  // created there on first use, opaque here.
+  mutable std::shared_ptr<detail::StateDictSettings> state_dict_settings_;
 };
 TORCH_MODULE(FullyShardedDataParallel);
 

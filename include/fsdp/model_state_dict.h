@@ -104,7 +104,7 @@ class StateDictTypeGuard {
   StateDictTypeGuard& operator=(const StateDictTypeGuard&) = delete;
 
  private:
-  std::shared_ptr<detail::FsdpState> state_;
+  std::shared_ptr<detail::StateDictSettings> settings_;
   StateDictType prev_type_;
   FullStateDictConfig prev_full_;
   ShardedStateDictConfig prev_sharded_;

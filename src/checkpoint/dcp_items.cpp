@@ -122,13 +122,6 @@ std::string value_payload(const StateValue& v, const std::string& key) {
   return out;
 }
 
-
-std::string dims_text(const std::vector<int64_t>& v) {
-  std::string out = "[";
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
-  return out + "]";
-}
-
 namespace {
 
 // The archive an item's bytes hold, and the values of its data.pkl: storages are views of the

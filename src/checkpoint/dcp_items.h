@@ -60,9 +60,6 @@ at::Tensor decode_tensor(const ItemParts& item, const std::string& where, bool c
 /// Decodes a value payload through the restricted reader (tensors inside it are views, as above).
 StateValue decode_value(const char* data, size_t n, const std::string& where, bool check_crc);
 
-/// "[1, 2, 3]".
-std::string dims_text(const std::vector<int64_t>& v);
-
 }  // namespace items
 }  // namespace checkpoint
 }  // namespace fsdp

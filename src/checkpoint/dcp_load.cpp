@@ -15,6 +15,7 @@
 #include "checkpoint/torch_archive.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace checkpoint {
@@ -23,7 +24,7 @@ namespace {
 constexpr const char* kWhat = "checkpoint load";
 constexpr int64_t kMaxMetadata = int64_t{64} << 20;  // the pickle reader's limit
 
-using items::dims_text;
+using detail::shape_str;
 
 // A decoded chunk must be exactly what the metadata says.
 void check_chunk(const at::Tensor& chunk, at::ScalarType dtype, const std::vector<int64_t>& sizes,
@@ -34,7 +35,7 @@ void check_chunk(const at::Tensor& chunk, at::ScalarType dtype, const std::vecto
                      c10::toString(dtype));
   if (chunk.sizes().vec() != sizes)
     throw ValueError(std::string(what) + ": " + where + " has shape " +
-                     dims_text(chunk.sizes().vec()) + ", the metadata says " + dims_text(sizes));
+                     shape_str(chunk.sizes().vec()) + ", the metadata says " + shape_str(sizes));
 }
 
 // A part of a box: [lo, hi) per dimension, in the tensor's coordinates.
@@ -270,8 +271,8 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
         v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
     if (shape != item.tensor.size)
       throw ValueError(std::string(what_) + ": '" + it.key + "' has shape " +
-                       dims_text(item.tensor.size) + " in " + dir + ", the state dict " +
-                       dims_text(shape));
+                       shape_str(item.tensor.size) + " in " + dir + ", the state dict " +
+                       shape_str(shape));
     // An empty tensor needs no bytes, but its chunks are still read and checked, so that damage
     // anywhere in a data file is reported by the load that reads it.
     if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {
@@ -307,7 +308,7 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
         auto info = chunk_at_.find({it.key, c.offsets});
         if (info == chunk_at_.end())
           throw ValueError(std::string(what_) + ": no storage entry for '" + it.key +
-                           "' chunk at " + dims_text(c.offsets) + " in " + dir);
+                           "' chunk at " + shape_str(c.offsets) + " in " + dir);
         at::Tensor dst = target;
         Copy cp;
         for (size_t d = 0; d < shape.size(); ++d) {
@@ -327,8 +328,8 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
       const int64_t missing = uncovered(box, regions);
       if (missing > 0)
         throw ValueError(std::string(what_) + ": " + std::to_string(missing) + " element(s) of '" +
-                         it.key + "' in the box at " + dims_text(box.offsets) + " of size " +
-                         dims_text(box.sizes) + " are in no chunk saved in " + dir);
+                         it.key + "' in the box at " + shape_str(box.offsets) + " of size " +
+                         shape_str(box.sizes) + " are in no chunk saved in " + dir);
     }
   }
   // Apply: each needed chunk read, checked and decoded once.
@@ -439,8 +440,8 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in,
         }
         if (overlap)
           rep.problems.push_back(std::string(what) + ": '" + key + "' has overlapping chunks at " +
-                                 dims_text(t.chunks[a].offsets) + " and " +
-                                 dims_text(t.chunks[b].offsets));
+                                 shape_str(t.chunks[a].offsets) + " and " +
+                                 shape_str(t.chunks[b].offsets));
       }
     }
     if (volume != numel)
@@ -490,7 +491,7 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in,
     for (const auto& c : item.tensor.chunks)
       if (!stored.count({key, c.offsets}))
         rep.problems.push_back(std::string(what) + ": the chunk of '" + key + "' at " +
-                               dims_text(c.offsets) + " has no storage entry");
+                               shape_str(c.offsets) + " has no storage entry");
   }
   return rep;
 }

@@ -6,8 +6,8 @@
 
 #include "checkpoint/files.h"
 #include "checkpoint/pickle.h"
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace checkpoint {

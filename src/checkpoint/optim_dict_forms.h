@@ -9,7 +9,7 @@
 #include <string>
 
 #include "fsdp/state_dict.h"
-#include "state_dict/optim_entries.h"
+#include "state_dict/interface.h"
 
 namespace fsdp {
 namespace checkpoint {

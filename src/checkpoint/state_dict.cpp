@@ -16,8 +16,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
 #include "fsdp/state_dict_utils.h"
-#include "state_dict/from_rank0.h"
-#include "state_dict/optim_entries.h"
+#include "state_dict/interface.h"
 
 namespace fsdp {
 namespace checkpoint {
@@ -35,7 +34,7 @@ struct Target {
   torch::nn::Module& inner() const { return wrapped ? *wrapped->module() : *plain; }
   /// The group collectives of this call run over, if any.
   dist::ProcessGroup* group() const {
-    if (wrapped) return &wrapped->runtime_state()->world_group;
+    if (wrapped) return &detail::state_dict_group(*wrapped);
     return dist::is_initialized() ? &dist::default_group() : nullptr;
   }
   int rank() const { return group() ? group()->rank() : 0; }
@@ -52,7 +51,7 @@ Target resolve(torch::nn::Module& model) {
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     const torch::nn::Module* m = item.value().get();
     if (dynamic_cast<const FullyShardedDataParallelImpl*>(m) != nullptr ||
-        detail::find_unit(m) != nullptr) {
+        detail::is_wrapped_module(m)) {
       const std::string where = item.key().empty() ? "the module itself" : "'" + item.key() + "'";
       throw ValueError(
           "state dict API: " + where +

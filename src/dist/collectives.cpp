@@ -14,8 +14,8 @@
 #include <functional>
 
 #include "dist/state.h"
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace dist {

@@ -26,8 +26,8 @@
 // other's messages.
 #include "dist/add_scaled.h"
 #include "dist/state.h"
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
+#include "util/tensor_utils.h"
 
 #include <ATen/TensorIterator.h>
 

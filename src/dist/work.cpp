@@ -2,8 +2,8 @@
 // its failures into DistError, and fsdp::dist::Work, which finishes what the collective started
 // (a pairwise sum, a copy out of a staging buffer) once the backend is done.
 #include "dist/state.h"
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace dist {

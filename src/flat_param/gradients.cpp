@@ -1,8 +1,8 @@
 // FlatParamHandle, gradients: flattening the original parameters' gradients, reducing them into
 // the sharded gradient, and the gradient views handed to optimizers (use_orig_params).
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 

@@ -7,20 +7,36 @@
 
 #include <torch/cuda.h>
 
-#include "flat_param/tensor_utils.h"
+#include "flat_param/flattened.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
-namespace detail {
-void mark_flattened(const at::Tensor& t, bool is_flat_param);
-void unmark_flattened(const at::Tensor& t);
-bool is_flat_param(const at::Tensor& t);
-}  // namespace detail
 
-using namespace detail;  // the helpers of flat_param/tensor_utils.h
+using namespace detail;  // the helpers of util/tensor_utils.h
 
 namespace {
+
+at::Tensor named_param(const ParamInfo& info) {
+  auto params = info.module->named_parameters(/*recurse=*/false);
+  const at::Tensor* p = params.find(info.param_name);
+  if (p == nullptr) {
+    throw ValueError("module '" + info.module_name + "' has no parameter '" + info.param_name +
+                     "'");
+  }
+  return *p;
+}
+
+// PyTorch FSDP's gradient pre-divide factor: doubled while it divides dp_size and is below
+// dp_size / factor, i.e. roughly sqrt(dp_size) as a power of two. Dividing by it before the sum
+// and by dp_size / factor after keeps fp16 sums from overflowing and small values from
+// underflowing.
+double predivide_factor(int dp_size) {
+  int factor = 1;
+  while (dp_size % factor == 0 && dp_size / factor > factor) factor *= 2;
+  return factor;
+}
 
 // Padding is filled with a recognisable value (as PyTorch does); it never reaches user-visible
 // results, and a 42 showing up where it should not is easy to spot.

@@ -3,6 +3,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "flat_param/flattened.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
 

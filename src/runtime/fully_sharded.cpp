@@ -8,9 +8,9 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "runtime/state.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 

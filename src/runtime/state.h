@@ -11,7 +11,6 @@
 #include <unordered_set>
 
 #include "fsdp/fully_sharded.h"
-#include "fsdp/model_state_dict.h"
 
 namespace fsdp {
 namespace detail {
@@ -81,13 +80,6 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   // Buffers of ignored modules: never cast to buffer_dtype (PyTorch skips _ignored_buffer_names).
   std::unordered_set<const c10::TensorImpl*> ignored_buffers;
   std::map<const c10::TensorImpl*, at::ScalarType> buffer_orig_dtypes;  // set by buffer_dtype casts
-
-  StateDictType state_dict_type = StateDictType::FULL_STATE_DICT;
-  FullStateDictConfig full_config;
-  ShardedStateDictConfig sharded_config;
-  LocalStateDictConfig local_config;
-  FullOptimStateDictConfig full_optim_config;
-  ShardedOptimStateDictConfig sharded_optim_config;
 
   void pre_forward(int u);
   void post_forward(int u);

@@ -11,6 +11,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/state_dict_utils.h"
 #include "state_dict/from_rank0.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace {
@@ -187,12 +188,6 @@ std::vector<int64_t> shape_of(const StateValue& v) {
   return v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
 }
 
-std::string shape_text(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 // This rank's problem with the skeleton, or "".
 std::string check(const std::vector<Entry>& entries, const StateDict& local, bool strict,
                   LoadResult& result) {
@@ -214,8 +209,8 @@ std::string check(const std::vector<Entry>& entries, const StateDict& local, boo
     } else if (src_tensor && shape_of(v) != (e.tensor ? e.shape : std::vector<int64_t>{})) {
       if (error.empty())
         error = "'" + e.key + "' has shape " +
-                shape_text(e.tensor ? e.shape : std::vector<int64_t>{}) +
-                " on the source rank but " + shape_text(shape_of(v)) + " here";
+                detail::shape_str(e.tensor ? e.shape : std::vector<int64_t>{}) +
+                " on the source rank but " + detail::shape_str(shape_of(v)) + " here";
     }
   }
   for (const auto& [k, v] : local) {

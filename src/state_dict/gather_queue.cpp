@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "flat_param/tensor_utils.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace detail {
@@ -67,7 +67,7 @@ void GatherQueue::start(dist::ProcessGroup& pg, Gather g) {
     g.in = at::cat(shards);
     g.bytes = nbytes(g.in) * (1 + pg.size());  // the input and, at the finish, the copies out
   }
-  // Fresh memory the gather writes whole: huge pages from a unit's size (memory/huge_pages.h).
+  // Fresh memory the gather writes whole: huge pages from a unit's size (util/huge_pages.h).
   g.out = empty_buffer(g.in.numel() * pg.size(), g.in.options());
   g.bytes += nbytes(g.out);
   // On Gloo, pairwise from 1 MiB rather than kAuto's 4 MiB: Gloo's own all-gather receives into

@@ -6,8 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "flat_param/tensor_utils.h"  // shape_str, dim_outside
-#include "runtime/state.h"
+#include "runtime/view.h"
+#include "state_dict/settings.h"
+#include "util/tensor_utils.h"  // shape_str, dim_outside
 
 namespace fsdp {
 namespace detail {
@@ -47,13 +48,13 @@ inline void place_on_global_ranks(StateValue& v, const dist::ProcessGroup& g) {
 /// with a default config (PyTorch's _replace_with_full_state_dict_type), with a warning.
 class NoShardFallback {
  public:
-  explicit NoShardFallback(FsdpState& st);
+  NoShardFallback(const RuntimeView& rt, StateDictSettings& cfg);
   ~NoShardFallback();
   NoShardFallback(const NoShardFallback&) = delete;
   NoShardFallback& operator=(const NoShardFallback&) = delete;
 
  private:
-  FsdpState& st_;
+  StateDictSettings& cfg_;
   bool active_ = false;
   StateDictType prev_type_ = StateDictType::FULL_STATE_DICT;
   FullStateDictConfig prev_full_;
@@ -73,11 +74,9 @@ struct KeyMap {
   std::map<std::string, at::Tensor> unmanaged;  // ignored parameters and buffers
 };
 
-KeyMap key_map(FsdpState& st);
-/// Throws StateError during backward or summon; reshards whatever a forward left unsharded.
-void require_idle(FsdpState& st, const char* what);
+KeyMap key_map(const RuntimeView& rt);
 /// "<unit fqn>._flat_param", or "_flat_param" for the root.
-std::string flat_key(const Unit& u);
+std::string flat_key(const UnitView& u);
 
 /// Every shard-group rank's boxes of each parameter of a sharded flat-parameter layout: what
 /// each rank holds of it in its flat shard, cut by flat_range_boxes (ShardLayout::FLAT_SHARDS),

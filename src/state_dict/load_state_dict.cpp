@@ -9,7 +9,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
-#include "runtime/state.h"
+#include "runtime/view.h"
 #include "state_dict/from_rank0.h"
 #include "state_dict/key_map.h"
 #include "state_dict/piece_exchange.h"
@@ -18,10 +18,10 @@ namespace fsdp {
 namespace {
 
 using detail::flat_key;
-using detail::FsdpState;
 using detail::key_map;
 using detail::KeyMap;
 using detail::ParamLoc;
+using detail::RuntimeView;
 using detail::shape_str;
 
 struct Plan {
@@ -36,8 +36,8 @@ struct Plan {
 
 // Plans the copy of this rank's part of a managed parameter from `src_range(start, n)`.
 template <typename Range>
-void plan_param(const FsdpState& st, const ParamLoc& loc, Range&& src_range, Plan& plan) {
-  FlatParamHandle& h = *st.units[loc.unit]->handle;
+void plan_param(const RuntimeView& rt, const ParamLoc& loc, Range&& src_range, Plan& plan) {
+  FlatParamHandle& h = rt.handle(loc.unit);
   const ShardParamInfo& s = h.shard_param_infos()[loc.index];
   const auto& l = h.layout();
   at::Tensor flat = h.flat_param().detach();
@@ -63,21 +63,14 @@ void check_shape_dtype(const std::string& key, at::IntArrayRef got, at::ScalarTy
   }
 }
 
-// The dtype a buffer or ignored parameter has in state dicts: its own, or the one it had before a
-// buffer_dtype cast.
-at::ScalarType saved_dtype(const FsdpState& st, const at::Tensor& t) {
-  auto it = st.buffer_orig_dtypes.find(t.unsafeGetTensorImpl());
-  return it == st.buffer_orig_dtypes.end() ? t.scalar_type() : it->second;
-}
-
 // As the seed loads inside an unshard with writeback: parameters the user replaced (set_data)
 // since the last unshard are written into the flat parameter first, or the next unshard would
 // copy them over what a load writes.
-void writeback_all(FsdpState& st, Plan& plan) {
-  for (const auto& u : st.units) {
-    if (!u->handle) continue;
+void writeback_all(const RuntimeView& rt, Plan& plan) {
+  for (const auto& u : rt.units()) {
+    if (!u.handle) continue;
     try {
-      u->handle->writeback_orig_params();
+      u.handle->writeback_orig_params();
     } catch (const std::exception& e) {
       plan.fail(e.what());
     }
@@ -96,27 +89,27 @@ void agree_or_throw(dist::ProcessGroup& pg, const std::string& error) {
   }
 }
 
-void plan_unmanaged(FsdpState& st, const std::string& key, const at::Tensor& target,
+void plan_unmanaged(const RuntimeView& rt, const std::string& key, const at::Tensor& target,
                     const StateValue& v, Plan& plan, int rank) {
   if (!v.is_tensor()) {
     plan.fail("'" + key + "' must be a Tensor, the state dict has " + to_string(v.kind()));
     return;
   }
   check_shape_dtype(key, v.tensor().sizes(), v.tensor().scalar_type(), target.sizes(),
-                    saved_dtype(st, target), rank, plan);
+                    rt.original_dtype(target), rank, plan);
   plan.copies.emplace_back(target.detach(), v.tensor());
 }
 
 // SHARDED: this rank's range of every managed parameter, assembled from whatever pieces the
 // ranks' dicts hold (piece_exchange.h). Undefined where this rank's dict lacks the key.
-std::map<std::string, at::Tensor> exchange_pieces(FsdpState& st, const KeyMap& km,
+std::map<std::string, at::Tensor> exchange_pieces(const RuntimeView& rt, const KeyMap& km,
                                                   const StateDict& sd, Plan& plan) {
   std::vector<detail::RangeRequest> reqs;
   std::vector<std::string> keys;
   for (const auto& k : km.order) {
     auto m = km.managed.find(k);
     if (m == km.managed.end()) continue;
-    const FlatParamHandle& h = *st.units[m->second.unit]->handle;
+    const FlatParamHandle& h = rt.handle(m->second.unit);
     const ShardParamInfo& s = h.shard_param_infos()[m->second.index];
     detail::RangeRequest q;
     q.name = "'" + k + "'";
@@ -130,7 +123,7 @@ std::map<std::string, at::Tensor> exchange_pieces(FsdpState& st, const KeyMap& k
   // Over all data-parallel ranks: the dict may have been cut for another layout than this
   // (e.g. 4 chunks saved without hybrid sharding, loaded as 2 x 2).
   std::string error;
-  std::vector<at::Tensor> got = detail::exchange_ranges(st.world_group, reqs, error);
+  std::vector<at::Tensor> got = detail::exchange_ranges(rt.world_group(), reqs, error);
   if (!error.empty()) plan.fail(error);
   std::map<std::string, at::Tensor> ranges;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -139,38 +132,38 @@ std::map<std::string, at::Tensor> exchange_pieces(FsdpState& st, const KeyMap& k
   return ranges;
 }
 
-Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
+Plan plan_load(const RuntimeView& rt, StateDictType type, const StateDict& sd_in,
+               bool strict_dtype) {
   Plan plan;
   plan.strict_dtype = strict_dtype;
-  writeback_all(st, plan);
-  const KeyMap km = key_map(st);
-  const int rank = st.world_group.rank();
+  writeback_all(rt, plan);
+  const KeyMap km = key_map(rt);
+  const int rank = rt.world_group().rank();
   // SHARDED: each rank's range of each parameter, where the ranks had to exchange pieces.
-  const std::map<std::string, at::Tensor> ranges =
-      st.state_dict_type == StateDictType::SHARDED_STATE_DICT ? exchange_pieces(st, km, sd_in, plan)
-                                                              : std::map<std::string, at::Tensor>{};
+  const std::map<std::string, at::Tensor> ranges = type == StateDictType::SHARDED_STATE_DICT
+                                                       ? exchange_pieces(rt, km, sd_in, plan)
+                                                       : std::map<std::string, at::Tensor>{};
   const StateDict& sd = sd_in;
   std::map<std::string, bool> expected;
   auto expect = [&](const std::string& k) {
     expected[k] = true;
     if (!sd.contains(k)) plan.result.missing_keys.push_back(k);
   };
-  const StateDictType type = st.state_dict_type;
-  std::vector<bool> unit_done(st.units.size(), false);
+  std::vector<bool> unit_done(rt.units().size(), false);
   for (const auto& k : km.order) {
     auto m = km.managed.find(k);
     if (m == km.managed.end()) {
       expect(k);
-      if (sd.contains(k)) plan_unmanaged(st, k, km.unmanaged.at(k), sd.at(k), plan, rank);
+      if (sd.contains(k)) plan_unmanaged(rt, k, km.unmanaged.at(k), sd.at(k), plan, rank);
       continue;
     }
     const ParamLoc loc = m->second;
-    FlatParamHandle& h = *st.units[loc.unit]->handle;
+    FlatParamHandle& h = rt.handle(loc.unit);
     const auto& l = h.layout();
     if (type == StateDictType::LOCAL_STATE_DICT) {
       if (unit_done[loc.unit]) continue;
       unit_done[loc.unit] = true;
-      const std::string fk = flat_key(*st.units[loc.unit]);
+      const std::string fk = flat_key(rt.units()[loc.unit]);
       expect(fk);
       if (!sd.contains(fk)) continue;
       const StateValue& v = sd.at(fk);
@@ -219,7 +212,7 @@ Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
       check_shape_dtype(k, t.sizes(), t.scalar_type(), shape, h.orig_dtype(), rank, plan);
       if (!plan.error.empty()) continue;
       plan_param(
-          st, loc, [&](int64_t start, int64_t n) { return t.reshape({-1}).narrow(0, start, n); },
+          rt, loc, [&](int64_t start, int64_t n) { return t.reshape({-1}).narrow(0, start, n); },
           plan);
     } else {
       if (!v.is_sharded_tensor()) {
@@ -241,7 +234,7 @@ Plan plan_load(FsdpState& st, const StateDict& sd_in, bool strict_dtype) {
       const ShardParamInfo& s = h.shard_param_infos()[loc.index];
       const int64_t lo = s.in_shard ? s.intra_param_start_idx : 0;
       plan_param(
-          st, loc, [&](int64_t start, int64_t n) { return got->second.narrow(0, start - lo, n); },
+          rt, loc, [&](int64_t start, int64_t n) { return got->second.narrow(0, start - lo, n); },
           plan);
     }
   }
@@ -260,10 +253,11 @@ std::string key_list(const std::vector<std::string>& keys) {
 
 LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd, bool strict,
                            bool strict_dtype) {
-  FsdpState& st = *model->runtime_state();
-  detail::require_idle(st, "load_state_dict");
-  detail::NoShardFallback fallback(st);  // SHARDED/LOCAL on NO_SHARD units load as FULL
-  Plan plan = plan_load(st, sd, strict_dtype);
+  const detail::RuntimeView rt(*model);
+  detail::StateDictSettings& cfg = *detail::StateDictSettings::of(*model);
+  rt.require_idle("load_state_dict");
+  detail::NoShardFallback fallback(rt, cfg);  // SHARDED/LOCAL on NO_SHARD units load as FULL
+  Plan plan = plan_load(rt, cfg.type, sd, strict_dtype);
   if (plan.error.empty() && strict) plan.error = detail::load_keys_error(plan.result);
   // Non-strict loads skip keys; every rank must skip the same ones, or ranks would end up with
   // different models. (`strict` is the same on every rank, so all or none take part. A rank that
@@ -275,17 +269,17 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
     const std::string mine = plan.error.empty() ? key_list(plan.result.missing_keys) + "|" +
                                                       key_list(plan.result.unexpected_keys)
                                                 : failed;
-    const auto all = st.world_group.all_gather_bytes(mine);
+    const auto all = rt.world_group().all_gather_bytes(mine);
     for (size_t r = 0; r < all.size() && plan.error.empty(); ++r) {
       if (all[r] != failed && all[r] != mine) {
         plan.error = "ranks disagree on the keys to skip: rank " +
-                     std::to_string(st.world_group.rank()) + " misses/ignores " + mine + ", rank " +
-                     std::to_string(r) + " " + all[r];
+                     std::to_string(rt.world_group().rank()) + " misses/ignores " + mine +
+                     ", rank " + std::to_string(r) + " " + all[r];
       }
     }
   }
   // All-or-nothing across ranks: apply only if every rank's plan is sound.
-  agree_or_throw(st.world_group, plan.error);
+  agree_or_throw(rt.world_group(), plan.error);
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : plan.copies) dst.copy_(src);
   return plan.result;
@@ -295,23 +289,23 @@ namespace detail {
 
 LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const StateDict& sd,
                                       bool strict) {
-  FsdpState& st = *model->runtime_state();
-  require_idle(st, "load_state_dict (broadcast_from_rank0)");
-  dist::ProcessGroup& pg = st.world_group;
+  const detail::RuntimeView rt(*model);
+  rt.require_idle("load_state_dict (broadcast_from_rank0)");
+  dist::ProcessGroup& pg = rt.world_group();
   const bool root = pg.rank() == 0;
   Plan plan;  // only its error and result are used: copies are made as tensors arrive
-  writeback_all(st, plan);
-  const KeyMap km = key_map(st);
+  writeback_all(rt, plan);
+  const KeyMap km = key_map(rt);
   // What each key must be: shape, dtype and device of the model's own tensor.
   auto target = [&](const std::string& k) {
     auto m = km.managed.find(k);
     if (m != km.managed.end()) {
-      const FlatParamHandle& h = *st.units[m->second.unit]->handle;
+      const FlatParamHandle& h = rt.handle(m->second.unit);
       return std::make_tuple(h.layout().shapes[m->second.index], h.orig_dtype(),
                              h.flat_param().device());
     }
     const at::Tensor& t = km.unmanaged.at(k);
-    return std::make_tuple(t.sizes().vec(), saved_dtype(st, t), t.device());
+    return std::make_tuple(t.sizes().vec(), rt.original_dtype(t), t.device());
   };
   // Rank 0 checks its dict against the model (which every rank shares), then tells the others
   // which keys it will send; nothing moves unless every rank agrees.
@@ -378,7 +372,7 @@ LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const Sta
     }
     Plan one;
     plan_param(
-        st, m->second,
+        rt, m->second,
         [&](int64_t start, int64_t n) { return buf.reshape({-1}).narrow(0, start, n); }, one);
     for (auto& [dst, src] : one.copies) dst.copy_(src);
   }

@@ -5,9 +5,11 @@
 #include <map>
 
 #include "fsdp/errors.h"
-#include "runtime/state.h"
+#include "runtime/view.h"
 #include "state_dict/gather_queue.h"
+#include "state_dict/interface.h"
 #include "state_dict/key_map.h"
+#include "state_dict/settings.h"
 
 namespace fsdp {
 
@@ -26,17 +28,23 @@ int64_t& detail::full_gather_window_bytes() {
 
 namespace detail {
 
-KeyMap key_map(FsdpState& st) {
+dist::ProcessGroup& state_dict_group(const FullyShardedDataParallelImpl& model) {
+  return RuntimeView(model).world_group();
+}
+
+bool is_wrapped_module(const torch::nn::Module* m) { return is_unit_module(m); }
+
+KeyMap key_map(const RuntimeView& rt) {
   KeyMap km;
   std::map<const c10::TensorImpl*, ParamLoc> loc;
-  for (const auto& u : st.units) {
-    if (!u->handle) continue;
-    auto params = u->handle->orig_params();
+  for (const auto& u : rt.units()) {
+    if (!u.handle) continue;
+    auto params = u.handle->orig_params();
     for (size_t i = 0; i < params.size(); ++i) {
-      loc[params[i].unsafeGetTensorImpl()] = ParamLoc{u->index, i};
+      loc[params[i].unsafeGetTensorImpl()] = ParamLoc{u.index, i};
     }
   }
-  for (const auto& item : st.root_module->named_modules("", true)) {
+  for (const auto& item : rt.root_module().named_modules("", true)) {
     const std::string& prefix = item.key();
     auto name = [&](const std::string& n) { return prefix.empty() ? n : prefix + "." + n; };
     for (const auto& p : item.value()->named_parameters(false)) {
@@ -58,14 +66,7 @@ KeyMap key_map(FsdpState& st) {
   return km;
 }
 
-void require_idle(FsdpState& st, const char* what) {
-  if (st.in_backward || st.in_summon) {
-    throw StateError(std::string(what) + ": not allowed during backward or summon_full_params");
-  }
-  st.reset_iteration();
-}
-
-std::string flat_key(const detail::Unit& u) {
+std::string flat_key(const UnitView& u) {
   return u.fqn.empty() ? "_flat_param" : u.fqn + "._flat_param";
 }
 
@@ -89,15 +90,15 @@ std::vector<ShardMetadata> FlatShardBoxes::of(size_t i) const {
 namespace {
 
 using detail::flat_key;
-using detail::FsdpState;
 using detail::key_map;
 using detail::KeyMap;
+using detail::RuntimeView;
 
 // The value of an ignored parameter or a buffer as saved: cloned, in its original dtype.
-at::Tensor unmanaged_value(FsdpState& st, const at::Tensor& t, bool offload) {
+at::Tensor unmanaged_value(const RuntimeView& rt, const at::Tensor& t, bool offload) {
   at::Tensor v = t.detach();
-  auto it = st.buffer_orig_dtypes.find(t.unsafeGetTensorImpl());
-  if (it != st.buffer_orig_dtypes.end()) v = v.to(it->second);
+  const at::ScalarType saved = rt.original_dtype(t);
+  if (saved != v.scalar_type()) v = v.to(saved);
   return detail::kept_value(v, offload);
 }
 
@@ -105,17 +106,17 @@ at::Tensor unmanaged_value(FsdpState& st, const at::Tensor& t, bool offload) {
 // calls `take(unit, param index, full value)`. The values are the live parameters (NO_SHARD) or
 // views of a buffer freed at the reshard: they must be copied to be kept.
 template <typename F>
-void unshard_units(FsdpState& st, bool no_shard_only, F&& take) {
-  for (const auto& u : st.units) {
-    if (!u->handle || (no_shard_only && u->handle->uses_sharded_strategy())) continue;
-    FlatParamHandle& h = *u->handle;
+void unshard_units(const RuntimeView& rt, bool no_shard_only, F&& take) {
+  for (const auto& u : rt.units()) {
+    if (!u.handle || (no_shard_only && u.handle->uses_sharded_strategy())) continue;
+    FlatParamHandle& h = *u.handle;
     h.set_training_state(HandleTrainingState::SUMMON_FULL_PARAMS);
     try {
       h.unshard();
       if (detail::state_dict_gather_probe())
         detail::state_dict_gather_probe()(h.unsharded_storage_bytes());
       auto params = h.orig_params();
-      for (size_t i = 0; i < params.size(); ++i) take(u->index, i, params[i].detach());
+      for (size_t i = 0; i < params.size(); ++i) take(u.index, i, params[i].detach());
     } catch (...) {
       h.reshard(true);
       h.set_training_state(HandleTrainingState::IDLE);
@@ -126,10 +127,9 @@ void unshard_units(FsdpState& st, bool no_shard_only, F&& take) {
   }
 }
 
-StateDict full_state_dict(FsdpState& st) {
-  const auto& cfg = st.full_config;
-  const bool keep = !cfg.rank0_only() || st.world_group.rank() == 0;
-  const KeyMap km = key_map(st);
+StateDict full_state_dict(const RuntimeView& rt, const FullStateDictConfig& cfg) {
+  const bool keep = !cfg.rank0_only() || rt.world_group().rank() == 0;
+  const KeyMap km = key_map(rt);
   std::map<std::pair<int, size_t>, at::Tensor> values;
   // Sharded units are not unsharded: their shards go through a GatherQueue, which gathers small
   // units several to a collective (a Gloo all-gather of a few hundred KB is bound by its fixed
@@ -139,10 +139,10 @@ StateDict full_state_dict(FsdpState& st) {
   // collective needs them all); only those that keep the result hold on to it.
   detail::GatherQueue gathers(detail::full_gather_window_bytes(),
                               detail::state_dict_gather_probe());
-  for (const auto& u : st.units) {
-    if (!u->handle || !u->handle->uses_sharded_strategy()) continue;
-    FlatParamHandle& h = *u->handle;
-    const int unit = u->index;
+  for (const auto& u : rt.units()) {
+    if (!u.handle || !u.handle->uses_sharded_strategy()) continue;
+    FlatParamHandle& h = *u.handle;
+    const int unit = u.index;
     gathers.add(
         h.process_group(), h.shard_to_gather(), [&, unit, &l = h.layout()](const at::Tensor& full) {
           if (!keep) return;
@@ -153,7 +153,7 @@ StateDict full_state_dict(FsdpState& st) {
   }
   gathers.finish();
   // NO_SHARD units hold their whole parameters: copied from the live values.
-  unshard_units(st, /*no_shard_only=*/true, [&](int u, size_t i, const at::Tensor& full) {
+  unshard_units(rt, /*no_shard_only=*/true, [&](int u, size_t i, const at::Tensor& full) {
     if (keep) values[{u, i}] = detail::kept_value(full, cfg.offload_to_cpu());
   });
   StateDict sd;
@@ -163,7 +163,7 @@ StateDict full_state_dict(FsdpState& st) {
     if (m != km.managed.end()) {
       sd.insert_or_assign(k, values.at({m->second.unit, m->second.index}));
     } else {
-      sd.insert_or_assign(k, unmanaged_value(st, km.unmanaged.at(k), cfg.offload_to_cpu()));
+      sd.insert_or_assign(k, unmanaged_value(rt, km.unmanaged.at(k), cfg.offload_to_cpu()));
     }
   }
   return sd;
@@ -171,15 +171,15 @@ StateDict full_state_dict(FsdpState& st) {
 
 // SHARDED and LOCAL run only on fully sharded models: NoShardFallback (state_dict) turned any
 // request on a model with NO_SHARD units into FULL.
-StateDict sharded_state_dict(FsdpState& st) {
-  const bool offload = st.sharded_config.offload_to_cpu();
-  const KeyMap km = key_map(st);
-  const int rank = st.shard_group.rank(), world = st.shard_group.size();
+StateDict sharded_state_dict(const RuntimeView& rt, const ShardedStateDictConfig& cfg) {
+  const bool offload = cfg.offload_to_cpu();
+  const KeyMap km = key_map(rt);
+  const int rank = rt.shard_group().rank(), world = rt.shard_group().size();
   std::map<std::pair<int, size_t>, ShardedTensor> values;
-  if (st.sharded_config.layout() == ShardLayout::FLAT_SHARDS) {
-    for (const auto& u : st.units) {
-      if (!u->handle) continue;
-      FlatParamHandle& h = *u->handle;
+  if (cfg.layout() == ShardLayout::FLAT_SHARDS) {
+    for (const auto& u : rt.units()) {
+      if (!u.handle) continue;
+      FlatParamHandle& h = *u.handle;
       // Parameters replaced since the last unshard (use_orig_params) go into the shard first.
       if (h.options().use_orig_params()) h.writeback_orig_params();
       const detail::FlatShardBoxes boxes(h.layout());
@@ -187,19 +187,19 @@ StateDict sharded_state_dict(FsdpState& st) {
       for (size_t i = 0; i < h.layout().shapes.size(); ++i) {
         const auto& shape = h.layout().shapes[i];
         if (h.layout().numels[i] == 0) {  // no shard holds any of it: one empty piece, as chunk_sharded
-          values[{u->index, i}] = chunk_sharded(at::empty(shape, flat.options()), rank, world);
+          values[{u.index, i}] = chunk_sharded(at::empty(shape, flat.options()), rank, world);
           continue;
         }
         const ShardParamInfo& s = h.shard_param_infos()[i];
         at::Tensor data = s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard)
                                      : flat.narrow(0, 0, 0);
         data = detail::kept_value(data, offload);
-        values[{u->index, i}] = sharded_from_flat_range(
+        values[{u.index, i}] = sharded_from_flat_range(
             shape, s.in_shard ? s.intra_param_start_idx : 0, data, rank, boxes.of(i));
       }
     }
   } else {
-    unshard_units(st, /*no_shard_only=*/false, [&](int u, size_t i, const at::Tensor& full) {
+    unshard_units(rt, /*no_shard_only=*/false, [&](int u, size_t i, const at::Tensor& full) {
       ShardedTensor t = chunk_sharded(full, rank, world);
       values[{u, i}] = offload ? t.to(at::kCPU) : t;
     });
@@ -210,7 +210,7 @@ StateDict sharded_state_dict(FsdpState& st) {
     if (m != km.managed.end()) {
       sd.insert_or_assign(k, values.at({m->second.unit, m->second.index}));
     } else {
-      sd.insert_or_assign(k, unmanaged_value(st, km.unmanaged.at(k), offload));
+      sd.insert_or_assign(k, unmanaged_value(rt, km.unmanaged.at(k), offload));
     }
   }
   return sd;
@@ -235,61 +235,63 @@ ShardedTensor local_flat_value(const FlatParamHandle& h, bool offload) {
                        std::move(all));
 }
 
-StateDict local_state_dict(FsdpState& st) {
-  const bool offload = st.local_config.offload_to_cpu();
-  const KeyMap km = key_map(st);
+StateDict local_state_dict(const RuntimeView& rt, const LocalStateDictConfig& cfg) {
+  const bool offload = cfg.offload_to_cpu();
+  const KeyMap km = key_map(rt);
   StateDict sd;
-  std::vector<bool> emitted(st.units.size(), false);
+  std::vector<bool> emitted(rt.units().size(), false);
   for (const auto& k : km.order) {
     auto m = km.managed.find(k);
     if (m == km.managed.end()) {
-      sd.insert_or_assign(k, unmanaged_value(st, km.unmanaged.at(k), offload));
+      sd.insert_or_assign(k, unmanaged_value(rt, km.unmanaged.at(k), offload));
       continue;
     }
     // A unit's flat parameter takes the place of the first of its parameters.
     const int u = m->second.unit;
     if (emitted[u]) continue;
     emitted[u] = true;
-    sd.insert_or_assign(flat_key(*st.units[u]), local_flat_value(*st.units[u]->handle, offload));
+    sd.insert_or_assign(flat_key(rt.units()[u]), local_flat_value(rt.handle(u), offload));
   }
   return sd;
 }
 }  // namespace
 
 namespace detail {
-NoShardFallback::NoShardFallback(FsdpState& st) : st_(st) {
-  if (st.state_dict_type == StateDictType::FULL_STATE_DICT) return;
+NoShardFallback::NoShardFallback(const RuntimeView& rt, StateDictSettings& cfg) : cfg_(cfg) {
+  if (cfg.type == StateDictType::FULL_STATE_DICT) return;
   bool no_shard = false;
-  for (const auto& u : st.units) no_shard |= u->handle && !u->handle->uses_sharded_strategy();
+  for (const auto& u : rt.units()) no_shard |= u.handle && !u.handle->uses_sharded_strategy();
   if (!no_shard) return;
   // PyTorch's _replace_with_full_state_dict_type: NO_SHARD has nothing to shard, so the other
   // types fall back to FULL (with a default config) and say so.
   TORCH_WARN("When using NO_SHARD for ShardingStrategy, full_state_dict will be returned.");
   active_ = true;
-  prev_type_ = st.state_dict_type;
-  prev_full_ = st.full_config;
-  st.state_dict_type = StateDictType::FULL_STATE_DICT;
-  st.full_config = FullStateDictConfig();
+  prev_type_ = cfg.type;
+  prev_full_ = cfg.full;
+  cfg.type = StateDictType::FULL_STATE_DICT;
+  cfg.full = FullStateDictConfig();
 }
 NoShardFallback::~NoShardFallback() {
   if (!active_) return;
-  st_.state_dict_type = prev_type_;
-  st_.full_config = prev_full_;
+  cfg_.type = prev_type_;
+  cfg_.full = prev_full_;
 }
 }  // namespace detail
 
 StateDict state_dict(FullyShardedDataParallel& model) {
-  FsdpState& st = *model->runtime_state();
-  detail::require_idle(st, "state_dict");
-  detail::NoShardFallback fallback(st);
-  switch (st.state_dict_type) {
+  const detail::RuntimeView rt(*model);
+  detail::StateDictSettings& cfg = *detail::StateDictSettings::of(*model);
+  rt.require_idle("state_dict");
+  detail::NoShardFallback fallback(rt, cfg);
+  switch (cfg.type) {
     case StateDictType::FULL_STATE_DICT:
-      return full_state_dict(st);
+      return full_state_dict(rt, cfg.full);
     case StateDictType::SHARDED_STATE_DICT:
     case StateDictType::LOCAL_STATE_DICT: {
-      StateValue sd(st.state_dict_type == StateDictType::SHARDED_STATE_DICT ? sharded_state_dict(st)
-                                                                            : local_state_dict(st));
-      detail::place_on_global_ranks(sd, st.shard_group);
+      StateValue sd(cfg.type == StateDictType::SHARDED_STATE_DICT
+                        ? sharded_state_dict(rt, cfg.sharded)
+                        : local_state_dict(rt, cfg.local));
+      detail::place_on_global_ranks(sd, rt.shard_group());
       return std::move(sd.dict());
     }
   }
@@ -300,52 +302,52 @@ StateDict state_dict(FullyShardedDataParallel& model) {
 
 StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
                                        FullStateDictConfig config)
-    : state_(model->runtime_state()),
-      prev_type_(state_->state_dict_type),
-      prev_full_(state_->full_config),
-      prev_sharded_(state_->sharded_config),
-      prev_local_(state_->local_config),
-      prev_full_optim_(state_->full_optim_config),
-      prev_sharded_optim_(state_->sharded_optim_config) {
-  state_->state_dict_type = type;
-  state_->full_config = config;
+    : settings_(detail::StateDictSettings::of(*model)),
+      prev_type_(settings_->type),
+      prev_full_(settings_->full),
+      prev_sharded_(settings_->sharded),
+      prev_local_(settings_->local),
+      prev_full_optim_(settings_->full_optim),
+      prev_sharded_optim_(settings_->sharded_optim) {
+  settings_->type = type;
+  settings_->full = config;
 }
 
 StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
                                        ShardedStateDictConfig config)
     : StateDictTypeGuard(model, type, FullStateDictConfig()) {
-  state_->full_config = prev_full_;
-  state_->sharded_config = config;
+  settings_->full = prev_full_;
+  settings_->sharded = config;
 }
 
 StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
                                        LocalStateDictConfig config)
     : StateDictTypeGuard(model, type, FullStateDictConfig()) {
-  state_->full_config = prev_full_;
-  state_->local_config = config;
+  settings_->full = prev_full_;
+  settings_->local = config;
 }
 
 StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
                                        FullStateDictConfig config,
                                        FullOptimStateDictConfig optim_config)
     : StateDictTypeGuard(model, type, config) {
-  state_->full_optim_config = optim_config;
+  settings_->full_optim = optim_config;
 }
 
 StateDictTypeGuard::StateDictTypeGuard(FullyShardedDataParallel& model, StateDictType type,
                                        ShardedStateDictConfig config,
                                        ShardedOptimStateDictConfig optim_config)
     : StateDictTypeGuard(model, type, config) {
-  state_->sharded_optim_config = optim_config;
+  settings_->sharded_optim = optim_config;
 }
 
 StateDictTypeGuard::~StateDictTypeGuard() {
-  state_->full_optim_config = prev_full_optim_;
-  state_->sharded_optim_config = prev_sharded_optim_;
-  state_->state_dict_type = prev_type_;
-  state_->full_config = prev_full_;
-  state_->sharded_config = prev_sharded_;
-  state_->local_config = prev_local_;
+  settings_->full_optim = prev_full_optim_;
+  settings_->sharded_optim = prev_sharded_optim_;
+  settings_->type = prev_type_;
+  settings_->full = prev_full_;
+  settings_->sharded = prev_sharded_;
+  settings_->local = prev_local_;
 }
 
 }  // namespace fsdp

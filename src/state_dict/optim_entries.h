@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "fsdp/optim_state_dict.h"
-#include "runtime/state.h"
+#include "runtime/view.h"
 #include "state_dict/optim_kinds.h"
 
 namespace fsdp {
@@ -30,7 +30,7 @@ struct OptEntry {
 
 /// The entries of a model, and how the optimizer's groups refer to them.
 struct OptModel {
-  FsdpState* st = nullptr;        // null for a plain module
+  std::shared_ptr<const RuntimeView> rt;  // null for a plain module
   std::vector<OptEntry> entries;  // managed ones in unit order, then plain ones (same on all ranks)
   std::map<std::string, std::pair<size_t, size_t>> by_fqn;  // FQN -> (entry, position)
   std::vector<std::vector<size_t>> groups;  // per optimizer group: its entries, in its order

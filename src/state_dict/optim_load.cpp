@@ -15,11 +15,11 @@
 namespace fsdp {
 namespace {
 
-using detail::FsdpState;
 using detail::OptEntry;
 using detail::OptimKind;
 using detail::OptModel;
 using detail::ParamOptimState;
+using detail::RuntimeView;
 using detail::shape_str;
 
 struct LoadPlan {
@@ -163,7 +163,7 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
                bool from_rank0 = false) {
   const OptimKind& kind = detail::optim_kind(opt);
   LoadPlan plan;
-  FsdpState* st = om.st;
+  const RuntimeView* rt = om.rt.get();
   plan_groups(om, opt, kind, osd, plan);
   const StateDict empty;
   const StateDict* state = &empty;
@@ -197,7 +197,7 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
   // ShardedTensor values of managed parameters: fetch this rank's ranges (collective; the same
   // requests on every rank: every managed FQN times every tensor state name).
   std::map<std::pair<size_t, size_t>, std::vector<at::Tensor>> fetched;  // (entry, pos) -> per name
-  if (st && !from_rank0) {
+  if (rt && !from_rank0) {
     std::vector<detail::RangeRequest> reqs;
     std::vector<std::tuple<size_t, size_t, size_t>> where;
     for (size_t e = 0; e < om.entries.size(); ++e) {
@@ -219,7 +219,7 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       }
     }
     std::string err;
-    const std::vector<at::Tensor> got = detail::exchange_ranges(st->world_group, reqs, err);
+    const std::vector<at::Tensor> got = detail::exchange_ranges(rt->world_group(), reqs, err);
     if (!err.empty()) plan.fail("" + err);
     for (size_t i = 0; i < got.size(); ++i) {
       auto [e, p, n] = where[i];
@@ -240,7 +240,7 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
     const std::vector<int64_t>& shape = om.entries[e].shapes[p];
     // A 0-d state (of a 0-d parameter) came inline with the structure, as a tensor on every rank.
     if (from_rank0 && !shape.empty()) {  // one full tensor in flight; the caller keeps the range
-      dist::ProcessGroup& pg = st->world_group;
+      dist::ProcessGroup& pg = rt->world_group();
       const at::Tensor& param = om.entries[e].param;
       at::Tensor buf =
           pg.rank() == 0
@@ -338,11 +338,11 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
   // dict often makes the others fail too (pieces they needed from it are missing), and the first
   // cause should be visible wherever the error is caught.
   std::vector<std::string> errors{plan.error};
-  if (st) errors = st->world_group.all_gather_bytes(plan.error);
+  if (rt) errors = rt->world_group().all_gather_bytes(plan.error);
   std::string all;
   for (size_t r = 0; r < errors.size(); ++r) {
     if (errors[r].empty()) continue;
-    all += (all.empty() ? "" : "; ") + (st ? "rank " + std::to_string(r) + ": " : "") + errors[r];
+    all += (all.empty() ? "" : "; ") + (rt ? "rank " + std::to_string(r) + ": " : "") + errors[r];
   }
   if (!all.empty()) {
     throw ValueError(std::string("load_optim_state_dict failed, nothing was loaded: ") + all);
@@ -369,8 +369,8 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
 
 void load_optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer,
                            const StateDict& osd) {
-  FsdpState& st = *model->runtime_state();
-  detail::require_idle(st, "load_optim_state_dict");
+  const detail::RuntimeView rt(*model);
+  rt.require_idle("load_optim_state_dict");
   load_impl(detail::describe_model(&model, nullptr, optimizer), optimizer, osd);
 }
 
@@ -383,9 +383,9 @@ namespace detail {
 
 void load_optim_state_dict_from_rank0(FullyShardedDataParallel& model,
                                       torch::optim::Optimizer& optimizer, const StateDict& osd) {
-  FsdpState& st = *model->runtime_state();
-  detail::require_idle(st, "load_optim_state_dict (broadcast_from_rank0)");
-  StateDict structure = broadcast_structure(osd, st.world_group, 0);
+  const detail::RuntimeView rt(*model);
+  rt.require_idle("load_optim_state_dict (broadcast_from_rank0)");
+  StateDict structure = broadcast_structure(osd, rt.world_group(), 0);
   for (const char* k : {"state", "param_groups"}) {  // empty ones vanish in transit
     if (!structure.contains(k)) {
       structure.insert_or_assign(
@@ -393,7 +393,7 @@ void load_optim_state_dict_from_rank0(FullyShardedDataParallel& model,
     }
   }
   load_impl(detail::describe_model(&model, nullptr, optimizer), optimizer,
-            st.world_group.rank() == 0 ? osd : structure, /*from_rank0=*/true);
+            rt.world_group().rank() == 0 ? osd : structure, /*from_rank0=*/true);
 }
 
 }  // namespace detail

@@ -23,7 +23,7 @@ std::function<void(int64_t)>& detail::optim_gather_probe() {
 namespace detail {
 
 OptModel::Local OptModel::local(const OptEntry& e, size_t p) const {
-  const FlatParamHandle& h = *st->units[e.unit]->handle;
+  const FlatParamHandle& h = rt->handle(e.unit);
   const size_t i = e.indices[p];
   const ShardParamInfo& s = h.shard_param_infos()[i];
   if (!h.uses_sharded_strategy()) {
@@ -38,16 +38,16 @@ OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module
   using Impl = const c10::TensorImpl*;
   OptModel om;
   if (model) {
-    FsdpState& st = *(*model)->runtime_state();
-    om.st = &st;
+    om.rt = std::make_shared<const RuntimeView>(**model);
+    const RuntimeView& rt = *om.rt;
     // Where each flat or original parameter lives.
     std::unordered_map<Impl, std::pair<int, int>> loc;  // impl -> (unit, index; -1 = flat)
-    for (const auto& u : st.units) {
-      if (!u->handle) continue;
-      loc[u->handle->flat_param().unsafeGetTensorImpl()] = {u->index, -1};
-      const auto params = u->handle->orig_params();
+    for (const auto& u : rt.units()) {
+      if (!u.handle) continue;
+      loc[u.handle->flat_param().unsafeGetTensorImpl()] = {u.index, -1};
+      const auto params = u.handle->orig_params();
       for (size_t i = 0; i < params.size(); ++i) {
-        loc[params[i].unsafeGetTensorImpl()] = {u->index, static_cast<int>(i)};
+        loc[params[i].unsafeGetTensorImpl()] = {u.index, static_cast<int>(i)};
       }
     }
     for (const auto& pf : (*model)->param_fqns()) {
@@ -59,7 +59,7 @@ OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module
         e.shapes = {pf.param.sizes().vec()};
       } else {
         e.unit = it->second.first;
-        const FlatParamHandle& h = *st.units[e.unit]->handle;
+        const FlatParamHandle& h = rt.handle(e.unit);
         const auto& l = h.layout();
         e.flat = it->second.second < 0;
         if (e.flat) {
@@ -123,11 +123,11 @@ OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module
 
 namespace {
 
-using detail::FsdpState;
 using detail::OptEntry;
 using detail::OptimKind;
 using detail::OptModel;
 using detail::ParamOptimState;
+using detail::RuntimeView;
 
 const torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& opt,
                                                     const at::Tensor& p) {
@@ -199,7 +199,7 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
     if (om.entries[e].group < 0) continue;
     if (const auto* s = find_state(opt, om.entries[e].param)) local[e] = kind.read(*s);
   }
-  const bool keep = !rank0_only || !om.st || om.st->world_group.rank() == 0;
+  const bool keep = !rank0_only || !om.rt || om.rt->world_group().rank() == 0;
   auto out_tensor = [&](const at::Tensor& t, bool owned = false) {
     return detail::kept_value(t, offload, owned);
   };
@@ -225,9 +225,9 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
   std::vector<ChunkJob> jobs;
   std::vector<detail::RangeRequest> reqs;
   std::deque<ShardedTensor> held;  // the pieces reqs point to
-  if (om.st) {
-    FsdpState& st = *om.st;
-    const std::vector<Merged> merged = merge_presence(om, kind, local, st.shard_group);
+  if (om.rt) {
+    const RuntimeView& rt = *om.rt;
+    const std::vector<Merged> merged = merge_presence(om, kind, local, rt.shard_group());
     // FULL: each unit's state tensor is gathered whole, several at a time (gather_queue.h).
     // `finish` takes one unit's gathered state tensor `n`.
     auto finish = [&](const FlatParamLayout& l, size_t n, const std::vector<size_t>& mine,
@@ -253,13 +253,13 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
       }
     };
     detail::GatherQueue gathers(detail::full_gather_window_bytes(), detail::optim_gather_probe());
-    for (const auto& u : st.units) {
-      if (!u->handle) continue;
-      FlatParamHandle& h = *u->handle;
+    for (const auto& u : rt.units()) {
+      if (!u.handle) continue;
+      FlatParamHandle& h = *u.handle;
       const auto& l = h.layout();
       std::vector<size_t> mine;  // entries of this unit with state somewhere
       for (size_t e = 0; e < om.entries.size(); ++e) {
-        if (om.entries[e].unit == u->index && merged[e].has) mine.push_back(e);
+        if (om.entries[e].unit == u.index && merged[e].has) mine.push_back(e);
       }
       if (mine.empty()) continue;
       if (keep) {
@@ -360,7 +360,7 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
       // Over the shard group: every rank of it holds pieces of the same flat shards. (Under
       // hybrid sharding each replica group exchanges within itself.)
       std::string error;
-      const std::vector<at::Tensor> got = detail::exchange_ranges(st.shard_group, reqs, error);
+      const std::vector<at::Tensor> got = detail::exchange_ranges(rt.shard_group(), reqs, error);
       if (!error.empty()) throw StateError("optim_state_dict: " + error);  // a bug, not input
       for (size_t i = 0; i < jobs.size(); ++i) {
         ChunkJob& j = jobs[i];
@@ -421,26 +421,26 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
 }  // namespace
 
 StateDict optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimizer& optimizer) {
-  FsdpState& st = *model->runtime_state();
-  detail::require_idle(st, "optim_state_dict");
-  if (st.state_dict_type == StateDictType::LOCAL_STATE_DICT) {
+  const detail::RuntimeView rt(*model);
+  detail::StateDictSettings& cfg = *detail::StateDictSettings::of(*model);
+  rt.require_idle("optim_state_dict");
+  if (cfg.type == StateDictType::LOCAL_STATE_DICT) {
     throw ValueError(
         "optim_state_dict: LOCAL_STATE_DICT is not supported for optimizer state dicts (as in "
         "PyTorch); use FULL_STATE_DICT or SHARDED_STATE_DICT");
   }
-  const bool sharded = st.state_dict_type == StateDictType::SHARDED_STATE_DICT;
-  const FullOptimStateDictConfig& full = st.full_optim_config;
+  const bool sharded = cfg.type == StateDictType::SHARDED_STATE_DICT;
+  const FullOptimStateDictConfig& full = cfg.full_optim;
   const OptModel om = detail::describe_model(&model, nullptr, optimizer);
   // PyTorch's _reset_flat_param_grad_info_if_needed: requires_grad follows the parameters.
-  for (const auto& u : st.units) {
-    if (u->handle) u->handle->reset_flat_param_grad_info_if_needed();
+  for (const auto& u : rt.units()) {
+    if (u.handle) u.handle->reset_flat_param_grad_info_if_needed();
   }
-  StateValue osd(
-      export_osd(om, optimizer, sharded,
-                 sharded ? st.sharded_optim_config.offload_to_cpu() : full.offload_to_cpu(),
-                 !sharded && full.rank0_only(),
-                 sharded && st.sharded_optim_config.layout() == ShardLayout::FLAT_SHARDS));
-  if (sharded) detail::place_on_global_ranks(osd, st.shard_group);
+  StateValue osd(export_osd(om, optimizer, sharded,
+                            sharded ? cfg.sharded_optim.offload_to_cpu() : full.offload_to_cpu(),
+                            !sharded && full.rank0_only(),
+                            sharded && cfg.sharded_optim.layout() == ShardLayout::FLAT_SHARDS));
+  if (sharded) detail::place_on_global_ranks(osd, rt.shard_group());
   return std::move(osd.dict());
 }
 

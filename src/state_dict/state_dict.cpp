@@ -1,9 +1,9 @@
 // StateDict / StateValue, ShardedTensor, and the unwrapped module's state dict (save and load).
 #include "fsdp/state_dict.h"
 
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace {

@@ -3,9 +3,9 @@
 
 #include <functional>
 
-#include "flat_param/tensor_utils.h"
 #include "fsdp/errors.h"
 #include "state_dict/piece_exchange.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace {

@@ -1,5 +1,5 @@
 // See huge_pages.h. No LibTorch here: a small translation unit without the precompiled header.
-#include "memory/huge_pages.h"
+#include "util/huge_pages.h"
 
 #include <cstdint>
 #include <cstdlib>

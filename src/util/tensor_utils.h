@@ -1,22 +1,22 @@
-// Internal: tensor and storage helpers shared by the FlatParamHandle implementation files.
+// Internal: tensor and storage helpers shared by every layer (dist/ included): shapes in messages,
+// box bounds, and moving, freeing and allocating tensor memory.
 #pragma once
 
-#include <sstream>
 #include <string>
 
 #include <ATen/ATen.h>
 
 #include "fsdp/errors.h"
-#include "fsdp/flat_param.h"
-#include "memory/huge_pages.h"
+#include "util/huge_pages.h"
 
 namespace fsdp {
 namespace detail {
 
+/// "[2, 3]" ("[]" for a 0-d shape), as PyTorch prints a size in its messages.
 inline std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
 }
 
 // The first dim in which the box at `offsets` of `sizes` leaves a tensor of `shape`, or -1 (all
@@ -62,7 +62,7 @@ inline void alloc_storage(const at::Tensor& t) {
 }
 
 // at::empty for a 1-D buffer that is written whole right after (a collective's output, a gradient
-// copy): fresh CPU memory of a unit's size gets huge pages (memory/huge_pages.h).
+// copy): fresh CPU memory of a unit's size gets huge pages (util/huge_pages.h).
 inline at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) {
   at::Tensor t = at::empty({numel}, options);
   if (t.device().is_cpu()) advise_huge_pages(t.storage().data(), t.storage().nbytes());
@@ -109,26 +109,6 @@ inline bool aliases(const at::Tensor& t, const at::Tensor& flat, int64_t offset,
   return t.defined() && flat.defined() && t.numel() == numel && t.has_storage() &&
          t.storage().is_alias_of(flat.storage()) &&
          t.storage_offset() == flat.storage_offset() + offset;
-}
-
-inline at::Tensor named_param(const ParamInfo& info) {
-  auto params = info.module->named_parameters(/*recurse=*/false);
-  const at::Tensor* p = params.find(info.param_name);
-  if (p == nullptr) {
-    throw ValueError("module '" + info.module_name + "' has no parameter '" + info.param_name +
-                     "'");
-  }
-  return *p;
-}
-
-// PyTorch FSDP's gradient pre-divide factor: doubled while it divides dp_size and is below
-// dp_size / factor, i.e. roughly sqrt(dp_size) as a power of two. Dividing by it before the sum
-// and by dp_size / factor after keeps fp16 sums from overflowing and small values from
-// underflowing.
-inline double predivide_factor(int dp_size) {
-  int factor = 1;
-  while (dp_size % factor == 0 && dp_size / factor > factor) factor *= 2;
-  return factor;
 }
 
 // A tensor sharing `base`'s storage at [offset, offset + numel) with the given shape, without

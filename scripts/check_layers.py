@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Checks the include layering of fsdp-cpp (docs/layers.md): every #include "..." of the library,
+its public headers, tools and examples against the layer order
+
+    util -> dist -> flat_param -> runtime -> state_dict -> checkpoint
+
+A file may include its own folder's headers, the public headers (include/fsdp/) of its own and
+lower layers, and, of another folder's internal headers, only those the folder exports to it.
+Tools and examples use the public API only. Tests and benchmarks may include anything.
+
+    scripts/check_layers.py [ROOT]     exit 1 and one line per violation if any
+    scripts/check_layers.py --self-test  the checker against trees with known violations
+"""
+import os
+import re
+import sys
+import tempfile
+
+ORDER = ["util", "dist", "flat_param", "runtime", "state_dict", "checkpoint"]
+
+# Internal headers a folder offers to the folders above it: folder -> {header: importers}.
+# Everything else in a folder is its own business. util/ is the shared toolbox: open to all.
+EXPORTS = {
+    "runtime": {"view.h": {"state_dict"}},
+    "state_dict": {"interface.h": {"checkpoint"}},
+}
+
+# The layer of each public header (include/fsdp/<name>); "base" headers are open to every layer.
+PUBLIC = {
+    "errors.h": "base",
+    "compat.h": "base",
+    "dist.h": "dist",
+    "flat_param.h": "flat_param",
+    "fully_sharded.h": "runtime",
+    "state_dict.h": "state_dict",  # the value model: StateValue, ShardedTensor
+    "model_state_dict.h": "state_dict",
+    "optim_state_dict.h": "state_dict",
+    "state_dict_utils.h": "state_dict",
+    "fsdp.h": "top",  # the umbrella: includes everything, included by nothing of ours
+}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def public_layer(name):
+    """The layer of public header `name` (relative to include/fsdp/), or None if unknown."""
+    if name.startswith("checkpoint/"):
+        return "checkpoint"
+    return PUBLIC.get(name)
+
+
+def rank(layer):
+    if layer == "base":
+        return -1
+    if layer == "top":
+        return len(ORDER)
+    return ORDER.index(layer)
+
+
+def check_include(kind, layer, inc, root):
+    """The problem with `inc` included by a file of `kind` ('src', 'public', 'client') in `layer`,
+    or None."""
+    if inc.startswith("fsdp/"):
+        target = public_layer(inc[len("fsdp/"):])
+        if target is None:
+            if os.path.exists(os.path.join(root, "include", inc)):
+                return f"public header {inc} has no layer in scripts/check_layers.py (add it)"
+            return None  # not ours
+        if kind == "client":
+            return None
+        if target == "top":
+            return "fsdp/fsdp.h is for users; the library includes the headers it needs"
+        if rank(target) > rank(layer):
+            return f"{inc} belongs to the higher layer '{target}'"
+        return None
+    folder = inc.split("/", 1)[0] if "/" in inc else None
+    if folder not in ORDER:
+        return None  # a file next to the includer (tests' helpers) or not ours
+    if kind in ("public", "client"):
+        return f"internal header {inc} in a {'public header' if kind == 'public' else 'user of the library'}"
+    if folder == layer:
+        return None
+    if rank(folder) > rank(layer):
+        return f"{inc} belongs to the higher layer '{folder}'"
+    if folder == "util":
+        return None
+    header = inc.split("/", 1)[1]
+    if layer in EXPORTS.get(folder, {}).get(header, set()):
+        return None
+    offered = [h for h, to in EXPORTS.get(folder, {}).items() if layer in to]
+    return (f"{inc} is internal to {folder}/ (it offers {layer}/ "
+            f"{', '.join(folder + '/' + h for h in offered) if offered else 'only its public headers'})")
+
+
+def files_to_check(root):
+    """(path, kind, layer) of every file the rules cover."""
+    for layer in ORDER:
+        d = os.path.join(root, "src", layer)
+        for dirpath, _, names in os.walk(d):
+            for n in sorted(names):
+                if n.endswith((".h", ".cpp")):
+                    yield os.path.join(dirpath, n), "src", layer
+    pub = os.path.join(root, "include", "fsdp")
+    for dirpath, _, names in os.walk(pub):
+        for n in sorted(names):
+            if n.endswith(".h"):
+                rel = os.path.relpath(os.path.join(dirpath, n), pub).replace(os.sep, "/")
+                yield os.path.join(dirpath, n), "public", public_layer(rel) or "unknown:" + rel
+    for top in ("tools", "examples"):
+        for dirpath, _, names in os.walk(os.path.join(root, top)):
+            for n in sorted(names):
+                if n.endswith((".h", ".cpp")):
+                    yield os.path.join(dirpath, n), "client", "top"
+    for d in sorted(os.listdir(os.path.join(root, "src"))):
+        if os.path.isdir(os.path.join(root, "src", d)) and d not in ORDER:
+            yield os.path.join(root, "src", d), "folder", d
+
+
+def check(root):
+    problems = []
+    for path, kind, layer in files_to_check(root):
+        rel = os.path.relpath(path, root)
+        if kind == "folder":
+            problems.append(f"{rel}/: a folder of src/ in no layer (add it to ORDER and docs/layers.md)")
+            continue
+        if layer.startswith("unknown:"):
+            problems.append(f"{rel}: public header with no layer in scripts/check_layers.py")
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        for m in INCLUDE.finditer(text):
+            why = check_include(kind, layer, m.group(1), root)
+            if why:
+                line = text.count("\n", 0, m.start()) + 1
+                problems.append(f"{rel}:{line}: #include \"{m.group(1)}\": {why}")
+    return problems
+
+
+def self_test():
+    """Each planted violation must be reported, and a clean tree must pass: the check can fail."""
+    clean = {
+        "src/util/u.h": "",
+        "src/dist/d.cpp": '#include "util/u.h"\n#include "fsdp/dist.h"\n#include "dist/x.h"\n',
+        "src/dist/x.h": "",
+        "src/runtime/view.h": '#include "fsdp/fully_sharded.h"\n',
+        "src/runtime/state.h": "",
+        "src/state_dict/s.cpp": '#include "runtime/view.h"\n#include "fsdp/model_state_dict.h"\n',
+        "src/state_dict/interface.h": "",
+        "src/checkpoint/c.cpp": '#include "state_dict/interface.h"\n#include "fsdp/errors.h"\n',
+        "include/fsdp/dist.h": '#include "fsdp/compat.h"\n',
+        "include/fsdp/fsdp.h": '#include "fsdp/checkpoint/checkpoint.h"\n',
+        "include/fsdp/checkpoint/checkpoint.h": '#include "fsdp/state_dict.h"\n',
+        "tools/t.cpp": '#include "fsdp/fsdp.h"\n',
+    }
+    violations = {
+        "src/state_dict/bad.cpp": '#include "runtime/state.h"\n',        # past the runtime's view
+        "src/checkpoint/bad.cpp": '#include "state_dict/key_map.h"\n',   # past the declared interface
+        "src/dist/bad.cpp": '#include "flat_param/flattened.h"\n',       # upwards
+        "src/flat_param/bad.cpp": '#include "fsdp/fully_sharded.h"\n',   # a higher public header
+        "include/fsdp/bad_public.h": '#include "fsdp/dist.h"\n',         # a public header with no layer
+        "include/fsdp/dist2.h": "",
+        "tools/bad.cpp": '#include "runtime/view.h"\n',                  # a tool past the public API
+        "src/memory/x.h": "",                                            # a folder in no layer
+    }
+
+    def build(tree):
+        root = tempfile.mkdtemp(prefix="check_layers.")
+        for rel, text in tree.items():
+            p = os.path.join(root, rel)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "w") as f:
+                f.write(text)
+        return root
+
+    ok = True
+    got = check(build(clean))
+    if got:
+        print("self-test: a clean tree was reported:", *got, sep="\n  ")
+        ok = False
+    for rel, text in violations.items():
+        tree = dict(clean)
+        tree[rel] = text
+        got = check(build(tree))
+        if not any(g.startswith(rel) or g.startswith(os.path.dirname(rel) + "/") for g in got):
+            print(f"self-test: the planted violation in {rel} was not reported (got {got})")
+            ok = False
+    print("self-test:", "passed" if ok else "FAILED",
+          f"({len(violations)} planted violations, one clean tree)")
+    return ok
+
+
+def main():
+    if sys.argv[1:] == ["--self-test"]:
+        sys.exit(0 if self_test() else 1)
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
+    problems = check(os.path.abspath(root))
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"check_layers: {len(problems)} include(s) break the layering (docs/layers.md)")
+        sys.exit(1)
+    print("check_layers: every include respects the layering (docs/layers.md)")
+
+
+if __name__ == "__main__":
+    main()
