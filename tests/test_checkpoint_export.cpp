@@ -147,6 +147,49 @@ TEST_F(CheckpointExport, SafetensorsOneFileAndSplitRoundTrip) {
   });
 }
 
+// Without a prefix the layout decides: a {model, optim} checkpoint (the fixture's) exports its
+// model under the parameters' own names, and so does one that holds only "model"; a plain model
+// state dict, as `dcp.save(get_model_state_dict(model))` writes it, exports every tensor under its
+// key, as does one where "model." is only part of the names (a Hugging Face "model.*" beside
+// "lm_head"). Before, the plain one failed ("no tensor under the prefix 'model.'").
+TEST_F(CheckpointExport, DefaultPrefixFollowsTheLayout) {
+  const StateDict model = expected_model();
+  const std::string want = tensor_lines(model);
+  StateDict only_model;
+  only_model.insert_or_assign("model", model);
+  StateDict hf = only_model;
+  hf.insert_or_assign("lm_head", at::full({2}, 0.25));
+  StateDict hf_flat;
+  for (const auto& [k, v] : model) hf_flat.insert_or_assign("model." + k, v);
+  hf_flat.insert_or_assign("lm_head", at::full({2}, 0.25));
+  run_ranks(1, [&](ProcessGroup&) {
+    ckpt::export_pt(tmp.file("c"), tmp.file("c.pt"));
+    EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("c.pt"))), want);
+    ckpt::save(model, tmp.file("plain"));
+    ckpt::export_pt(tmp.file("plain"), tmp.file("plain.pt"));
+    EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("plain.pt"))), want);
+    ckpt::export_safetensors(tmp.file("plain"), tmp.file("plain_st"));
+    EXPECT_EQ(tensor_lines(ckpt::load_safetensors(tmp.file("plain_st"))), want);
+    ckpt::save(only_model, tmp.file("only"));
+    ckpt::export_pt(tmp.file("only"), tmp.file("only.pt"));
+    EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("only.pt"))), want);
+    ckpt::save(hf, tmp.file("hf"));
+    ckpt::export_pt(tmp.file("hf"), tmp.file("hf.pt"));
+    EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("hf.pt"))), tensor_lines(hf_flat));
+    // From memory the same rules apply.
+    ckpt::save_pt(model, tmp.file("mem.pt"));
+    EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("mem.pt"))), want);
+    ckpt::save_pt(hf, tmp.file("mem_hf.pt"));
+    EXPECT_EQ(tensor_lines(ckpt::load_pt(tmp.file("mem_hf.pt"))), tensor_lines(hf_flat));
+    // The negative control: asking for "model." on the plain checkpoint still fails, naming it.
+    EXPECT_NE(error_of([&] {
+                ckpt::export_pt(tmp.file("plain"), tmp.file("x.pt"),
+                                ckpt::ExportOptions().prefix("model."));
+              }).find("no tensor under the prefix 'model.'"),
+              std::string::npos);
+  });
+}
+
 TEST_F(CheckpointExport, PythonSafetensorsReadsOurExports) {
   if (!has_safetensors()) GTEST_SKIP() << "no Python safetensors here (the trixie chroot has it)";
   run_ranks(1, [&](ProcessGroup&) {

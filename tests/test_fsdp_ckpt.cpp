@@ -79,6 +79,21 @@ TEST(FsdpCkptTool, InspectVerifyConvertDiff) {
   r = tool("diff " + c + " " + c2);
   EXPECT_EQ(r.rc, 1) << r.out;
   EXPECT_TRUE(has(r, "model.w: 23 of 24 elements differ")) << r.out;
+  // A plain model state dict (dcp.save(get_model_state_dict(model))) converts without --prefix,
+  // under its own keys; with --prefix model. it fails, naming the prefix.
+  const std::string plain = tmp.file("plain");
+  run_ranks(1, [&](ProcessGroup&) {
+    StateDict sd;
+    sd.insert_or_assign("w", at::arange(6, at::kFloat));
+    ckpt::save(sd, plain);
+  });
+  r = tool("convert " + plain + " " + tmp.file("plain.pt") + " --to pt");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  r = tool("diff " + plain + " " + tmp.file("plain.pt"));
+  EXPECT_EQ(r.rc, 0) << r.out;
+  r = tool("convert " + plain + " " + tmp.file("plain2.pt") + " --to pt --prefix model.");
+  EXPECT_NE(r.rc, 0) << r.out;
+  EXPECT_TRUE(has(r, "no tensor under the prefix 'model.'")) << r.out;
   r = tool("diff " + c + " " + c2 + " --rtol 0.6");
   EXPECT_EQ(r.rc, 0) << r.out;
 

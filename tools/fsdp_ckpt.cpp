@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <ctime>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "fsdp/checkpoint/checkpoint.h"
@@ -138,9 +139,11 @@ int cmd_verify(const std::string& dir) {
   return 0;
 }
 
+// `given`: --prefix, if set. Unset, an export takes the checkpoint's layout (ExportOptions::prefix)
+// and an import puts the tensors under "model.", where fsdp-train looks for them.
 int cmd_convert(const std::string& src, const std::string& dst, const std::string& to,
-                const std::string& prefix, int64_t max_shard) {
-  const auto opts = ckpt::ExportOptions().prefix(prefix).max_shard_bytes(max_shard);
+                const std::optional<std::string>& given, int64_t max_shard) {
+  const auto opts = ckpt::ExportOptions().prefix(given).max_shard_bytes(max_shard);
   if (to == "safetensors") {
     for (const auto& f : ckpt::export_safetensors(src, dst, opts))
       std::cout << "wrote " << f << "\n";
@@ -150,7 +153,7 @@ int cmd_convert(const std::string& src, const std::string& dst, const std::strin
   } else {  // dcp: tensors from a safetensors or .pt export, under `prefix` again
     fsdp::StateDict sd = tensors_of(src);
     const size_t n = sd.size();
-    std::string top = prefix;
+    std::string top = given.value_or("model.");
     if (!top.empty() && top.back() == '.') top.pop_back();
     if (!top.empty()) {
       fsdp::StateDict outer;
@@ -212,7 +215,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "fsdp-ckpt: inspect, verify, convert and compare fsdp-cpp / PyTorch DCP checkpoints"};
   app.require_subcommand(1);
-  std::string dir, src, dst, to = "safetensors", prefix = "model.", a, b, strip_a, strip_b;
+  std::string dir, src, dst, to = "safetensors", prefix, a, b, strip_a, strip_b;
   int64_t max_shard = 0;
   double rtol = 0, atol = 0;
   auto* inspect = app.add_subcommand("inspect",
@@ -233,11 +236,11 @@ int main(int argc, char** argv) {
   convert->add_option("--to", to, "safetensors, pt or dcp")
       ->check(CLI::IsMember({"safetensors", "pt", "dcp"}))
       ->capture_default_str();
-  convert
-      ->add_option("--prefix", prefix,
-                   "checkpoint keys to export (stripped from the names), or the key to put "
-                   "imported tensors under")
-      ->capture_default_str();
+  auto* prefix_opt = convert->add_option(
+      "--prefix", prefix,
+      "checkpoint keys to export (stripped from the names; default: 'model.' for a {model, optim} "
+      "checkpoint, every tensor of any other), or the key to put imported tensors under "
+      "(default: model.)");
   convert->add_option("--max-shard-bytes", max_shard,
                       "safetensors: split into files of at most this many bytes (0: one file)");
   auto* diff = app.add_subcommand("diff",
@@ -258,7 +261,11 @@ int main(int argc, char** argv) {
   try {
     if (*inspect) return cmd_inspect(dir);
     if (*verify) return cmd_verify(dir);
-    if (*convert) return cmd_convert(src, dst, to, prefix, max_shard);
+    if (*convert) {
+      const std::optional<std::string> given =
+          prefix_opt->count() > 0 ? std::optional<std::string>(prefix) : std::nullopt;
+      return cmd_convert(src, dst, to, given, max_shard);
+    }
     if (*diff) return cmd_diff(a, b, rtol, atol, strip_a, strip_b);
   } catch (const std::exception& e) {
     std::cerr << "fsdp-ckpt: " << first_line(e.what()) << "\n";

@@ -57,7 +57,27 @@ void no_tensors(const std::string& where, const std::string& prefix) {
                    prefix + "'");
 }
 
-Source from_checkpoint(const CheckpointReader& reader, const std::string& prefix) {
+// The prefix an export uses when its options give none. "model." for the {"model": ...,
+// "optim": ...} layout of fsdp-train and of PyTorch's get_state_dict recipes (tensors under
+// "model." and something under "optim.", or every tensor under "model."); otherwise "": every
+// tensor under its full key, as in a plain model state dict (dcp.save(get_model_state_dict(m))).
+// `keys`: every key, with whether it holds a tensor.
+std::string layout_prefix(const std::vector<std::pair<std::string, bool>>& keys) {
+  bool model = false, optim = false, only_model = true;
+  for (const auto& [key, is_tensor] : keys) {
+    optim |= under(key, "optim.");
+    if (!is_tensor) continue;
+    model |= under(key, "model.");
+    only_model &= under(key, "model.");
+  }
+  return model && (optim || only_model) ? "model." : "";
+}
+
+Source from_checkpoint(const CheckpointReader& reader, const std::optional<std::string>& given) {
+  std::vector<std::pair<std::string, bool>> keys;
+  for (const auto& [key, item] : reader.metadata().state_dict_metadata)
+    keys.emplace_back(key, !item.bytes);
+  const std::string prefix = given ? *given : layout_prefix(keys);
   Source src;
   for (const auto& [key, item] : reader.metadata().state_dict_metadata)
     if (!item.bytes && (prefix.empty() || under(key, prefix)))
@@ -86,11 +106,16 @@ Source from_checkpoint(const CheckpointReader& reader, const std::string& prefix
   return src;
 }
 
-Source from_state_dict(const StateDict& state_dict, const std::string& prefix) {
+Source from_state_dict(const StateDict& state_dict, const std::optional<std::string>& given) {
   StateDict sd = state_dict;  // containers only
   auto tensors = std::make_shared<std::map<std::string, at::Tensor>>();
+  const std::vector<items::FlatItem> flat = items::flatten(sd);
+  std::vector<std::pair<std::string, bool>> keys;
+  for (const items::FlatItem& it : flat)
+    keys.emplace_back(it.key, it.value->is_tensor() || it.value->is_sharded_tensor());
+  const std::string prefix = given ? *given : layout_prefix(keys);
   Source src;
-  for (const items::FlatItem& it : items::flatten(sd)) {
+  for (const items::FlatItem& it : flat) {
     if (!(prefix.empty() || under(it.key, prefix))) continue;
     if (it.value->is_sharded_tensor())
       throw ValueError(std::string(kWhat) + ": '" + it.key +

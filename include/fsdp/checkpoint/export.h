@@ -23,6 +23,7 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,10 +34,14 @@ namespace fsdp {
 namespace checkpoint {
 
 struct ExportOptions {
-  /// Which checkpoint keys to export, and the part of their names to drop: the default exports
-  /// the model of a {"model": ..., "optim": ...} checkpoint under its own parameter names. ""
-  /// exports every tensor under its full DCP key.
-  TORCH_ARG(std::string, prefix) = "model.";
+  /// Which checkpoint keys to export, and the part of their names to drop. "" exports every
+  /// tensor under its full DCP key. Unset (the default), the layout decides: "model." for a
+  /// {"model": ..., "optim": ...} checkpoint (fsdp-train's, and PyTorch's get_state_dict recipes:
+  /// tensors under "model." and anything under "optim.", or every tensor under "model."), which
+  /// exports the model under its own parameter names; "" for anything else, such as a plain model
+  /// state dict (`dcp.save(get_model_state_dict(model))`). A plain model whose every key starts
+  /// with "model." is indistinguishable from the first: pass "" for it.
+  TORCH_ARG(std::optional<std::string>, prefix);
   /// safetensors: split into several files so that none holds more than this many bytes of
   /// tensors (a tensor larger than that gets a file of its own). 0: one file.
   TORCH_ARG(int64_t, max_shard_bytes) = 0;
