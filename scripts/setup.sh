@@ -3,12 +3,16 @@
 # Used by scripts/test.sh and scripts/demo.sh; safe to run on its own.
 #   BUILD_DIR  build directory (default: build)
 #   JOBS       parallel compile jobs (default: 2; a LibTorch TU needs ~1 GiB of RAM)
+#   FSDP_BUILD_TARGETS  build only these targets (default: everything; demo.sh builds its three)
+#   FSDP_EXTRA_PACKAGES  more Debian packages to install with ours, in the same apt-get run
 #   FSDP_RELWITHDEBINFO_FLAGS  compiler flags of a new build directory (default: -O2 -g1 -DNDEBUG)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(cmake g++ make ccache libtorch-dev libgloo-dev libgtest-dev libbenchmark-dev
           nlohmann-json3-dev libxxhash-dev libcli11-dev libisal-dev)
+# shellcheck disable=SC2206  # a space-separated list on purpose
+PACKAGES+=(${FSDP_EXTRA_PACKAGES:-})
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -35,4 +39,9 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="${FSDP_RELWITHDEBINFO_FLAGS:--O2 -g1 -DNDEBUG}"
 fi
-cmake --build "$BUILD_DIR" -j "$JOBS"
+if [ -n "${FSDP_BUILD_TARGETS:-}" ]; then
+  # shellcheck disable=SC2086
+  cmake --build "$BUILD_DIR" -j "$JOBS" --target ${FSDP_BUILD_TARGETS}
+else
+  cmake --build "$BUILD_DIR" -j "$JOBS"
+fi
