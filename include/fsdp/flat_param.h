@@ -9,7 +9,7 @@
 //     tensors, and free the unsharded storage for real (0 bytes);
 //   * reduce_grad(): flatten the original parameters' gradients and reduce-scatter them into the
 //     sharded gradient (all-reduce for NO_SHARD), averaging over the data-parallel ranks.
-// It follows PyTorch's torch/distributed/fsdp/_flat_param.py (seed 004), with one deliberate
+// It follows PyTorch's torch/distributed/fsdp/_flat_param.py, with one deliberate
 // difference forced by the C++ frontend: LibTorch modules hold their parameters as members that
 // fsdp-cpp cannot swap, so the original parameters stay autograd leaves (their data re-pointed with
 // set_data) and gradients are collected from them rather than flowing into the flat parameter

@@ -101,8 +101,8 @@ struct FullyShardedOptions {
   TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::BACKWARD_PRE;
   /// Start gathering the next unit (in the order of the first forward) when a unit's forward
   /// starts. Off by default, as in PyTorch; it holds one more unit unsharded during forward, and
-  /// pays where ranks would otherwise wait for each other at every gather (CPU-bound steps: on
-  /// two cores it took FULL_SHARD from 1.10 to 1.02 of NO_SHARD's step, docs/performance.md).
+  /// pays where ranks would otherwise wait for each other at every gather (CPU-bound steps; the
+  /// figures are in docs/performance.md).
   TORCH_ARG(bool, forward_prefetch) = false;
   /// At most this many prefetched all-gathers in flight (PyTorch's limit_all_gathers allows 2
   /// unsharded units at a time: the current one and one prefetched).
@@ -114,8 +114,8 @@ struct FullyShardedOptions {
   /// post-backward hook and waits. Unset (the default): 1 under NO_SHARD, where the buffer in
   /// flight is the gradient itself, so overlapping costs no memory; 0 under the sharded
   /// strategies, where each reduction in flight keeps its unit's unsharded gradient alive through
-  /// the next unit's backward, the peak of FULL_SHARD training (measured on CPU: 6-10% more peak
-  /// memory for 2-6% shorter steps; docs/performance.md).
+  /// the next unit's backward, the peak of FULL_SHARD training (on the CPU that trade of more peak
+  /// memory for shorter steps does not pay; docs/performance.md).
   TORCH_ARG(std::optional<int>, max_inflight_grad_reductions);
   /// Broadcast parameters and buffers from rank 0 before sharding.
   TORCH_ARG(bool, sync_module_states) = false;

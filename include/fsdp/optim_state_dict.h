@@ -1,5 +1,5 @@
 // fsdp/optim_state_dict.h: optimizer state dicts of sharded (and unwrapped) models, keyed by the
-// canonical parameter FQNs, in PyTorch's shape (seed 000, torch/distributed/fsdp/_optim_utils.py).
+// canonical parameter FQNs, in PyTorch's shape (torch/distributed/fsdp/_optim_utils.py).
 //
 //   {
 //     fsdp::StateDictTypeGuard g(model, fsdp::StateDictType::SHARDED_STATE_DICT,

@@ -1,4 +1,4 @@
-// fsdp/state_dict_utils.h: utilities that work on any StateDict (seed 003,
+// fsdp/state_dict_utils.h: utilities that work on any StateDict (PyTorch's
 // torch/distributed/_state_dict_utils.py): flattening nested dicts to dotted keys and back,
 // comparing structures, moving values to the CPU or into a preallocated companion dict, and
 // turning SHARDED values into full tensors (gather) or full tensors into this rank's pieces

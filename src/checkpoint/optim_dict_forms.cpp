@@ -12,9 +12,9 @@ namespace fsdp {
 namespace checkpoint {
 namespace {
 
-const char* const kState = "state";
-const char* const kGroups = "param_groups";
-const char* const kParams = "params";
+using optim_forms::kGroups;
+using optim_forms::kParams;
+using optim_forms::kState;
 
 // True if two hyperparameter values are the same (numbers, strings, lists of them).
 bool same_value(const StateValue& a, const StateValue& b) {

@@ -1,4 +1,4 @@
-// Internal: the forms an optimizers' state dict takes in the get_/set_ API (seed 001) and the
+// Internal: the forms an optimizers' state dict takes in the get_/set_ API (torch.distributed.checkpoint.state_dict) and the
 // conversions between them: several optimizers' dicts merged into one and split back per
 // optimizer, and the flat one-level form (flatten_optim_state_dict in the public header).
 #pragma once
@@ -14,6 +14,11 @@
 namespace fsdp {
 namespace checkpoint {
 namespace optim_forms {
+
+/// The keys of an optimizer state dict (PyTorch's names).
+inline constexpr const char* kState = "state";
+inline constexpr const char* kGroups = "param_groups";
+inline constexpr const char* kParams = "params";
 
 /// Which parameters, under which FQNs, an optimizer holds over the call's model.
 using DescribeOptimizer = std::function<fsdp::detail::OptModel(torch::optim::Optimizer&)>;

@@ -22,9 +22,9 @@ namespace fsdp {
 namespace checkpoint {
 namespace {
 
-const char* const kState = "state";
-const char* const kGroups = "param_groups";
-const char* const kParams = "params";
+using optim_forms::kGroups;
+using optim_forms::kParams;
+using optim_forms::kState;
 
 // The model a call works on: a wrapped model, or a plain module.
 struct Target {

@@ -1,6 +1,6 @@
 // fsdp/checkpoint/state_dict.h: one API for the state dicts of a model and its optimizers, whether
 // the model is wrapped in FullyShardedDataParallel or a plain LibTorch module (PyTorch's
-// torch.distributed.checkpoint.state_dict, seed 001).
+// torch.distributed.checkpoint.state_dict).
 //
 //   namespace ckpt = fsdp::checkpoint;
 //   auto [msd, osd] = ckpt::get_state_dict(model, optimizer);           // SHARDED pieces
