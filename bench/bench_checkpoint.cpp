@@ -277,9 +277,10 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
   const double load = rep.get("load"), raw_r = rep.get("raw_read");
   const double ts = rep.get("torch_save"), tl = rep.get("torch_load");
   const double ps = fsdp_bench::median(py_save()), pl = fsdp_bench::median(py_load());
-  std::printf("\n%d ranks, %.0f MB of float32 in all (%d tensors of %.0f MB); medians of "
-              "interleaved rounds\n",
-              w, mb, kTensors, mb / kTensors);
+  std::printf(
+      "\n%d ranks, %.0f MB of float32 in all (%d tensors of %.0f MB); medians of "
+      "interleaved rounds\n",
+      w, mb, kTensors, mb / kTensors);
   std::printf("%-44s %10s %10s %8s\n", "", "ms", "MB/s", "ratio");
   auto row = [&](const char* what, double s, double base) {
     std::printf("%-44s %10.1f %10.0f %8.2f\n", what, s * 1e3, bw(s), base > 0 ? s / base : 0.0);
@@ -295,9 +296,10 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
     row("Python torch.save", ps, save);
     row("Python torch.load", pl, load);
   } else {
-    std::printf("Python torch.save / torch.load: skipped, no /usr/bin/python3 with torch here "
-                "(scripts/bench.sh also runs this program in the LibTorch 2.6 chroot, which has "
-                "it)\n");
+    std::printf(
+        "Python torch.save / torch.load: skipped, no /usr/bin/python3 with torch here "
+        "(scripts/bench.sh also runs this program in the LibTorch 2.6 chroot, which has "
+        "it)\n");
   }
   std::printf("training blocked by a save, ratio to checkpoint::save:\n");
   row("AsyncSaver::save (CPU snapshot)", rep.get("async_save_blocked"), save);
@@ -307,7 +309,10 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
 
   auto emit = [&](const char* c, const std::vector<double>& samples) {
     if (samples.empty()) return;
-    fsdp_bench::emit({{"bench", "checkpoint"}, {"case", c}, {"world", w}, {"unit", "s"},
+    fsdp_bench::emit({{"bench", "checkpoint"},
+                      {"case", c},
+                      {"world", w},
+                      {"unit", "s"},
                       {"bytes", rank_bytes() * w}},
                      samples);
   };
@@ -327,9 +332,9 @@ int main(int argc, char** argv) {
       std::string(d ? d : "/var/tmp") + "/fsdp_bench_ckpt_" + std::to_string(::getpid());
   ::mkdir(base_dir().c_str(), 0755);
   const int rounds = fsdp_bench::rounds_from_env(3);
-  const int rc =
-      fsdp_bench::run(argc, argv, w, [&] { register_all(rounds); },
-                      [w](const fsdp_bench::RecordingReporter& rep) { summarize(rep, w); });
+  const int rc = fsdp_bench::run(
+      argc, argv, w, [&] { register_all(rounds); },
+      [w](const fsdp_bench::RecordingReporter& rep) { summarize(rep, w); });
   std::system(("rm -rf " + base_dir()).c_str());
   return rc;
 }

@@ -56,8 +56,8 @@ void BM_RawAllgather(benchmark::State& st) {
       sync_device();
     };
   } else {
-    op = [&, outs = std::vector<std::vector<at::Tensor>>(1), ins = std::vector<at::Tensor>{in}]()
-        mutable {
+    op = [&, outs = std::vector<std::vector<at::Tensor>>(1),
+          ins = std::vector<at::Tensor>{in}]() mutable {
       if (outs[0].empty())
         for (int r = 0; r < pg.size(); ++r) outs[0].push_back(out.narrow(0, r * n, n));
       b->allgather(outs, ins)->wait();

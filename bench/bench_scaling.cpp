@@ -156,9 +156,8 @@ void BM_StepFullShard(benchmark::State& st) {
   fsdp_bench::group()->barrier();
   for (auto _ : st) train_step(*f.model, *f.opt, f.input);
   if (fsdp_bench::group()->rank() == 0) mem.print_peak_blocks("step_FULL_SHARD");
-  memory()[{"step_FULL_SHARD", st.range(0)}] = {
-      double(mem.peak()), double(fsdp_bench::peak_rss()),
-      bound_full_shard(d, fsdp_bench::group()->size())};
+  memory()[{"step_FULL_SHARD", st.range(0)}] = {double(mem.peak()), double(fsdp_bench::peak_rss()),
+                                                bound_full_shard(d, fsdp_bench::group()->size())};
 }
 
 void BM_StepNoShard(benchmark::State& st) {
@@ -180,9 +179,8 @@ void BM_StepNoShard(benchmark::State& st) {
   fsdp_bench::reset_peak_rss();
   pg.barrier();
   for (auto _ : st) train_step(model, opt, x);
-  memory()[{"step_NO_SHARD", st.range(0)}] = {double(mem.peak() - before),
-                                              double(fsdp_bench::peak_rss()),
-                                              bound_no_shard(d, pg.size())};
+  memory()[{"step_NO_SHARD", st.range(0)}] = {
+      double(mem.peak() - before), double(fsdp_bench::peak_rss()), bound_no_shard(d, pg.size())};
 }
 
 void BM_ConsolidateFull(benchmark::State& st) {
@@ -278,14 +276,14 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
     std::printf("%10lld %9.1f %9.1f %9.1f %9.1f %9.1f %11.1f %11.1f %8.2f\n",
                 static_cast<long long>(params), rep.get("step_FULL_SHARD", p) * 1e3,
                 rep.get("consolidate_full", p) * 1e3, rep.get("raw_allgather", p) * 1e3,
-                rep.get("save_sharded", p) * 1e3, rep.get("raw_write_fsync", p) * 1e3,
-                mem[0] / 1e6, mem[2] / 1e6, mem[2] > 0 ? mem[0] / mem[2] : 0.0);
+                rep.get("save_sharded", p) * 1e3, rep.get("raw_write_fsync", p) * 1e3, mem[0] / 1e6,
+                mem[2] / 1e6, mem[2] > 0 ? mem[0] / mem[2] : 0.0);
     const double state = fixture().d == d ? double(fixture().state_bytes) : 16.0 * params;
     for (const char* c : {"step_FULL_SHARD", "step_NO_SHARD", "raw_allgather", "consolidate_full",
                           "raw_write_fsync", "save_sharded"}) {
       auto s = rep.all(c, p);
       if (s.empty()) continue;
-      nlohmann::json m{{"bench", "scaling"}, {"case", c},         {"world", world},
+      nlohmann::json m{{"bench", "scaling"}, {"case", c},        {"world", world},
                        {"unit", "s"},        {"params", params}, {"state_bytes", state}};
       auto it = memory().find({c, p});
       if (it != memory().end()) {
@@ -310,7 +308,8 @@ int main(int argc, char** argv) {
     fsdp::detail::full_gather_window_bytes() = std::stoll(w);
   }
   const char* d = std::getenv("FSDP_BENCH_DIR");
-  base_dir() = std::string(d ? d : "/var/tmp") + "/fsdp_bench_scaling_" + std::to_string(::getpid());
+  base_dir() =
+      std::string(d ? d : "/var/tmp") + "/fsdp_bench_scaling_" + std::to_string(::getpid());
   ::mkdir(base_dir().c_str(), 0755);
   const int rc = fsdp_bench::run(
       argc, argv, world, [&] { register_all(rounds); },

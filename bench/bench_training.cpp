@@ -185,17 +185,19 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
     std::printf("%-26s %10.1f %10.0f %7.2f %14.1f %12.1f\n", c.c_str(), t * 1e3,
                 t > 0 ? tokens / t : 0.0, base > 0 ? t / base : 0.0, mem.first / 1e6,
                 mem.second / 1e6);
-    nlohmann::json m{{"bench", "training"}, {"case", c},       {"world", world},
-                     {"unit", "s"},         {"tokens", tokens}, {"model", "transformer4x128"},
+    nlohmann::json m{{"bench", "training"},     {"case", c},
+                     {"world", world},          {"unit", "s"},
+                     {"tokens", tokens},        {"model", "transformer4x128"},
                      {"device", device().str()}};
     if (mem.first) m["peak_tensor_bytes"] = mem.first;
     if (mem.second) m["peak_rss_bytes"] = mem.second;
     fsdp_bench::emit(m, rep.all(c));
   }
   if (compute > 0)
-    std::printf("communication left exposed (step - compute_only): FULL_SHARD %.1f ms, "
-                "NO_SHARD %.1f ms\n",
-                (rep.get("FULL_SHARD") - compute) * 1e3, (rep.get("NO_SHARD") - compute) * 1e3);
+    std::printf(
+        "communication left exposed (step - compute_only): FULL_SHARD %.1f ms, "
+        "NO_SHARD %.1f ms\n",
+        (rep.get("FULL_SHARD") - compute) * 1e3, (rep.get("NO_SHARD") - compute) * 1e3);
 }
 
 }  // namespace

@@ -20,8 +20,8 @@ namespace fsdp {
 namespace testing {
 
 struct CommandResult {
-  int rc = -1;       // exit code, or 128 + signal
-  std::string out;   // stdout and stderr together
+  int rc = -1;      // exit code, or 128 + signal
+  std::string out;  // stdout and stderr together
   double seconds = 0;
 };
 

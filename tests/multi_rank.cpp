@@ -8,15 +8,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <ftw.h>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ftw.h>
 #include <thread>
 
 #include <ATen/Parallel.h>
-#include <torch/cuda.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include "fsdp/errors.h"
 

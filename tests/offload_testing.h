@@ -21,8 +21,8 @@ inline void expect_offload_reuses_one_gradient_buffer(int rank, ShardingStrategy
   };
   TinyLM m(46);
   TinyLM plain_m(46);
-  FullyShardedDataParallel model(
-      m, options(m).cpu_offload(fsdp::CPUOffload().offload_params(true)));
+  FullyShardedDataParallel model(m,
+                                 options(m).cpu_offload(fsdp::CPUOffload().offload_params(true)));
   FullyShardedDataParallel plain(plain_m, options(plain_m));
   torch::optim::SGD opt(model->parameters(), 0.5);
   torch::optim::SGD plain_opt(plain->parameters(), 0.5);

@@ -384,7 +384,8 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
     }
     // The directory's offset pointed past the end of the file.
     std::string far = pt;
-    far.replace(far.rfind(std::string("PK\x05\x06", 4)) + 16, 4, std::string("\xf0\xff\xff\x7f", 4));
+    far.replace(far.rfind(std::string("PK\x05\x06", 4)) + 16, 4,
+                std::string("\xf0\xff\xff\x7f", 4));
     const std::vector<std::pair<std::string, const char*>> pt_cases = {
         {std::string(100, 'x'), "not a torch.save archive"},
         {pt.substr(0, pt.size() / 2), "not a torch.save archive"},
@@ -418,24 +419,23 @@ TEST(TorchArchive, OurTensorItemsReadBackThroughLibTorchAndOurReader) {
   for (auto dt : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kLong, at::kInt,
                   at::kShort, at::kChar, at::kByte, at::kBool})
     cases.push_back(base.to(dt));
-  cases.push_back(at::tensor(3.5));                    // 0-d
-  cases.push_back(at::empty({0, 7}));                  // empty
-  cases.push_back(base.to(at::kFloat).transpose(0, 2));  // non-contiguous
+  cases.push_back(at::tensor(3.5));                                      // 0-d
+  cases.push_back(at::empty({0, 7}));                                    // empty
+  cases.push_back(base.to(at::kFloat).transpose(0, 2));                  // non-contiguous
   cases.push_back(base.to(at::kFloat).reshape({-1}).narrow(0, 13, 20));  // offset view
   for (const at::Tensor& t : cases) {
     SCOPED_TRACE(std::string(c10::toString(t.scalar_type())) + " " + c10::str(t.sizes()));
     std::vector<char> bytes;
-    items::write_tensor_item(t, [&](const char* d, size_t n) { bytes.insert(bytes.end(), d, d + n); });
+    items::write_tensor_item(t,
+                             [&](const char* d, size_t n) { bytes.insert(bytes.end(), d, d + n); });
     const at::Tensor theirs = torch::pickle_load(bytes).toTensor();
     EXPECT_TRUE(theirs.equal(t));
     EXPECT_EQ(theirs.sizes(), t.sizes());
     const at::Tensor ours = items::decode_tensor(bytes.data(), bytes.size(), "case", true);
     EXPECT_TRUE(ours.equal(t));
-    archive::Directory dir(static_cast<int64_t>(bytes.size()),
-                           [&](int64_t off, size_t n, char* dst) {
-                             std::memcpy(dst, bytes.data() + off, n);
-                           },
-                           "case");
+    archive::Directory dir(
+        static_cast<int64_t>(bytes.size()),
+        [&](int64_t off, size_t n, char* dst) { std::memcpy(dst, bytes.data() + off, n); }, "case");
     ASSERT_NE(dir.find("data/0"), nullptr);
     EXPECT_EQ(dir.find("data/0")->offset % 64, 0);
     // Negative control: a flipped data byte fails the CRC-32 check.

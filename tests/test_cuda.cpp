@@ -37,12 +37,12 @@ namespace {
 
 const at::Device kGpu(at::kCUDA, 0);
 
-#define FSDP_REQUIRE_CUDA()                                                                  \
-  do {                                                                                       \
-    const char* on = std::getenv("FSDP_TEST_CUDA");                                          \
-    if (on == nullptr || std::string(on) != "1") {                                           \
-      GTEST_SKIP() << "needs a GPU: run with FSDP_TEST_CUDA=1 (scripts/gpu-check.sh)";       \
-    }                                                                                        \
+#define FSDP_REQUIRE_CUDA()                                                            \
+  do {                                                                                 \
+    const char* on = std::getenv("FSDP_TEST_CUDA");                                    \
+    if (on == nullptr || std::string(on) != "1") {                                     \
+      GTEST_SKIP() << "needs a GPU: run with FSDP_TEST_CUDA=1 (scripts/gpu-check.sh)"; \
+    }                                                                                  \
   } while (0)
 
 void require_gpu_in_rank() {
@@ -102,7 +102,8 @@ TEST(Cuda, TrainingMatchesOneProcessOnTheGpu) {
     for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP,
                           ShardingStrategy::NO_SHARD}) {
       for (bool orig : {false, true}) {
-        const std::string what = std::string(fsdp::to_string(strategy)) + (orig ? " use_orig_params" : "");
+        const std::string what =
+            std::string(fsdp::to_string(strategy)) + (orig ? " use_orig_params" : "");
         TinyLM m(51);
         TinyLM ref(51);
         ref->to(kGpu);
@@ -184,16 +185,16 @@ TEST(Cuda, CheckpointOfAGpuModelRoundTrips) {
       return sd;
     };
     TinyLM m(58);
-    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::FULL_SHARD, true)
-                                          .device_id(kGpu));
+    FullyShardedDataParallel model(
+        m, lm_options(m, ShardingStrategy::FULL_SHARD, true).device_id(kGpu));
     torch::optim::Adam opt(unique_params(model->parameters()), 0.01);
     train(model, opt);
     ckpt::save(both(model, opt, {}), dir);
     const auto full = both(model, opt, ckpt::StateDictOptions().full_state_dict(true));
 
     TinyLM m2(59);
-    FullyShardedDataParallel model2(m2, lm_options(m2, ShardingStrategy::FULL_SHARD, true)
-                                            .device_id(kGpu));
+    FullyShardedDataParallel model2(
+        m2, lm_options(m2, ShardingStrategy::FULL_SHARD, true).device_id(kGpu));
     torch::optim::Adam opt2(unique_params(model2->parameters()), 0.01);
     train(model2, opt2);  // creates the Adam state the checkpoint overwrites
     auto sd = both(model2, opt2, {});

@@ -354,10 +354,10 @@ void expect_as_stored(const StateValue& value, const fsdp::FlatParamHandle& h, s
   ASSERT_TRUE(value.is_sharded_tensor()) << what;
   const auto& pieces = value.sharded_tensor().local_shards();
   const fsdp::ShardParamInfo& s = h.shard_param_infos()[i];
-  const auto boxes = s.in_shard ? fsdp::flat_range_boxes(h.layout().shapes[i],
-                                                         s.intra_param_start_idx,
-                                                         s.numel_in_shard, h.rank())
-                                : std::vector<fsdp::ShardMetadata>{};
+  const auto boxes = s.in_shard
+                         ? fsdp::flat_range_boxes(h.layout().shapes[i], s.intra_param_start_idx,
+                                                  s.numel_in_shard, h.rank())
+                         : std::vector<fsdp::ShardMetadata>{};
   ASSERT_EQ(pieces.size(), boxes.size()) << what;
   int64_t at_ = s.offset_in_shard;
   for (size_t b = 0; b < boxes.size(); ++b) {
@@ -447,8 +447,10 @@ TEST(DcpCheckpoint, HybridShardReplicasWriteEachPieceOnce) {
   for (int r = 0; r < 4; ++r) {
     const std::string file = tmp.file("hsdp") + "/__" + std::to_string(r) + "_0.distcp";
     ASSERT_EQ(::stat(file.c_str(), &st), 0) << file;
-    if (r < 2) EXPECT_GT(st.st_size, 0) << file;
-    else EXPECT_EQ(st.st_size, 0) << file << ": a replica wrote pieces rank " << r - 2 << " wrote";
+    if (r < 2)
+      EXPECT_GT(st.st_size, 0) << file;
+    else
+      EXPECT_EQ(st.st_size, 0) << file << ": a replica wrote pieces rank " << r - 2 << " wrote";
   }
   EXPECT_TRUE(ckpt::verify(tmp.file("hsdp")).ok());
   run_ranks(1, [&](ProcessGroup&) {

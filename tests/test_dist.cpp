@@ -724,8 +724,8 @@ TEST(Dist, InitFromTorchrunEnvironment) {
         EXPECT_TRUE(fsdp::dist::is_initialized());
         EXPECT_EQ(pg.rank(), std::atoi(r));
         EXPECT_EQ(pg.size(), 2);
-        // "auto": NCCL where LibTorch has CUDA and a GPU is visible (CPU tensors then go through
-        // it), else Gloo.
+    // "auto": NCCL where LibTorch has CUDA and a GPU is visible (CPU tensors then go through
+    // it), else Gloo.
 #ifdef USE_C10D_NCCL
         EXPECT_EQ(pg.backend_name(), torch::cuda::is_available() ? "nccl" : "gloo");
 #else
@@ -741,10 +741,19 @@ TEST(Dist, InitFromTorchrunEnvironment) {
 // Programs started by mpirun or srun find their layout without torchrun's variables; torchrun's
 // win when several launchers' are present, and one launcher's are never mixed with another's.
 TEST(Dist, EnvInfoReadsMpirunAndSlurm) {
-  const char* all[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                       "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                       "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-                       "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"};
+  const char* all[] = {"RANK",
+                       "WORLD_SIZE",
+                       "LOCAL_RANK",
+                       "LOCAL_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_RANK",
+                       "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "OMPI_COMM_WORLD_LOCAL_SIZE",
+                       "SLURM_PROCID",
+                       "SLURM_NTASKS",
+                       "SLURM_LOCALID",
+                       "SLURM_NTASKS_PER_NODE",
+                       "SLURM_TASKS_PER_NODE"};
   for (const char* v : all) ::unsetenv(v);
   EXPECT_EQ(fsdp::dist::env_info().launcher, "none");
   EXPECT_EQ(fsdp::dist::env_info().world_size, 1);

@@ -177,9 +177,7 @@ TEST(FlatParamHandle, ParametersWithoutAGradientGapsAndPaddingReduceToZero) {
       auto params = h.orig_params();
       for (size_t i = 0; i < params.size(); ++i)
         if (i != skipped) params[i].mutable_grad() = grad_for(pg.rank(), i, l.shapes[i]);
-      {
-        at::Tensor stale = at::full({l.padded_unsharded_numel}, NAN);
-      }
+      { at::Tensor stale = at::full({l.padded_unsharded_numel}, NAN); }
       h.reduce_grad();
       const at::Tensor g = h.sharded_grad();
       ASSERT_TRUE(g.defined());

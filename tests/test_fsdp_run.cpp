@@ -39,10 +39,11 @@ TEST(FsdpRun, GivesEachRankTorchrunsVariablesAndPrefixesItsLines) {
   EXPECT_GT(std::stoi(*ports.begin()), 0);
 
   // Node 1 of 2: global ranks 2 and 3, the given store address, no prefixes when asked.
-  const auto n = run_shell(kRun +
-                           " --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.7 "
-                           "--master-port 1234 --no-prefix sh -c 'echo \"$RANK/$WORLD_SIZE "
-                           "$LOCAL_RANK/$LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR:$MASTER_PORT\"'");
+  const auto n =
+      run_shell(kRun +
+                " --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.7 "
+                "--master-port 1234 --no-prefix sh -c 'echo \"$RANK/$WORLD_SIZE "
+                "$LOCAL_RANK/$LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR:$MASTER_PORT\"'");
   ASSERT_EQ(n.rc, 0) << n.out;
   EXPECT_EQ(count_lines_with(n.out, "2/4 0/2 1 10.0.0.7:1234"), 1) << n.out;
   EXPECT_EQ(count_lines_with(n.out, "3/4 1/2 1 10.0.0.7:1234"), 1) << n.out;
@@ -53,11 +54,11 @@ TEST(FsdpRun, GivesEachRankTorchrunsVariablesAndPrefixesItsLines) {
 // rank 2 stops on SIGTERM. fsdp-run names rank 1 and exits 128 + 9 within seconds, not after the
 // 60 s the others would sleep.
 TEST(FsdpRun, OneRankDyingStopsTheOthers) {
-  const auto r = run_shell(
-      kRun + " --nproc-per-node 3 --grace-period 1 sh -c '"
-             "if [ $RANK = 0 ]; then trap \"echo ignoring TERM\" TERM; fi; "
-             "if [ $RANK = 1 ]; then sleep 0.3; kill -9 $$; fi; "
-             "i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'");
+  const auto r = run_shell(kRun +
+                           " --nproc-per-node 3 --grace-period 1 sh -c '"
+                           "if [ $RANK = 0 ]; then trap \"echo ignoring TERM\" TERM; fi; "
+                           "if [ $RANK = 1 ]; then sleep 0.3; kill -9 $$; fi; "
+                           "i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'");
   EXPECT_EQ(r.rc, 128 + 9) << r.out;
   EXPECT_NE(r.out.find("fsdp-run: failed: rank 1 (local rank 1) was killed by signal 9 (SIGKILL)"),
             std::string::npos)
@@ -72,8 +73,9 @@ TEST(FsdpRun, OneRankDyingStopsTheOthers) {
 
 TEST(FsdpRun, ForwardsSigintToEveryRank) {
   fsdp::testing::TempDir dir;
-  Background run(kRun + " --nproc-per-node 2 sh -c 'trap \"echo got INT; exit 5\" INT; "
-                        "echo ready; while :; do sleep 0.1; done'",
+  Background run(kRun +
+                     " --nproc-per-node 2 sh -c 'trap \"echo got INT; exit 5\" INT; "
+                     "echo ready; while :; do sleep 0.1; done'",
                  dir.file("log"));
   for (int i = 0; i < 100 && count_lines_with(run.output(), "ready") < 2; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(100));

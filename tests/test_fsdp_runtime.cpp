@@ -17,14 +17,14 @@ using fsdp::FullyShardedOptions;
 using fsdp::ShardingStrategy;
 using fsdp::dist::ProcessGroup;
 using fsdp::testing::BlockImpl;
-using fsdp::testing::run_ranks;
-using fsdp::testing::seeded_randn;
-using fsdp::testing::TinyLM;
-using fsdp::testing::TinyLMImpl;
 using fsdp::testing::full_params;
 using fsdp::testing::lm_loss;
 using fsdp::testing::lm_options;
 using fsdp::testing::lm_tokens;
+using fsdp::testing::run_ranks;
+using fsdp::testing::seeded_randn;
+using fsdp::testing::TinyLM;
+using fsdp::testing::TinyLMImpl;
 
 namespace {
 
@@ -342,7 +342,8 @@ TEST(FsdpRuntime, MixedPrecisionMatchesASingleProcessCastingTheSameWay) {
     };
     const double ok = worst(run(pg, 2));
     const double dropped = worst(run(pg, 2, /*drop=*/true));
-    if (pg.rank() == 0) std::printf("mixed precision: worst %.3g, dropped gradient %.3g\n", ok, dropped);
+    if (pg.rank() == 0)
+      std::printf("mixed precision: worst %.3g, dropped gradient %.3g\n", ok, dropped);
     EXPECT_LE(ok, kMixedPrecisionTol);
     EXPECT_GT(dropped, kMixedPrecisionTol);  // the control must fail the bound
   });
@@ -657,7 +658,8 @@ TEST(FsdpRuntime, UnitUsedTwicePerStepUnderMixedPrecision) {
     };
     const double ok = worst(run(pg, 2));
     const double dropped = worst(run(pg, 2, /*drop=*/true));
-    if (pg.rank() == 0) std::printf("unit used twice: worst %.3g, dropped gradient %.3g\n", ok, dropped);
+    if (pg.rank() == 0)
+      std::printf("unit used twice: worst %.3g, dropped gradient %.3g\n", ok, dropped);
     EXPECT_LE(ok, kMixedPrecisionTwiceTol);
     EXPECT_GT(dropped, kMixedPrecisionTwiceTol);
   });

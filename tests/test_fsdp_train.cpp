@@ -113,14 +113,16 @@ TEST(FsdpTrain, ResumeAtAnotherWorldSizeMatchesAnUninterruptedRun) {
   const double got = max_diff(dir.file("resumed.pt"), dir.file("ref.pt"));
   const double four_steps_apart = max_diff(dir.file("at4.pt"), dir.file("ref.pt"));
   const double tolerance = 4 * baseline + 1e-6;
-  std::printf("max |weights - W=1 weights|: resumed %.3g, uninterrupted W=3 %.3g, 4 steps "
-              "short %.3g\n",
-              got, baseline, four_steps_apart);
+  std::printf(
+      "max |weights - W=1 weights|: resumed %.3g, uninterrupted W=3 %.3g, 4 steps "
+      "short %.3g\n",
+      got, baseline, four_steps_apart);
   EXPECT_LE(got, tolerance) << "baseline " << baseline;
   EXPECT_GT(four_steps_apart, 10 * tolerance) << "the comparison must discriminate";
 
   // A resume at or past --steps only loads and exports (here safetensors, at W=2).
-  const std::string again = train(2, d, "--steps 8 --save-dir ck --resume --export again.safetensors");
+  const std::string again =
+      train(2, d, "--steps 8 --save-dir ck --resume --export again.safetensors");
   EXPECT_NE(again.find("resumed from ck/step_8 at step 8"), std::string::npos) << again;
   EXPECT_EQ(count_lines_with(again, "loss"), 0) << "nothing left to train\n" << again;
   const fsdp::StateDict st = ckpt::load_safetensors(dir.file("again.safetensors"));
@@ -130,10 +132,10 @@ TEST(FsdpTrain, ResumeAtAnotherWorldSizeMatchesAnUninterruptedRun) {
 
 #ifdef FSDP_TEST_TORCH_PYTHON
   // Python's own definition of the model, from both exports, gives the C++ model's logits.
-  const auto py = run_shell(std::string(FSDP_TEST_TORCH_PYTHON) + " " + FSDP_SOURCE_DIR +
-                            "/scripts/gpt_reference.py --heads 4 --logits " +
-                            dir.file("logits.pt") + " " + dir.file("ref.pt") + " " +
-                            dir.file("again.safetensors"));
+  const auto py =
+      run_shell(std::string(FSDP_TEST_TORCH_PYTHON) + " " + FSDP_SOURCE_DIR +
+                "/scripts/gpt_reference.py --heads 4 --logits " + dir.file("logits.pt") + " " +
+                dir.file("ref.pt") + " " + dir.file("again.safetensors"));
   EXPECT_EQ(py.rc, 0) << py.out;
   EXPECT_NE(py.out.find("OK: Python's model gives the C++ model's logits"), std::string::npos)
       << py.out;
@@ -167,8 +169,7 @@ TEST(FsdpTrain, KilledRankStopsTheRunAndResumeContinues) {
   const auto t0 = std::chrono::steady_clock::now();
   ::kill(ranks[1], SIGKILL);
   const int rc = run.wait(std::chrono::seconds(60));
-  const double took =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_EQ(rc, 128 + 9) << run.output();
   EXPECT_LT(took, 30) << run.output();
   EXPECT_NE(run.output().find("fsdp-run: failed: rank 1 (local rank 1) was killed by signal 9"),
@@ -181,12 +182,11 @@ TEST(FsdpTrain, KilledRankStopsTheRunAndResumeContinues) {
   ASSERT_TRUE(latest);
   EXPECT_TRUE(ckpt::verify(*latest).ok());
   const int64_t step = ckpt::list_steps(dir.file("ck")).back();
-  const std::string out = train(1, d,
-                                "--steps " + std::to_string(step + 2) +
-                                    " --save-dir ck --resume --log-every 1");
-  EXPECT_NE(out.find("resumed from ck/step_" + std::to_string(step) + " at step " +
-                     std::to_string(step)),
-            std::string::npos)
+  const std::string out =
+      train(1, d, "--steps " + std::to_string(step + 2) + " --save-dir ck --resume --log-every 1");
+  EXPECT_NE(
+      out.find("resumed from ck/step_" + std::to_string(step) + " at step " + std::to_string(step)),
+      std::string::npos)
       << out;
   EXPECT_NE(out.find("step " + std::to_string(step + 2) + "/"), std::string::npos) << out;
 }
@@ -209,8 +209,8 @@ TEST(FsdpTrain, BadFlagsAndDataAreOneLinePerRank) {
       {"--metrics /nonexistent/m.jsonl", "cannot write /nonexistent/m.jsonl"},
   };
   for (const auto& [args, message] : cases) {
-    const auto r = run_shell("timeout 120 " + std::string(FSDP_RUN_BIN) +
-                             " --nproc-per-node 2 " + FSDP_TRAIN_BIN + " " + args);
+    const auto r = run_shell("timeout 120 " + std::string(FSDP_RUN_BIN) + " --nproc-per-node 2 " +
+                             FSDP_TRAIN_BIN + " " + args);
     // Every rank that got as far as the check says why (fsdp-run stops the others as soon as
     // the first exits): one line each, at least one in all.
     EXPECT_EQ(r.rc, 2) << args << "\n" << r.out;

@@ -182,8 +182,8 @@ TEST_P(ClearedGradsAfterEvalForward, MatchTrainingWithoutTheExtraForward) {
   run_ranks(2, [strategy](ProcessGroup& pg) {
     auto train = [&](bool eval_between, bool set_to_none) {
       TinyLM m(13);
-      FullyShardedDataParallel model(m,
-                                     lm_options(m).use_orig_params(true).sharding_strategy(strategy));
+      FullyShardedDataParallel model(
+          m, lm_options(m).use_orig_params(true).sharding_strategy(strategy));
       torch::optim::SGD opt(fsdp::testing::unique_params(model->parameters()), 0.3);
       for (int step = 0; step < 3; ++step) {
         if (set_to_none) {
@@ -322,7 +322,7 @@ TEST(RuntimeRegressions, FullPrecisionInEvalWithTheEnvironmentVariable) {
         }
         model->train();
         const at::Tensor logits = model->forward(idx);
-        EXPECT_EQ(logits.scalar_type(), at::kBFloat16);  // training keeps param_dtype
+        EXPECT_EQ(logits.scalar_type(), at::kBFloat16);    // training keeps param_dtype
         EXPECT_EQ(m->scale.scalar_type(), at::kBFloat16);  // and buffer_dtype
         lm_loss(logits.to(at::kFloat), idx).backward();
         for (auto* h : model->handles()) EXPECT_EQ(h->unsharded_storage_bytes(), 0);
@@ -341,8 +341,8 @@ TEST(RuntimeRegressions, SummonWithGradsShowsFullGradients) {
                           ShardingStrategy::NO_SHARD}) {
       TinyLM m(81);
       TinyLM ref(81);
-      FullyShardedDataParallel model(m,
-                                     lm_options(m).use_orig_params(true).sharding_strategy(strategy));
+      FullyShardedDataParallel model(
+          m, lm_options(m).use_orig_params(true).sharding_strategy(strategy));
       auto idx = lm_tokens(4, 82);
       lm_loss(model->forward(idx.narrow(0, 2 * pg.rank(), 2)), idx.narrow(0, 2 * pg.rank(), 2))
           .backward();

@@ -229,8 +229,7 @@ TEST_P(StateDictWorld, EveryTypeRoundTrips) {
           for (const auto& m : t.global_metadata()) total += m.numel();
           EXPECT_EQ(total, std::max<int64_t>(t.numel(), 0)) << k;
           for (const auto& s : t.local_shards())
-            EXPECT_NE(std::find(t.global_metadata().begin(), t.global_metadata().end(),
-                                s.metadata),
+            EXPECT_NE(std::find(t.global_metadata().begin(), t.global_metadata().end(), s.metadata),
                       t.global_metadata().end())
                 << k;
         }
@@ -545,27 +544,27 @@ namespace {
 TEST(ModelStateDict, HybridShardRoundTripsFullAndSharded) {
   run_ranks(4, [](ProcessGroup& pg) {
     for (auto layout : {fsdp::ShardLayout::DIM0_CHUNKS, fsdp::ShardLayout::FLAT_SHARDS})
-    for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
-      TinyLM a(51);
-      FullyShardedDataParallel src(
-          a, lm_options(a, ShardingStrategy::HYBRID_SHARD, false).hybrid_shard_size(2));
-      train_step(src, pg.rank());
-      const StateDict expect = full_of(src);
-      EXPECT_EQ(expect.keys(), fsdp::module_state_dict(*TinyLM(51)).keys());
-      StateDict saved;
-      {
-        fsdp::StateDictTypeGuard g(src, type, fsdp::ShardedStateDictConfig().layout(layout));
-        saved = fsdp::state_dict(src);
+      for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT}) {
+        TinyLM a(51);
+        FullyShardedDataParallel src(
+            a, lm_options(a, ShardingStrategy::HYBRID_SHARD, false).hybrid_shard_size(2));
+        train_step(src, pg.rank());
+        const StateDict expect = full_of(src);
+        EXPECT_EQ(expect.keys(), fsdp::module_state_dict(*TinyLM(51)).keys());
+        StateDict saved;
+        {
+          fsdp::StateDictTypeGuard g(src, type, fsdp::ShardedStateDictConfig().layout(layout));
+          saved = fsdp::state_dict(src);
+        }
+        TinyLM b(52);
+        FullyShardedDataParallel dst(
+            b, lm_options(b, ShardingStrategy::HYBRID_SHARD, true).hybrid_shard_size(2));
+        {
+          fsdp::StateDictTypeGuard g(dst, type);
+          fsdp::load_state_dict(dst, saved);
+        }
+        expect_same(full_of(dst), expect, "hybrid round trip");
       }
-      TinyLM b(52);
-      FullyShardedDataParallel dst(
-          b, lm_options(b, ShardingStrategy::HYBRID_SHARD, true).hybrid_shard_size(2));
-      {
-        fsdp::StateDictTypeGuard g(dst, type);
-        fsdp::load_state_dict(dst, saved);
-      }
-      expect_same(full_of(dst), expect, "hybrid round trip");
-    }
   });
 }
 

@@ -24,11 +24,11 @@ using fsdp::StateDictType;
 using fsdp::StateValue;
 using fsdp::dist::ProcessGroup;
 using fsdp::testing::BlockImpl;
-using fsdp::testing::run_ranks;
-using fsdp::testing::TinyLM;
 using fsdp::testing::expect_same;
 using fsdp::testing::full_of;
 using fsdp::testing::lm_options;
+using fsdp::testing::run_ranks;
+using fsdp::testing::TinyLM;
 
 namespace {
 
@@ -266,8 +266,8 @@ StateDict as_column_blocks(const StateDict& full, int rank, int world, bool ever
         const int64_t c0 = std::min<int64_t>(r * chunk, cols);
         const int64_t c1 = std::min<int64_t>(c0 + chunk, cols);
         if (c1 <= c0) continue;
-        pieces.push_back(fsdp::Shard{t.narrow(1, c0, c1 - c0).contiguous(),
-                                     {{0, c0}, {t.size(0), c1 - c0}, r}});
+        pieces.push_back(
+            fsdp::Shard{t.narrow(1, c0, c1 - c0).contiguous(), {{0, c0}, {t.size(0), c1 - c0}, r}});
       } else {
         auto ch = fsdp::chunk_sharded(t, r, world);
         for (auto& s : ch.local_shards()) pieces.push_back(s);
@@ -363,9 +363,9 @@ class AwkwardWorld : public ::testing::TestWithParam<int> {};
 TEST_P(AwkwardWorld, EveryTypeRoundTripsAndTrainsOn) {
   run_ranks(GetParam(), [](ProcessGroup& pg) {
     auto make = [](Awkward& m) {
-      return FullyShardedDataParallel(
-          m, FullyShardedOptions().units({m->mixed.ptr(), m->a.ptr(), m->b.ptr()})
-                 .use_orig_params(true));
+      return FullyShardedDataParallel(m, FullyShardedOptions()
+                                             .units({m->mixed.ptr(), m->a.ptr(), m->b.ptr()})
+                                             .use_orig_params(true));
     };
     for (auto type : {StateDictType::FULL_STATE_DICT, StateDictType::SHARDED_STATE_DICT,
                       StateDictType::LOCAL_STATE_DICT}) {

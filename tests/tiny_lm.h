@@ -88,8 +88,7 @@ inline torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& t
 }
 
 /// TinyLM's usual wrapping: `frozen` and every block are units, the root holds the rest.
-inline FullyShardedOptions lm_options(TinyLM& m,
-                                      ShardingStrategy s = ShardingStrategy::FULL_SHARD,
+inline FullyShardedOptions lm_options(TinyLM& m, ShardingStrategy s = ShardingStrategy::FULL_SHARD,
                                       bool use_orig_params = false) {
   return FullyShardedOptions()
       .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>())

@@ -84,7 +84,8 @@ std::string describe(int status) {
   if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
     const char* name = sigabbrev_np(sig);
-    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
+    return "was killed by signal " + std::to_string(sig) +
+           (name ? std::string(" (SIG") + name + ")" : "");
   }
   return "ended with status " + std::to_string(status);
 }
@@ -147,8 +148,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--node-rank,--node_rank", node_rank, "This node's index, 0 .. nnodes-1")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--master-addr,--master_addr", master_addr,
-                 "Host of rank 0 (runs the TCPStore)");
+  app.add_option("--master-addr,--master_addr", master_addr, "Host of rank 0 (runs the TCPStore)");
   app.add_option("--master-port,--master_port", master_port,
                  "Port of the TCPStore (default: a free one on a single node, else 29500)")
       ->check(CLI::Range(1, 65535));
@@ -303,7 +303,8 @@ int main(int argc, char** argv) {
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
         if (!ok && first_failed < 0 && !stopping) {
           first_failed = static_cast<int>(i);
-          std::fprintf(stderr, "fsdp-run: rank %d (local rank %d, pid %d) %s; stopping the others\n",
+          std::fprintf(stderr,
+                       "fsdp-run: rank %d (local rank %d, pid %d) %s; stopping the others\n",
                        r.rank, r.local_rank, static_cast<int>(pid), describe(status).c_str());
           stop_all(SIGTERM);
         }

@@ -194,7 +194,8 @@ int main(int argc, char** argv) {
                  "Consolidated weights at the end: FILE.pt (torch.load) or safetensors");
   app.add_option("--eval-logits", f.eval_logits,
                  "Write the final model's logits on the corpus's first --seq-len bytes (.pt)");
-  app.add_option("--log-every", f.log_every, "Log every K steps")->check(CLI::Range(int64_t{1}, kMax));
+  app.add_option("--log-every", f.log_every, "Log every K steps")
+      ->check(CLI::Range(int64_t{1}, kMax));
   app.add_option("--metrics", f.metrics, "Append one JSON object per logged step to FILE");
   app.add_option("--data", f.data, "Text corpus");
   app.add_option("--timeout", f.timeout_s, "Seconds before a collective gives up")
@@ -209,11 +210,10 @@ int main(int argc, char** argv) {
   // Everything a rank can check alone, before any collective: every rank reaches the same
   // verdict, so a bad flag exits everywhere instead of leaving ranks waiting for each other.
   if (f.dim % f.heads != 0)
-    fail("--heads " + std::to_string(f.heads) + " does not divide --dim " +
-                   std::to_string(f.dim));
+    fail("--heads " + std::to_string(f.heads) + " does not divide --dim " + std::to_string(f.dim));
   if (f.global_batch % world != 0)
     fail("--global-batch " + std::to_string(f.global_batch) +
-                   " is not divisible by the world size " + std::to_string(world));
+         " is not divisible by the world size " + std::to_string(world));
   if ((f.save_every > 0 || f.resume || f.async_save) && f.save_dir.empty())
     fail("--save-every, --resume and --async-save need --save-dir");
   // Files only rank 0 writes: every rank checks their folder, so that none is left waiting.
@@ -228,12 +228,11 @@ int main(int argc, char** argv) {
   if (text.empty()) fail("--data " + f.data + " is empty");
   if (static_cast<int64_t>(text.size()) < f.seq_len + 1)
     fail("--seq-len " + std::to_string(f.seq_len) + " needs at least " +
-                   std::to_string(f.seq_len + 1) + " bytes of data; " + f.data + " has " +
-                   std::to_string(text.size()));
-  const torch::Tensor corpus =
-      torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())},
-                       torch::kUInt8)
-          .to(torch::kLong);
+         std::to_string(f.seq_len + 1) + " bytes of data; " + f.data + " has " +
+         std::to_string(text.size()));
+  const torch::Tensor corpus = torch::from_blob(const_cast<char*>(text.data()),
+                                                {static_cast<int64_t>(text.size())}, torch::kUInt8)
+                                   .to(torch::kLong);
 
   try {
     auto pg = fsdp::dist::init_process_group(
@@ -329,8 +328,8 @@ int main(int argc, char** argv) {
       const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
       step_seconds = step_seconds == 0 ? dt : 0.9 * step_seconds + 0.1 * dt;
 
-      const bool save_now = !f.save_dir.empty() && f.save_every > 0 &&
-                            (step % f.save_every == 0 || step == f.steps);
+      const bool save_now =
+          !f.save_dir.empty() && f.save_every > 0 && (step % f.save_every == 0 || step == f.steps);
       if (save_now) save(step);
       if (step % f.log_every == 0 || step == f.steps) {
         // The global-batch loss, and every rank's peak memory, in one all_reduce.
@@ -392,15 +391,14 @@ int main(int argc, char** argv) {
         if (!f.export_file.empty()) {
           export_weights(full, f.export_file);
           const bool pt = ends_with(f.export_file, ".pt");
-          const std::string path =
-              pt || ends_with(f.export_file, ".safetensors") ? f.export_file
-                                                             : f.export_file + "/model.safetensors";
-          std::printf("exported %zu tensors to %s\nload them in Python:\n%s\n", full.size(),
-                      path.c_str(),
-                      (pt ? "  import torch\n  sd = torch.load('" + path + "', weights_only=True)"
-                          : "  from safetensors.torch import load_file\n  sd = load_file('" +
-                                path + "')")
-                          .c_str());
+          const std::string path = pt || ends_with(f.export_file, ".safetensors")
+                                       ? f.export_file
+                                       : f.export_file + "/model.safetensors";
+          std::printf(
+              "exported %zu tensors to %s\nload them in Python:\n%s\n", full.size(), path.c_str(),
+              (pt ? "  import torch\n  sd = torch.load('" + path + "', weights_only=True)"
+                  : "  from safetensors.torch import load_file\n  sd = load_file('" + path + "')")
+                  .c_str());
           std::printf("  # the model: scripts/gpt_reference.py (GPT(...).load_state_dict(sd))\n");
         }
         if (!f.eval_logits.empty()) {

@@ -15,7 +15,8 @@
 //  * TCPStore construction: only TCPStore(host, TCPStoreOptions) exists in both, so it is the only
 //    form used. Since 2.4 TCPStoreOptions::useLibUV defaults to true, and builds without libuv
 //    (Debian's) then throw; we default it to false (see make_tcp_store).
-//  * PyTorch's Adam/AdamW group key "decoupled_weight_decay" (2.7 on): kAdamHasDecoupledWeightDecay.
+//  * PyTorch's Adam/AdamW group key "decoupled_weight_decay" (2.7 on):
+//  kAdamHasDecoupledWeightDecay.
 //  * The key type of torch::optim's per-parameter state map (std::string of the TensorImpl address
 //    in 1.13, void* since about 2.2).
 //  * The handle to an autograd node (std::shared_ptr<Node> up to 2.6, c10::intrusive_ptr<Node> in
@@ -193,8 +194,9 @@ using AutogradNodePtr =
 /// PyTorch's Adam and AdamW param groups carry "decoupled_weight_decay" since 2.7 (absent in 2.6,
 /// present in 2.14). Optimizer state dicts export the group keys of the PyTorch that matches the
 /// LibTorch they are built against.
-constexpr bool kAdamHasDecoupledWeightDecay =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7);
+constexpr bool kAdamHasDecoupledWeightDecay = TORCH_VERSION_MAJOR > 2 ||
+                                              (TORCH_VERSION_MAJOR == 2 &&
+                                               TORCH_VERSION_MINOR >= 7);
 
 /// `c10::Allocator::allocate` is const in 1.13 and not in 2.6 or 2.14 (verified); the change came
 /// with 2.3 by PyTorch's history (not built here). For allocators written outside LibTorch (the

@@ -135,8 +135,8 @@ StateDict state_dict(FullyShardedDataParallel& model);
 ///
 /// On a model with NO_SHARD units, SHARDED and LOCAL act as FULL with a default config (a warning
 /// says so), for both state_dict and load_state_dict, as in PyTorch.
-LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
-                           bool strict = true, bool strict_dtype = false);
+LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd, bool strict = true,
+                           bool strict_dtype = false);
 
 namespace detail {
 /// Test hook: called during a model state dict's gathering (FULL, and SHARDED with DIM0_CHUNKS)

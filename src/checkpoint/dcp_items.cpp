@@ -161,7 +161,8 @@ struct ItemArchive {
                 throw ValueError(where + ": storage " + key +
                                  " does not lie where the item was read to hold it");
               if (check_crc && archive::crc32(p, static_cast<size_t>(r.size)) != r.crc32)
-                throw ValueError(where + ": storage " + key + " fails its CRC-32: the file is corrupt");
+                throw ValueError(where + ": storage " + key +
+                                 " fails its CRC-32: the file is corrupt");
               at::Tensor t =
                   at::from_blob(const_cast<char*>(p), {numel}, at::TensorOptions().dtype(dtype));
               return views ? t : t.clone();
@@ -181,9 +182,9 @@ at::Tensor decode_tensor(const ItemParts& item, const std::string& where, bool c
   ItemArchive a(item, where, check_crc, /*views=*/true);
   const pickle::NodePtr root = archive::read_data_pkl(a.dir, a.read, check_crc);
   if (!root->is(Node::Kind::Object) || root->class_name() != "torch._utils._rebuild_tensor_v2")
-    throw ValueError(where + " is not a readable tensor: it holds a " +
-                     (root->is(Node::Kind::Object) ? root->class_name()
-                                                   : std::string(to_string(root->kind))));
+    throw ValueError(
+        where + " is not a readable tensor: it holds a " +
+        (root->is(Node::Kind::Object) ? root->class_name() : std::string(to_string(root->kind))));
   return a.values.tensor(*root, "the chunk");
 }
 

@@ -414,9 +414,10 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in,
                              std::to_string(o.manifest()->items.size()) + " items, .metadata " +
                              std::to_string(o.metadata().storage_data.size()));
   } else {
-    rep.problems.push_back(std::string(what) + ": " + dir + " has no " + manifest::kFileName +
-                           ": nothing stronger than the items' zip CRC-32s can be checked (a checkpoint written by "
-                           "PyTorch?)");
+    rep.problems.push_back(
+        std::string(what) + ": " + dir + " has no " + manifest::kFileName +
+        ": nothing stronger than the items' zip CRC-32s can be checked (a checkpoint written by "
+        "PyTorch?)");
   }
   // Coverage: the chunks of every tensor tile it exactly (inside it, disjoint, volumes add up).
   std::map<std::string, const dcp::ItemMeta*> meta_items;

@@ -337,8 +337,8 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
   // 2. write, then exchange reports
   std::string msg;
   try {
-    msg = encode(write_items(flat, io, partial,
-                             "__" + std::to_string(rank) + "_0.distcp", rank, skip));
+    msg = encode(
+        write_items(flat, io, partial, "__" + std::to_string(rank) + "_0.distcp", rank, skip));
   } catch (const std::exception& e) {
     msg = std::string("E") + e.what();
   }
@@ -459,8 +459,7 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
       if (io.rename(old, hidden) == 0) {
         dropped.push_back(hidden);
       } else {
-        TORCH_WARN("fsdp checkpoint: keep_last could not remove ", old, ": ",
-                   std::strerror(errno));
+        TORCH_WARN("fsdp checkpoint: keep_last could not remove ", old, ": ", std::strerror(errno));
       }
     }
     if (!dropped.empty()) files::remove_tree_in_background(io, dropped, kWhat);

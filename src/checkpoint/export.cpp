@@ -18,8 +18,8 @@
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/files.h"
 #include "checkpoint/pickle.h"
-#include "checkpoint/torch_archive.h"
 #include "checkpoint/tensor_formats.h"
+#include "checkpoint/torch_archive.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {

@@ -84,8 +84,7 @@ void remove_tree(FileIO& io, const std::string& path, const char* what);
 /// right away): a replaced checkpoint's files take tens of milliseconds to unlink, which no rank
 /// should wait for. One removal at a time: a second call, wait_for_background_removal() and the
 /// process's exit wait for the one before. A failure is reported as a warning.
-void remove_tree_in_background(FileIO& io, const std::vector<std::string>& paths,
-                               const char* what);
+void remove_tree_in_background(FileIO& io, const std::vector<std::string>& paths, const char* what);
 void wait_for_background_removal();
 
 /// Which build of XXH3 hashes: the fastest the CPU runs (AVX2 on x86-64 CPUs that have it), or

@@ -1,6 +1,7 @@
-// Internal: the forms an optimizers' state dict takes in the get_/set_ API (torch.distributed.checkpoint.state_dict) and the
-// conversions between them: several optimizers' dicts merged into one and split back per
-// optimizer, and the flat one-level form (flatten_optim_state_dict in the public header).
+// Internal: the forms an optimizers' state dict takes in the get_/set_ API
+// (torch.distributed.checkpoint.state_dict) and the conversions between them: several optimizers'
+// dicts merged into one and split back per optimizer, and the flat one-level form
+// (flatten_optim_state_dict in the public header).
 #pragma once
 
 #include <torch/optim/optimizer.h>

@@ -186,8 +186,8 @@ pickle::NodePtr read_data_pkl(const Directory& dir, const ReadFn& read, bool che
   pickle::ReadLimits limits;
   limits.persistent_ids = true;
   if (pkl->size > static_cast<int64_t>(limits.max_bytes))
-    throw ValueError(dir.where() + ": data.pkl is larger than " +
-                     std::to_string(limits.max_bytes) + " bytes");
+    throw ValueError(dir.where() + ": data.pkl is larger than " + std::to_string(limits.max_bytes) +
+                     " bytes");
   std::string bytes(static_cast<size_t>(pkl->size), '\0');
   read(pkl->offset, bytes.size(), bytes.data());
   if (check_crc && crc32(bytes.data(), bytes.size()) != pkl->crc32)
@@ -234,8 +234,7 @@ StateValue Values::value(const pickle::NodePtr& n, const std::string& name, int 
       if (n->class_name() == "torch._utils._rebuild_tensor_v2") return tensor(*n, name);
       fail(name + " is a " + n->class_name() + ", which fsdp-cpp does not read");
     default:
-      fail(name + " is a Python " + pickle::to_string(n->kind) +
-           ", which a StateDict cannot hold");
+      fail(name + " is a Python " + pickle::to_string(n->kind) + ", which a StateDict cannot hold");
   }
 }
 

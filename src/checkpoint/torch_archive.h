@@ -15,9 +15,9 @@
 
 #include <cstdint>
 #include <exception>
-#include <memory>
 #include <functional>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 

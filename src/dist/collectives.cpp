@@ -62,9 +62,7 @@ bool gloo_lacks(const std::string& backend, at::ScalarType t) {
 // and moving them is the same copy (numel scales by the element size).
 // A 0-d tensor (a scalar parameter, an optimizer's step) cannot be viewed as another dtype: it goes
 // as its one-element 1-d view, which aliases it as the byte view must.
-at::Tensor as_wire(const at::Tensor& t) {
-  return (t.dim() == 0 ? t.view({1}) : t).view(at::kByte);
-}
+at::Tensor as_wire(const at::Tensor& t) { return (t.dim() == 0 ? t.view({1}) : t).view(at::kByte); }
 
 // Staging (ProcessGroup::device()): NCCL takes CUDA tensors only, and Gloo's CUDA support varies
 // by op and release, so a tensor that is not on the group's device travels through a copy there.
@@ -451,8 +449,8 @@ void ProcessGroup::all_to_all_single(const at::Tensor& output, const at::Tensor&
                           const char* which) {
     if (splits.empty()) {
       if (t.numel() % s.size != 0) {
-        throw ValueError(describe(op, *this) + ": " + which + " has " +
-                         std::to_string(t.numel()) + " elements, not divisible into equal splits");
+        throw ValueError(describe(op, *this) + ": " + which + " has " + std::to_string(t.numel()) +
+                         " elements, not divisible into equal splits");
       }
       return;
     }
@@ -496,8 +494,8 @@ void ProcessGroup::all_to_all_single(const at::Tensor& output, const at::Tensor&
   at::Tensor in_bytes = input.view(-1).view(at::kByte);
   c10d::AllToAllOptions opts;
   opts.timeout = s.timeout;
-  launch(op, FSDP_START(op, s.backend->alltoall_base(out_bytes, in_bytes, out_splits, in_splits,
-                                                      opts)))
+  launch(op,
+         FSDP_START(op, s.backend->alltoall_base(out_bytes, in_bytes, out_splits, in_splits, opts)))
       .wait();
 }
 

@@ -88,7 +88,7 @@ FlatParamLayout FlatParamLayout::compute(const std::vector<std::string>& fqns,
 }
 
 at::Tensor FlatParamLayout::flatten(const std::vector<at::Tensor>& tensors,
-                                   double padding_value) const {
+                                    double padding_value) const {
   if (tensors.size() != numels.size()) {
     throw ValueError("FlatParamLayout::flatten: expects " + std::to_string(numels.size()) +
                      " tensors but got " + std::to_string(tensors.size()));

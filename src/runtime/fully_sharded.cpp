@@ -103,14 +103,14 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
     // GPU would route every unshard and reduction through that one (or, with every rank on
     // cuda:0, fail inside NCCL). Checked before the module is moved. (Computing on the CPU over
     // NCCL is allowed, if slow: its tensors are staged through the GPU.)
-    const at::Device compute =
-        options_.device_id()       ? detail::with_index(*options_.device_id())
-        : module_->parameters().empty() ? world.device()
-                                        : module_->parameters()[0].device();
+    const at::Device compute = options_.device_id() ? detail::with_index(*options_.device_id())
+                               : module_->parameters().empty() ? world.device()
+                                                               : module_->parameters()[0].device();
     if (world.backend_name() == "nccl" && compute.is_cuda() && compute != world.device()) {
       throw ValueError("FullyShardedDataParallel: rank " + std::to_string(world.rank()) +
                        " computes on " + compute.str() + " but its NCCL group communicates from " +
-                       world.device().str() + "; set each rank's CUDA device (e.g. "
+                       world.device().str() +
+                       "; set each rank's CUDA device (e.g. "
                        "c10::cuda::set_device(local_rank)) before init_process_group");
     }
   }
@@ -123,9 +123,11 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
     auto move = [&](const std::string& kind, const std::string& name, at::Tensor t) {
       if (t.device() == dev) return;
       if (!t.device().is_cpu()) {
-        throw ValueError("FullyShardedDataParallel: inconsistent compute device and device_id on "
-                         "rank " + std::to_string(world.rank()) + ": " + kind + " '" + name +
-                         "' is on " + t.device().str() + ", device_id is " + dev.str());
+        throw ValueError(
+            "FullyShardedDataParallel: inconsistent compute device and device_id on "
+            "rank " +
+            std::to_string(world.rank()) + ": " + kind + " '" + name + "' is on " +
+            t.device().str() + ", device_id is " + dev.str());
       }
       t.set_data(t.to(dev));
     };

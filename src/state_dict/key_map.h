@@ -60,7 +60,6 @@ class NoShardFallback {
   FullStateDictConfig prev_full_;
 };
 
-
 // Where a managed parameter lives: unit index and index in its handle.
 struct ParamLoc {
   int unit = -1;
@@ -90,7 +89,6 @@ class FlatShardBoxes {
   const FlatParamLayout& layout_;
   std::vector<std::vector<ShardParamInfo>> infos_;  // per rank, per parameter
 };
-
 
 }  // namespace detail
 }  // namespace fsdp

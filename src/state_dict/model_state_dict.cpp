@@ -79,7 +79,8 @@ std::vector<ShardMetadata> FlatShardBoxes::of(size_t i) const {
   for (int r = 0; r < layout_.world_size; ++r) {
     const ShardParamInfo& s = infos_[r][i];
     if (!s.in_shard) continue;
-    for (auto& b : flat_range_boxes(layout_.shapes[i], s.intra_param_start_idx, s.numel_in_shard, r))
+    for (auto& b :
+         flat_range_boxes(layout_.shapes[i], s.intra_param_start_idx, s.numel_in_shard, r))
       all.push_back(std::move(b));
   }
   return all;
@@ -186,13 +187,14 @@ StateDict sharded_state_dict(const RuntimeView& rt, const ShardedStateDictConfig
       const at::Tensor flat = h.flat_param().detach();
       for (size_t i = 0; i < h.layout().shapes.size(); ++i) {
         const auto& shape = h.layout().shapes[i];
-        if (h.layout().numels[i] == 0) {  // no shard holds any of it: one empty piece, as chunk_sharded
+        if (h.layout().numels[i] ==
+            0) {  // no shard holds any of it: one empty piece, as chunk_sharded
           values[{u.index, i}] = chunk_sharded(at::empty(shape, flat.options()), rank, world);
           continue;
         }
         const ShardParamInfo& s = h.shard_param_infos()[i];
-        at::Tensor data = s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard)
-                                     : flat.narrow(0, 0, 0);
+        at::Tensor data =
+            s.in_shard ? flat.narrow(0, s.offset_in_shard, s.numel_in_shard) : flat.narrow(0, 0, 0);
         data = detail::kept_value(data, offload);
         values[{u.index, i}] = sharded_from_flat_range(
             shape, s.in_shard ? s.intra_param_start_idx : 0, data, rank, boxes.of(i));
