@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(cmake g++ make ccache libtorch-dev libgloo-dev libgtest-dev libbenchmark-dev
           nlohmann-json3-dev libxxhash-dev libcli11-dev libisal-dev)
+# The formatting check (scripts/check_format.sh) pins Debian 12's clang-format 14; other releases
+# have none by that name, and skip the check.
+if apt-cache show clang-format-14 > /dev/null 2>&1; then PACKAGES+=(clang-format-14); fi
 # shellcheck disable=SC2206  # a space-separated list on purpose
 PACKAGES+=(${FSDP_EXTRA_PACKAGES:-})
 missing=()
