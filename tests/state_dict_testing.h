@@ -28,6 +28,19 @@ std::string error_of(Fn&& fn) {
   return "(no error)";
 }
 
+/// As error_of, when the error is an `E`; otherwise "(not the expected kind) " + its message.
+template <typename E, typename Fn>
+std::string error_of_kind(Fn&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const fsdp::Error& e) {
+    return std::string("(not the expected kind) ") + e.what();
+  }
+  return "(no error)";
+}
+
 /// The model's FULL state dict (whatever type it is set to otherwise). Collective.
 inline StateDict full_of(FullyShardedDataParallel& model) {
   StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT);

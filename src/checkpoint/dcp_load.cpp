@@ -143,14 +143,16 @@ void CheckpointReader::check_digest(const std::string& key, const dcp::StorageIn
                                     const std::string& h) const {
   const manifest::Item* m = mf_->find(info.relative_path, info.offset);
   const std::string at = where(key, info);
-  if (!m) throw ValueError(std::string(what_) + ": " + at + " has no checksum in the manifest");
+  if (!m)
+    throw CorruptionError(std::string(what_) + ": " + at + " has no checksum in the manifest");
   if (m->length != info.length || m->key != key)
-    throw ValueError(std::string(what_) + ": " + at + " disagrees with the manifest (which has '" +
-                     m->key + "', " + std::to_string(m->length) + " bytes)");
+    throw CorruptionError(std::string(what_) + ": " + at +
+                          " disagrees with the manifest (which has '" + m->key + "', " +
+                          std::to_string(m->length) + " bytes)");
   if (h != m->xxh3)
-    throw ValueError(std::string(what_) + ": checksum mismatch for " + at + " (" +
-                     std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " + m->xxh3 +
-                     "): the file is corrupt");
+    throw CorruptionError(std::string(what_) + ": checksum mismatch for " + at + " (" +
+                          std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " +
+                          m->xxh3 + "): the file is corrupt");
 }
 
 void CheckpointReader::read_hashed(const std::string& path, int64_t offset, int64_t length,

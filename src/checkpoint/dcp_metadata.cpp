@@ -68,7 +68,7 @@ class Parser {
   explicit Parser(std::string what) : what_(std::move(what)) {}
 
   [[noreturn]] void fail(const std::string& where, const std::string& msg) const {
-    throw ValueError(what_ + ": " + (where.empty() ? "" : where + ": ") + msg);
+    throw CorruptionError(what_ + ": " + (where.empty() ? "" : where + ": ") + msg);
   }
 
   // The attributes of a dataclass instance of one of `classes`: BUILD's dict, or the slots dict
@@ -390,8 +390,8 @@ class WireReader {
  public:
   WireReader(const std::string& b, const std::string& what) : b_(b), what_(what) {}
   [[noreturn]] void fail(const std::string& msg) const {
-    throw ValueError(what_ + ": " + msg + " (at byte " + std::to_string(pos_) + " of " +
-                     std::to_string(b_.size()) + ")");
+    throw CorruptionError(what_ + ": " + msg + " (at byte " + std::to_string(pos_) + " of " +
+                          std::to_string(b_.size()) + ")");
   }
   uint8_t u8() {
     need(1);

@@ -25,6 +25,7 @@
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/files.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/wire_error.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
 
@@ -219,29 +220,34 @@ void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& p
   files::sync_dir(io, partial, kWhat);
 
   const int existing = io.is_dir(dir);
-  if (existing < 0)
-    throw Error(std::string(kWhat) + ": cannot stat " + dir + ": " + std::strerror(errno));
+  if (existing < 0) {
+    const int err = errno;  // before the message allocates
+    files::io_error(kWhat, "checking", dir, err);
+  }
   if (existing == 0 && io.file_size(dir) >= 0)
-    throw Error(std::string(kWhat) + ": " + dir + " exists and is not a directory");
+    throw ValueError(std::string(kWhat) + ": " + dir + " exists and is not a directory");
   // A replaced checkpoint ends up at `old`, to be unlinked in the background (tens of
   // milliseconds for a large checkpoint, which no rank waits for; the next save waits for it and
   // removes a leftover of a process that died first).
   const std::string old = partial + ".old";
   bool replaced = false;
   if (existing == 0) {
-    if (io.rename(partial, dir) != 0)
-      throw Error(std::string(kWhat) + ": renaming " + partial + " to " + dir +
-                  " failed: " + std::strerror(errno));
+    if (io.rename(partial, dir) != 0) {
+      const int err = errno;  // before the message allocates
+      files::io_error(kWhat, "renaming", partial + " to " + dir, err);
+    }
   } else if (io.exchange(partial, dir) == 0) {
     replaced = io.rename(partial, old) == 0;  // `partial` now holds the replaced checkpoint
   } else {
-    if (errno != EINVAL && errno != ENOSYS)
-      throw Error(std::string(kWhat) + ": swapping " + partial + " with the checkpoint at " + dir +
-                  " failed: " + std::strerror(errno));
+    if (errno != EINVAL && errno != ENOSYS) {
+      const int err = errno;  // before the message allocates
+      files::io_error(kWhat, "swapping", partial + " with the checkpoint at " + dir, err);
+    }
     // No atomic swap here: move the old one aside first (a crash in between leaves it there).
-    if (io.rename(dir, old) != 0 || io.rename(partial, dir) != 0)
-      throw Error(std::string(kWhat) + ": replacing the checkpoint at " + dir +
-                  " failed: " + std::strerror(errno));
+    if (io.rename(dir, old) != 0 || io.rename(partial, dir) != 0) {
+      const int err = errno;  // before the message allocates
+      files::io_error(kWhat, "replacing the checkpoint at", dir, err);
+    }
     replaced = true;
   }
   files::sync_dir(io, files::parent_of(dir), kWhat);
@@ -287,11 +293,12 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
       files::make_dirs(io, files::parent_of(dir), kWhat);
       files::remove_tree(io, partial, kWhat);
       files::remove_tree(io, partial + ".old", kWhat);
-      if (io.mkdir(partial, 0755) != 0)
-        throw Error(std::string(kWhat) + ": creating " + partial +
-                    " failed: " + std::strerror(errno));
+      if (io.mkdir(partial, 0755) != 0) {
+        const int err = errno;  // before the message allocates
+        files::io_error(kWhat, "creating", partial, err);
+      }
     } catch (const std::exception& e) {
-      error = e.what();
+      error = wire::encode(e);
     }
   }
   // DCP's flattening, once: the box lists and the writing both walk it.
@@ -304,23 +311,25 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
       held = "O" + held_chunks(flat);
     }
   } catch (const std::exception& e) {
-    error = e.what();
+    error = wire::encode(e);
   }
   if (!error.empty()) held = "E" + error;
   const std::vector<std::string> prepared =
       group ? group->all_gather_bytes(held) : std::vector<std::string>{held};
   std::set<std::string> skip;  // boxes a lower rank writes
-  error.clear();
+  error.clear();               // encoded (wire_error.h): the first failure, with its kind
+  std::string text;
   for (int r = 0; r < static_cast<int>(prepared.size()) && error.empty(); ++r) {
     const std::string& m = prepared[r];
     if (m.empty() || m[0] != 'O') {
-      error = (m.empty() ? std::string("no report") : m.substr(1)) + " (on rank " +
-              std::to_string(r) + ")";
+      error = m.empty() ? std::string("Eno report") : m.substr(1);
+      text = wire::message(error) + " (on rank " + std::to_string(r) + ")";
     } else {
       try {
         parse_held(m, 1, r < rank ? &skip : nullptr, r);
       } catch (const std::exception& e) {
-        error = e.what();
+        error = wire::encode(e);
+        text = e.what();
       }
     }
   }
@@ -331,7 +340,7 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
       } catch (const std::exception&) {
       }
     }
-    throw Error(error);
+    wire::rethrow(error, text);
   }
 
   // 2. write, then exchange reports
@@ -340,15 +349,17 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
     msg = encode(
         write_items(flat, io, partial, "__" + std::to_string(rank) + "_0.distcp", rank, skip));
   } catch (const std::exception& e) {
-    msg = std::string("E") + e.what();
+    msg = "E" + wire::encode(e);
   }
   const std::vector<std::string> all =
       group ? group->all_gather_bytes(msg) : std::vector<std::string>{msg};
-  std::string failures;
+  std::string failures, first;  // `first`: the first failure, encoded, whose kind is thrown
   for (size_t r = 0; r < all.size(); ++r) {
     if (!all[r].empty() && all[r][0] == 'M') continue;
+    const std::string e = all[r].empty() ? std::string("Eno report") : all[r].substr(1);
+    if (first.empty()) first = e;
     failures += (failures.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " +
-                (all[r].empty() ? "no report" : all[r].substr(1));
+                wire::message(e);
   }
   if (!failures.empty()) {
     if (rank == 0) {
@@ -357,7 +368,8 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
       } catch (const std::exception&) {
       }
     }
-    throw Error(std::string(kWhat) + " of " + dir + " failed, nothing was committed: " + failures);
+    wire::rethrow(
+        first, std::string(kWhat) + " of " + dir + " failed, nothing was committed: " + failures);
   }
 
   // 3. commit
@@ -369,11 +381,12 @@ void save_impl(const StateDict& state_dict, const std::string& dir_in, const Sav
       commit(io, parts, partial, dir, o.annotations());
       if (after_commit) after_commit();
     } catch (const std::exception& e) {
-      error = e.what();
+      error = wire::encode(e);
     }
   }
   error = verdict(group, error);
-  if (!error.empty()) throw Error(rank == 0 ? error : error + " (on rank 0)");
+  if (!error.empty())
+    wire::rethrow(error, rank == 0 ? wire::message(error) : wire::message(error) + " (on rank 0)");
 }
 
 bool parse_step(const std::string& name, int64_t& step) {
@@ -405,8 +418,10 @@ std::vector<int64_t> list_steps(const std::string& root, FileIO* io_in) {
   std::vector<std::string> names;
   std::vector<int64_t> steps;
   if (io.is_dir(root) != 1) return steps;
-  if (io.list_dir(root, names) != 0)
-    throw Error("checkpoint: listing " + root + " failed: " + std::strerror(errno));
+  if (io.list_dir(root, names) != 0) {
+    const int err = errno;  // before the message allocates
+    files::io_error("checkpoint", "listing", root, err);
+  }
   for (const auto& n : names) {
     int64_t s = 0;
     if (parse_step(n, s) && io.file_size(files::join(files::join(root, n), ".metadata")) >= 0)
@@ -442,8 +457,10 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
   auto point_latest = [&] {
     const std::string tmp = files::join(root, ".latest.tmp");
     files::write_file(io, tmp, "step_" + std::to_string(step) + "\n", kWhat);
-    if (io.rename(tmp, files::join(root, "latest")) != 0)
-      throw Error(std::string(kWhat) + ": renaming " + tmp + " failed: " + std::strerror(errno));
+    if (io.rename(tmp, files::join(root, "latest")) != 0) {
+      const int err = errno;  // before the message allocates
+      files::io_error(kWhat, "renaming", tmp, err);
+    }
     files::sync_dir(io, root, kWhat);
     if (options.keep_last() <= 0) return;
     std::vector<int64_t> steps = list_steps(root, &io);

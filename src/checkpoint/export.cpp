@@ -141,9 +141,10 @@ at::Tensor fetch_checked(const Source& src, const Entry& e) {
 }
 
 void commit_file(FileIO& io, const std::string& tmp, const std::string& path) {
-  if (io.rename(tmp, path) != 0)
-    throw Error(std::string(kWhat) + ": renaming " + tmp + " to " + path +
-                " failed: " + std::strerror(errno));
+  if (io.rename(tmp, path) != 0) {
+    const int err = errno;  // before the message allocates
+    files::io_error(kWhat, "renaming", tmp + " to " + path, err);
+  }
 }
 
 std::vector<std::string> write_safetensors(const Source& src, const std::string& out_dir,

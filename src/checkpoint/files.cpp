@@ -83,14 +83,10 @@ FileIO& default_file_io() {
 }
 
 namespace files {
-namespace {
 
-[[noreturn]] void io_error(const char* what, const std::string& op, const std::string& path,
-                           int err) {
-  throw Error(std::string(what) + ": " + op + " " + path + " failed: " + std::strerror(err));
+void io_error(const char* what, const std::string& op, const std::string& path, int err) {
+  throw IOError(std::string(what) + ": " + op + " " + path + " failed: " + std::strerror(err), err);
 }
-
-}  // namespace
 
 std::string join(const std::string& dir, const std::string& name) {
   return dir.empty() || dir == "." ? name : dir + "/" + name;
@@ -183,9 +179,9 @@ void check_range(FileIO& io, const std::string& path, int64_t offset, int64_t le
   if (size < 0)
     throw ValueError(std::string(what) + ": cannot open " + path + ": " + std::strerror(errno));
   if (offset < 0 || length < 0 || offset > size || length > size - offset) {
-    throw ValueError(std::string(what) + ": " + path + " has " + std::to_string(size) +
-                     " bytes; the bytes asked for lie at [" + std::to_string(offset) + ", " +
-                     std::to_string(offset) + " + " + std::to_string(length) + ")");
+    throw CorruptionError(std::string(what) + ": " + path + " has " + std::to_string(size) +
+                          " bytes; the bytes asked for lie at [" + std::to_string(offset) + ", " +
+                          std::to_string(offset) + " + " + std::to_string(length) + ")");
   }
 }
 
@@ -207,9 +203,9 @@ void pread_all(FileIO& io, const std::string& path, int64_t offset, int64_t leng
   io.close(fd);
   if (err != 0) io_error(what, "reading", path, err);
   if (done < length)
-    throw ValueError(std::string(what) + ": " + path + " ended at byte " +
-                     std::to_string(offset + done) + ", before the " + std::to_string(length) +
-                     " bytes at " + std::to_string(offset));
+    throw CorruptionError(std::string(what) + ": " + path + " ended at byte " +
+                          std::to_string(offset + done) + ", before the " + std::to_string(length) +
+                          " bytes at " + std::to_string(offset));
 }
 
 namespace {

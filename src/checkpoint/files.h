@@ -15,6 +15,11 @@ namespace fsdp {
 namespace checkpoint {
 namespace files {
 
+/// Throws IOError "<what>: <op> <path> failed: <strerror(err)>" carrying `err` (an errno, read
+/// by the caller right after the failed call).
+[[noreturn]] void io_error(const char* what, const std::string& op, const std::string& path,
+                           int err);
+
 std::string join(const std::string& dir, const std::string& name);
 /// "a/b/c" -> "a/b"; "c" -> "."; trailing slashes ignored.
 std::string parent_of(const std::string& path);

@@ -183,7 +183,8 @@ StateDict load_pt(const std::string& path, FileIO* io_in) {
         char* p = static_cast<char*>(t.data_ptr());
         read(r.offset, static_cast<size_t>(r.size), p);
         if (archive::crc32(p, static_cast<size_t>(r.size)) != r.crc32)
-          throw ValueError(where + ": storage " + key + " fails its CRC-32: the file is corrupt");
+          throw CorruptionError(where + ": storage " + key +
+                                " fails its CRC-32: the file is corrupt");
         return t;
       },
       size, where);

@@ -34,7 +34,7 @@ bool hex16(const std::string& s) {
 struct Reader {
   const std::string& path;
   [[noreturn]] void fail(const std::string& what) const {
-    throw ValueError("checkpoint manifest " + path + ": " + what);
+    throw CorruptionError("checkpoint manifest " + path + ": " + what);
   }
   const json& field(const json& obj, const char* name) const {
     if (!obj.is_object()) fail(std::string("expected an object holding '") + name + "'");

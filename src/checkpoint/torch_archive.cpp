@@ -191,7 +191,7 @@ pickle::NodePtr read_data_pkl(const Directory& dir, const ReadFn& read, bool che
   std::string bytes(static_cast<size_t>(pkl->size), '\0');
   read(pkl->offset, bytes.size(), bytes.data());
   if (check_crc && crc32(bytes.data(), bytes.size()) != pkl->crc32)
-    throw ValueError(dir.where() + ": data.pkl fails its CRC-32: the file is corrupt");
+    throw CorruptionError(dir.where() + ": data.pkl fails its CRC-32: the file is corrupt");
   try {
     return pickle::read(bytes, pickle_globals(), limits);
   } catch (const pickle::PickleError& e) {
