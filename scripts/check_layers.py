@@ -32,7 +32,8 @@ PUBLIC = {
     "dist.h": "dist",
     "flat_param.h": "flat_param",
     "fully_sharded.h": "runtime",
-    "state_dict.h": "state_dict",  # the value model: StateValue, ShardedTensor
+    "state_value.h": "state_dict",  # the value model: StateDict, StateValue, ShardedTensor
+    "state_dict.h": "state_dict",  # its deprecated name
     "model_state_dict.h": "state_dict",
     "optim_state_dict.h": "state_dict",
     "state_dict_utils.h": "state_dict",
@@ -149,7 +150,7 @@ def self_test():
         "src/checkpoint/c.cpp": '#include "state_dict/interface.h"\n#include "fsdp/errors.h"\n',
         "include/fsdp/dist.h": '#include "fsdp/compat.h"\n',
         "include/fsdp/fsdp.h": '#include "fsdp/checkpoint/checkpoint.h"\n',
-        "include/fsdp/checkpoint/checkpoint.h": '#include "fsdp/state_dict.h"\n',
+        "include/fsdp/checkpoint/checkpoint.h": '#include "fsdp/state_value.h"\n',
         "tools/t.cpp": '#include "fsdp/fsdp.h"\n',
     }
     violations = {

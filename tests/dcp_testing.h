@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "fsdp/checkpoint/checkpoint.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 namespace testing {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 #include "safetensors_io.h"
 
 namespace fsdp {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 namespace testing {

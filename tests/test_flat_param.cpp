@@ -529,12 +529,12 @@ TEST(FlatParamHandle, ErrorsNameTheParameter) {
       Net net(0);
       FlatParamHandle h(fsdp::collect_params(net.ptr()), pg);
       EXPECT_TRUE(fsdp::collect_params(net.ptr()).empty());  // already owned: skipped
-      std::vector<fsdp::ParamRef> again{{"odd", net.ptr(), ""}};
+      std::vector<fsdp::ParamInfo> again{{"odd", net.ptr(), ""}};
       expect_error([&] { FlatParamHandle h2(again, pg); }, "'odd'");
       auto holder = std::make_shared<torch::nn::Module>();
       holder->register_parameter("flat", h.flat_param());
       EXPECT_TRUE(fsdp::collect_params(holder).empty());
-      std::vector<fsdp::ParamRef> flat{{"flat", holder, ""}};
+      std::vector<fsdp::ParamInfo> flat{{"flat", holder, ""}};
       expect_error([&] { FlatParamHandle h3(flat, pg); }, "FlatParameter: 'flat'");
     }
     expect_error([&] { FlatParamHandle h({}, pg); }, "non-empty");

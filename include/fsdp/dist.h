@@ -144,8 +144,11 @@ class Work {
   /// naming the operation; set TORCH_NCCL_BLOCKING_WAIT=1 to have wait() block and throw
   /// DistError instead (at the cost of the CPU waiting for every collective).
   void wait();
-  /// True when wait() has nothing left to do.
-  bool done() const { return !pending_; }
+  /// True once wait() has run (or there was nothing to wait for): not whether the collective has
+  /// finished, which c10d's isCompleted() tells and this API does not poll.
+  bool waited() const { return !pending_; }
+  /// Deprecated (one release): waited(), whose name says what it means.
+  [[deprecated("done() means wait() has run; use waited()")]] bool done() const { return waited(); }
 
  private:
   friend class ProcessGroup;

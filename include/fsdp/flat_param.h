@@ -80,6 +80,10 @@ struct SharedParamInfo {
 /// flat_shard[offset_in_shard, offset_in_shard + numel_in_shard) holds
 /// param.flatten()[intra_param_start_idx, intra_param_end_idx] (end inclusive, as in PyTorch).
 /// When not `in_shard`, the other fields are -1.
+/// Three shard descriptors, one per purpose: ShardParamInfo (here) is per parameter and per rank,
+/// what FlatParamHandle computes and gradients and state dicts use; FlatParamShardMetadata sums
+/// up one rank's shard as PyTorch's FlatParameter exposes it; ShardMetadata (state_value.h) is a
+/// box of a ShardedTensor in a state dict or checkpoint.
 struct ShardParamInfo {
   bool in_shard = false;
   int64_t offset_in_shard = -1;
@@ -90,7 +94,8 @@ struct ShardParamInfo {
 };
 
 /// This rank's shard, described by the parameters it touches (PyTorch's FlatParamShardMetadata):
-/// parameters without data here are left out; padding is not listed.
+/// parameters without data here are left out; padding is not listed. For inspection and
+/// PyTorch parity; the handle itself works from ShardParamInfo.
 struct FlatParamShardMetadata {
   /// FQNs, relative to the same module as FlatParamLayout::fqns (see there).
   std::vector<std::string> param_names;
@@ -183,14 +188,14 @@ struct FlatParamHandleOptions {
   TORCH_ARG(bool, check_ranks_agree) = true;
 };
 
-/// A parameter to flatten: registered under `param_name` on `module`, whose FQN is `module_name`.
-using ParamRef = ParamInfo;
+/// Deprecated (one release): the same type as ParamInfo, which names it everywhere now.
+using ParamRef [[deprecated("use fsdp::ParamInfo, the same type")]] = ParamInfo;
 
 /// Collects, in traversal order, the parameters registered on `root` and its descendants, as
 /// `root->named_parameters()` would list them, skipping modules in `ignored_modules` (and their
 /// subtrees) and parameters already owned by a FlatParamHandle. Tied parameters appear once per
 /// owner. `prefix` is prepended to module names.
-std::vector<ParamRef> collect_params(
+std::vector<ParamInfo> collect_params(
     const std::shared_ptr<torch::nn::Module>& root, const std::string& prefix = "",
     const std::vector<std::shared_ptr<torch::nn::Module>>& ignored_modules = {});
 
@@ -206,7 +211,7 @@ class FlatParamHandle {
   /// flat parameter or already flattened; dtypes are not one floating dtype; devices differ;
   /// requires_grad differs without use_orig_params; or (check_ranks_agree) another rank's
   /// parameters differ in FQN, shape, dtype or requires_grad.
-  FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGroup group,
+  FlatParamHandle(std::vector<ParamInfo> params, dist::ProcessGroup group,
                   FlatParamHandleOptions options = {});
   ~FlatParamHandle();
   FlatParamHandle(const FlatParamHandle&) = delete;

@@ -20,7 +20,7 @@
 //   state    state dicts of the model and the optimizer, FULL / SHARDED / LOCAL, keyed by the
 //            unwrapped model's names (model_state_dict.h, optim_state_dict.h; the unified
 //            get_state_dict / set_state_dict of checkpoint/state_dict.h; utilities in
-//            state_dict_utils.h; the values are state_dict.h's StateValue and ShardedTensor).
+//            state_dict_utils.h; the values are state_value.h's StateValue and ShardedTensor).
 //   disk     checkpoint/checkpoint.h saves and loads them in PyTorch DCP's layout, at any world
 //            size; checkpoint/async_save.h saves in the background; checkpoint/export.h writes
 //            safetensors and torch.load-able .pt files.
@@ -41,5 +41,5 @@
 #include "fsdp/fully_sharded.h"
 #include "fsdp/model_state_dict.h"
 #include "fsdp/optim_state_dict.h"
-#include "fsdp/state_dict.h"
 #include "fsdp/state_dict_utils.h"
+#include "fsdp/state_value.h"

@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "fsdp/fully_sharded.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 

@@ -48,7 +48,7 @@
 #include <functional>
 
 #include "fsdp/model_state_dict.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "fsdp/dist.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 

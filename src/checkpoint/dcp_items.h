@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "checkpoint/dcp_metadata.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 namespace checkpoint {

@@ -16,7 +16,7 @@
 #include "checkpoint/files.h"
 #include "checkpoint/manifest.h"
 #include "fsdp/checkpoint/file_io.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 namespace checkpoint {

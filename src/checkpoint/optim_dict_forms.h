@@ -9,7 +9,7 @@
 #include <functional>
 #include <string>
 
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 #include "state_dict/interface.h"
 
 namespace fsdp {

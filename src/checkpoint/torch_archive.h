@@ -22,7 +22,7 @@
 #include <string>
 
 #include "checkpoint/pickle.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 namespace checkpoint {

@@ -47,7 +47,7 @@ constexpr double kPaddingValue = 42.0;
 // ---------------------------------------------------------------------------------------------
 // Construction
 
-FlatParamHandle::FlatParamHandle(std::vector<ParamRef> params, dist::ProcessGroup group,
+FlatParamHandle::FlatParamHandle(std::vector<ParamInfo> params, dist::ProcessGroup group,
                                  FlatParamHandleOptions options)
     : options_(std::move(options)), group_(std::move(group)) {
   if (params.empty()) throw ValueError("FlatParamHandle: expects a non-empty list of parameters");

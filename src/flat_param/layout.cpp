@@ -253,11 +253,11 @@ bool is_fsdp_flattened(const at::Tensor& t) {
   return detail::find_locked(t) != nullptr;
 }
 
-std::vector<ParamRef> collect_params(
+std::vector<ParamInfo> collect_params(
     const std::shared_ptr<torch::nn::Module>& root, const std::string& prefix,
     const std::vector<std::shared_ptr<torch::nn::Module>>& ignored_modules) {
   if (!root) throw ValueError("collect_params: null module");
-  std::vector<ParamRef> out;
+  std::vector<ParamInfo> out;
   std::vector<std::string> ignored_prefixes;
   auto modules = root->named_modules(prefix, /*include_self=*/true);
   for (const auto& item : modules) {
@@ -274,7 +274,7 @@ std::vector<ParamRef> collect_params(
     if (skip) continue;
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       if (is_fsdp_flattened(p.value())) continue;
-      out.push_back(ParamRef{p.key(), item.value(), name});
+      out.push_back(ParamInfo{p.key(), item.value(), name});
     }
   }
   return out;

@@ -216,13 +216,13 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
   // on every rank, so their collectives line up.
   std::vector<std::unique_ptr<detail::Unit>> built;
   for (const auto& ufqn : unit_fqns) {
-    std::vector<ParamRef> refs;
+    std::vector<ParamInfo> refs;
     for (const auto& [mfqn, m] : tree.modules) {
       if (!under(mfqn, ufqn)) continue;
       for (const auto& p : m->named_parameters(false)) {
         auto c = claimed_by.find(p.value().unsafeGetTensorImpl());
         if (c != claimed_by.end() && c->second == ufqn) {
-          refs.push_back(ParamRef{p.key(), m, mfqn});
+          refs.push_back(ParamInfo{p.key(), m, mfqn});
         }
       }
     }

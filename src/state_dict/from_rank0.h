@@ -4,7 +4,7 @@
 #pragma once
 
 #include "fsdp/model_state_dict.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 #include <algorithm>
 #include <vector>

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 namespace detail {

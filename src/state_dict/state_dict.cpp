@@ -1,5 +1,5 @@
 // StateDict / StateValue, ShardedTensor, and the unwrapped module's state dict (save and load).
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"

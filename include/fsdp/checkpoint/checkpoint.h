@@ -44,7 +44,7 @@
 
 #include "fsdp/checkpoint/file_io.h"
 #include "fsdp/dist.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 namespace checkpoint {

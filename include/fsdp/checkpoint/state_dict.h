@@ -40,7 +40,7 @@
 #include <vector>
 
 #include "fsdp/model_state_dict.h"
-#include "fsdp/state_dict.h"
+#include "fsdp/state_value.h"
 
 namespace fsdp {
 namespace checkpoint {
