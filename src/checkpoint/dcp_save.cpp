@@ -269,124 +269,154 @@ std::string verdict(dist::ProcessGroup* group, const std::string& mine) {
 
 using Hook = std::function<void()>;
 
-void save_impl(const StateDict& state_dict, const std::string& dir_in, const SaveOptions& o,
-               const Hook& before_prepare, const Hook& after_commit) {
-  dist::ProcessGroup* group = o.group();
-  if (!group && dist::is_initialized()) group = &dist::default_group();
-  FileIO& io = o.io() ? *o.io() : default_file_io();
-  const int rank = group ? group->rank() : 0;
-  const std::string dir = files::normalize(dir_in);
-  const std::string name = files::base_of(dir);
-  if (name == "." || name == ".." || name == "/")
-    throw ValueError(std::string(kWhat) + ": '" + dir_in + "' does not name a directory to create");
-  const std::string partial = files::join(files::parent_of(dir), "." + name + ".partial");
+// One collective save in its three phases. Each phase ends in an exchange, so every rank leaves
+// at the same phase and throws the same kind of error (wire_error.h); after a failure rank 0
+// removes the partial directory, which no rank writes to any more.
+class SaveRun {
+ public:
+  SaveRun(const SaveOptions& o, const std::string& dir_in)
+      : group_(o.group()), io_(o.io() ? *o.io() : default_file_io()) {
+    if (!group_ && dist::is_initialized()) group_ = &dist::default_group();
+    rank_ = group_ ? group_->rank() : 0;
+    dir_ = files::normalize(dir_in);
+    const std::string name = files::base_of(dir_);
+    if (name == "." || name == ".." || name == "/")
+      throw ValueError(std::string(kWhat) + ": '" + dir_in +
+                       "' does not name a directory to create");
+    partial_ = files::join(files::parent_of(dir_), "." + name + ".partial");
+  }
+  SaveRun(const SaveRun&) = delete;
+  SaveRun& operator=(const SaveRun&) = delete;
 
-  // 1. prepare: rank 0 makes the partial directory; every rank says which boxes it holds, so
-  // that a box several ranks hold (replicas under HYBRID_SHARD, NO_SHARD optimizer state) is
-  // written once, by the lowest of them (DCP's dedup_save_plans). One small exchange.
-  std::string error;
-  if (rank == 0) {
-    try {
-      // An earlier save's removal may still be running over the names cleaned up here.
-      files::wait_for_background_removal();
-      if (before_prepare) before_prepare();
-      files::make_dirs(io, files::parent_of(dir), kWhat);
-      files::remove_tree(io, partial, kWhat);
-      files::remove_tree(io, partial + ".old", kWhat);
-      if (io.mkdir(partial, 0755) != 0) {
-        const int err = errno;  // before the message allocates
-        files::io_error(kWhat, "creating", partial, err);
-      }
-    } catch (const std::exception& e) {
-      error = wire::encode(e);
-    }
-  }
-  // DCP's flattening, once: the box lists and the writing both walk it.
-  StateDict sd = state_dict;  // containers only; tensors are shared
-  std::vector<items::FlatItem> flat;
-  std::string held;
-  try {
-    if (error.empty()) {
-      flat = items::flatten(sd);
-      held = "O" + held_chunks(flat);
-    }
-  } catch (const std::exception& e) {
-    error = wire::encode(e);
-  }
-  if (!error.empty()) held = "E" + error;
-  const std::vector<std::string> prepared =
-      group ? group->all_gather_bytes(held) : std::vector<std::string>{held};
-  std::set<std::string> skip;  // boxes a lower rank writes
-  error.clear();               // encoded (wire_error.h): the first failure, with its kind
-  std::string text;
-  for (int r = 0; r < static_cast<int>(prepared.size()) && error.empty(); ++r) {
-    const std::string& m = prepared[r];
-    if (m.empty() || m[0] != 'O') {
-      error = m.empty() ? std::string("Eno report") : m.substr(1);
-      text = wire::message(error) + " (on rank " + std::to_string(r) + ")";
-    } else {
+  // 1. Rank 0 makes the partial directory; every rank says which boxes it holds, so that a box
+  // several ranks hold (replicas under HYBRID_SHARD, NO_SHARD optimizer state) is written once,
+  // by the lowest of them (DCP's dedup_save_plans). One small exchange.
+  void prepare(const StateDict& state_dict, const Hook& before_prepare) {
+    std::string error;  // encoded (wire_error.h)
+    if (rank_ == 0) {
       try {
-        parse_held(m, 1, r < rank ? &skip : nullptr, r);
+        // An earlier save's removal may still be running over the names cleaned up here.
+        files::wait_for_background_removal();
+        if (before_prepare) before_prepare();
+        files::make_dirs(io_, files::parent_of(dir_), kWhat);
+        files::remove_tree(io_, partial_, kWhat);
+        files::remove_tree(io_, partial_ + ".old", kWhat);
+        if (io_.mkdir(partial_, 0755) != 0) {
+          const int err = errno;  // before the message allocates
+          files::io_error(kWhat, "creating", partial_, err);
+        }
       } catch (const std::exception& e) {
         error = wire::encode(e);
-        text = e.what();
       }
     }
-  }
-  if (!error.empty()) {
-    if (rank == 0) {
-      try {
-        files::remove_tree(io, partial, kWhat);
-      } catch (const std::exception&) {
-      }
-    }
-    wire::rethrow(error, text);
-  }
-
-  // 2. write, then exchange reports
-  std::string msg;
-  try {
-    msg = encode(
-        write_items(flat, io, partial, "__" + std::to_string(rank) + "_0.distcp", rank, skip));
-  } catch (const std::exception& e) {
-    msg = "E" + wire::encode(e);
-  }
-  const std::vector<std::string> all =
-      group ? group->all_gather_bytes(msg) : std::vector<std::string>{msg};
-  std::string failures, first;  // `first`: the first failure, encoded, whose kind is thrown
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (!all[r].empty() && all[r][0] == 'M') continue;
-    const std::string e = all[r].empty() ? std::string("Eno report") : all[r].substr(1);
-    if (first.empty()) first = e;
-    failures += (failures.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " +
-                wire::message(e);
-  }
-  if (!failures.empty()) {
-    if (rank == 0) {
-      try {  // every rank has stopped writing: the partial directory is ours to remove
-        files::remove_tree(io, partial, kWhat);
-      } catch (const std::exception&) {
-      }
-    }
-    wire::rethrow(
-        first, std::string(kWhat) + " of " + dir + " failed, nothing was committed: " + failures);
-  }
-
-  // 3. commit
-  error.clear();
-  if (rank == 0) {
+    // DCP's flattening, once: the box lists and the writing both walk it.
+    sd_ = state_dict;  // containers only; tensors are shared
+    std::string held;
     try {
-      std::vector<RankPart> parts;
-      for (size_t r = 0; r < all.size(); ++r) parts.push_back(decode(all[r], static_cast<int>(r)));
-      commit(io, parts, partial, dir, o.annotations());
-      if (after_commit) after_commit();
+      if (error.empty()) {
+        flat_ = items::flatten(sd_);
+        held = "O" + held_chunks(flat_);
+      }
     } catch (const std::exception& e) {
       error = wire::encode(e);
     }
+    if (!error.empty()) held = "E" + error;
+    const std::vector<std::string> prepared =
+        group_ ? group_->all_gather_bytes(held) : std::vector<std::string>{held};
+    error.clear();  // now the first failure of any rank
+    std::string text;
+    for (int r = 0; r < static_cast<int>(prepared.size()) && error.empty(); ++r) {
+      const std::string& m = prepared[r];
+      if (m.empty() || m[0] != 'O') {
+        error = m.empty() ? std::string("Eno report") : m.substr(1);
+        text = wire::message(error) + " (on rank " + std::to_string(r) + ")";
+      } else {
+        try {
+          parse_held(m, 1, r < rank_ ? &skip_ : nullptr, r);
+        } catch (const std::exception& e) {
+          error = wire::encode(e);
+          text = e.what();
+        }
+      }
+    }
+    if (!error.empty()) {
+      remove_partial_on_rank0();
+      wire::rethrow(error, text);
+    }
   }
-  error = verdict(group, error);
-  if (!error.empty())
-    wire::rethrow(error, rank == 0 ? wire::message(error) : wire::message(error) + " (on rank 0)");
+
+  // 2. Every rank writes its file of the boxes it is the lowest holder of; the reports (what it
+  // wrote, with checksums, or its failure) are exchanged.
+  void write() {
+    std::string msg;
+    try {
+      msg = encode(write_items(flat_, io_, partial_, "__" + std::to_string(rank_) + "_0.distcp",
+                               rank_, skip_));
+    } catch (const std::exception& e) {
+      msg = "E" + wire::encode(e);
+    }
+    reports_ = group_ ? group_->all_gather_bytes(msg) : std::vector<std::string>{msg};
+    std::string failures, first;  // `first`: the first failure, encoded, whose kind is thrown
+    for (size_t r = 0; r < reports_.size(); ++r) {
+      if (!reports_[r].empty() && reports_[r][0] == 'M') continue;
+      const std::string e = reports_[r].empty() ? std::string("Eno report") : reports_[r].substr(1);
+      if (first.empty()) first = e;
+      failures += (failures.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " +
+                  wire::message(e);
+    }
+    if (!failures.empty()) {
+      remove_partial_on_rank0();
+      wire::rethrow(first, std::string(kWhat) + " of " + dir_ +
+                               " failed, nothing was committed: " + failures);
+    }
+  }
+
+  // 3. Rank 0 commits (the manifest, .metadata, the rename into place); its verdict is broadcast
+  // and every rank returns or throws together.
+  void finish(const Annotations& annotations, const Hook& after_commit) {
+    std::string error;
+    if (rank_ == 0) {
+      try {
+        std::vector<RankPart> parts;
+        for (size_t r = 0; r < reports_.size(); ++r)
+          parts.push_back(decode(reports_[r], static_cast<int>(r)));
+        commit(io_, parts, partial_, dir_, annotations);
+        if (after_commit) after_commit();
+      } catch (const std::exception& e) {
+        error = wire::encode(e);
+      }
+    }
+    error = verdict(group_, error);
+    if (!error.empty())
+      wire::rethrow(error,
+                    rank_ == 0 ? wire::message(error) : wire::message(error) + " (on rank 0)");
+  }
+
+ private:
+  void remove_partial_on_rank0() {
+    if (rank_ != 0) return;
+    try {
+      files::remove_tree(io_, partial_, kWhat);
+    } catch (const std::exception&) {  // the save's own error is the one to report
+    }
+  }
+
+  dist::ProcessGroup* group_;
+  FileIO& io_;
+  int rank_ = 0;
+  std::string dir_, partial_;
+  StateDict sd_;  // the caller's containers; flat_ points into them
+  std::vector<items::FlatItem> flat_;
+  std::set<std::string> skip_;        // boxes a lower rank writes
+  std::vector<std::string> reports_;  // per rank: encoded RankPart, or "E" + error
+};
+
+void save_impl(const StateDict& state_dict, const std::string& dir, const SaveOptions& o,
+               const Hook& before_prepare, const Hook& after_commit) {
+  SaveRun run(o, dir);
+  run.prepare(state_dict, before_prepare);
+  run.write();
+  run.finish(o.annotations(), after_commit);
 }
 
 bool parse_step(const std::string& name, int64_t& step) {
