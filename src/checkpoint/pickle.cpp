@@ -252,6 +252,8 @@ class Reader {
     return counted(Node::object(callee, args->items, newobj));
   }
 
+  // One opcode. Long by nature: the restricted machine's whole instruction set is this one switch,
+  // each case a few checked lines, so that what the reader accepts can be audited in one place.
   void step() {
     switch (op_) {
       case 0x80: {  // PROTO
@@ -456,6 +458,8 @@ class Writer {
   void u32(uint32_t v) {
     for (int k = 0; k < 4; ++k) out_ += static_cast<char>((v >> (8 * k)) & 0xff);
   }
+  // One node. Long by nature: one case per kind of value the writer can emit, each the few opcodes
+  // that value takes, kept together as the mirror of the reader's switch.
   void emit(const NodePtr& n, int depth) {
     if (!n) throw PickleError("pickle write: null node");
     if (depth > 256) throw PickleError("pickle write: deeper than 256 levels (cyclic?)");
