@@ -236,9 +236,7 @@ void CheckpointReader::fill(StateDict& state_dict) const {
   fill(state_dict, buf);
 }
 
-void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
-  const std::string& dir = dir_;
-  // Plan: which saved chunk fills which part of which target, all checked before any change.
+struct CheckpointReader::FillPlan {
   struct Copy {
     at::Tensor dst;                       // a view of the target
     std::vector<int64_t> src_lo, extent;  // region of the chunk
@@ -249,94 +247,104 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
     at::ScalarType dtype = at::kFloat;
     std::vector<Copy> copies;
   };
-  std::map<const dcp::StorageInfo*, Read> reads;
-  std::vector<std::tuple<StateValue*, const dcp::StorageInfo*, std::string>> values;
+  std::map<const dcp::StorageInfo*, Read> reads;  // each chunk needed, read once
+  std::vector<std::tuple<StateValue*, const dcp::StorageInfo*, std::string>> values;  // non-tensors
+
+  Read& read_of(const dcp::StorageInfo* info, const std::string& key, const dcp::ChunkMeta& chunk,
+                at::ScalarType dtype) {
+    Read& r = reads[info];
+    r.key = key;
+    r.sizes = chunk.sizes;
+    r.dtype = dtype;
+    return r;
+  }
+};
+
+void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
+  FillPlan plan;
   for (const items::FlatItem& it : items::flatten(state_dict)) {
     StateValue& v = *it.value;
     auto found = items_.find(it.key);
     if (found == items_.end())
-      throw ValueError(std::string(what_) + ": " + dir + " has no '" + it.key + "'");
+      throw ValueError(std::string(what_) + ": " + dir_ + " has no '" + it.key + "'");
     const dcp::ItemMeta& item = *found->second;
-    if (!(v.is_tensor() || v.is_sharded_tensor())) {
-      if (!item.bytes)
-        throw ValueError(std::string(what_) + ": '" + it.key + "' is a tensor in " + dir +
-                         ", the state dict holds a " + to_string(v.kind()));
-      auto b = bytes_at_.find(it.key);
-      if (b == bytes_at_.end())
-        throw ValueError(std::string(what_) + ": no storage entry for '" + it.key + "' in " + dir);
-      values.emplace_back(&v, b->second, it.key);
+    if (v.is_tensor() || v.is_sharded_tensor()) {
+      plan_tensor(it.key, item, v, plan);
       continue;
     }
-    if (item.bytes)
-      throw ValueError(std::string(what_) + ": '" + it.key + "' is not a tensor in " + dir);
-    const std::vector<int64_t> shape =
-        v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
-    if (shape != item.tensor.size)
-      throw ValueError(std::string(what_) + ": '" + it.key + "' has shape " +
-                       shape_str(item.tensor.size) + " in " + dir + ", the state dict " +
-                       shape_str(shape));
-    // An empty tensor needs no bytes, but its chunks are still read and checked, so that damage
-    // anywhere in a data file is reported by the load that reads it.
-    if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {
-      for (const auto& c : item.tensor.chunks) {
-        auto info = chunk_at_.find({it.key, c.offsets});
-        if (info == chunk_at_.end()) continue;
-        Read& r = reads[info->second];
-        r.key = it.key;
-        r.sizes = c.sizes;
-        r.dtype = item.tensor.dtype;
-      }
-    }
-    // The boxes this rank holds of the tensor.
-    std::vector<std::pair<ShardMetadata, at::Tensor>> boxes;
-    if (v.is_tensor()) {
-      boxes.emplace_back(ShardMetadata{std::vector<int64_t>(shape.size(), 0), shape, 0},
-                         v.tensor());
-    } else {
-      for (const auto& s : v.sharded_tensor().local_shards())
-        boxes.emplace_back(s.metadata, s.tensor);
-    }
-    for (const auto& [box, target] : boxes) {
-      std::vector<Region> regions;  // the parts of the box that chunks hold
-      for (const auto& c : item.tensor.chunks) {
-        std::vector<int64_t> lo(shape.size()), hi(shape.size());
-        bool overlap = true;
-        for (size_t d = 0; d < shape.size(); ++d) {
-          lo[d] = std::max(box.offsets[d], c.offsets[d]);
-          hi[d] = std::min(box.offsets[d] + box.sizes[d], c.offsets[d] + c.sizes[d]);
-          overlap = overlap && hi[d] > lo[d];
-        }
-        if (!overlap) continue;
-        auto info = chunk_at_.find({it.key, c.offsets});
-        if (info == chunk_at_.end())
-          throw ValueError(std::string(what_) + ": no storage entry for '" + it.key +
-                           "' chunk at " + shape_str(c.offsets) + " in " + dir);
-        at::Tensor dst = target;
-        Copy cp;
-        for (size_t d = 0; d < shape.size(); ++d) {
-          const auto dd = static_cast<int64_t>(d);
-          dst = dst.narrow(dd, lo[d] - box.offsets[d], hi[d] - lo[d]);
-          cp.src_lo.push_back(lo[d] - c.offsets[d]);
-          cp.extent.push_back(hi[d] - lo[d]);
-        }
-        regions.push_back(Region{lo, hi});
-        cp.dst = dst;
-        Read& r = reads[info->second];
-        r.key = it.key;
-        r.sizes = c.sizes;
-        r.dtype = item.tensor.dtype;
-        r.copies.push_back(std::move(cp));
-      }
-      const int64_t missing = uncovered(box, regions);
-      if (missing > 0)
-        throw ValueError(std::string(what_) + ": " + std::to_string(missing) + " element(s) of '" +
-                         it.key + "' in the box at " + shape_str(box.offsets) + " of size " +
-                         shape_str(box.sizes) + " are in no chunk saved in " + dir);
+    if (!item.bytes)
+      throw ValueError(std::string(what_) + ": '" + it.key + "' is a tensor in " + dir_ +
+                       ", the state dict holds a " + to_string(v.kind()));
+    auto b = bytes_at_.find(it.key);
+    if (b == bytes_at_.end())
+      throw ValueError(std::string(what_) + ": no storage entry for '" + it.key + "' in " + dir_);
+    plan.values.emplace_back(&v, b->second, it.key);
+  }
+  apply(plan, buf);
+}
+
+void CheckpointReader::plan_tensor(const std::string& key, const dcp::ItemMeta& item, StateValue& v,
+                                   FillPlan& plan) const {
+  if (item.bytes)
+    throw ValueError(std::string(what_) + ": '" + key + "' is not a tensor in " + dir_);
+  const std::vector<int64_t> shape =
+      v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
+  if (shape != item.tensor.size)
+    throw ValueError(std::string(what_) + ": '" + key + "' has shape " +
+                     shape_str(item.tensor.size) + " in " + dir_ + ", the state dict " +
+                     shape_str(shape));
+  // An empty tensor needs no bytes, but its chunks are still read and checked, so that damage
+  // anywhere in a data file is reported by the load that reads it.
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {
+    for (const auto& c : item.tensor.chunks) {
+      auto info = chunk_at_.find({key, c.offsets});
+      if (info != chunk_at_.end()) plan.read_of(info->second, key, c, item.tensor.dtype);
     }
   }
-  // Apply: each needed chunk read, checked and decoded once.
+  // The boxes this rank holds of the tensor.
+  std::vector<std::pair<ShardMetadata, at::Tensor>> boxes;
+  if (v.is_tensor()) {
+    boxes.emplace_back(ShardMetadata{std::vector<int64_t>(shape.size(), 0), shape, 0}, v.tensor());
+  } else {
+    for (const auto& s : v.sharded_tensor().local_shards())
+      boxes.emplace_back(s.metadata, s.tensor);
+  }
+  for (const auto& [box, target] : boxes) {
+    std::vector<Region> regions;  // the parts of the box that chunks hold
+    for (const auto& c : item.tensor.chunks) {
+      std::vector<int64_t> lo(shape.size()), hi(shape.size());
+      bool overlap = true;
+      for (size_t d = 0; d < shape.size(); ++d) {
+        lo[d] = std::max(box.offsets[d], c.offsets[d]);
+        hi[d] = std::min(box.offsets[d] + box.sizes[d], c.offsets[d] + c.sizes[d]);
+        overlap = overlap && hi[d] > lo[d];
+      }
+      if (!overlap) continue;
+      auto info = chunk_at_.find({key, c.offsets});
+      if (info == chunk_at_.end())
+        throw ValueError(std::string(what_) + ": no storage entry for '" + key + "' chunk at " +
+                         shape_str(c.offsets) + " in " + dir_);
+      FillPlan::Copy cp;
+      cp.dst = target;
+      for (size_t d = 0; d < shape.size(); ++d) {
+        cp.dst = cp.dst.narrow(static_cast<int64_t>(d), lo[d] - box.offsets[d], hi[d] - lo[d]);
+        cp.src_lo.push_back(lo[d] - c.offsets[d]);
+        cp.extent.push_back(hi[d] - lo[d]);
+      }
+      regions.push_back(Region{lo, hi});
+      plan.read_of(info->second, key, c, item.tensor.dtype).copies.push_back(std::move(cp));
+    }
+    const int64_t missing = uncovered(box, regions);
+    if (missing > 0)
+      throw ValueError(std::string(what_) + ": " + std::to_string(missing) + " element(s) of '" +
+                       key + "' in the box at " + shape_str(box.offsets) + " of size " +
+                       shape_str(box.sizes) + " are in no chunk saved in " + dir_);
+  }
+}
+
+void CheckpointReader::apply(FillPlan& plan, Buffer& buf) const {
   at::NoGradGuard no_grad;
-  for (auto& [info, job] : reads) {
+  for (auto& [info, job] : plan.reads) {
     const std::string place = where(job.key, *info);
     // A chunk that fills one contiguous target whole (a shard loaded at the world size that saved
     // it, a tensor of an export) is read straight into the target: no pass through `buf`.
@@ -368,7 +376,7 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
       cp.dst.copy_(src);
     }
   }
-  for (auto& [v, info, key] : values) {
+  for (auto& [v, info, key] : plan.values) {
     const std::string_view raw = read_item(key, *info, buf);
     *v = items::decode_value(raw.data(), raw.size(), std::string(what_) + ": " + where(key, *info),
                              check_crc());

@@ -78,6 +78,12 @@ class CheckpointReader {
   /// only when verifying with a manifest.
   void check_digest(const std::string& key, const dcp::StorageInfo& info,
                     const std::string& xxh3_hex) const;
+  /// fill's two phases: first which saved chunk fills which part of which target, every key,
+  /// shape and box checked before anything changes; then each chunk read, checked and copied.
+  struct FillPlan;
+  void plan_tensor(const std::string& key, const dcp::ItemMeta& item, StateValue& v,
+                   FillPlan& plan) const;
+  void apply(FillPlan& plan, Buffer& buf) const;
 
   FileIO& io_;
   std::string dir_;
