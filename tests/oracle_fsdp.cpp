@@ -175,8 +175,7 @@ std::string describe(const StateDict& sd, std::vector<std::pair<std::string, at:
       }
       for (size_t i = 0; i < t.global_metadata().size(); ++i) {
         fsdp::ShardMetadata m = t.global_metadata()[i];
-        if (k == fault_key && m.placement_rank == t.local_shards().at(0).metadata.placement_rank)
-          m.sizes[0] -= 1;
+        if (k == fault_key && m.offsets == t.local_shards().at(0).metadata.offsets) m.sizes[0] -= 1;
         glob += (i ? ", " : "") + shard_md_json(m);
       }
       j += "{\"key\": " + json::quote(k) + ", \"type\": \"sharded\", \"dtype\": \"" +

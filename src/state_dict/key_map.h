@@ -21,9 +21,12 @@ inline at::Tensor kept_value(const at::Tensor& t, bool offload, bool owned = fal
   return owned ? t : t.clone();
 }
 
-/// Every ShardedTensor in `v` (nested dicts and lists too) with its pieces' placements renamed
-/// from ranks of the shard group `g` to the ranks of the default group, as PyTorch names them
-/// (under hybrid sharding each replica group's pieces then name their own ranks).
+/// Every ShardedTensor in `v` (nested dicts and lists too) with its global metadata's placements
+/// renamed from ranks of the shard group `g` to ranks of the default group, as PyTorch names them
+/// (under hybrid sharding each replica group's pieces then name their own ranks). The local
+/// pieces keep their rank in `g`: PyTorch's ShardedTensor places a local shard by its rank in
+/// the tensor's process group (checked against PyTorch 2.6's FSDP at W=4, 2 x 2 hybrid, by
+/// tests/oracle/sd_matrix.py). Nothing here reads a local piece's placement.
 inline void place_on_global_ranks(StateValue& v, const dist::ProcessGroup& g) {
   const std::vector<int>& global = g.global_ranks();
   auto rename = [&](ShardMetadata& m) {
@@ -34,7 +37,6 @@ inline void place_on_global_ranks(StateValue& v, const dist::ProcessGroup& g) {
     const ShardedTensor& t = v.sharded_tensor();
     std::vector<Shard> pieces = t.local_shards();
     std::vector<ShardMetadata> all = t.global_metadata();
-    for (auto& s : pieces) rename(s.metadata);
     for (auto& m : all) rename(m);
     v = ShardedTensor(t.size(), t.dtype(), std::move(pieces), std::move(all));
   } else if (v.is_dict()) {
