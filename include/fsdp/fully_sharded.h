@@ -114,8 +114,8 @@ struct FullyShardedOptions {
   /// post-backward hook and waits. Unset (the default): 1 under NO_SHARD, where the buffer in
   /// flight is the gradient itself, so overlapping costs no memory; 0 under the sharded
   /// strategies, where each reduction in flight keeps its unit's unsharded gradient alive through
-  /// the next unit's backward, the peak of FULL_SHARD training (on the CPU that trade of more peak
-  /// memory for shorter steps does not pay; docs/performance.md).
+  /// the next unit's backward, the peak of FULL_SHARD training (on the CPU, somewhat more peak
+  /// memory for somewhat shorter steps; the figures are in docs/performance.md).
   TORCH_ARG(std::optional<int>, max_inflight_grad_reductions);
   /// Broadcast parameters and buffers from rank 0 before sharding.
   TORCH_ARG(bool, sync_module_states) = false;
