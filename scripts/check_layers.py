@@ -164,8 +164,11 @@ def self_test():
         "src/memory/x.h": "",                                            # a folder in no layer
     }
 
+    scratch = tempfile.TemporaryDirectory(prefix="check_layers.")  # removed when the test ends
+    trees = iter(range(1 << 30))
+
     def build(tree):
-        root = tempfile.mkdtemp(prefix="check_layers.")
+        root = os.path.join(scratch.name, str(next(trees)))
         for rel, text in tree.items():
             p = os.path.join(root, rel)
             os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -187,6 +190,7 @@ def self_test():
             ok = False
     print("self-test:", "passed" if ok else "FAILED",
           f"({len(violations)} planted violations, one clean tree)")
+    scratch.cleanup()
     return ok
 
 
