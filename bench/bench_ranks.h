@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "bench_env.h"
+#include "fsdp/compat_backends.h"
 #include "fsdp/fsdp.h"
 
 namespace fsdp_bench {

@@ -29,6 +29,7 @@ EXPORTS = {
 PUBLIC = {
     "errors.h": "base",
     "compat.h": "base",
+    "compat_backends.h": "base",  # building c10d backends: for dist/, not in fsdp.h
     "dist.h": "dist",
     "flat_param.h": "flat_param",
     "fully_sharded.h": "runtime",

@@ -2,3 +2,4 @@
 #pragma once
 #include <torch/torch.h>
 #include "fsdp/compat.h"
+#include "fsdp/compat_backends.h"

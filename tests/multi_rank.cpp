@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include "fsdp/compat_backends.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {

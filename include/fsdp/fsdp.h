@@ -25,7 +25,9 @@
 //            size; checkpoint/async_save.h saves in the background; checkpoint/export.h writes
 //            safetensors and torch.load-able .pt files.
 //
-// Errors: fsdp::Error and its kinds (errors.h). LibTorch version differences: compat.h.
+// Errors: fsdp::Error and its kinds (errors.h). LibTorch version differences: compat.h. Not
+// included here: compat_backends.h, which builds c10d stores and backends (Gloo's and NCCL's
+// headers) for a program that brings its own backend to dist::ProcessGroup::from_backend.
 // Docs: README.md, docs/concepts.md (the terms), docs/layers.md (how the sources are organised).
 #pragma once
 

@@ -11,6 +11,7 @@
 
 #include <torch/cuda.h>
 
+#include "fsdp/compat_backends.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {
