@@ -131,31 +131,39 @@ void signal_all(std::vector<Rank>& ranks, int sig) {
     if (r.running) ::kill(-r.pid, sig);  // its process group: the program and what it started
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{
-      "fsdp-run: start one process per rank on this node, as torchrun does.\n"
-      "Usage: fsdp-run [OPTIONS] PROGRAM [ARGS...]",
-      "fsdp-run"};
+// What the command line asks for.
+struct Options {
   int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0;
   std::string master_addr = "127.0.0.1";
   double grace = 5.0;
   bool no_prefix = false;
-  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "Processes on this node")
+  std::vector<std::string> command;  // PROGRAM [ARGS...]
+  bool set_omp = false;              // OMP_NUM_THREADS=1 for each rank, as torchrun does
+  std::string run_id;                // TORCHELASTIC_RUN_ID
+  int world() const { return nproc * nnodes; }
+};
+
+// Parses the command line into `o`. Returns -1 to go on, else the exit code (--help, bad usage).
+int parse_options(int argc, char** argv, Options& o) {
+  CLI::App app{
+      "fsdp-run: start one process per rank on this node, as torchrun does.\n"
+      "Usage: fsdp-run [OPTIONS] PROGRAM [ARGS...]",
+      "fsdp-run"};
+  app.add_option("--nproc-per-node,--nproc_per_node", o.nproc, "Processes on this node")
       ->check(CLI::Range(1, 4096));
-  app.add_option("--nnodes", nnodes, "Nodes taking part (each runs fsdp-run)")
+  app.add_option("--nnodes", o.nnodes, "Nodes taking part (each runs fsdp-run)")
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--node-rank,--node_rank", node_rank, "This node's index, 0 .. nnodes-1")
+  app.add_option("--node-rank,--node_rank", o.node_rank, "This node's index, 0 .. nnodes-1")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--master-addr,--master_addr", master_addr, "Host of rank 0 (runs the TCPStore)");
-  app.add_option("--master-port,--master_port", master_port,
+  app.add_option("--master-addr,--master_addr", o.master_addr,
+                 "Host of rank 0 (runs the TCPStore)");
+  app.add_option("--master-port,--master_port", o.master_port,
                  "Port of the TCPStore (default: a free one on a single node, else 29500)")
       ->check(CLI::Range(1, 65535));
-  app.add_option("--grace-period", grace,
+  app.add_option("--grace-period", o.grace,
                  "Seconds between SIGTERM and SIGKILL when stopping the other ranks")
       ->check(CLI::Range(0.0, 3600.0));
-  app.add_flag("--no-prefix", no_prefix, "Pass output through without \"[rN] \" prefixes");
+  app.add_flag("--no-prefix", o.no_prefix, "Pass output through without \"[rN] \" prefixes");
   app.prefix_command();  // everything from PROGRAM on belongs to PROGRAM
   try {
     app.parse(argc, argv);
@@ -164,50 +172,58 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fsdp-run: %s (see fsdp-run --help)\n", e.what());
     return 2;
   }
-  std::vector<std::string> command = app.remaining();
-  if (command.empty()) {
+  o.command = app.remaining();
+  if (o.command.empty()) {
     std::fprintf(stderr, "fsdp-run: no PROGRAM given (see fsdp-run --help)\n");
     return 2;
   }
-  if (command[0] == "--") {
-    command.erase(command.begin());
-  } else if (command[0].size() > 1 && command[0][0] == '-') {
-    std::fprintf(stderr, "fsdp-run: unknown option %s (see fsdp-run --help)\n", command[0].c_str());
+  if (o.command[0] == "--") {
+    o.command.erase(o.command.begin());
+  } else if (o.command[0].size() > 1 && o.command[0][0] == '-') {
+    std::fprintf(stderr, "fsdp-run: unknown option %s (see fsdp-run --help)\n",
+                 o.command[0].c_str());
     return 2;
   }
-  if (command.empty()) {
+  if (o.command.empty()) {
     std::fprintf(stderr, "fsdp-run: no PROGRAM given after --\n");
     return 2;
   }
-  if (node_rank >= nnodes) {
-    std::fprintf(stderr, "fsdp-run: --node-rank %d is not below --nnodes %d\n", node_rank, nnodes);
+  if (o.node_rank >= o.nnodes) {
+    std::fprintf(stderr, "fsdp-run: --node-rank %d is not below --nnodes %d\n", o.node_rank,
+                 o.nnodes);
     return 2;
   }
-  if (master_port == 0) {
-    if (nnodes > 1) {
-      master_port = 29500;  // every node must agree on it without talking: torchrun's default
-    } else if ((master_port = free_port()) < 0) {
+  return -1;
+}
+
+// The settings parse_options leaves open: the port, OMP_NUM_THREADS, the run id. Returns -1 to
+// go on, else the exit code.
+int complete_options(Options& o) {
+  if (o.master_port == 0) {
+    if (o.nnodes > 1) {
+      o.master_port = 29500;  // every node must agree on it without talking: torchrun's default
+    } else if ((o.master_port = free_port()) < 0) {
       std::fprintf(stderr, "fsdp-run: could not find a free port: %s\n", std::strerror(errno));
       return 2;
     }
   }
-  const int world = nproc * nnodes;
-  const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
-  if (set_omp)
+  o.set_omp = o.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
+  if (o.set_omp)
     std::fprintf(stderr,
                  "fsdp-run: setting OMP_NUM_THREADS=1 for each process (as torchrun does); set it "
                  "yourself to override\n");
-  std::string run_id;
-  {
-    std::random_device rd;
-    char buf[17];
-    std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
-    run_id = buf;
-  }
+  std::random_device rd;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+  o.run_id = buf;
+  return -1;
+}
 
+// Signals arrive on g_signal_pipe (on_signal), so that the poll loop sees them.
+bool install_signal_handlers() {
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     std::fprintf(stderr, "fsdp-run: pipe: %s\n", std::strerror(errno));
-    return 2;
+    return false;
   }
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -215,55 +231,65 @@ int main(int argc, char** argv) {
   sa.sa_flags = SA_RESTART;
   for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
+  return true;
+}
 
-  std::vector<Rank> ranks(nproc);
-  for (int local = 0; local < nproc; ++local) {
+// In the forked child: becomes rank `r` with torchrun's environment and runs the program. Never
+// returns.
+[[noreturn]] void exec_rank(const Options& o, const Rank& r, int (&fds)[2][2]) {
+  ::setpgid(0, 0);  // its own group: fsdp-run forwards terminal signals and stops the rest
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() == 1) _exit(1);  // fsdp-run already gone
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
+  ::dup2(fds[0][1], 1);
+  ::dup2(fds[1][1], 2);
+  auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
+  set("RANK", std::to_string(r.rank));
+  set("LOCAL_RANK", std::to_string(r.local_rank));
+  set("WORLD_SIZE", std::to_string(o.world()));
+  set("LOCAL_WORLD_SIZE", std::to_string(o.nproc));
+  set("GROUP_RANK", std::to_string(o.node_rank));
+  set("GROUP_WORLD_SIZE", std::to_string(o.nnodes));
+  set("ROLE_RANK", std::to_string(r.rank));
+  set("ROLE_WORLD_SIZE", std::to_string(o.world()));
+  set("MASTER_ADDR", o.master_addr);
+  set("MASTER_PORT", std::to_string(o.master_port));
+  set("TORCHELASTIC_RUN_ID", o.run_id);
+  if (o.set_omp) set("OMP_NUM_THREADS", "1");
+  std::vector<std::string> command = o.command;
+  std::vector<char*> args;
+  for (auto& a : command) args.push_back(a.data());
+  args.push_back(nullptr);
+  ::execvp(args[0], args.data());
+  std::fprintf(stderr, "fsdp-run: cannot run %s: %s\n", args[0], std::strerror(errno));
+  _exit(127);
+}
+
+// Forks every local rank, its stdout and stderr on pipes of ours. False (the ranks started so
+// far killed) if a pipe or a fork fails.
+bool start_ranks(const Options& o, std::vector<Rank>& ranks) {
+  ranks.assign(o.nproc, Rank{});
+  for (int local = 0; local < o.nproc; ++local) {
     Rank& r = ranks[local];
     r.local_rank = local;
-    r.rank = node_rank * nproc + local;
+    r.rank = o.node_rank * o.nproc + local;
     int fds[2][2];
     for (auto& p : fds) {
       if (::pipe2(p, O_CLOEXEC) != 0) {
         std::fprintf(stderr, "fsdp-run: pipe: %s\n", std::strerror(errno));
         signal_all(ranks, SIGKILL);
-        return 2;
+        return false;
       }
     }
     const pid_t pid = ::fork();
     if (pid < 0) {
       std::fprintf(stderr, "fsdp-run: fork: %s\n", std::strerror(errno));
       signal_all(ranks, SIGKILL);
-      return 2;
+      return false;
     }
-    if (pid == 0) {
-      ::setpgid(0, 0);  // its own group: fsdp-run forwards terminal signals and stops the rest
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() == 1) _exit(1);  // fsdp-run already gone
-      struct sigaction dfl {};
-      dfl.sa_handler = SIG_DFL;
-      for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
-      ::dup2(fds[0][1], 1);
-      ::dup2(fds[1][1], 2);
-      auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
-      set("RANK", std::to_string(r.rank));
-      set("LOCAL_RANK", std::to_string(local));
-      set("WORLD_SIZE", std::to_string(world));
-      set("LOCAL_WORLD_SIZE", std::to_string(nproc));
-      set("GROUP_RANK", std::to_string(node_rank));
-      set("GROUP_WORLD_SIZE", std::to_string(nnodes));
-      set("ROLE_RANK", std::to_string(r.rank));
-      set("ROLE_WORLD_SIZE", std::to_string(world));
-      set("MASTER_ADDR", master_addr);
-      set("MASTER_PORT", std::to_string(master_port));
-      set("TORCHELASTIC_RUN_ID", run_id);
-      if (set_omp) set("OMP_NUM_THREADS", "1");
-      std::vector<char*> args;
-      for (auto& a : command) args.push_back(a.data());
-      args.push_back(nullptr);
-      ::execvp(args[0], args.data());
-      std::fprintf(stderr, "fsdp-run: cannot run %s: %s\n", args[0], std::strerror(errno));
-      _exit(127);
-    }
+    if (pid == 0) exec_rank(o, r, fds);
     ::setpgid(pid, pid);  // also here, so that a signal sent right away finds the group
     r.pid = pid;
     r.running = true;
@@ -271,38 +297,64 @@ int main(int argc, char** argv) {
       ::close(fds[s][1]);
       r.streams[s].fd = fds[s][0];
       r.streams[s].out = s == 0 ? 1 : 2;
-      r.streams[s].prefix = no_prefix ? "" : "[r" + std::to_string(r.rank) + "] ";
+      r.streams[s].prefix = o.no_prefix ? "" : "[r" + std::to_string(r.rank) + "] ";
     }
   }
+  return true;
+}
 
-  int first_failed = -1;  // index into ranks
-  int forwarded = 0;      // a signal fsdp-run was sent and passed on
-  bool stopping = false;
-  Clock::time_point kill_at{};
-  // Sends `sig` to every rank still running; the first time, starts the grace period after
-  // which the ones still running get SIGKILL.
-  auto stop_all = [&](int sig) {
-    signal_all(ranks, sig);
-    if (stopping) return;
-    stopping = true;
-    kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace * 1000));
-  };
+// Watches the running ranks until every one has exited and its output is drained: passes their
+// lines on, stops the others when one fails or a signal arrives, and says how the job ended.
+class Supervisor {
+ public:
+  Supervisor(std::vector<Rank>& ranks, double grace) : ranks_(ranks), grace_(grace) {}
 
-  char buf[65536];
-  for (;;) {
-    // Reap whatever has exited.
+  // The launcher's exit code.
+  int run() {
+    for (;;) {
+      reap();
+      bool any_running = false, any_open = false;
+      for (const Rank& r : ranks_) {
+        any_running |= r.running;
+        for (const Stream& s : r.streams) any_open |= s.fd >= 0;
+      }
+      if (!any_running && !any_open) break;
+      if (stopping_ && any_running && Clock::now() >= kill_at_) {
+        signal_all(ranks_, SIGKILL);
+        kill_at_ = Clock::now() + std::chrono::hours(1);
+      }
+      if (!pump(any_running)) {
+        signal_all(ranks_, SIGKILL);
+        return 2;
+      }
+    }
+    return outcome();
+  }
+
+ private:
+  // Sends `sig` to every rank still running; the first time, starts the grace period after which
+  // the ones still running get SIGKILL.
+  void stop_all(int sig) {
+    signal_all(ranks_, sig);
+    if (stopping_) return;
+    stopping_ = true;
+    kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_ * 1000));
+  }
+
+  // Reaps whatever has exited; the first rank to fail stops the others.
+  void reap() {
     for (;;) {
       int status = 0;
       const pid_t pid = ::waitpid(-1, &status, WNOHANG);
       if (pid <= 0) break;
-      for (size_t i = 0; i < ranks.size(); ++i) {
-        Rank& r = ranks[i];
+      for (size_t i = 0; i < ranks_.size(); ++i) {
+        Rank& r = ranks_[i];
         if (r.pid != pid || !r.running) continue;
         r.running = false;
         r.status = status;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && first_failed < 0 && !stopping) {
-          first_failed = static_cast<int>(i);
+        if (!ok && first_failed_ < 0 && !stopping_) {
+          first_failed_ = static_cast<int>(i);
           std::fprintf(stderr,
                        "fsdp-run: rank %d (local rank %d, pid %d) %s; stopping the others\n",
                        r.rank, r.local_rank, static_cast<int>(pid), describe(status).c_str());
@@ -310,20 +362,13 @@ int main(int argc, char** argv) {
         }
       }
     }
-    bool any_running = false, any_open = false;
-    for (const Rank& r : ranks) {
-      any_running |= r.running;
-      for (const Stream& s : r.streams) any_open |= s.fd >= 0;
-    }
-    if (!any_running && !any_open) break;
-    if (stopping && any_running && Clock::now() >= kill_at) {
-      signal_all(ranks, SIGKILL);
-      kill_at = Clock::now() + std::chrono::hours(1);
-    }
+  }
 
+  // One poll over the signal pipe and the ranks' streams. False if poll itself fails.
+  bool pump(bool any_running) {
     std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}};
     std::vector<Stream*> of;
-    for (Rank& r : ranks)
+    for (Rank& r : ranks_)
       for (Stream& s : r.streams)
         if (s.fd >= 0) {
           fds.push_back({s.fd, POLLIN, 0});
@@ -331,54 +376,78 @@ int main(int argc, char** argv) {
         }
     // Streams can stay open after their rank exited (a grandchild holding them): once every rank
     // is gone, give them a moment, then stop waiting.
-    const int timeout_ms = !any_running ? 2000 : stopping ? 100 : 1000;
+    const int timeout_ms = !any_running ? 2000 : stopping_ ? 100 : 1000;
     const int n = ::poll(fds.data(), fds.size(), timeout_ms);
     if (n < 0 && errno != EINTR) {
       std::fprintf(stderr, "fsdp-run: poll: %s\n", std::strerror(errno));
-      signal_all(ranks, SIGKILL);
-      return 2;
+      return false;
     }
     if (n == 0 && !any_running) {
       for (Stream* s : of) {
         ::close(s->fd);
         s->fd = -1;
       }
-      continue;
+      return true;
     }
-    if (n <= 0) continue;
+    if (n <= 0) return true;
     if (fds[0].revents & POLLIN) {
       unsigned char sig = 0;
       while (::read(g_signal_pipe[0], &sig, 1) == 1) {
         if (sig == SIGCHLD) continue;  // reaped at the top of the loop
-        forwarded = sig;
+        forwarded_ = sig;
         stop_all(sig);  // a rank that ignores it is killed after the grace period
       }
     }
-    for (size_t k = 1; k < fds.size(); ++k) {
-      if (!(fds[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      Stream& s = *of[k - 1];
-      const ssize_t got = ::read(s.fd, buf, sizeof buf);
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0) {
-        flush_lines(s, true);
-        ::close(s.fd);
-        s.fd = -1;
-        continue;
-      }
-      s.pending.append(buf, static_cast<size_t>(got));
-      flush_lines(s, false);
-    }
+    for (size_t k = 1; k < fds.size(); ++k)
+      if (fds[k].revents & (POLLIN | POLLHUP | POLLERR)) drain(*of[k - 1]);
+    return true;
   }
 
-  if (first_failed >= 0) {
-    const Rank& r = ranks[first_failed];
-    std::fprintf(stderr, "fsdp-run: failed: rank %d (local rank %d) %s\n", r.rank, r.local_rank,
-                 describe(r.status).c_str());
-    return exit_code_of(r.status) != 0 ? exit_code_of(r.status) : 1;
+  // Reads what `s` has and passes its complete lines on; closes it at its end.
+  void drain(Stream& s) {
+    const ssize_t got = ::read(s.fd, buf_, sizeof buf_);
+    if (got < 0 && errno == EINTR) return;
+    if (got <= 0) {
+      flush_lines(s, true);
+      ::close(s.fd);
+      s.fd = -1;
+      return;
+    }
+    s.pending.append(buf_, static_cast<size_t>(got));
+    flush_lines(s, false);
   }
-  if (forwarded) {
-    std::fprintf(stderr, "fsdp-run: stopped by signal %d\n", forwarded);
-    return 128 + forwarded;
+
+  int outcome() const {
+    if (first_failed_ >= 0) {
+      const Rank& r = ranks_[first_failed_];
+      std::fprintf(stderr, "fsdp-run: failed: rank %d (local rank %d) %s\n", r.rank, r.local_rank,
+                   describe(r.status).c_str());
+      return exit_code_of(r.status) != 0 ? exit_code_of(r.status) : 1;
+    }
+    if (forwarded_) {
+      std::fprintf(stderr, "fsdp-run: stopped by signal %d\n", forwarded_);
+      return 128 + forwarded_;
+    }
+    return 0;
   }
-  return 0;
+
+  std::vector<Rank>& ranks_;
+  const double grace_;
+  int first_failed_ = -1;  // index into ranks_
+  int forwarded_ = 0;      // a signal fsdp-run was sent and passed on
+  bool stopping_ = false;
+  Clock::time_point kill_at_{};
+  char buf_[65536];
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (int code = parse_options(argc, argv, o); code >= 0) return code;
+  if (int code = complete_options(o); code >= 0) return code;
+  if (!install_signal_handlers()) return 2;
+  std::vector<Rank> ranks;
+  if (!start_ranks(o, ranks)) return 2;
+  return Supervisor(ranks, o.grace).run();
 }

@@ -155,12 +155,9 @@ void export_weights(const fsdp::StateDict& full, const std::string& file) {
   ::rmdir(tmp.c_str());
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The command line, parsed and checked. Exits on --help (0) or a bad flag (2).
+Flags parse_flags(int argc, char** argv, int rank) {
   constexpr int64_t kMax = int64_t{1} << 40;
-  const fsdp::dist::EnvInfo env = fsdp::dist::env_info();
-  const int rank = env.rank, world = env.world_size;
   Flags f;
   CLI::App app{"fsdp-train: train a small byte-level GPT with fsdp-cpp (run it under fsdp-run)",
                "fsdp-train"};
@@ -203,12 +200,15 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return rank == 0 ? app.exit(e) : 0;  // --help
+    if (e.get_exit_code() == 0) std::exit(rank == 0 ? app.exit(e) : 0);  // --help
     fail(e.what());
   }
+  return f;
+}
 
-  // Everything a rank can check alone, before any collective: every rank reaches the same
-  // verdict, so a bad flag exits everywhere instead of leaving ranks waiting for each other.
+// Everything a rank can check alone, before any collective: every rank reaches the same
+// verdict, so a bad flag exits everywhere instead of leaving ranks waiting for each other.
+void check_flags(const Flags& f, int world) {
   if (f.dim % f.heads != 0)
     fail("--heads " + std::to_string(f.heads) + " does not divide --dim " + std::to_string(f.dim));
   if (f.global_batch % world != 0)
@@ -224,197 +224,274 @@ int main(int argc, char** argv) {
     if (::access(folder.c_str(), W_OK) != 0)
       fail("cannot write " + out + ": " + folder + ": " + std::strerror(errno));
   }
-  const std::string text = read_corpus(f.data);
+}
+
+// The corpus as one byte per element (int64, for narrow and cross_entropy), checked long enough
+// for one sequence. `text` keeps the bytes the tensor was made from.
+torch::Tensor load_corpus(const Flags& f, std::string& text) {
+  text = read_corpus(f.data);
   if (text.empty()) fail("--data " + f.data + " is empty");
   if (static_cast<int64_t>(text.size()) < f.seq_len + 1)
     fail("--seq-len " + std::to_string(f.seq_len) + " needs at least " +
          std::to_string(f.seq_len + 1) + " bytes of data; " + f.data + " has " +
          std::to_string(text.size()));
-  const torch::Tensor corpus = torch::from_blob(const_cast<char*>(text.data()),
-                                                {static_cast<int64_t>(text.size())}, torch::kUInt8)
-                                   .to(torch::kLong);
+  return torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())},
+                          torch::kUInt8)
+      .to(torch::kLong);
+}
 
+gpt::Config model_config(const Flags& f) {
+  gpt::Config cfg;
+  cfg.seq_len = f.seq_len;
+  cfg.layers = f.layers;
+  cfg.dim = f.dim;
+  cfg.heads = f.heads;
+  return cfg;
+}
+
+fsdp::FullyShardedOptions wrap_options(const Flags& f) {
+  auto options = fsdp::FullyShardedOptions()
+                     .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<gpt::BlockImpl>())
+                     .sharding_strategy(strategy_of(f.sharding))
+                     .use_orig_params(f.use_orig_params != 0);
+  if (f.mixed_precision == "bf16")
+    options.mixed_precision(
+        fsdp::MixedPrecision().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat));
+  return options;
+}
+
+// One training run: the wrapped model and its optimizer, the step, checkpoints and the log.
+class Trainer {
+ public:
+  Trainer(const Flags& f, const torch::Tensor& corpus, fsdp::dist::ProcessGroup& pg, int rank,
+          int world)
+      : f_(f),
+        corpus_(corpus),
+        pg_(pg),
+        rank_(rank),
+        world_(world),
+        cfg_(model_config(f)),
+        model_(gpt::GPT(cfg_, f.seed), wrap_options(f)),
+        opt_(make_optimizer(f, unique_params(model_->parameters()))) {
+    if (f.async_save) saver_.emplace(ckpt::SaveOptions().keep_last(f.keep_last));
+  }
+
+  // Trains to --steps (resuming first with --resume), saves the final state, exports.
+  void run() {
+    if (f_.resume) resume();
+    open_metrics();
+    saved_at_ = step_;
+    last_log_ = Clock::now();
+    while (step_ < f_.steps) {
+      const at::Tensor loss = train_step();
+      const bool save_now = !f_.save_dir.empty() && f_.save_every > 0 &&
+                            (step_ % f_.save_every == 0 || step_ == f_.steps);
+      if (save_now) save(step_);
+      if (step_ % f_.log_every == 0 || step_ == f_.steps) log(loss);
+    }
+    // Without --save-every, --save-dir still gets the final state.
+    if (!f_.save_dir.empty() && saved_at_ != step_) save(step_);
+    if (saver_) saver_->wait();  // the last save is committed before we report success
+    if (metrics_) std::fclose(metrics_);
+    metrics_ = nullptr;
+    if (!f_.export_file.empty() || !f_.eval_logits.empty()) export_results();
+  }
+
+  ~Trainer() {
+    if (metrics_) std::fclose(metrics_);
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // What a checkpoint holds: model, optimizer, and the trainer's own position. The dict of a
+  // fresh run is also the template a resume fills (the checkpoint's layout is this run's own).
+  fsdp::StateDict state(int64_t at_step) {
+    auto [msd, osd] = ckpt::get_state_dict(model_, *opt_);
+    fsdp::StateDict trainer;
+    trainer.insert_or_assign("step", at_step);
+    trainer.insert_or_assign("seed", static_cast<int64_t>(f_.seed));
+    trainer.insert_or_assign("global_batch", f_.global_batch);
+    trainer.insert_or_assign("seq_len", f_.seq_len);
+    fsdp::StateDict sd;
+    sd.insert_or_assign("model", std::move(msd));
+    sd.insert_or_assign("optim", std::move(osd));
+    sd.insert_or_assign("trainer", std::move(trainer));
+    return sd;
+  }
+
+  void resume() {
+    auto dir = ckpt::latest_checkpoint(f_.save_dir);
+    if (!dir) {
+      if (rank_ == 0)
+        std::printf("no checkpoint in %s yet: starting from step 0\n", f_.save_dir.c_str());
+      return;
+    }
+    fsdp::StateDict sd = state(0);
+    ckpt::load(sd, *dir);
+    ckpt::set_state_dict(model_, *opt_, sd.at("model").dict(), sd.at("optim").dict());
+    const fsdp::StateDict& t = sd.at("trainer").dict();
+    step_ = t.at("step").to_int();
+    if (rank_ == 0 && (t.at("seed").to_int() != static_cast<int64_t>(f_.seed) ||
+                       t.at("seq_len").to_int() != f_.seq_len))
+      std::fprintf(stderr,
+                   "fsdp-train: warning: %s was trained with --seed %lld --seq-len %lld; "
+                   "continuing with the batches of --seed %llu --seq-len %lld\n",
+                   dir->c_str(), static_cast<long long>(t.at("seed").to_int()),
+                   static_cast<long long>(t.at("seq_len").to_int()),
+                   static_cast<unsigned long long>(f_.seed), static_cast<long long>(f_.seq_len));
+    if (rank_ == 0)
+      std::printf("resumed from %s at step %lld (world size %d)\n", dir->c_str(),
+                  static_cast<long long>(step_), world_);
+  }
+
+  void open_metrics() {
+    if (rank_ != 0 || f_.metrics.empty()) return;
+    metrics_ = std::fopen(f_.metrics.c_str(), step_ > 0 ? "a" : "w");
+    if (!metrics_) throw std::runtime_error("cannot write --metrics " + f_.metrics);
+  }
+
+  void save(int64_t at_step) {
+    saved_at_ = at_step;
+    fsdp::StateDict sd = state(at_step);
+    const auto o = ckpt::SaveOptions().keep_last(f_.keep_last);
+    if (saver_) {
+      saver_->save_step(sd, f_.save_dir, at_step);
+    } else {
+      ckpt::save_step(sd, f_.save_dir, at_step, o);
+    }
+  }
+
+  // One optimizer step on this rank's rows of the next global batch; returns this rank's loss.
+  at::Tensor train_step() {
+    const auto t0 = Clock::now();
+    ++step_;
+    const int64_t rows = f_.global_batch / world_;
+    auto [x, y] = batch(corpus_, f_, step_, rank_ * rows, (rank_ + 1) * rows);
+    opt_->zero_grad();
+    auto logits = model_->forward(x);
+    auto loss = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, cfg_.vocab}).to(torch::kFloat), y.reshape({-1}));
+    loss.backward();
+    opt_->step();
+    tokens_since_ += f_.global_batch * f_.seq_len;
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    step_seconds_ = step_seconds_ == 0 ? dt : 0.9 * step_seconds_ + 0.1 * dt;
+    return loss;
+  }
+
+  // The global-batch loss, and every rank's peak memory, in one all_reduce; rank 0 prints them
+  // and appends them to --metrics.
+  void log(const at::Tensor& loss) {
+    auto stats = torch::zeros({1 + world_}, torch::kDouble);
+    stats[0] = loss.detach().item<double>() / world_;
+    stats[1 + rank_] = max_rss_mb();
+    pg_.all_reduce(stats);
+    const double secs = std::chrono::duration<double>(Clock::now() - last_log_).count();
+    const double tps = tokens_since_ / std::max(secs, 1e-9);
+    last_log_ = Clock::now();
+    tokens_since_ = 0;
+    if (rank_ == 0) print_log(stats, tps);
+  }
+
+  void print_log(const at::Tensor& stats, double tps) {
+    std::ostringstream line, json;
+    line.precision(6);
+    line << "step " << step_ << "/" << f_.steps << " | loss " << std::fixed
+         << stats[0].item<double>();
+    line.unsetf(std::ios::fixed);
+    line << " | " << static_cast<int64_t>(tps) << " tok/s | max rss MB";
+    double max_rss = 0;
+    json << "[";
+    for (int r = 0; r < world_; ++r) {
+      const double mb = stats[1 + r].item<double>();
+      max_rss = std::max(max_rss, mb);
+      line << (r ? " " : " r0 ") << (r ? "r" + std::to_string(r) + " " : "")
+           << static_cast<int64_t>(mb);
+      json << (r ? "," : "") << static_cast<int64_t>(mb);
+    }
+    json << "]";
+    if (!f_.save_dir.empty() && f_.save_every > 0) {
+      const int64_t next = std::min(f_.steps, (step_ / f_.save_every + 1) * f_.save_every);
+      if (next > step_)
+        line << " | next checkpoint in " << std::setprecision(2) << (next - step_) * step_seconds_
+             << " s";
+    }
+    std::printf("%s\n", line.str().c_str());
+    std::fflush(stdout);
+    if (metrics_) {
+      char buf[256];
+      std::snprintf(buf, sizeof buf,
+                    "{\"step\": %lld, \"loss\": %.9g, \"tokens_per_s\": %.1f, "
+                    "\"max_rss_mb\": %.1f, \"world_size\": %d, \"rss_mb_per_rank\": ",
+                    static_cast<long long>(step_), stats[0].item<double>(), tps, max_rss, world_);
+      std::fprintf(metrics_, "%s%s}\n", buf, json.str().c_str());
+      std::fflush(metrics_);
+    }
+  }
+
+  // --export and --eval-logits, from the consolidated weights (gathered to rank 0).
+  void export_results() {
+    const auto full_opts = ckpt::StateDictOptions().full_state_dict(true).cpu_offload(true);
+    const fsdp::StateDict full = ckpt::get_model_state_dict(model_, full_opts);  // rank 0 only
+    if (rank_ != 0) return;
+    if (!f_.export_file.empty()) {
+      export_weights(full, f_.export_file);
+      const bool pt = ends_with(f_.export_file, ".pt");
+      const std::string path = pt || ends_with(f_.export_file, ".safetensors")
+                                   ? f_.export_file
+                                   : f_.export_file + "/model.safetensors";
+      std::printf(
+          "exported %zu tensors to %s\nload them in Python:\n%s\n", full.size(), path.c_str(),
+          (pt ? "  import torch\n  sd = torch.load('" + path + "', weights_only=True)"
+              : "  from safetensors.torch import load_file\n  sd = load_file('" + path + "')")
+              .c_str());
+      std::printf("  # the model: scripts/gpt_reference.py (GPT(...).load_state_dict(sd))\n");
+    }
+    if (!f_.eval_logits.empty()) {
+      // The same model unwrapped in this process, from the consolidated weights: what a Python
+      // user gets from the export.
+      gpt::GPT plain(cfg_, f_.seed);
+      fsdp::load_module_state_dict(*plain, full);
+      torch::NoGradGuard no_grad;
+      const auto idx = corpus_.narrow(0, 0, f_.seq_len).unsqueeze(0);
+      fsdp::StateDict out;
+      out.insert_or_assign("input", idx.clone());
+      out.insert_or_assign("logits", plain->forward(idx).contiguous());
+      ckpt::save_pt(out, f_.eval_logits, ckpt::ExportOptions().prefix(""));
+    }
+  }
+
+  const Flags& f_;
+  const torch::Tensor& corpus_;
+  fsdp::dist::ProcessGroup& pg_;
+  const int rank_, world_;
+  const gpt::Config cfg_;
+  fsdp::FullyShardedDataParallel model_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::optional<ckpt::AsyncSaver> saver_;
+  int64_t step_ = 0;
+  int64_t saved_at_ = 0;  // the step of the newest checkpoint (or where we resumed)
+  std::FILE* metrics_ = nullptr;
+  Clock::time_point last_log_;
+  int64_t tokens_since_ = 0;
+  double step_seconds_ = 0;  // moving average, for the time to the next checkpoint
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const fsdp::dist::EnvInfo env = fsdp::dist::env_info();
+  const int rank = env.rank, world = env.world_size;
+  const Flags f = parse_flags(argc, argv, rank);
+  check_flags(f, world);
+  std::string text;
+  const torch::Tensor corpus = load_corpus(f, text);
   try {
     auto pg = fsdp::dist::init_process_group(
         fsdp::dist::InitOptions().backend("gloo").timeout(std::chrono::seconds(f.timeout_s)));
-    gpt::Config cfg;
-    cfg.seq_len = f.seq_len;
-    cfg.layers = f.layers;
-    cfg.dim = f.dim;
-    cfg.heads = f.heads;
-    gpt::GPT m(cfg, f.seed);
-    auto options = fsdp::FullyShardedOptions()
-                       .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<gpt::BlockImpl>())
-                       .sharding_strategy(strategy_of(f.sharding))
-                       .use_orig_params(f.use_orig_params != 0);
-    if (f.mixed_precision == "bf16")
-      options.mixed_precision(
-          fsdp::MixedPrecision().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat));
-    fsdp::FullyShardedDataParallel model(m, options);
-    auto opt = make_optimizer(f, unique_params(model->parameters()));
-
-    // Resume: the checkpoint fills a template of this run's own layout.
-    int64_t step = 0;
-    std::optional<ckpt::AsyncSaver> saver;
-    if (f.async_save) saver.emplace(ckpt::SaveOptions().keep_last(f.keep_last));
-    auto state = [&](int64_t at_step) {
-      auto [msd, osd] = ckpt::get_state_dict(model, *opt);
-      fsdp::StateDict trainer;
-      trainer.insert_or_assign("step", at_step);
-      trainer.insert_or_assign("seed", static_cast<int64_t>(f.seed));
-      trainer.insert_or_assign("global_batch", f.global_batch);
-      trainer.insert_or_assign("seq_len", f.seq_len);
-      fsdp::StateDict sd;
-      sd.insert_or_assign("model", std::move(msd));
-      sd.insert_or_assign("optim", std::move(osd));
-      sd.insert_or_assign("trainer", std::move(trainer));
-      return sd;
-    };
-    if (f.resume) {
-      if (auto dir = ckpt::latest_checkpoint(f.save_dir)) {
-        fsdp::StateDict sd = state(0);
-        ckpt::load(sd, *dir);
-        ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
-        const fsdp::StateDict& t = sd.at("trainer").dict();
-        step = t.at("step").to_int();
-        if (rank == 0 && (t.at("seed").to_int() != static_cast<int64_t>(f.seed) ||
-                          t.at("seq_len").to_int() != f.seq_len))
-          std::fprintf(stderr,
-                       "fsdp-train: warning: %s was trained with --seed %lld --seq-len %lld; "
-                       "continuing with the batches of --seed %llu --seq-len %lld\n",
-                       dir->c_str(), static_cast<long long>(t.at("seed").to_int()),
-                       static_cast<long long>(t.at("seq_len").to_int()),
-                       static_cast<unsigned long long>(f.seed), static_cast<long long>(f.seq_len));
-        if (rank == 0)
-          std::printf("resumed from %s at step %lld (world size %d)\n", dir->c_str(),
-                      static_cast<long long>(step), world);
-      } else if (rank == 0) {
-        std::printf("no checkpoint in %s yet: starting from step 0\n", f.save_dir.c_str());
-      }
-    }
-
-    std::FILE* metrics = nullptr;
-    if (rank == 0 && !f.metrics.empty()) {
-      metrics = std::fopen(f.metrics.c_str(), step > 0 ? "a" : "w");
-      if (!metrics) throw std::runtime_error("cannot write --metrics " + f.metrics);
-    }
-    const int64_t rows = f.global_batch / world;
-    using Clock = std::chrono::steady_clock;
-    auto last_log = Clock::now();
-    int64_t tokens_since = 0;
-    double step_seconds = 0;  // moving average, for the time to the next checkpoint
-    int64_t saved_at = step;  // the step of the newest checkpoint (or where we resumed)
-    auto save = [&](int64_t at_step) {
-      saved_at = at_step;
-      fsdp::StateDict sd = state(at_step);
-      const auto o = ckpt::SaveOptions().keep_last(f.keep_last);
-      if (saver) {
-        saver->save_step(sd, f.save_dir, at_step);
-      } else {
-        ckpt::save_step(sd, f.save_dir, at_step, o);
-      }
-    };
-    while (step < f.steps) {
-      const auto t0 = Clock::now();
-      ++step;
-      auto [x, y] = batch(corpus, f, step, rank * rows, (rank + 1) * rows);
-      opt->zero_grad();
-      auto logits = model->forward(x);
-      auto loss = torch::nn::functional::cross_entropy(
-          logits.reshape({-1, cfg.vocab}).to(torch::kFloat), y.reshape({-1}));
-      loss.backward();
-      opt->step();
-      tokens_since += f.global_batch * f.seq_len;
-      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-      step_seconds = step_seconds == 0 ? dt : 0.9 * step_seconds + 0.1 * dt;
-
-      const bool save_now =
-          !f.save_dir.empty() && f.save_every > 0 && (step % f.save_every == 0 || step == f.steps);
-      if (save_now) save(step);
-      if (step % f.log_every == 0 || step == f.steps) {
-        // The global-batch loss, and every rank's peak memory, in one all_reduce.
-        auto stats = torch::zeros({1 + world}, torch::kDouble);
-        stats[0] = loss.detach().item<double>() / world;
-        stats[1 + rank] = max_rss_mb();
-        pg.all_reduce(stats);
-        const double secs = std::chrono::duration<double>(Clock::now() - last_log).count();
-        const double tps = tokens_since / std::max(secs, 1e-9);
-        last_log = Clock::now();
-        tokens_since = 0;
-        if (rank == 0) {
-          std::ostringstream line, rss, json;
-          line.precision(6);
-          line << "step " << step << "/" << f.steps << " | loss " << std::fixed
-               << stats[0].item<double>();
-          line.unsetf(std::ios::fixed);
-          line << " | " << static_cast<int64_t>(tps) << " tok/s | max rss MB";
-          double max_rss = 0;
-          json << "[";
-          for (int r = 0; r < world; ++r) {
-            const double mb = stats[1 + r].item<double>();
-            max_rss = std::max(max_rss, mb);
-            line << (r ? " " : " r0 ") << (r ? "r" + std::to_string(r) + " " : "")
-                 << static_cast<int64_t>(mb);
-            json << (r ? "," : "") << static_cast<int64_t>(mb);
-          }
-          json << "]";
-          if (!f.save_dir.empty() && f.save_every > 0) {
-            const int64_t next = std::min(f.steps, (step / f.save_every + 1) * f.save_every);
-            if (next > step)
-              line << " | next checkpoint in " << std::setprecision(2)
-                   << (next - step) * step_seconds << " s";
-          }
-          std::printf("%s\n", line.str().c_str());
-          std::fflush(stdout);
-          if (metrics) {
-            char buf[256];
-            std::snprintf(buf, sizeof buf,
-                          "{\"step\": %lld, \"loss\": %.9g, \"tokens_per_s\": %.1f, "
-                          "\"max_rss_mb\": %.1f, \"world_size\": %d, \"rss_mb_per_rank\": ",
-                          static_cast<long long>(step), stats[0].item<double>(), tps, max_rss,
-                          world);
-            std::fprintf(metrics, "%s%s}\n", buf, json.str().c_str());
-            std::fflush(metrics);
-          }
-        }
-      }
-    }
-    // Without --save-every, --save-dir still gets the final state.
-    if (!f.save_dir.empty() && saved_at != step) save(step);
-    if (saver) saver->wait();  // the last save is committed before we report success
-    if (metrics) std::fclose(metrics);
-
-    if (!f.export_file.empty() || !f.eval_logits.empty()) {
-      const auto full_opts = ckpt::StateDictOptions().full_state_dict(true).cpu_offload(true);
-      const fsdp::StateDict full = ckpt::get_model_state_dict(model, full_opts);  // rank 0 only
-      if (rank == 0) {
-        if (!f.export_file.empty()) {
-          export_weights(full, f.export_file);
-          const bool pt = ends_with(f.export_file, ".pt");
-          const std::string path = pt || ends_with(f.export_file, ".safetensors")
-                                       ? f.export_file
-                                       : f.export_file + "/model.safetensors";
-          std::printf(
-              "exported %zu tensors to %s\nload them in Python:\n%s\n", full.size(), path.c_str(),
-              (pt ? "  import torch\n  sd = torch.load('" + path + "', weights_only=True)"
-                  : "  from safetensors.torch import load_file\n  sd = load_file('" + path + "')")
-                  .c_str());
-          std::printf("  # the model: scripts/gpt_reference.py (GPT(...).load_state_dict(sd))\n");
-        }
-        if (!f.eval_logits.empty()) {
-          // The same model unwrapped in this process, from the consolidated weights: what a
-          // Python user gets from the export.
-          gpt::GPT plain(cfg, f.seed);
-          fsdp::load_module_state_dict(*plain, full);
-          torch::NoGradGuard no_grad;
-          const auto idx = corpus.narrow(0, 0, f.seq_len).unsqueeze(0);
-          fsdp::StateDict out;
-          out.insert_or_assign("input", idx.clone());
-          out.insert_or_assign("logits", plain->forward(idx).contiguous());
-          ckpt::save_pt(out, f.eval_logits, ckpt::ExportOptions().prefix(""));
-        }
-      }
-    }
+    Trainer trainer(f, corpus, pg, rank, world);
+    trainer.run();
     pg.barrier();
     fsdp::dist::destroy_process_group();
   } catch (const std::exception& e) {
