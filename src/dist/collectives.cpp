@@ -243,25 +243,91 @@ void ProcessGroup::all_gather_into_tensor(const at::Tensor& output, const at::Te
 // ---------------------------------------------------------------------------------------------
 // Reduce-scatter
 
+namespace {
+
+// reduce_scatter_tensor's argument checks, in the order their errors take precedence.
+void check_reduce_scatter_args(const char* op, const ProcessGroup& g, int world,
+                               const std::string& backend, const at::Tensor& output,
+                               const at::Tensor& input, ReduceOp op_kind, ReduceScatterAlgo algo,
+                               const std::vector<double>& divide_by) {
+  check_divisors(op, g, op_kind, divide_by);
+  check_flat(op, g, output, "output");
+  check_flat(op, g, input, "input");
+  const int64_t n = output.numel();
+  if (input.numel() != n * world || output.scalar_type() != input.scalar_type()) {
+    throw ValueError(describe(op, g) + ": input has " + std::to_string(input.numel()) +
+                     " elements of " + std::string(c10::toString(input.scalar_type())) +
+                     ", expected " + std::to_string(n * world) + " (output " + std::to_string(n) +
+                     " x " + std::to_string(world) + " ranks) of " +
+                     c10::toString(output.scalar_type()));
+  }
+  if (algo == ReduceScatterAlgo::kPairwise) {
+    pairwise_needs_gloo(op, g, backend, "ReduceScatterAlgo::kPairwise");
+  }
+}
+
+// The algorithm a reduce-scatter of op_kind over `backend` runs: `algo` as given, or kAuto's
+// choice. Throws for kNative where the backend's native form would not honour op_kind.
+ReduceScatterAlgo resolve_reduce_scatter_algo(const char* op, const ProcessGroup& g,
+                                              const std::string& backend, ReduceOp op_kind,
+                                              ReduceScatterAlgo algo) {
+  const bool native_ok = compat::native_flat_collectives(backend) &&
+                         compat::native_reduce_scatter_honours(backend, to_c10d(op_kind));
+  if (algo == ReduceScatterAlgo::kNative && !native_ok) {
+    // Refuse rather than return a silently wrong reduction (Gloo's native form always sums).
+    throw ValueError(describe(op, g) + ": the " + backend +
+                     " backend has no native reduce-scatter that honours this op; use kAuto");
+  }
+  if (algo == ReduceScatterAlgo::kAuto) {
+    // Measured with bench/bench_collectives (docs/dist.md): on Gloo, alltoall + local sum is
+    // 2-3x faster than allreduce + narrow from 1 MiB per rank up (half the bytes) and level or
+    // ahead below; its rank-ordered sum is also reproducible bit for bit. Pairwise moves the same
+    // bytes with the same sum, 1.4-2.7x faster again, holding 1/W or 2/W of the input in scratch
+    // where the all-to-all holds all of it. Gloo's own
+    // _reduce_scatter_base (LibTorch 2.x) is no better than allreduce + narrow: it is exactly
+    // that, on a clone of the input made on the caller's thread and released by Gloo's worker
+    // thread whenever it drops its work, so it also costs a unit of memory at a moment that
+    // varies from run to run. Native is the default only where it is a real reduce-scatter.
+    algo =
+        native_ok && backend != "gloo" ? ReduceScatterAlgo::kNative : ReduceScatterAlgo::kPairwise;
+  }
+  return algo;
+}
+
+// The finish step of kAllToAll: `recv` holds the W pieces of this rank's chunk, n elements each,
+// in rank order; they are combined into out_flat, `divide` divides the result, and `recv` goes.
+template <typename Divide>
+std::function<void()> combine_all_to_all(at::Tensor recv, at::Tensor out_flat, ReduceOp op_kind,
+                                         int world, int64_t n, Divide divide) {
+  return [recv, out_flat, op_kind, world, n, divide]() {
+    // Rank order, one row at a time: every rank reduces its chunk in the same order, so the
+    // result is deterministic and equals a sequential sum over ranks 0..W-1.
+    // The first two rows are combined straight into the output (one pass, not a copy and
+    // then an add); the same sums in the same order.
+    int r = 1;
+    if (op_kind == ReduceOp::SUM || op_kind == ReduceOp::AVG) {
+      at::Tensor out = out_flat;
+      at::add_out(out, recv.narrow(0, 0, n), recv.narrow(0, n, n));
+      r = 2;
+    } else {
+      out_flat.copy_(recv.narrow(0, 0, n));
+    }
+    for (; r < world; ++r) detail::combine_into(out_flat, recv.narrow(0, r * n, n), op_kind);
+    divide();
+    detail::release_completed(recv);
+  };
+}
+
+}  // namespace
+
 Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
                                                ReduceOp op_kind, ReduceScatterAlgo algo,
                                                const std::vector<double>& divide_by) {
   const char* op = "reduce_scatter_tensor";
   State& s = checked_state(op);
-  check_divisors(op, *this, op_kind, divide_by);
-  check_flat(op, *this, output, "output");
-  check_flat(op, *this, input, "input");
+  check_reduce_scatter_args(op, *this, s.size, s.backend_name, output, input, op_kind, algo,
+                            divide_by);
   const int64_t n = output.numel();
-  if (input.numel() != n * s.size || output.scalar_type() != input.scalar_type()) {
-    throw ValueError(describe(op, *this) + ": input has " + std::to_string(input.numel()) +
-                     " elements of " + std::string(c10::toString(input.scalar_type())) +
-                     ", expected " + std::to_string(n * s.size) + " (output " + std::to_string(n) +
-                     " x " + std::to_string(s.size) + " ranks) of " +
-                     c10::toString(output.scalar_type()));
-  }
-  if (algo == ReduceScatterAlgo::kPairwise) {
-    pairwise_needs_gloo(op, *this, s.backend_name, "ReduceScatterAlgo::kPairwise");
-  }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
     return launch(op, {},
@@ -289,27 +355,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
     divide();
     return launch(op, {});
   }
-  const bool native_ok = compat::native_flat_collectives(s.backend_name) &&
-                         compat::native_reduce_scatter_honours(s.backend_name, to_c10d(op_kind));
-  if (algo == ReduceScatterAlgo::kNative && !native_ok) {
-    // Refuse rather than return a silently wrong reduction (Gloo's native form always sums).
-    throw ValueError(describe(op, *this) + ": the " + s.backend_name +
-                     " backend has no native reduce-scatter that honours this op; use kAuto");
-  }
-  if (algo == ReduceScatterAlgo::kAuto) {
-    // Measured with bench/bench_collectives (docs/dist.md): on Gloo, alltoall + local sum is
-    // 2-3x faster than allreduce + narrow from 1 MiB per rank up (half the bytes) and level or
-    // ahead below; its rank-ordered sum is also reproducible bit for bit. Pairwise moves the same
-    // bytes with the same sum, 1.4-2.7x faster again, holding 1/W or 2/W of the input in scratch
-    // where the all-to-all holds all of it. Gloo's own
-    // _reduce_scatter_base (LibTorch 2.x) is no better than allreduce + narrow: it is exactly
-    // that, on a clone of the input made on the caller's thread and released by Gloo's worker
-    // thread whenever it drops its work, so it also costs a unit of memory at a moment that
-    // varies from run to run. Native is the default only where it is a real reduce-scatter.
-    algo = native_ok && s.backend_name != "gloo" ? ReduceScatterAlgo::kNative
-                                                 : ReduceScatterAlgo::kPairwise;
-  }
-  switch (algo) {
+  switch (resolve_reduce_scatter_algo(op, *this, s.backend_name, op_kind, algo)) {
     case ReduceScatterAlgo::kNative: {
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = to_c10d(op_kind);
@@ -323,23 +369,8 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       opts.timeout = s.timeout;
       std::vector<int64_t> splits;  // empty: equal splits
       auto w = FSDP_START(op, s.backend->alltoall_base(recv, in_flat, splits, splits, opts));
-      return launch(op, std::move(w), [recv, out_flat, op_kind, world, n, divide]() {
-        // Rank order, one row at a time: every rank reduces its chunk in the same order, so the
-        // result is deterministic and equals a sequential sum over ranks 0..W-1.
-        // The first two rows are combined straight into the output (one pass, not a copy and
-        // then an add); the same sums in the same order.
-        int r = 1;
-        if (op_kind == ReduceOp::SUM || op_kind == ReduceOp::AVG) {
-          at::Tensor out = out_flat;
-          at::add_out(out, recv.narrow(0, 0, n), recv.narrow(0, n, n));
-          r = 2;
-        } else {
-          out_flat.copy_(recv.narrow(0, 0, n));
-        }
-        for (; r < world; ++r) detail::combine_into(out_flat, recv.narrow(0, r * n, n), op_kind);
-        divide();
-        detail::release_completed(recv);
-      });
+      return launch(op, std::move(w),
+                    combine_all_to_all(std::move(recv), out_flat, op_kind, world, n, divide));
     }
     case ReduceScatterAlgo::kAllReduce: {
       at::Tensor tmp = in_flat.clone();

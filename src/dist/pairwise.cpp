@@ -291,18 +291,13 @@ bool aliases_any(const at::Tensor& out, const std::vector<std::vector<at::Tensor
   return false;
 }
 
-}  // namespace
-
-std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
-                                                    const at::Tensor& out_flat,
-                                                    std::vector<std::vector<at::Tensor>> chunks,
-                                                    ReduceOp op, std::vector<double> divisors) {
-  if (!divisors.empty() && op != ReduceOp::SUM && op != ReduceOp::AVG) {
-    throw InternalError("start_pairwise_reduce_scatter: divisors are for SUM and AVG only");
-  }
+// The reduce-scatter's state, up to its receive buffers: the input's chunks, the output (or a
+// chunk of our own standing in for it), the divisors, and where this rank's pieces start.
+std::shared_ptr<Pairwise> make_pairwise(PointToPointCall call, const at::Tensor& out_flat,
+                                        std::vector<std::vector<at::Tensor>> chunks, ReduceOp op,
+                                        std::vector<double> divisors) {
   auto p = std::make_shared<Pairwise>(std::move(call));
-  const int rank = p->rank, world = p->world, tag = p->tag;
-  const compat::BackendPtr& backend = p->backend;
+  const int rank = p->rank, world = p->world;
   p->chunks = std::move(chunks);
   p->out = out_flat;
   // An output that shares memory with the input (in place: this rank's own chunk) is written only
@@ -326,20 +321,13 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
   for (int q = 0; q < world; ++q) {
     if (q != rank) p->peers.push_back(q);
   }
-  // For a sum, the lowest peer's piece (x0, or x1 on rank 0) is received straight into the
-  // output, and the other of x0 and x1 is added to it in place: x0 + x1 either way round, the
-  // same bits as the all-to-all's x0 + x1 (IEEE addition commutes; only the payload of a NaN
-  // plus a NaN may differ). That saves W=2 its receive buffer and its page faults altogether. Not
-  // for max/min, whose ties between +0 and -0 depend on the order.
-  const bool direct = op == ReduceOp::SUM || op == ReduceOp::AVG;
-  const size_t buffered = p->peers.size() - (direct ? 1 : 0);
-  // Two buffers: with our own chunk read in place, every piece up to W=4 is received at once and a
-  // sum adds them in one pass; beyond that, the next pieces arrive while those are combined.
-  const int nbufs = static_cast<int>(std::min<size_t>(2, buffered));
-  for (int b = 0; b < nbufs; ++b) {
-    p->bufs.push_back(fsdp::detail::empty_buffer(p->n, p->out.options()));
-    p->free_bufs.push_back(b);
-  }
+  return p;
+}
+
+// The start: every send, the direct receive (`direct`), and the receives into the free buffers.
+void post_pairwise(const std::shared_ptr<Pairwise>& p, bool direct) {
+  const int tag = p->tag;
+  const compat::BackendPtr& backend = p->backend;
   try {
     for (int q : p->peers) {
       for (const auto& piece : p->chunks[static_cast<size_t>(q)]) {
@@ -356,85 +344,129 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
   } catch (...) {
     fail_to_post(p, "starting");
   }
+}
 
-  return [p]() {
-    // Rank q's piece of this rank's chunk, once received: its buffer index, or -1 for our own.
-    auto arrived = [&](int q) -> int {
-      if (q == p->rank) return -1;
-      auto& [ws, b] = p->recv_of[static_cast<size_t>(q)];
-      wait_all(p, ws, "receiving from rank " + std::to_string(q));
-      return b;
-    };
-    auto release = [&](int b) {
-      if (b < 0) return;
-      p->free_bufs.push_back(b);
-      try {
-        p->post_next_receive();
-      } catch (...) {
-        fail_to_post(p, "posting a receive");
-      }
-    };
-    // The ranks whose pieces are combined into the output, in the order of the sum: after the
-    // direct receive's peer (0, or 1 on rank 0), the other of 0 and 1, then 2, 3, ...
-    std::vector<int> order;
-    if (p->has_direct) {
-      const int first = p->peers[0];
-      wait_all(p, p->direct, "receiving from rank " + std::to_string(first));
-      order.push_back(first == 0 ? 1 : 0);
-      for (int q = 2; q < p->world; ++q) order.push_back(q);
-    } else {
-      for (int q = 0; q < p->world; ++q) order.push_back(q);
+// Rank q's piece of this rank's chunk, once received: its buffer index, or -1 for our own.
+int arrived(const std::shared_ptr<Pairwise>& p, int q) {
+  if (q == p->rank) return -1;
+  auto& [ws, b] = p->recv_of[static_cast<size_t>(q)];
+  wait_all(p, ws, "receiving from rank " + std::to_string(q));
+  return b;
+}
+
+// Buffer b (none for -1) is free again: the next receive goes into it.
+void release(const std::shared_ptr<Pairwise>& p, int b) {
+  if (b < 0) return;
+  p->free_bufs.push_back(b);
+  try {
+    p->post_next_receive();
+  } catch (...) {
+    fail_to_post(p, "posting a receive");
+  }
+}
+
+// A step of our own that throws (an allocation, an internal check) abandons the state.
+template <typename Step>
+void locally(const std::shared_ptr<Pairwise>& p, const Step& step) {
+  try {
+    step();
+  } catch (...) {
+    abandon(p);
+    throw;
+  }
+}
+
+// The ranks whose pieces are combined into the output, in the order of the sum: after the direct
+// receive's peer (0, or 1 on rank 0), the other of 0 and 1, then 2, 3, ... Waits for the direct
+// receive first.
+std::vector<int> sum_order(const std::shared_ptr<Pairwise>& p) {
+  std::vector<int> order;
+  if (p->has_direct) {
+    const int first = p->peers[0];
+    wait_all(p, p->direct, "receiving from rank " + std::to_string(first));
+    order.push_back(first == 0 ? 1 : 0);
+    for (int q = 2; q < p->world; ++q) order.push_back(q);
+  } else {
+    for (int q = 0; q < p->world; ++q) order.push_back(q);
+  }
+  return order;
+}
+
+// A sum of float or double takes the pieces that are ready together, in one pass over the chunk
+// instead of one per piece: up to W=4 all of them (two buffers and our own), since every receive
+// is posted at the start. While receives remain to be posted, a group holds at most one buffer,
+// so that the other keeps receiving the next piece during the pass. Other ops and dtypes go one
+// piece at a time, each combined while the next arrives.
+void combine_in_order(const std::shared_ptr<Pairwise>& p, const std::vector<int>& order) {
+  const bool batch = p->sums_in_one_pass();
+  bool first = !p->has_direct;
+  for (size_t i = 0; i < order.size();) {
+    if (!p->ready(order[i])) {
+      abandon(p);
+      throw InternalError("pairwise reduce-scatter: rank " + std::to_string(order[i]) +
+                          "'s pieces were never posted");
     }
-    // A step of our own that throws (an allocation, an internal check) abandons the state.
-    auto locally = [&](const auto& step) {
-      try {
-        step();
-      } catch (...) {
-        abandon(p);
-        throw;
-      }
-    };
-    // A sum of float or double takes the pieces that are ready together, in one pass over the
-    // chunk instead of one per piece: up to W=4 all of them (two buffers and our own), since every
-    // receive is posted at the start. While receives remain to be posted, a group holds at most one
-    // buffer, so that the other keeps receiving the next piece during the pass. Other ops and
-    // dtypes go one piece at a time, each combined while the next arrives.
-    const bool batch = p->sums_in_one_pass();
-    bool first = !p->has_direct;
-    for (size_t i = 0; i < order.size();) {
-      if (!p->ready(order[i])) {
-        abandon(p);
-        throw InternalError("pairwise reduce-scatter: rank " + std::to_string(order[i]) +
-                            "'s pieces were never posted");
-      }
-      std::vector<int> group{order[i++]};
-      int buffers = group[0] == p->rank ? 0 : 1;
-      while (batch && i < order.size() && p->ready(order[i])) {
-        const bool buffered = order[i] != p->rank;
-        if (buffered && buffers > 0 && p->next_post < p->peers.size()) break;
-        buffers += buffered ? 1 : 0;
-        group.push_back(order[i++]);
-      }
-      std::vector<int> held;  // the buffers the group's pieces are in
-      for (int q : group) {
-        const int b = arrived(q);
-        if (b >= 0) held.push_back(b);
-      }
-      locally([&] { p->combine_group(group, first, /*last=*/i == order.size()); });
-      first = false;
-      for (int b : held) release(b);
+    std::vector<int> group{order[i++]};
+    int buffers = group[0] == p->rank ? 0 : 1;
+    while (batch && i < order.size() && p->ready(order[i])) {
+      const bool buffered = order[i] != p->rank;
+      if (buffered && buffers > 0 && p->next_post < p->peers.size()) break;
+      buffers += buffered ? 1 : 0;
+      group.push_back(order[i++]);
     }
-    locally([&] { divide_in_order(p->out, p->divisors, p->fused); });
-    wait_sends(p);
-    if (p->user_out.defined()) {
-      p->user_out.copy_(p->out);
-      release_completed(p->out);
+    std::vector<int> held;  // the buffers the group's pieces are in
+    for (int q : group) {
+      const int b = arrived(p, q);
+      if (b >= 0) held.push_back(b);
     }
-    for (auto& b : p->bufs) release_completed(b);
-    // The input's pieces are dropped with the sends that referenced them: where they are the
-    // caller's gradients, their memory goes back now, not when Gloo lets go of its work objects.
-    p->chunks.clear();
-  };
+    locally(p, [&] { p->combine_group(group, first, /*last=*/i == order.size()); });
+    first = false;
+    for (int b : held) release(p, b);
+  }
+}
+
+// The finish (Work::wait): the sum, the divisions, the sends' completion, and the output.
+void finish_pairwise(const std::shared_ptr<Pairwise>& p) {
+  const std::vector<int> order = sum_order(p);
+  combine_in_order(p, order);
+  locally(p, [&] { divide_in_order(p->out, p->divisors, p->fused); });
+  wait_sends(p);
+  if (p->user_out.defined()) {
+    p->user_out.copy_(p->out);
+    release_completed(p->out);
+  }
+  for (auto& b : p->bufs) release_completed(b);
+  // The input's pieces are dropped with the sends that referenced them: where they are the
+  // caller's gradients, their memory goes back now, not when Gloo lets go of its work objects.
+  p->chunks.clear();
+}
+
+}  // namespace
+
+std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
+                                                    const at::Tensor& out_flat,
+                                                    std::vector<std::vector<at::Tensor>> chunks,
+                                                    ReduceOp op, std::vector<double> divisors) {
+  if (!divisors.empty() && op != ReduceOp::SUM && op != ReduceOp::AVG) {
+    throw InternalError("start_pairwise_reduce_scatter: divisors are for SUM and AVG only");
+  }
+  auto p = make_pairwise(std::move(call), out_flat, std::move(chunks), op, std::move(divisors));
+  // For a sum, the lowest peer's piece (x0, or x1 on rank 0) is received straight into the
+  // output, and the other of x0 and x1 is added to it in place: x0 + x1 either way round, the
+  // same bits as the all-to-all's x0 + x1 (IEEE addition commutes; only the payload of a NaN
+  // plus a NaN may differ). That saves W=2 its receive buffer and its page faults altogether. Not
+  // for max/min, whose ties between +0 and -0 depend on the order.
+  const bool direct = op == ReduceOp::SUM || op == ReduceOp::AVG;
+  const size_t buffered = p->peers.size() - (direct ? 1 : 0);
+  // Two buffers: with our own chunk read in place, every piece up to W=4 is received at once and a
+  // sum adds them in one pass; beyond that, the next pieces arrive while those are combined.
+  const int nbufs = static_cast<int>(std::min<size_t>(2, buffered));
+  for (int b = 0; b < nbufs; ++b) {
+    p->bufs.push_back(fsdp::detail::empty_buffer(p->n, p->out.options()));
+    p->free_bufs.push_back(b);
+  }
+  post_pairwise(p, direct);
+  return [p]() { finish_pairwise(p); };
 }
 
 namespace {

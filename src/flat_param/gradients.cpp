@@ -206,53 +206,36 @@ void FlatParamHandle::reduce_grad_async() {
   start_reduce(take_orig_grads());  // freshly built: no copy needed
 }
 
-// The unsharded gradient as the reduce-scatter's chunks, each a list of pieces: slices of
-// autograd's own gradients where they are large (sent as they are: no copy), the small ones
-// between them copied together, with the padding's zeros, into one buffer per run (one message
-// rather than many). Each piece is one message, so whether this path is taken and where the
-// pieces start and end depend on the handle's configuration and layout alone, never on this
-// rank's gradients (ranks may differ there: a parameter unused on one rank has no gradient): a
-// gradient that is missing, strided or of another dtype is stood in for by zeros or a converted
-// copy of the same extent. Empty (the flat path) unless the reduction is a sharded one over Gloo
-// on the CPU in float32 or float64 (float16 is predivided in place, and bfloat16 travels as
-// float32 over Gloo), and some parameter is large enough to be worth messages of its own.
-std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces() {
-  constexpr int64_t kPieceMinBytes = int64_t{256} << 10;  // below: copying beats a message
-  std::vector<std::vector<at::Tensor>> chunks;
-  if (!uses_sharded_strategy() || world_size_ < 2 || group_.backend_name() != "gloo" ||
-      !options_.device().is_cpu() ||
-      (reduce_dtype_ != at::kFloat && reduce_dtype_ != at::kDouble)) {
-    return chunks;
-  }
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(reduce_dtype_));
-  bool any_large = false;
-  for (int64_t numel : layout_.numels) any_large = any_large || numel * elem >= 2 * kPieceMinBytes;
-  if (!any_large) return chunks;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor g = params_[i].grad();
-    if (g.defined()) check_grad_shape(i, g);  // before anything is taken: an error keeps them
-  }
-  at::NoGradGuard no_grad;
-  // The layout's runs over [0, W * n): a parameter's gradient (flattened), or zeros (padding, or
-  // a parameter without a gradient).
-  struct Run {
-    int64_t begin, numel;
-    bool param;       // a parameter's range (else padding)
-    at::Tensor grad;  // flat, contiguous, reduce dtype; undefined: zeros
-  };
+namespace {
+
+constexpr int64_t kPieceMinBytes = int64_t{256} << 10;  // below: copying beats a message
+
+// One of the layout's runs over [0, W * n): a parameter's gradient (flattened), or zeros
+// (padding, or a parameter without a gradient).
+struct Run {
+  int64_t begin, numel;
+  bool param;       // a parameter's range (else padding)
+  at::Tensor grad;  // flat, contiguous, reduce dtype; undefined: zeros
+};
+
+// The runs of `layout`, padding to world_size chunks of layout.sharded_numel included. Each
+// parameter's gradient is flattened: a view of autograd's own where that is a contiguous CPU
+// tensor of `reduce_dtype`, else a converted copy.
+std::vector<Run> grad_runs(const FlatParamLayout& layout, const std::vector<at::Tensor>& params,
+                           at::ScalarType reduce_dtype, int world_size) {
   std::vector<Run> runs;
   int64_t offset = 0;
   size_t i = 0;
-  for (size_t k = 0; k < layout_.numels_with_padding.size(); ++k) {
-    const int64_t numel = layout_.numels_with_padding[k];
-    const bool param = !layout_.is_padding_mask[k];
+  for (size_t k = 0; k < layout.numels_with_padding.size(); ++k) {
+    const int64_t numel = layout.numels_with_padding[k];
+    const bool param = !layout.is_padding_mask[k];
     if (numel > 0) {
-      at::Tensor g = param ? params_[i].grad() : at::Tensor();
+      at::Tensor g = param ? params[i].grad() : at::Tensor();
       if (g.defined()) {
         g = g.reshape({-1});
-        if (g.scalar_type() != reduce_dtype_ || !g.device().is_cpu() || !g.is_contiguous() ||
+        if (g.scalar_type() != reduce_dtype || !g.device().is_cpu() || !g.is_contiguous() ||
             g.layout() != at::kStrided || g.is_neg() || g.is_conj()) {
-          g = g.to(at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU),
+          g = g.to(at::TensorOptions().dtype(reduce_dtype).device(at::kCPU),
                    /*non_blocking=*/false, /*copy=*/true)
                   .resolve_neg()
                   .resolve_conj()
@@ -264,15 +247,22 @@ std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces(
     if (param) ++i;
     offset += numel;
   }
-  const int64_t n = layout_.sharded_numel;
-  if (offset < n * world_size_) {
-    runs.push_back({offset, n * world_size_ - offset, /*param=*/false, at::Tensor()});
+  const int64_t n = layout.sharded_numel;
+  if (offset < n * world_size) {
+    runs.push_back({offset, n * world_size - offset, /*param=*/false, at::Tensor()});
   }
+  return runs;
+}
 
-  chunks.resize(static_cast<size_t>(world_size_));
-  const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU);
+// `runs` cut into world_size chunks of n elements, each a list of pieces: slices of the large
+// parameter runs, and one buffer per stretch of small ones between them.
+std::vector<std::vector<at::Tensor>> pieces_of(const std::vector<Run>& runs, int64_t n,
+                                               int world_size, at::ScalarType dtype) {
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(dtype));
+  std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world_size));
+  const auto opts = at::TensorOptions().dtype(dtype).device(at::kCPU);
   size_t r = 0;
-  for (int q = 0; q < world_size_; ++q) {
+  for (int q = 0; q < world_size; ++q) {
     const int64_t lo = q * n, hi = lo + n;
     // Pieces of [lo, hi) too small to send alone, gathered until the next large one.
     std::vector<std::pair<const Run*, std::pair<int64_t, int64_t>>> small;  // (run, [a, b))
@@ -306,6 +296,39 @@ std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces(
     }
     flush();
   }
+  return chunks;
+}
+
+}  // namespace
+
+// The unsharded gradient as the reduce-scatter's chunks, each a list of pieces: slices of
+// autograd's own gradients where they are large (sent as they are: no copy), the small ones
+// between them copied together, with the padding's zeros, into one buffer per run (one message
+// rather than many). Each piece is one message, so whether this path is taken and where the
+// pieces start and end depend on the handle's configuration and layout alone, never on this
+// rank's gradients (ranks may differ there: a parameter unused on one rank has no gradient): a
+// gradient that is missing, strided or of another dtype is stood in for by zeros or a converted
+// copy of the same extent. Empty (the flat path) unless the reduction is a sharded one over Gloo
+// on the CPU in float32 or float64 (float16 is predivided in place, and bfloat16 travels as
+// float32 over Gloo), and some parameter is large enough to be worth messages of its own.
+std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces() {
+  std::vector<std::vector<at::Tensor>> chunks;
+  if (!uses_sharded_strategy() || world_size_ < 2 || group_.backend_name() != "gloo" ||
+      !options_.device().is_cpu() ||
+      (reduce_dtype_ != at::kFloat && reduce_dtype_ != at::kDouble)) {
+    return chunks;
+  }
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(reduce_dtype_));
+  bool any_large = false;
+  for (int64_t numel : layout_.numels) any_large = any_large || numel * elem >= 2 * kPieceMinBytes;
+  if (!any_large) return chunks;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor g = params_[i].grad();
+    if (g.defined()) check_grad_shape(i, g);  // before anything is taken: an error keeps them
+  }
+  at::NoGradGuard no_grad;
+  const std::vector<Run> runs = grad_runs(layout_, params_, reduce_dtype_, world_size_);
+  chunks = pieces_of(runs, layout_.sharded_numel, world_size_, reduce_dtype_);
   // The gradients now travel in the pieces (released when the reduction finishes), and the
   // unsharded parameters' memory kept for a flat gradient is not needed.
   for (auto& p : params_) p.mutable_grad().reset();

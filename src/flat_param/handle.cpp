@@ -42,6 +42,72 @@ double predivide_factor(int dp_size) {
 // results, and a 42 showing up where it should not is easy to spot.
 constexpr double kPaddingValue = 42.0;
 
+// Tied parameters are one TensorImpl registered on several modules: the first owner is primary.
+// Moves each primary's info from `params` into `infos` and records every other owner in
+// `shared`; returns the primaries' tensors, aligned with `infos`.
+std::vector<at::Tensor> split_tied(std::vector<ParamInfo>& params, std::vector<ParamInfo>& infos,
+                                   std::vector<SharedParamInfo>& shared) {
+  std::unordered_map<const c10::TensorImpl*, int> seen;
+  std::vector<at::Tensor> tensors;
+  for (auto& ref : params) {
+    if (!ref.module)
+      throw ValueError("FlatParamHandle: parameter '" + ref.fqn() + "' has no module");
+    at::Tensor t = named_param(ref);
+    auto it = seen.find(t.unsafeGetTensorImpl());
+    if (it != seen.end()) {
+      const ParamInfo& prim = infos[it->second];
+      shared.push_back(SharedParamInfo{ref.param_name, ref.module, ref.module_name, prim.param_name,
+                                       prim.module, prim.module_name, it->second});
+      continue;
+    }
+    seen.emplace(t.unsafeGetTensorImpl(), static_cast<int>(infos.size()));
+    infos.push_back(std::move(ref));
+    tensors.push_back(t);
+  }
+  return tensors;
+}
+
+FlatParamLayout layout_of(const std::vector<ParamInfo>& infos,
+                          const std::vector<at::Tensor>& params, int64_t aligned, int world_size,
+                          bool sharded) {
+  std::vector<std::string> fqns;
+  std::vector<std::vector<int64_t>> shapes;
+  for (size_t i = 0; i < params.size(); ++i) {
+    fqns.push_back(infos[i].fqn());
+    shapes.push_back(params[i].sizes().vec());
+  }
+  return FlatParamLayout::compute(fqns, shapes, aligned, world_size, sharded);
+}
+
+// Flatten (padding included), then keep this rank's chunk, padded to the chunk size: the flat
+// parameter's data, on the CPU under offload_params and on options.device() otherwise.
+at::Tensor flatten_and_shard(const FlatParamLayout& layout, const std::vector<at::Tensor>& params,
+                             at::ScalarType orig, int rank, int64_t shard_numel_padded,
+                             bool sharded, const FlatParamHandleOptions& options) {
+  at::NoGradGuard no_grad;
+  const auto opts = at::TensorOptions().dtype(orig).device(params[0].device());
+  at::Tensor flat = layout.flatten(params, kPaddingValue);
+  at::Tensor shard;
+  if (sharded) {
+    const int64_t start = std::min<int64_t>(rank * layout.sharded_numel, flat.numel());
+    const int64_t have = layout.sharded_numel - shard_numel_padded;
+    shard = at::zeros({layout.sharded_numel}, opts);
+    shard.narrow(0, 0, have).copy_(flat.narrow(0, start, have));
+  } else {
+    shard = flat.clone();
+  }
+  if (options.offload_params()) {
+    shard = shard.to(at::kCPU);
+    // Pinned when the compute device is a GPU (asynchronous copies); not otherwise, where
+    // pinning would initialise CUDA for nothing.
+    if (options.device().is_cuda()) shard = shard.pin_memory();
+  } else {
+    shard = shard.to(options.device());
+  }
+  flat = at::Tensor();
+  return shard.detach();
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -64,25 +130,7 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamInfo> params, dist::ProcessGro
                      " needs a replicate_group (see dist::make_hybrid_groups)");
   }
 
-  // Tied parameters are one TensorImpl registered on several modules: the first owner is primary.
-  std::unordered_map<const c10::TensorImpl*, int> seen;
-  std::vector<at::Tensor> tensors;
-  for (auto& ref : params) {
-    if (!ref.module)
-      throw ValueError("FlatParamHandle: parameter '" + ref.fqn() + "' has no module");
-    at::Tensor t = named_param(ref);
-    auto it = seen.find(t.unsafeGetTensorImpl());
-    if (it != seen.end()) {
-      const ParamInfo& prim = param_infos_[it->second];
-      shared_param_infos_.push_back(SharedParamInfo{ref.param_name, ref.module, ref.module_name,
-                                                    prim.param_name, prim.module, prim.module_name,
-                                                    it->second});
-      continue;
-    }
-    seen.emplace(t.unsafeGetTensorImpl(), static_cast<int>(param_infos_.size()));
-    param_infos_.push_back(std::move(ref));
-    tensors.push_back(t);
-  }
+  const std::vector<at::Tensor> tensors = split_tied(params, param_infos_, shared_param_infos_);
   validate_and_describe(tensors);
   params_ = tensors;
 
@@ -97,13 +145,7 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamInfo> params, dist::ProcessGro
   // every 8 elements, so padding and shard sizes match PyTorch's.
   const int64_t aligned =
       options_.use_orig_params() ? 16 / static_cast<int64_t>(c10::elementSize(fwd_bwd_dtype_)) : 0;
-  std::vector<std::string> fqns;
-  std::vector<std::vector<int64_t>> shapes;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    fqns.push_back(param_infos_[i].fqn());
-    shapes.push_back(params_[i].sizes().vec());
-  }
-  layout_ = FlatParamLayout::compute(fqns, shapes, aligned, world_size_, sharded);
+  layout_ = layout_of(param_infos_, params_, aligned, world_size_, sharded);
   shard_param_infos_ = layout_.shard_param_infos(rank_);
   shard_numel_padded_ = layout_.shard_numel_padded(rank_);
   is_grad_none_.assign(params_.size(), false);
@@ -115,32 +157,8 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamInfo> params, dist::ProcessGro
   predivide_ = predivide_factor(dp_size);
   postdivide_ = dp_size / predivide_;
 
-  // Flatten (padding included), then keep this rank's chunk, padded to the chunk size.
-  at::Tensor flat;
-  {
-    at::NoGradGuard no_grad;
-    const auto opts = at::TensorOptions().dtype(orig).device(params_[0].device());
-    flat = layout_.flatten(params_, kPaddingValue);
-    at::Tensor shard;
-    if (sharded) {
-      const int64_t start = std::min<int64_t>(rank_ * layout_.sharded_numel, flat.numel());
-      const int64_t have = layout_.sharded_numel - shard_numel_padded_;
-      shard = at::zeros({layout_.sharded_numel}, opts);
-      shard.narrow(0, 0, have).copy_(flat.narrow(0, start, have));
-    } else {
-      shard = flat.clone();
-    }
-    if (options_.offload_params()) {
-      shard = shard.to(at::kCPU);
-      // Pinned when the compute device is a GPU (asynchronous copies); not otherwise, where
-      // pinning would initialise CUDA for nothing.
-      if (options_.device().is_cuda()) shard = shard.pin_memory();
-    } else {
-      shard = shard.to(options_.device());
-    }
-    flat = at::Tensor();
-    flat_param_ = shard.detach();
-  }
+  flat_param_ =
+      flatten_and_shard(layout_, params_, orig, rank_, shard_numel_padded_, sharded, options_);
   bool any_requires_grad = false;
   for (const auto& p : params_) any_requires_grad |= p.requires_grad();
   flat_param_.set_requires_grad(any_requires_grad);

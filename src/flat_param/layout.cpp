@@ -6,6 +6,7 @@
 #include "flat_param/flattened.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "util/module_tree.h"
 
 namespace fsdp {
 
@@ -267,11 +268,7 @@ std::vector<ParamInfo> collect_params(
   }
   for (const auto& item : modules) {
     const std::string& name = item.key();
-    bool skip = false;
-    for (const auto& ip : ignored_prefixes) {
-      if (name == ip || ip.empty() || name.rfind(ip + ".", 0) == 0) skip = true;
-    }
-    if (skip) continue;
+    if (detail::under_any(name, ignored_prefixes)) continue;
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       if (is_fsdp_flattened(p.value())) continue;
       out.push_back(ParamInfo{p.key(), item.value(), name});

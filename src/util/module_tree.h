@@ -1,0 +1,27 @@
+// Internal: names in a module tree, as the wrapper (runtime/) and flattening (flat_param/) walk
+// it: which modules and parameters lie under which module, so that both skip an ignored module's
+// subtree by the same rule.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace detail {
+
+/// Whether the module or parameter named `fqn` is the module named `root` or lies under it.
+/// Everything lies under the root module, "".
+inline bool under(const std::string& fqn, const std::string& root) {
+  return root.empty() || fqn == root || fqn.rfind(root + ".", 0) == 0;
+}
+
+/// Whether `fqn` lies under any of `roots` (e.g. the names of the ignored modules).
+inline bool under_any(const std::string& fqn, const std::vector<std::string>& roots) {
+  for (const auto& r : roots) {
+    if (under(fqn, r)) return true;
+  }
+  return false;
+}
+
+}  // namespace detail
+}  // namespace fsdp
