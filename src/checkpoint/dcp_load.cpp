@@ -1,12 +1,12 @@
-// Loading DCP checkpoints into a StateDict, and verifying them (fsdp/checkpoint/checkpoint.h).
-// Every item read is checked against the manifest's xxh3 checksum before it is decoded, so a
-// corrupt byte is reported by name rather than fed to a decoder.
+// Loading DCP checkpoints into a StateDict (fsdp/checkpoint/checkpoint.h): CheckpointReader
+// (dcp_reader.h) and load. Every item read is checked against the manifest's xxh3 checksum before
+// it is decoded, so a corrupt byte is reported by name rather than fed to a decoder. verify and
+// inspect, which read through the same CheckpointReader, are in dcp_verify.cpp.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <map>
 #include <optional>
-#include <set>
 #include <tuple>
 
 #include "checkpoint/dcp_items.h"
@@ -24,35 +24,13 @@ namespace {
 constexpr const char* kWhat = "checkpoint load";
 constexpr int64_t kMaxMetadata = int64_t{64} << 20;  // the pickle reader's limit
 
+using dcp::Region;
 using detail::shape_str;
-
-// A decoded chunk must be exactly what the metadata says.
-void check_chunk(const at::Tensor& chunk, at::ScalarType dtype, const std::vector<int64_t>& sizes,
-                 const std::string& where, const char* what) {
-  if (chunk.scalar_type() != dtype)
-    throw ValueError(std::string(what) + ": " + where + " holds " +
-                     c10::toString(chunk.scalar_type()) + ", the metadata says " +
-                     c10::toString(dtype));
-  if (chunk.sizes().vec() != sizes)
-    throw ValueError(std::string(what) + ": " + where + " has shape " +
-                     shape_str(chunk.sizes().vec()) + ", the metadata says " + shape_str(sizes));
-}
-
-// A part of a box: [lo, hi) per dimension, in the tensor's coordinates.
-struct Region {
-  std::vector<int64_t> lo, hi;
-};
 
 int64_t volume(const Region& r) {
   int64_t v = 1;
   for (size_t d = 0; d < r.lo.size(); ++d) v *= r.hi[d] - r.lo[d];
   return v;
-}
-
-bool intersect(const Region& a, const Region& b) {
-  for (size_t d = 0; d < a.lo.size(); ++d)
-    if (std::max(a.lo[d], b.lo[d]) >= std::min(a.hi[d], b.hi[d])) return false;
-  return true;
 }
 
 // Elements of `box` in none of `regions` (each inside the box). Chunks of a well-formed
@@ -62,10 +40,10 @@ bool intersect(const Region& a, const Region& b) {
 int64_t uncovered(const ShardMetadata& box, const std::vector<Region>& regions) {
   int64_t box_volume = 1;
   for (int64_t s : box.sizes) box_volume *= s;
-  bool disjoint = regions.size() <= 4096;
+  bool disjoint = regions.size() <= dcp::kMaxPairwiseBoxes;
   for (size_t i = 0; disjoint && i < regions.size(); ++i)
     for (size_t j = i + 1; disjoint && j < regions.size(); ++j)
-      disjoint = !intersect(regions[i], regions[j]);
+      disjoint = !dcp::overlap(regions[i], regions[j]);
   if (disjoint) {
     int64_t held = 0;
     for (const auto& r : regions) held += volume(r);
@@ -92,6 +70,18 @@ bool direct_target(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 }  // namespace
+
+void dcp::check_chunk(const at::Tensor& chunk, at::ScalarType dtype,
+                      const std::vector<int64_t>& sizes, const std::string& where,
+                      const char* what) {
+  if (chunk.scalar_type() != dtype)
+    throw ValueError(std::string(what) + ": " + where + " holds " +
+                     c10::toString(chunk.scalar_type()) + ", the metadata says " +
+                     c10::toString(dtype));
+  if (chunk.sizes().vec() != sizes)
+    throw ValueError(std::string(what) + ": " + where + " has shape " +
+                     shape_str(chunk.sizes().vec()) + ", the metadata says " + shape_str(sizes));
+}
 
 CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in, bool verify,
                                    const char* what)
@@ -354,7 +344,7 @@ void CheckpointReader::apply(FillPlan& plan, Buffer& buf) const {
         char* p = static_cast<char*>(dst.data_ptr());
         if (std::optional<at::Tensor> chunk =
                 read_chunk_into(job.key, *info, p, dst.nbytes(), buf)) {
-          check_chunk(*chunk, job.dtype, job.sizes, place, what_);
+          dcp::check_chunk(*chunk, job.dtype, job.sizes, place, what_);
           if (chunk->data_ptr() == dst.data_ptr() && chunk->is_contiguous()) {
             dst.unsafeGetTensorImpl()->bump_version();  // written behind autograd's back
           } else {
@@ -368,7 +358,7 @@ void CheckpointReader::apply(FillPlan& plan, Buffer& buf) const {
     // A view of `buf`: copied into the destinations before the next item is read.
     const at::Tensor chunk = items::decode_tensor(raw.data(), raw.size(),
                                                   std::string(what_) + ": " + place, check_crc());
-    check_chunk(chunk, job.dtype, job.sizes, place, what_);
+    dcp::check_chunk(chunk, job.dtype, job.sizes, place, what_);
     for (auto& cp : job.copies) {
       at::Tensor src = chunk;
       for (size_t d = 0; d < cp.extent.size(); ++d)
@@ -390,162 +380,6 @@ void load(StateDict& state_dict, const std::string& dir, const LoadOptions& opti
     TORCH_WARN("fsdp checkpoint: ", reader.dir(), " has no ", manifest::kFileName,
                " (written by PyTorch?): its items are checked only by their zip CRC-32s");
   reader.fill(state_dict);
-}
-
-VerifyReport verify(const std::string& dir_in, FileIO* io_in,
-                    const std::function<void(int64_t, int64_t)>& progress) {
-  constexpr const char* what = "checkpoint verify";
-  FileIO& io = io_in ? *io_in : default_file_io();
-  VerifyReport rep;
-  std::optional<CheckpointReader> reader;
-  try {
-    reader.emplace(io, dir_in, /*verify=*/true, what);
-  } catch (const std::exception& e) {
-    rep.problems.push_back(e.what());
-    return rep;
-  }
-  const CheckpointReader& o = *reader;
-  const std::string& dir = o.dir();
-  rep.has_manifest = o.manifest().has_value();
-  if (o.manifest()) {
-    rep.format_version = o.manifest()->format_version;
-    rep.world_size = o.manifest()->world_size;
-    for (const auto& [file, size] : o.manifest()->files) {
-      const std::string path = files::join(dir, file);
-      const int64_t actual = io.file_size(path);
-      if (actual != size)
-        rep.problems.push_back(std::string(what) + ": " + path +
-                               (actual < 0 ? std::string(" is missing")
-                                           : " has " + std::to_string(actual) + " bytes") +
-                               ", the manifest says " + std::to_string(size));
-    }
-    if (o.manifest()->items.size() != o.metadata().storage_data.size())
-      rep.problems.push_back(std::string(what) + ": the manifest lists " +
-                             std::to_string(o.manifest()->items.size()) + " items, .metadata " +
-                             std::to_string(o.metadata().storage_data.size()));
-  } else {
-    rep.problems.push_back(
-        std::string(what) + ": " + dir + " has no " + manifest::kFileName +
-        ": nothing stronger than the items' zip CRC-32s can be checked (a checkpoint written by "
-        "PyTorch?)");
-  }
-  // Coverage: the chunks of every tensor tile it exactly (inside it, disjoint, volumes add up).
-  std::map<std::string, const dcp::ItemMeta*> meta_items;
-  for (const auto& [key, item] : o.metadata().state_dict_metadata) {
-    meta_items[key] = &item;
-    if (item.bytes) continue;
-    const auto& t = item.tensor;
-    int64_t numel = 1, volume = 0;
-    for (int64_t s : t.size) numel *= s;
-    for (size_t a = 0; a < t.chunks.size(); ++a) {
-      int64_t v = 1;
-      for (int64_t s : t.chunks[a].sizes) v *= s;
-      volume += v;
-      for (size_t b = a + 1; b < t.chunks.size() && t.chunks.size() <= 4096; ++b) {
-        bool overlap = true;
-        for (size_t d = 0; d < t.size.size(); ++d) {
-          const auto& x = t.chunks[a];
-          const auto& y = t.chunks[b];
-          overlap = overlap && x.offsets[d] < y.offsets[d] + y.sizes[d] &&
-                    y.offsets[d] < x.offsets[d] + x.sizes[d];
-        }
-        if (overlap)
-          rep.problems.push_back(std::string(what) + ": '" + key + "' has overlapping chunks at " +
-                                 shape_str(t.chunks[a].offsets) + " and " +
-                                 shape_str(t.chunks[b].offsets));
-      }
-    }
-    if (volume != numel)
-      rep.problems.push_back(std::string(what) + ": the chunks of '" + key + "' hold " +
-                             std::to_string(volume) + " elements, the tensor " +
-                             std::to_string(numel));
-  }
-  // Every stored item: inside its file, its checksum, and what it decodes to.
-  std::map<std::pair<std::string, std::vector<int64_t>>, bool> stored;
-  const auto total = static_cast<int64_t>(o.metadata().storage_data.size());
-  int64_t done = 0;
-  CheckpointReader::Buffer buf;
-  for (const auto& [idx, info] : o.metadata().storage_data) {
-    if (progress && done > 0) progress(done, total);
-    ++done;
-    const std::string place = o.where(idx.fqn, info);
-    if (idx.offset) stored[{idx.fqn, *idx.offset}] = true;  // it has an entry, good bytes or not
-    try {
-      auto m = meta_items.find(idx.fqn);
-      if (m == meta_items.end())
-        throw ValueError(std::string(what) + ": " + place + " belongs to no key of .metadata");
-      const std::string_view raw = o.read_item(idx.fqn, info, buf);
-      rep.bytes += static_cast<int64_t>(raw.size());
-      ++rep.items;
-      if (m->second->bytes) {
-        items::decode_value(raw.data(), raw.size(), std::string(what) + ": " + place,
-                            o.check_crc());
-        continue;
-      }
-      if (!idx.offset)
-        throw ValueError(std::string(what) + ": " + place + " is a tensor item without offsets");
-      const auto& chunks = m->second->tensor.chunks;
-      auto c = std::find_if(chunks.begin(), chunks.end(),
-                            [&](const dcp::ChunkMeta& x) { return x.offsets == *idx.offset; });
-      if (c == chunks.end())
-        throw ValueError(std::string(what) + ": " + place + " is a chunk .metadata does not list");
-      check_chunk(items::decode_tensor(raw.data(), raw.size(), std::string(what) + ": " + place,
-                                       o.check_crc()),
-                  m->second->tensor.dtype, c->sizes, place, what);
-    } catch (const std::exception& e) {
-      rep.problems.push_back(e.what());
-    }
-  }
-  if (progress) progress(total, total);
-  for (const auto& [key, item] : o.metadata().state_dict_metadata) {
-    if (item.bytes) continue;
-    for (const auto& c : item.tensor.chunks)
-      if (!stored.count({key, c.offsets}))
-        rep.problems.push_back(std::string(what) + ": the chunk of '" + key + "' at " +
-                               shape_str(c.offsets) + " has no storage entry");
-  }
-  return rep;
-}
-
-CheckpointInfo inspect(const std::string& dir, FileIO* io_in) {
-  FileIO& io = io_in ? *io_in : default_file_io();
-  const CheckpointReader r(io, dir, /*verify=*/true, "checkpoint inspect");
-  CheckpointInfo info;
-  if (const auto& mf = r.manifest()) {
-    info.has_manifest = true;
-    info.format_version = mf->format_version;
-    info.world_size = mf->world_size;
-    info.library_version = mf->library_version;
-    info.torch_version = mf->torch_version;
-    info.created_unix = mf->created_unix;
-    info.annotations = mf->annotations;
-  }
-  std::map<std::string, int64_t> stored;
-  std::set<std::string> files_seen;
-  for (const auto& [idx, s] : r.metadata().storage_data) {
-    stored[idx.fqn] += s.length;
-    if (files_seen.insert(s.relative_path).second) info.files.push_back(s.relative_path);
-  }
-  for (const auto& [key, item] : r.metadata().state_dict_metadata) {
-    CheckpointEntry e;
-    e.key = key;
-    e.tensor = !item.bytes;
-    e.dtype = item.tensor.dtype;
-    e.shape = item.tensor.size;
-    e.chunks = item.bytes ? 1 : static_cast<int64_t>(item.tensor.chunks.size());
-    e.stored_bytes = stored[key];
-    info.entries.push_back(std::move(e));
-  }
-  return info;
-}
-
-StateDict full_template(const CheckpointInfo& info) {
-  StateDict t;
-  for (const auto& e : info.entries)
-    t.insert_or_assign(e.key,
-                       e.tensor ? StateValue(at::empty(e.shape, at::TensorOptions().dtype(e.dtype)))
-                                : StateValue());
-  return t;
 }
 
 }  // namespace checkpoint

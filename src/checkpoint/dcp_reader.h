@@ -1,6 +1,7 @@
 // Internal: an opened DCP checkpoint directory. `.metadata` is parsed, the manifest read and
 // `.metadata` checked against it once; then any number of fills read what they need. Used by
-// load, verify and the exports (which pull one tensor at a time).
+// load (dcp_load.cpp), verify and inspect (dcp_verify.cpp) and the exports (which pull one tensor
+// at a time). Also the checks of chunks that load and verify share.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,6 +21,32 @@
 
 namespace fsdp {
 namespace checkpoint {
+namespace dcp {
+
+/// A box of a tensor: [lo, hi) per dimension, in the tensor's coordinates.
+struct Region {
+  std::vector<int64_t> lo, hi;
+};
+
+/// Whether `a` and `b` overlap: in every dimension each starts before the other ends. For boxes
+/// that are not empty, whether they share an element; an empty box also overlaps a box it lies
+/// strictly inside, and verify reports such a chunk as overlapping.
+inline bool overlap(const Region& a, const Region& b) {
+  for (size_t d = 0; d < a.lo.size(); ++d)
+    if (!(a.lo[d] < b.hi[d] && b.lo[d] < a.hi[d])) return false;
+  return true;
+}
+
+/// Testing boxes pairwise for overlaps is quadratic: beyond this many boxes of one tensor, load
+/// counts their coverage with a mask instead, and verify does not test them.
+constexpr size_t kMaxPairwiseBoxes = 4096;
+
+/// A decoded chunk must be exactly what the metadata says: a ValueError naming `what` and `where`
+/// for another dtype or shape.
+void check_chunk(const at::Tensor& chunk, at::ScalarType dtype, const std::vector<int64_t>& sizes,
+                 const std::string& where, const char* what);
+
+}  // namespace dcp
 
 class CheckpointReader {
  public:

@@ -33,8 +33,17 @@ nlohmann::json parse_json(const std::string& text, const std::string& path) {
   }
 }
 
-void read_safetensors_file(FileIO& io, const std::string& path, StateDict& out) {
-  const int64_t size = io.file_size(path);
+// One tensor of a safetensors header: its place in the data, relative to the data's start.
+struct Spec {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t begin, end;
+};
+
+// The length of the JSON header, read from the file's first 8 bytes and checked against the limit
+// and the file's `size`.
+int64_t header_length(FileIO& io, const std::string& path, int64_t size) {
   if (size < 0) bad(path, "cannot open it: " + std::string(std::strerror(errno)));
   if (size < 8) bad(path, "shorter than its 8-byte header length");
   const std::string len_bytes = files::read_range(io, path, 0, 8, "safetensors");
@@ -43,61 +52,48 @@ void read_safetensors_file(FileIO& io, const std::string& path, StateDict& out) 
   if (n > static_cast<uint64_t>(kMaxHeader) || static_cast<int64_t>(n) > size - 8)
     bad(path, "header length " + std::to_string(n) + " exceeds the limit or the file (" +
                   std::to_string(size) + " bytes)");
-  const nlohmann::json h =
-      parse_json(files::read_range(io, path, 8, static_cast<int64_t>(n), "safetensors"), path);
-  if (!h.is_object()) bad(path, "the header is not a JSON object");
-  const int64_t data_start = 8 + static_cast<int64_t>(n);
-  const int64_t data_size = size - data_start;
-  struct Spec {
-    std::string name;
-    at::ScalarType dtype;
-    std::vector<int64_t> shape;
-    int64_t begin, end;
-  };
-  std::vector<Spec> specs;
-  for (auto it = h.begin(); it != h.end(); ++it) {
-    if (it.key() == "__metadata__") {
-      if (!it->is_object()) bad(path, "__metadata__ is not an object");
-      for (const auto& v : *it)
-        if (!v.is_string()) bad(path, "__metadata__ values must be strings");
-      continue;
+  return static_cast<int64_t>(n);
+}
+
+// The header's entry `t` for tensor `name`, checked: a known dtype, a shape, and data_offsets
+// holding exactly its bytes inside the `data_size`-byte data.
+Spec parse_spec(const std::string& name, const nlohmann::json& t, int64_t data_size,
+                const std::string& path) {
+  const std::string what = "tensor '" + name + "'";
+  if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))
+    bad(path, what + " lacks dtype, shape or data_offsets");
+  if (!t["dtype"].is_string()) bad(path, what + ": dtype is not a string");
+  const std::string dtype = t["dtype"].get<std::string>();
+  Spec s{name, at::kFloat, {}, 0, 0};
+  bool known = false;
+  for (const auto& d : formats::dtype_names())
+    if (dtype == d.safetensors) {
+      s.dtype = d.dtype;
+      known = true;
     }
-    const std::string what = "tensor '" + it.key() + "'";
-    const nlohmann::json& t = *it;
-    if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") ||
-        !t.contains("data_offsets"))
-      bad(path, what + " lacks dtype, shape or data_offsets");
-    if (!t["dtype"].is_string()) bad(path, what + ": dtype is not a string");
-    const std::string dtype = t["dtype"].get<std::string>();
-    Spec s{it.key(), at::kFloat, {}, 0, 0};
-    bool known = false;
-    for (const auto& d : formats::dtype_names())
-      if (dtype == d.safetensors) {
-        s.dtype = d.dtype;
-        known = true;
-      }
-    if (!known) bad(path, what + ": unsupported dtype '" + dtype + "'");
-    if (!t["shape"].is_array() || t["shape"].size() > 64) bad(path, what + ": bad shape");
-    for (const auto& d : t["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0) bad(path, what + ": bad shape");
-      s.shape.push_back(d.get<int64_t>());
-    }
-    const auto& off = t["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_integer() ||
-        !off[1].is_number_integer())
-      bad(path, what + ": data_offsets must be two integers");
-    s.begin = off[0].get<int64_t>();
-    s.end = off[1].get<int64_t>();
-    const int64_t nbytes =
-        formats::checked_nbytes(s.shape, s.dtype, "safetensors " + path + ": " + what);
-    if (s.begin < 0 || s.end < s.begin || s.end > data_size || s.end - s.begin != nbytes)
-      bad(path, what + ": data_offsets [" + std::to_string(s.begin) + ", " + std::to_string(s.end) +
-                    "] do not hold its " + std::to_string(nbytes) + " bytes inside the " +
-                    std::to_string(data_size) + "-byte data");
-    if (out.contains(s.name)) bad(path, what + " appears twice");
-    specs.push_back(std::move(s));
+  if (!known) bad(path, what + ": unsupported dtype '" + dtype + "'");
+  if (!t["shape"].is_array() || t["shape"].size() > 64) bad(path, what + ": bad shape");
+  for (const auto& d : t["shape"]) {
+    if (!d.is_number_integer() || d.get<int64_t>() < 0) bad(path, what + ": bad shape");
+    s.shape.push_back(d.get<int64_t>());
   }
-  // As the reference reader: tensors tile the data exactly, without overlaps or gaps.
+  const auto& off = t["data_offsets"];
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_integer() ||
+      !off[1].is_number_integer())
+    bad(path, what + ": data_offsets must be two integers");
+  s.begin = off[0].get<int64_t>();
+  s.end = off[1].get<int64_t>();
+  const int64_t nbytes =
+      formats::checked_nbytes(s.shape, s.dtype, "safetensors " + path + ": " + what);
+  if (s.begin < 0 || s.end < s.begin || s.end > data_size || s.end - s.begin != nbytes)
+    bad(path, what + ": data_offsets [" + std::to_string(s.begin) + ", " + std::to_string(s.end) +
+                  "] do not hold its " + std::to_string(nbytes) + " bytes inside the " +
+                  std::to_string(data_size) + "-byte data");
+  return s;
+}
+
+// As the reference reader: tensors tile the data exactly, without overlaps or gaps.
+void check_tiling(const std::vector<Spec>& specs, int64_t data_size, const std::string& path) {
   std::vector<const Spec*> order;
   for (const auto& s : specs) order.push_back(&s);
   std::sort(order.begin(), order.end(),
@@ -108,6 +104,28 @@ void read_safetensors_file(FileIO& io, const std::string& path, StateDict& out) 
     at = s->end;
   }
   if (at != data_size) bad(path, "the data has bytes no tensor covers");
+}
+
+void read_safetensors_file(FileIO& io, const std::string& path, StateDict& out) {
+  const int64_t size = io.file_size(path);
+  const int64_t n = header_length(io, path, size);
+  const nlohmann::json h = parse_json(files::read_range(io, path, 8, n, "safetensors"), path);
+  if (!h.is_object()) bad(path, "the header is not a JSON object");
+  const int64_t data_start = 8 + n;
+  const int64_t data_size = size - data_start;
+  std::vector<Spec> specs;
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (!it->is_object()) bad(path, "__metadata__ is not an object");
+      for (const auto& v : *it)
+        if (!v.is_string()) bad(path, "__metadata__ values must be strings");
+      continue;
+    }
+    Spec s = parse_spec(it.key(), *it, data_size, path);
+    if (out.contains(s.name)) bad(path, "tensor '" + s.name + "' appears twice");
+    specs.push_back(std::move(s));
+  }
+  check_tiling(specs, data_size, path);
   for (const Spec& s : specs) {
     at::Tensor t = at::empty(s.shape, at::TensorOptions().dtype(s.dtype));
     if (s.end > s.begin)

@@ -29,18 +29,53 @@ uint64_t le(const char* p, int bytes) {
   return v;
 }
 
-}  // namespace
+// A central directory entry's fields, with the ZIP64 values of those that overflowed.
+struct CentralEntry {
+  std::string name;
+  uint64_t flags = 0, method = 0, crc = 0, csize = 0, usize = 0, local = 0;
+};
 
-uint32_t crc32(const char* data, size_t n, uint32_t crc) {
-  return crc32_gzip_refl(crc, reinterpret_cast<const unsigned char*>(data), n);
-}
+// Reads an archive's zip directory in the order of the format: the end record, found from the
+// end of the file; the ZIP64 end record it may point at; then the central directory's entries,
+// each checked against the file and its local header. Every failure names `where`.
+class DirectoryReader {
+ public:
+  DirectoryReader(int64_t size, const ReadFn& read, const std::string& where)
+      : size_(size), read_(read), where_(where) {}
 
-Directory::Directory(int64_t size, const ReadFn& read, std::string where)
-    : where_(std::move(where)), size_(size) {
-  auto fail = [&](const std::string& what) -> void {
+  [[noreturn]] void fail(const std::string& what) const {
     throw ValueError(where_ + ": not a torch.save archive: " + what);
+  }
+
+  // Where the central directory lies and how many entries it holds, checked against the file.
+  struct Place {
+    uint64_t count = 0, size = 0, offset = 0;
   };
-  if (size < static_cast<int64_t>(kEndSize)) fail("it is too short to be a zip file");
+  Place directory_place() const;
+  // The entry at `pos` of the central directory `dir`; `pos` moves past it.
+  CentralEntry entry(const std::string& dir, size_t& pos) const;
+  // Where the data of `c`'s record lies, from its local header, checked to end before the
+  // directory at `dir_offset`.
+  Record record(const CentralEntry& c, uint64_t dir_offset) const;
+
+ private:
+  // The end-of-directory record's fixed part, and where it starts in the archive.
+  struct EndRecord {
+    char bytes[kEndSize];
+    int64_t at = 0;
+  };
+  EndRecord end_record() const;
+  // The directory's place from the ZIP64 end record, which the locator just before the end
+  // record at `end_at` points at.
+  Place zip64_place(int64_t end_at) const;
+
+  int64_t size_;
+  const ReadFn& read_;
+  const std::string& where_;
+};
+
+DirectoryReader::EndRecord DirectoryReader::end_record() const {
+  if (size_ < static_cast<int64_t>(kEndSize)) fail("it is too short to be a zip file");
   // The end record sits in the last 22 + 65535 bytes (its comment may be up to 64 KiB). torch.save
   // writes no comment, so the last 22 bytes are read first, and the whole window only if they are
   // not the record (the backward search over the window stops at that same record when they are):
@@ -49,97 +84,135 @@ Directory::Directory(int64_t size, const ReadFn& read, std::string where)
   int64_t tail_n = 0, end = -1;
   for (const int64_t window :
        {static_cast<int64_t>(kEndSize), static_cast<int64_t>(kEndSize) + 0xFFFF}) {
-    tail_n = std::min<int64_t>(size, window);
+    tail_n = std::min<int64_t>(size_, window);
     tail.assign(static_cast<size_t>(tail_n), '\0');
-    read(size - tail_n, tail.size(), tail.data());
+    read_(size_ - tail_n, tail.size(), tail.data());
     for (int64_t i = tail_n - static_cast<int64_t>(kEndSize); i >= 0; --i) {
       if (le(&tail[i], 4) == kEndSig && i + kEndSize + le(&tail[i + 20], 2) == tail.size()) {
         end = i;
         break;
       }
     }
-    if (end >= 0 || tail_n == size) break;
+    if (end >= 0 || tail_n == size_) break;
   }
   if (end < 0) fail("no zip end-of-directory record");
-  const char* e = &tail[end];
-  uint64_t count = le(e + 10, 2), dir_size = le(e + 12, 4), dir_offset = le(e + 16, 4);
+  EndRecord rec;
+  std::memcpy(rec.bytes, &tail[end], kEndSize);
+  rec.at = size_ - tail_n + end;
+  return rec;
+}
+
+DirectoryReader::Place DirectoryReader::zip64_place(int64_t end_at) const {
+  // ZIP64: a locator just before the end record points at the ZIP64 end record.
+  const int64_t locator = end_at - static_cast<int64_t>(kLocatorSize);
+  if (locator < 0) fail("a ZIP64 archive without its locator");
+  char loc[kLocatorSize];
+  read_(locator, kLocatorSize, loc);
+  if (le(loc, 4) != kZip64LocatorSig) fail("a ZIP64 archive without its locator");
+  const uint64_t at = le(loc + 8, 8);
+  if (static_cast<uint64_t>(locator) < kZip64EndSize ||
+      at > static_cast<uint64_t>(locator) - kZip64EndSize)
+    fail("its ZIP64 end record lies outside the file");
+  char z[kZip64EndSize];
+  read_(static_cast<int64_t>(at), kZip64EndSize, z);
+  if (le(z, 4) != kZip64EndSig) fail("its ZIP64 end record is missing");
+  return Place{le(z + 32, 8), le(z + 40, 8), le(z + 48, 8)};
+}
+
+DirectoryReader::Place DirectoryReader::directory_place() const {
+  const EndRecord end = end_record();
+  const char* e = end.bytes;
+  Place p{le(e + 10, 2), le(e + 12, 4), le(e + 16, 4)};
   if (le(e + 4, 2) != 0 || le(e + 6, 2) != 0) fail("a multi-disk zip");
-  if (count == 0xFFFF || dir_size == 0xFFFFFFFF || dir_offset == 0xFFFFFFFF) {
-    // ZIP64: a locator just before the end record points at the ZIP64 end record.
-    const int64_t locator = size - tail_n + end - static_cast<int64_t>(kLocatorSize);
-    if (locator < 0) fail("a ZIP64 archive without its locator");
-    char loc[kLocatorSize];
-    read(locator, kLocatorSize, loc);
-    if (le(loc, 4) != kZip64LocatorSig) fail("a ZIP64 archive without its locator");
-    const uint64_t at = le(loc + 8, 8);
-    if (static_cast<uint64_t>(locator) < kZip64EndSize ||
-        at > static_cast<uint64_t>(locator) - kZip64EndSize)
-      fail("its ZIP64 end record lies outside the file");
-    char z[kZip64EndSize];
-    read(static_cast<int64_t>(at), kZip64EndSize, z);
-    if (le(z, 4) != kZip64EndSig) fail("its ZIP64 end record is missing");
-    count = le(z + 32, 8);
-    dir_size = le(z + 40, 8);
-    dir_offset = le(z + 48, 8);
-  }
-  if (count > static_cast<uint64_t>(kMaxRecords)) fail("it claims too many records");
-  if (dir_size > static_cast<uint64_t>(kMaxDirectory) || dir_offset > static_cast<uint64_t>(size) ||
-      dir_size > static_cast<uint64_t>(size) - dir_offset)
+  if (p.count == 0xFFFF || p.size == 0xFFFFFFFF || p.offset == 0xFFFFFFFF) p = zip64_place(end.at);
+  if (p.count > static_cast<uint64_t>(kMaxRecords)) fail("it claims too many records");
+  if (p.size > static_cast<uint64_t>(kMaxDirectory) || p.offset > static_cast<uint64_t>(size_) ||
+      p.size > static_cast<uint64_t>(size_) - p.offset)
     fail("its directory lies outside the file");
-  std::string dir(static_cast<size_t>(dir_size), '\0');
-  read(static_cast<int64_t>(dir_offset), dir.size(), dir.data());
+  return p;
+}
+
+CentralEntry DirectoryReader::entry(const std::string& dir, size_t& pos) const {
+  if (dir.size() - pos < kCentralSize || le(&dir[pos], 4) != kCentralSig)
+    fail("its directory is truncated or damaged");
+  const char* c = &dir[pos];
+  CentralEntry out;
+  out.flags = le(c + 8, 2);
+  out.method = le(c + 10, 2);
+  out.crc = le(c + 16, 4);
+  out.csize = le(c + 20, 4);
+  out.usize = le(c + 24, 4);
+  out.local = le(c + 42, 4);
+  const size_t name_n = le(c + 28, 2), extra_n = le(c + 30, 2), comment_n = le(c + 32, 2);
+  if (dir.size() - pos - kCentralSize < name_n + extra_n + comment_n)
+    fail("its directory is truncated or damaged");
+  out.name.assign(c + kCentralSize, name_n);
+  const std::string& name = out.name;
+  // ZIP64 sizes and offset, for the fields that overflowed.
+  for (size_t x = 0; x + 4 <= extra_n;) {
+    const char* f = c + kCentralSize + name_n + x;
+    const size_t id = le(f, 2), len = le(f + 2, 2);
+    if (x + 4 + len > extra_n) fail("record '" + name + "' has a damaged extra field");
+    if (id == 0x0001) {
+      size_t k = 4;
+      auto take = [&](uint64_t& v) {
+        if (v != 0xFFFFFFFF) return;
+        if (k + 8 > 4 + len) fail("record '" + name + "' has a short ZIP64 field");
+        v = le(f + k, 8);
+        k += 8;
+      };
+      take(out.usize);
+      take(out.csize);
+      take(out.local);
+    }
+    x += 4 + len;
+  }
+  pos += kCentralSize + name_n + extra_n + comment_n;
+  return out;
+}
+
+Record DirectoryReader::record(const CentralEntry& c, uint64_t dir_offset) const {
+  if (c.local > static_cast<uint64_t>(size_) - kLocalSize)
+    fail("record '" + c.name + "' starts outside the file");
+  char lh[kLocalSize];
+  read_(static_cast<int64_t>(c.local), kLocalSize, lh);
+  if (le(lh, 4) != kLocalSig) fail("record '" + c.name + "' has no local header");
+  const uint64_t data = c.local + kLocalSize + le(lh + 26, 2) + le(lh + 28, 2);
+  if (data > dir_offset || c.usize > dir_offset - data)
+    fail("record '" + c.name + "' extends past the file's data");
+  return Record{static_cast<int64_t>(data), static_cast<int64_t>(c.usize),
+                static_cast<uint32_t>(c.crc)};
+}
+
+}  // namespace
+
+uint32_t crc32(const char* data, size_t n, uint32_t crc) {
+  return crc32_gzip_refl(crc, reinterpret_cast<const unsigned char*>(data), n);
+}
+
+Directory::Directory(int64_t size, const ReadFn& read, std::string where)
+    : where_(std::move(where)), size_(size) {
+  const DirectoryReader zip(size, read, where_);
+  const DirectoryReader::Place place = zip.directory_place();
+  std::string dir(static_cast<size_t>(place.size), '\0');
+  read(static_cast<int64_t>(place.offset), dir.size(), dir.data());
 
   std::string folder;
   size_t pos = 0;
-  for (uint64_t r = 0; r < count; ++r) {
-    if (dir.size() - pos < kCentralSize || le(&dir[pos], 4) != kCentralSig)
-      fail("its directory is truncated or damaged");
-    const char* c = &dir[pos];
-    const uint64_t flags = le(c + 8, 2), method = le(c + 10, 2), crc = le(c + 16, 4);
-    uint64_t csize = le(c + 20, 4), usize = le(c + 24, 4), local = le(c + 42, 4);
-    const size_t name_n = le(c + 28, 2), extra_n = le(c + 30, 2), comment_n = le(c + 32, 2);
-    if (dir.size() - pos - kCentralSize < name_n + extra_n + comment_n)
-      fail("its directory is truncated or damaged");
-    const std::string name(c + kCentralSize, name_n);
-    // ZIP64 sizes and offset, for the fields that overflowed.
-    for (size_t x = 0; x + 4 <= extra_n;) {
-      const char* f = c + kCentralSize + name_n + x;
-      const size_t id = le(f, 2), len = le(f + 2, 2);
-      if (x + 4 + len > extra_n) fail("record '" + name + "' has a damaged extra field");
-      if (id == 0x0001) {
-        size_t k = 4;
-        auto take = [&](uint64_t& v) {
-          if (v != 0xFFFFFFFF) return;
-          if (k + 8 > 4 + len) fail("record '" + name + "' has a short ZIP64 field");
-          v = le(f + k, 8);
-          k += 8;
-        };
-        take(usize);
-        take(csize);
-        take(local);
-      }
-      x += 4 + len;
-    }
-    pos += kCentralSize + name_n + extra_n + comment_n;
-    if (method != 0) fail("record '" + name + "' is compressed; torch.save stores records");
-    if (flags & 1) fail("record '" + name + "' is encrypted");
-    if (csize != usize) fail("record '" + name + "' has two sizes");
+  for (uint64_t r = 0; r < place.count; ++r) {
+    const CentralEntry c = zip.entry(dir, pos);
+    const std::string& name = c.name;
+    if (c.method != 0) zip.fail("record '" + name + "' is compressed; torch.save stores records");
+    if (c.flags & 1) zip.fail("record '" + name + "' is encrypted");
+    if (c.csize != c.usize) zip.fail("record '" + name + "' has two sizes");
     const size_t slash = name.find('/');
-    if (slash == std::string::npos || slash == 0) fail("record '" + name + "' is in no folder");
+    if (slash == std::string::npos || slash == 0) zip.fail("record '" + name + "' is in no folder");
     if (folder.empty()) folder = name.substr(0, slash);
     if (name.compare(0, slash, folder) != 0 || slash != folder.size())
-      fail("records lie in two folders ('" + folder + "' and '" + name.substr(0, slash) + "')");
-    if (local > static_cast<uint64_t>(size) - kLocalSize)
-      fail("record '" + name + "' starts outside the file");
-    char lh[kLocalSize];
-    read(static_cast<int64_t>(local), kLocalSize, lh);
-    if (le(lh, 4) != kLocalSig) fail("record '" + name + "' has no local header");
-    const uint64_t data = local + kLocalSize + le(lh + 26, 2) + le(lh + 28, 2);
-    if (data > dir_offset || usize > dir_offset - data)
-      fail("record '" + name + "' extends past the file's data");
-    Record rec{static_cast<int64_t>(data), static_cast<int64_t>(usize), static_cast<uint32_t>(crc)};
+      zip.fail("records lie in two folders ('" + folder + "' and '" + name.substr(0, slash) + "')");
+    const Record rec = zip.record(c, place.offset);
     if (!records_.emplace(name.substr(slash + 1), rec).second)
-      fail("record '" + name + "' appears twice");
+      zip.fail("record '" + name + "' appears twice");
   }
 }
 
@@ -347,6 +420,90 @@ void put32(std::string& b, uint64_t v) {
   for (int k = 0; k < 4; ++k) b.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
 }
 
+// Our zip writer for archives without ZIP64: each record (local header, then the data) goes to
+// the sink as it is added; finish() writes the central directory and its end record.
+class SmallZipWriter {
+ public:
+  explicit SmallZipWriter(const ArchiveWriter::Sink& sink) : sink_(sink) {}
+  void add(const std::string& name, const char* data, uint64_t n);
+  void finish();
+
+ private:
+  struct Entry {
+    std::string name;
+    uint32_t crc;
+    uint64_t size, offset;
+  };
+  const ArchiveWriter::Sink& sink_;
+  std::vector<Entry> entries_;
+  uint64_t pos_ = 0;
+  std::string head_;  // the local header being written, its memory reused
+};
+
+void SmallZipWriter::add(const std::string& name, const char* data, uint64_t n) {
+  const std::string full = "archive/" + name;
+  const uint32_t crc = crc32(data, n);
+  // An extra field ('FB', as LibTorch's writer uses) pads the header so that the data starts
+  // on a 64-byte boundary, as in torch.save files.
+  const uint64_t unpadded = pos_ + 30 + full.size() + 4;
+  const uint64_t pad = (64 - unpadded % 64) % 64;
+  head_.clear();
+  put32(head_, 0x04034b50);  // local file header
+  put16(head_, 20);          // version needed: 2.0
+  put16(head_, 0);           // flags
+  put16(head_, 0);           // stored
+  put16(head_, 0);           // time
+  put16(head_, 0x21);        // date: 1980-01-01
+  put32(head_, crc);
+  put32(head_, n);  // compressed size
+  put32(head_, n);  // uncompressed size
+  put16(head_, full.size());
+  put16(head_, 4 + pad);
+  head_ += full;
+  put16(head_, 0x4246);  // "FB"
+  put16(head_, pad);
+  head_.append(pad, 'Z');
+  sink_(head_.data(), head_.size());
+  if (n) sink_(data, n);
+  entries_.push_back({full, crc, n, pos_});
+  pos_ += head_.size() + n;
+}
+
+void SmallZipWriter::finish() {
+  std::string dir;
+  for (const Entry& e : entries_) {
+    put32(dir, 0x02014b50);  // central directory header
+    put16(dir, 20);          // made by: 2.0
+    put16(dir, 20);          // needed: 2.0
+    put16(dir, 0);
+    put16(dir, 0);
+    put16(dir, 0);
+    put16(dir, 0x21);
+    put32(dir, e.crc);
+    put32(dir, e.size);
+    put32(dir, e.size);
+    put16(dir, e.name.size());
+    put16(dir, 0);  // extra
+    put16(dir, 0);  // comment
+    put16(dir, 0);  // disk
+    put16(dir, 0);  // internal attributes
+    put32(dir, 0);  // external attributes
+    put32(dir, e.offset);
+    dir += e.name;
+  }
+  const uint64_t dir_offset = pos_;
+  const uint64_t dir_size = dir.size();
+  put32(dir, 0x06054b50);  // end of central directory
+  put16(dir, 0);
+  put16(dir, 0);
+  put16(dir, entries_.size());
+  put16(dir, entries_.size());
+  put32(dir, dir_size);
+  put32(dir, dir_offset);
+  put16(dir, 0);
+  sink_(dir.data(), dir.size());
+}
+
 }  // namespace
 
 void write_tensor_archive(const at::Tensor& t, const ArchiveWriter::Sink& sink) {
@@ -369,76 +526,10 @@ void write_tensor_archive(const at::Tensor& t, const ArchiveWriter::Sink& sink) 
     zip.finish();
     return;
   }
-  struct Entry {
-    std::string name;
-    uint32_t crc;
-    uint64_t size, offset;
-  };
-  std::vector<Entry> entries;
-  uint64_t pos = 0;
-  std::string head;
-  auto add = [&](const std::string& name, const char* data, uint64_t n) {
-    const std::string full = "archive/" + name;
-    const uint32_t crc = crc32(data, n);
-    // An extra field ('FB', as LibTorch's writer uses) pads the header so that the data starts
-    // on a 64-byte boundary, as in torch.save files.
-    const uint64_t unpadded = pos + 30 + full.size() + 4;
-    const uint64_t pad = (64 - unpadded % 64) % 64;
-    head.clear();
-    put32(head, 0x04034b50);  // local file header
-    put16(head, 20);          // version needed: 2.0
-    put16(head, 0);           // flags
-    put16(head, 0);           // stored
-    put16(head, 0);           // time
-    put16(head, 0x21);        // date: 1980-01-01
-    put32(head, crc);
-    put32(head, n);  // compressed size
-    put32(head, n);  // uncompressed size
-    put16(head, full.size());
-    put16(head, 4 + pad);
-    head += full;
-    put16(head, 0x4246);  // "FB"
-    put16(head, pad);
-    head.append(pad, 'Z');
-    sink(head.data(), head.size());
-    if (n) sink(data, n);
-    entries.push_back({full, crc, n, pos});
-    pos += head.size() + n;
-  };
-  for (const Rec& r : records) add(r.name, r.data, r.size);
-  add("version", "3\n", 2);
-  std::string dir;
-  for (const Entry& e : entries) {
-    put32(dir, 0x02014b50);  // central directory header
-    put16(dir, 20);          // made by: 2.0
-    put16(dir, 20);          // needed: 2.0
-    put16(dir, 0);
-    put16(dir, 0);
-    put16(dir, 0);
-    put16(dir, 0x21);
-    put32(dir, e.crc);
-    put32(dir, e.size);
-    put32(dir, e.size);
-    put16(dir, e.name.size());
-    put16(dir, 0);  // extra
-    put16(dir, 0);  // comment
-    put16(dir, 0);  // disk
-    put16(dir, 0);  // internal attributes
-    put32(dir, 0);  // external attributes
-    put32(dir, e.offset);
-    dir += e.name;
-  }
-  const uint64_t dir_offset = pos;
-  const uint64_t dir_size = dir.size();
-  put32(dir, 0x06054b50);  // end of central directory
-  put16(dir, 0);
-  put16(dir, 0);
-  put16(dir, entries.size());
-  put16(dir, entries.size());
-  put32(dir, dir_size);
-  put32(dir, dir_offset);
-  put16(dir, 0);
-  sink(dir.data(), dir.size());
+  SmallZipWriter zip(sink);
+  for (const Rec& r : records) zip.add(r.name, r.data, r.size);
+  zip.add("version", "3\n", 2);
+  zip.finish();
 }
 
 pickle::NodePtr tensor_node(at::ScalarType dtype, const std::string& key, at::IntArrayRef sizes,
