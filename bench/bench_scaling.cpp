@@ -23,10 +23,13 @@
 
 #include <torch/torch.h>
 
+#include <optional>
+
 #include "bench_ranks.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/model_state_dict.h"
+#include "fsdp/optim_state_dict.h"
 #include "tensor_memory.h"
 
 namespace ckpt = fsdp::checkpoint;
@@ -183,13 +186,33 @@ void BM_StepNoShard(benchmark::State& st) {
       double(mem.peak() - before), double(fsdp_bench::peak_rss()), bound_no_shard(d, pg.size())};
 }
 
+// FSDP_BENCH_GATHER_WINDOW, for A/B runs of FULL consolidation: the gathers' window in bytes (0
+// gathers one flat parameter or state tensor at a time, uncoalesced;
+// src/state_dict/gather_queue.h).
+std::optional<int64_t> gather_window() {
+  const char* w = std::getenv("FSDP_BENCH_GATHER_WINDOW");
+  if (!w) return std::nullopt;
+  return std::stoll(w);
+}
+
 void BM_ConsolidateFull(benchmark::State& st) {
   Fixture& f = fixture_for(width_for(st.range(0)));
   const auto opts = ckpt::StateDictOptions().full_state_dict(true);
+  const std::optional<int64_t> window = gather_window();
   fsdp_bench::group()->barrier();
   for (auto _ : st) {
-    auto sd = ckpt::get_state_dict(**f.model, *f.opt, opts);
-    benchmark::DoNotOptimize(sd);
+    if (window) {  // what get_state_dict(full_state_dict) does, with the window set
+      fsdp::StateDictTypeGuard g(
+          *f.model, fsdp::StateDictType::FULL_STATE_DICT,
+          fsdp::FullStateDictConfig().gather_window_bytes(*window),
+          fsdp::FullOptimStateDictConfig().offload_to_cpu(false).gather_window_bytes(*window));
+      auto sd =
+          std::make_pair(fsdp::state_dict(*f.model), fsdp::optim_state_dict(*f.model, *f.opt));
+      benchmark::DoNotOptimize(sd);
+    } else {
+      auto sd = ckpt::get_state_dict(**f.model, *f.opt, opts);
+      benchmark::DoNotOptimize(sd);
+    }
   }
 }
 
@@ -302,11 +325,6 @@ int main(int argc, char** argv) {
   const int world = fsdp_bench::world_from_env();
   const int rounds = fsdp_bench::rounds_from_env(3);
   sizes() = fsdp_bench::env_list("FSDP_BENCH_PARAMS", {1000000, 8000000, 50000000});
-  // For A/B runs of FULL consolidation: 0 gathers one flat parameter or state tensor at a time,
-  // uncoalesced (src/state_dict/gather_queue.h).
-  if (const char* w = std::getenv("FSDP_BENCH_GATHER_WINDOW")) {
-    fsdp::detail::full_gather_window_bytes() = std::stoll(w);
-  }
   const char* d = std::getenv("FSDP_BENCH_DIR");
   base_dir() =
       std::string(d ? d : "/var/tmp") + "/fsdp_bench_scaling_" + std::to_string(::getpid());

@@ -301,15 +301,17 @@ TEST(DcpCheckpoint, UncoveredElementsAreNamed) {
 // parameters, each rank's flat shards as they lie) load at W=3 under SHARD_GRAD_OP with
 // use_orig_params, and into the unwrapped model at W=1, bit-exactly.
 // Two Adam steps of a wrapped TinyLM on rank-specific tokens; returns {"model", "optim"} as
-// get_state_dict gives them (SHARDED).
-StateDict train_two_steps(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, int rank) {
+// get_state_dict gives them (SHARDED). `on_gather` watches get_state_dict's gathers.
+StateDict train_two_steps(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, int rank,
+                          fsdp::GatherObserver on_gather = {}) {
   for (int s = 0; s < 2; ++s) {
     opt.zero_grad();
     auto idx = fsdp::testing::lm_tokens(2, 1000 * s + rank);
     fsdp::testing::lm_loss(model->forward(idx), idx).backward();
     opt.step();
   }
-  auto [msd, osd] = ckpt::get_state_dict(model, opt);
+  auto [msd, osd] =
+      ckpt::get_state_dict(model, opt, ckpt::StateDictOptions().on_gather(std::move(on_gather)));
   StateDict sd;
   sd.insert_or_assign("model", msd);
   sd.insert_or_assign("optim", osd);
@@ -376,9 +378,7 @@ TEST(DcpCheckpoint, WrappedModelSavedAtTwoLoadsAtThree) {
     auto opt =
         fsdp::testing::make_optimizer("Adam", fsdp::testing::unique_params(model->parameters()));
     int gathered = 0;
-    fsdp::detail::state_dict_gather_probe() = [&](int64_t) { ++gathered; };
-    StateDict sd = train_two_steps(model, *opt, pg.rank());
-    fsdp::detail::state_dict_gather_probe() = nullptr;
+    StateDict sd = train_two_steps(model, *opt, pg.rank(), [&](int64_t) { ++gathered; });
     EXPECT_EQ(gathered, 0) << "get_state_dict gathered a unit";
     // Flat shards saved as they lie: every piece is this rank's part of its flat parameter (and
     // of the flat parameter's Adam state), cut into boxes, with no unit ever gathered.

@@ -469,25 +469,29 @@ TEST(OptimStateDict, FullExportHoldsAtMostItsGatherWindow) {
         all_units += h->layout().padded_unsharded_numel;
       }
       int64_t peak = 0, calls = 0;
-      fsdp::detail::optim_gather_probe() = [&](int64_t bytes) {
+      auto probe = [&](int64_t bytes) {
         peak = std::max(peak, bytes);
         ++calls;
       };
       auto full_export = [&](int64_t window) {
-        fsdp::detail::full_gather_window_bytes() = window;
         peak = 0;
         calls = 0;
         fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT,
                                    fsdp::FullStateDictConfig(),
-                                   fsdp::FullOptimStateDictConfig().offload_to_cpu(true));
+                                   fsdp::FullOptimStateDictConfig()
+                                       .offload_to_cpu(true)
+                                       .gather_window_bytes(window)
+                                       .on_gather(probe));
         return fsdp::optim_state_dict(model, *opt);
       };
-      const int64_t default_window = fsdp::detail::full_gather_window_bytes();
+      const int64_t default_window = fsdp::FullOptimStateDictConfig().gather_window_bytes();
       const StateDict one_at_a_time = full_export(0);
       const int64_t peak_one = peak, calls_one = calls;
       {  // SHARDED routes pieces of the flat shards to the chunks: no unit is ever gathered.
         calls = 0;
-        fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT);
+        fsdp::StateDictTypeGuard g(model, StateDictType::SHARDED_STATE_DICT,
+                                   fsdp::ShardedStateDictConfig(),
+                                   fsdp::ShardedOptimStateDictConfig().on_gather(probe));
         const StateDict osd = fsdp::optim_state_dict(model, *opt);
         EXPECT_EQ(calls, 0);
       }
@@ -501,8 +505,6 @@ TEST(OptimStateDict, FullExportHoldsAtMostItsGatherWindow) {
         EXPECT_LE(peak, window + 3 * std::max(largest_unit * 4, std::min<int64_t>(window, 4 << 20)))
             << "window " << window;
       }
-      fsdp::detail::full_gather_window_bytes() = default_window;
-      fsdp::detail::optim_gather_probe() = nullptr;
       EXPECT_GT(calls_one, 0);
       // One unsharded flat state tensor of the largest unit, plus the shard it is assembled in.
       EXPECT_LE(peak_one, (largest_unit + largest_unit / pg.size()) * 4);
@@ -536,14 +538,13 @@ TEST(OptimStateDict, FullExportOfAUnitOverOneMiBIsExact) {
       model->forward(x).pow(2).mean().backward();
       opt.step();
       auto full = [&](int64_t window) {
-        fsdp::detail::full_gather_window_bytes() = window;
-        fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT);
+        fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT,
+                                   fsdp::FullStateDictConfig().gather_window_bytes(window),
+                                   fsdp::FullOptimStateDictConfig().gather_window_bytes(window));
         return std::make_pair(fsdp::state_dict(model), fsdp::optim_state_dict(model, opt));
       };
-      const int64_t default_window = fsdp::detail::full_gather_window_bytes();
       const auto [msd0, osd0] = full(0);
-      const auto [msd, osd] = full(default_window);
-      fsdp::detail::full_gather_window_bytes() = default_window;
+      const auto [msd, osd] = full(fsdp::kDefaultGatherWindowBytes);
       fsdp::testing::expect_same(msd, msd0, "model, default window vs 0");
       EXPECT_EQ(osd_diff(osd, osd0, 0, 0), "");
       EXPECT_GT(osd.at("state").dict().size(), 0u);

@@ -4,6 +4,7 @@
 
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "fsdp/errors.h"
@@ -213,12 +214,17 @@ TEST_P(StateDictWorld, EveryTypeRoundTrips) {
       const StateDict expect = full_of(src);
       StateDict saved;
       int gathered = 0;
-      fsdp::detail::state_dict_gather_probe() = [&](int64_t) { ++gathered; };
       {
-        fsdp::StateDictTypeGuard g(src, type, fsdp::ShardedStateDictConfig().layout(layout));
+        // The observer goes with the config of the type that gathers: FULL's, or SHARDED's.
+        const fsdp::GatherObserver count = [&](int64_t) { ++gathered; };
+        std::optional<fsdp::StateDictTypeGuard> g;
+        if (type == StateDictType::FULL_STATE_DICT) {
+          g.emplace(src, type, fsdp::FullStateDictConfig().on_gather(count));
+        } else {
+          g.emplace(src, type, fsdp::ShardedStateDictConfig().layout(layout).on_gather(count));
+        }
         saved = fsdp::state_dict(src);
       }
-      fsdp::detail::state_dict_gather_probe() = nullptr;
       if (layout == fsdp::ShardLayout::FLAT_SHARDS) {
         EXPECT_EQ(gathered, 0) << "FLAT_SHARDS must not unshard any unit";
         // The global metadata tiles each parameter exactly, and names this rank's pieces.
@@ -349,19 +355,21 @@ TEST(ModelStateDict, FullGatheringHoldsAtMostItsWindow) {
       for (auto* h : handles) largest = std::max(largest, h->layout().padded_unsharded_numel * 4);
       int64_t peak = 0, unsharded = 0;
       int calls = 0;
-      fsdp::detail::state_dict_gather_probe() = [&](int64_t bytes) {
+      auto probe = [&](int64_t bytes) {
         peak = std::max(peak, bytes);
         for (auto* h : handles) unsharded += h->unsharded_storage_bytes();
         ++calls;
       };
-      const int64_t default_window = fsdp::detail::full_gather_window_bytes();
+      const int64_t default_window = fsdp::FullStateDictConfig().gather_window_bytes();
       auto full = [&](int64_t window, bool rank0_only) {
-        fsdp::detail::full_gather_window_bytes() = window;
         peak = 0;
         calls = 0;
-        fsdp::StateDictTypeGuard g(
-            model, StateDictType::FULL_STATE_DICT,
-            fsdp::FullStateDictConfig().offload_to_cpu(true).rank0_only(rank0_only));
+        fsdp::StateDictTypeGuard g(model, StateDictType::FULL_STATE_DICT,
+                                   fsdp::FullStateDictConfig()
+                                       .offload_to_cpu(true)
+                                       .rank0_only(rank0_only)
+                                       .gather_window_bytes(window)
+                                       .on_gather(probe));
         return fsdp::state_dict(model);
       };
       const StateDict one_at_a_time = full(0, false);
@@ -391,8 +399,6 @@ TEST(ModelStateDict, FullGatheringHoldsAtMostItsWindow) {
           }
         }
       }
-      fsdp::detail::full_gather_window_bytes() = default_window;
-      fsdp::detail::state_dict_gather_probe() = nullptr;
       EXPECT_EQ(unsharded, 0) << "a unit was unsharded during FULL gathering";
       if (pg.rank() == 0) {
         std::printf("W=%d: %d units, largest %lld bytes gathered; window 0 peak %lld bytes\n",

@@ -54,16 +54,38 @@ enum class ShardLayout {
   FLAT_SHARDS,
 };
 
+/// Called after each gather of a state dict starts, with the bytes this rank then holds in
+/// gather buffers: for watching the memory a state dict costs (tests, benchmarks). Local; it must
+/// not call collectives.
+using GatherObserver = std::function<void(int64_t bytes)>;
+
+/// The bytes of gather buffers a FULL state dict (model or optimizer) holds in flight by default.
+constexpr int64_t kDefaultGatherWindowBytes = int64_t{16} << 20;
+
 struct FullStateDictConfig {
   /// Move values to the CPU as they are gathered (one unit at a time).
   TORCH_ARG(bool, offload_to_cpu) = false;
   /// Only rank 0 returns values; other ranks return an empty dict (they still take part).
   TORCH_ARG(bool, rank0_only) = false;
+  /// Not in PyTorch. The gathers in flight hold at most this many bytes of gather buffers (but
+  /// always one gather); small flat parameters are gathered together in buckets of at most 4 MiB.
+  /// 0 gathers one flat parameter at a time. It decides how the collectives are grouped: every
+  /// rank must pass the same value.
+  TORCH_ARG(int64_t, gather_window_bytes) = kDefaultGatherWindowBytes;
+  /// Not in PyTorch. See GatherObserver; also called for each NO_SHARD unit it unshards.
+  TORCH_ARG(GatherObserver, on_gather);
 };
 
 struct ShardedStateDictConfig {
   TORCH_ARG(bool, offload_to_cpu) = false;
+  /// DIM0_CHUNKS by default, PyTorch FSDP's own pieces, so that code written against its
+  /// SHARDED_STATE_DICT sees what it expects. checkpoint::get_state_dict defaults to FLAT_SHARDS
+  /// instead (StateDictOptions::shard_layout): its callers take any pieces, and a save should
+  /// move no data between ranks.
   TORCH_ARG(ShardLayout, layout) = ShardLayout::DIM0_CHUNKS;
+  /// Not in PyTorch. See GatherObserver: called after each unit is unsharded (DIM0_CHUNKS only;
+  /// FLAT_SHARDS gathers nothing).
+  TORCH_ARG(GatherObserver, on_gather);
 };
 
 struct LocalStateDictConfig {
@@ -76,12 +98,21 @@ struct FullOptimStateDictConfig {
   TORCH_ARG(bool, offload_to_cpu) = true;
   /// Only rank 0 returns values; other ranks return an empty dict (they still take part).
   TORCH_ARG(bool, rank0_only) = false;
+  /// Not in PyTorch. As FullStateDictConfig's: the bytes of gathered state tensors in flight
+  /// (small ones bucketed together); the same on every rank.
+  TORCH_ARG(int64_t, gather_window_bytes) = kDefaultGatherWindowBytes;
+  /// Not in PyTorch. See GatherObserver: the bytes of unsharded state outside the shards.
+  TORCH_ARG(GatherObserver, on_gather);
 };
 
-/// How SHARDED optimizer state dicts are produced.
+/// How SHARDED optimizer state dicts are produced. The layout's default: as
+/// ShardedStateDictConfig's.
 struct ShardedOptimStateDictConfig {
   TORCH_ARG(bool, offload_to_cpu) = true;
   TORCH_ARG(ShardLayout, layout) = ShardLayout::DIM0_CHUNKS;
+  /// Not in PyTorch. See GatherObserver. A SHARDED export routes pieces between ranks and
+  /// gathers no state tensor whole, so it is never called: it is there to watch that it is not.
+  TORCH_ARG(GatherObserver, on_gather);
 };
 
 /// Sets the state-dict type (and its configs, for model and optimizer state dicts) of `model`
@@ -137,17 +168,5 @@ StateDict state_dict(FullyShardedDataParallel& model);
 /// says so), for both state_dict and load_state_dict, as in PyTorch.
 LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd, bool strict = true,
                            bool strict_dtype = false);
-
-namespace detail {
-/// Test hook: called during a model state dict's gathering (FULL, and SHARDED with DIM0_CHUNKS)
-/// after each unit's gather starts, with the bytes this rank then holds in gather buffers.
-std::function<void(int64_t bytes)>& state_dict_gather_probe();
-/// The FULL model and optimizer state dicts' gathers in flight hold at most this many bytes of
-/// gather buffers (but always one gather); small flat parameters and state tensors are gathered
-/// together in buckets of at most 4 MiB (src/state_dict/gather_queue.h). Default 16 MiB; 0 gathers
-/// one tensor at a time. It decides how the collectives are grouped: every rank must hold the same
-/// value.
-int64_t& full_gather_window_bytes();
-}  // namespace detail
 
 }  // namespace fsdp

@@ -102,12 +102,4 @@ StateDict rekey_optim_state_dict(const StateDict& osd, OptimStateKeyType key_typ
                                  const torch::nn::Module& model,
                                  torch::optim::Optimizer& optimizer);
 
-namespace detail {
-/// Test hook: called during optim_state_dict export with the bytes this rank holds in gather
-/// buffers (unsharded state outside the shards) at that moment, after each gather starts.
-std::function<void(int64_t bytes)>& optim_gather_probe();
-/// The FULL export shares the model state dict's window of gathers: full_gather_window_bytes()
-/// (model_state_dict.h).
-}  // namespace detail
-
 }  // namespace fsdp

@@ -132,15 +132,24 @@ void enter_type(std::optional<StateDictTypeGuard>& g, const Target& t, const Sta
   auto model = t.wrapped;
   if (o.full_state_dict()) {
     g.emplace(model, StateDictType::FULL_STATE_DICT,
-              FullStateDictConfig().offload_to_cpu(o.cpu_offload()).rank0_only(o.cpu_offload()),
+              FullStateDictConfig()
+                  .offload_to_cpu(o.cpu_offload())
+                  .rank0_only(o.cpu_offload())
+                  .on_gather(o.on_gather()),
               FullOptimStateDictConfig()
                   .offload_to_cpu(o.cpu_offload())
-                  .rank0_only(o.cpu_offload() || o.broadcast_from_rank0()));
+                  .rank0_only(o.cpu_offload() || o.broadcast_from_rank0())
+                  .on_gather(o.on_gather()));
   } else {
-    g.emplace(
-        model, StateDictType::SHARDED_STATE_DICT,
-        ShardedStateDictConfig().offload_to_cpu(o.cpu_offload()).layout(o.shard_layout()),
-        ShardedOptimStateDictConfig().offload_to_cpu(o.cpu_offload()).layout(o.shard_layout()));
+    g.emplace(model, StateDictType::SHARDED_STATE_DICT,
+              ShardedStateDictConfig()
+                  .offload_to_cpu(o.cpu_offload())
+                  .layout(o.shard_layout())
+                  .on_gather(o.on_gather()),
+              ShardedOptimStateDictConfig()
+                  .offload_to_cpu(o.cpu_offload())
+                  .layout(o.shard_layout())
+                  .on_gather(o.on_gather()));
   }
 }
 
@@ -430,7 +439,7 @@ void check_model_keys(const Target& t, const StateDict& msd) {
 }
 
 // Where set_* takes the model's values from, decided alike on every rank.
-enum class ModelFrom { kNowhere, kOwn, kRank0 };
+enum class ModelFrom { NOWHERE, OWN, RANK0 };
 
 // `flags[r][0]` is 'm' where rank r passed a non-empty model dict. Throws ValueError (on every
 // rank alike, from the same flags) where the ranks' dicts do not fit together.

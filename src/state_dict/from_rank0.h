@@ -1,6 +1,14 @@
 // Internal: loading dicts that only rank 0 holds (StateDictOptions::broadcast_from_rank0): the
 // other ranks learn the structure, then values travel one tensor at a time and each rank keeps
 // only its part, so no rank ever holds the whole model or optimizer state beyond rank 0's dict.
+//
+// Each piece lives with the code it shares most with:
+// - ScratchBuffers: here (inline), for both loads below;
+// - broadcast_structure, broadcast_whole_state_dict: broadcast_state_dict.cpp, beside
+//   broadcast_state_dict, whose skeleton they send;
+// - load_state_dict_from_rank0: load_state_dict.cpp, which checks and copies as load_state_dict;
+// - load_optim_state_dict_from_rank0: optim_load.cpp, which checks and builds the new state as
+//   load_optim_state_dict.
 #pragma once
 
 #include "fsdp/model_state_dict.h"

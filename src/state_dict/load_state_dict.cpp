@@ -5,14 +5,16 @@
 #include <map>
 #include <set>
 #include <sstream>
-#include <tuple>
 
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
 #include "runtime/view.h"
 #include "state_dict/from_rank0.h"
 #include "state_dict/key_map.h"
+#include "state_dict/no_shard_fallback.h"
 #include "state_dict/piece_exchange.h"
+#include "state_dict/settings.h"
+#include "util/tensor_utils.h"  // shape_str
 
 namespace fsdp {
 namespace {
@@ -132,8 +134,84 @@ std::map<std::string, at::Tensor> exchange_pieces(const RuntimeView& rt, const K
   return ranges;
 }
 
-Plan plan_load(const RuntimeView& rt, StateDictType type, const StateDict& sd_in,
-               bool strict_dtype) {
+// LOCAL: the unit's flat-parameter shard as this rank saved it, which loads only into the same
+// shard (same world size and layout).
+void plan_local_unit(FlatParamHandle& h, const std::string& fk, const StateValue& v, Plan& plan) {
+  const auto& l = h.layout();
+  if (!v.is_sharded_tensor()) {
+    plan.fail("'" + fk + "' must be a ShardedTensor in a LOCAL state dict, it is " +
+              to_string(v.kind()));
+    return;
+  }
+  const ShardedTensor& t = v.sharded_tensor();
+  const int64_t valid = l.sharded_numel - h.shard_numel_padded();
+  const Shard* mine = nullptr;
+  for (const auto& s : t.local_shards()) {
+    if (s.metadata.offsets == std::vector<int64_t>{h.rank() * l.sharded_numel} &&
+        s.metadata.sizes == std::vector<int64_t>{valid}) {
+      mine = &s;
+    }
+  }
+  if (t.size() != std::vector<int64_t>{l.unpadded_unsharded_numel} ||
+      (plan.strict_dtype && t.dtype() != h.orig_dtype()) || (valid > 0 && mine == nullptr)) {
+    plan.fail("'" + fk + "' does not match this rank's flat parameter (rank " +
+              std::to_string(h.rank()) + " of " + std::to_string(h.world_size()) + ", " +
+              std::to_string(l.unpadded_unsharded_numel) + " elements, shard at " +
+              std::to_string(h.rank() * l.sharded_numel) + " of " + std::to_string(valid) +
+              "): LOCAL state dicts load only at the world size and layout that saved "
+              "them; use SHARDED_STATE_DICT to reshard");
+    return;
+  }
+  if (valid > 0) {
+    plan.copies.emplace_back(h.flat_param().detach().narrow(0, 0, valid), mine->tensor);
+  }
+}
+
+// FULL (or a whole tensor in a SHARDED dict): this rank's range is cut from the tensor itself.
+void plan_whole_param(const RuntimeView& rt, const std::string& k, const ParamLoc& loc,
+                      const StateValue& v, int rank, Plan& plan) {
+  if (!v.is_tensor()) {
+    plan.fail("'" + k + "' must be a Tensor in a FULL state dict, it is " + to_string(v.kind()));
+    return;
+  }
+  const FlatParamHandle& h = rt.handle(loc.unit);
+  const at::Tensor& t = v.tensor();
+  check_shape_dtype(k, t.sizes(), t.scalar_type(), h.layout().shapes[loc.index], h.orig_dtype(),
+                    rank, plan);
+  if (!plan.error.empty()) return;
+  plan_param(
+      rt, loc, [&](int64_t start, int64_t n) { return t.reshape({-1}).narrow(0, start, n); }, plan);
+}
+
+// SHARDED: this rank's range comes from what exchange_pieces assembled.
+void plan_sharded_param(const RuntimeView& rt, const std::string& k, const ParamLoc& loc,
+                        const StateValue& v, const std::map<std::string, at::Tensor>& ranges,
+                        int rank, Plan& plan) {
+  if (!v.is_sharded_tensor()) {
+    plan.fail("'" + k + "' must be a ShardedTensor or a Tensor in a SHARDED state dict, it is " +
+              to_string(v.kind()));
+    return;
+  }
+  const FlatParamHandle& h = rt.handle(loc.unit);
+  const ShardedTensor& t = v.sharded_tensor();
+  check_shape_dtype(k, t.size(), t.dtype(), h.layout().shapes[loc.index], h.orig_dtype(), rank,
+                    plan);
+  if (!plan.error.empty()) return;
+  // The exchange gives every rank holding the key exactly its range, which starts at its
+  // intra-param start; it is absent only where the exchange already failed the plan.
+  auto got = ranges.find(k);
+  if (got == ranges.end()) {
+    plan.fail("'" + k + "': no range assembled (rank " + std::to_string(rank) + ")");
+    return;
+  }
+  const ShardParamInfo& s = h.shard_param_infos()[loc.index];
+  const int64_t lo = s.in_shard ? s.intra_param_start_idx : 0;
+  plan_param(
+      rt, loc, [&](int64_t start, int64_t n) { return got->second.narrow(0, start - lo, n); },
+      plan);
+}
+
+Plan plan_load(const RuntimeView& rt, StateDictType type, const StateDict& sd, bool strict_dtype) {
   Plan plan;
   plan.strict_dtype = strict_dtype;
   writeback_all(rt, plan);
@@ -141,9 +219,8 @@ Plan plan_load(const RuntimeView& rt, StateDictType type, const StateDict& sd_in
   const int rank = rt.world_group().rank();
   // SHARDED: each rank's range of each parameter, where the ranks had to exchange pieces.
   const std::map<std::string, at::Tensor> ranges = type == StateDictType::SHARDED_STATE_DICT
-                                                       ? exchange_pieces(rt, km, sd_in, plan)
+                                                       ? exchange_pieces(rt, km, sd, plan)
                                                        : std::map<std::string, at::Tensor>{};
-  const StateDict& sd = sd_in;
   std::map<std::string, bool> expected;
   auto expect = [&](const std::string& k) {
     expected[k] = true;
@@ -158,84 +235,23 @@ Plan plan_load(const RuntimeView& rt, StateDictType type, const StateDict& sd_in
       continue;
     }
     const ParamLoc loc = m->second;
-    FlatParamHandle& h = rt.handle(loc.unit);
-    const auto& l = h.layout();
     if (type == StateDictType::LOCAL_STATE_DICT) {
       if (unit_done[loc.unit]) continue;
       unit_done[loc.unit] = true;
       const std::string fk = flat_key(rt.units()[loc.unit]);
       expect(fk);
-      if (!sd.contains(fk)) continue;
-      const StateValue& v = sd.at(fk);
-      if (!v.is_sharded_tensor()) {
-        plan.fail("'" + fk + "' must be a ShardedTensor in a LOCAL state dict, it is " +
-                  to_string(v.kind()));
-        continue;
-      }
-      const ShardedTensor& t = v.sharded_tensor();
-      const int64_t valid = l.sharded_numel - h.shard_numel_padded();
-      const Shard* mine = nullptr;
-      for (const auto& s : t.local_shards()) {
-        if (s.metadata.offsets == std::vector<int64_t>{h.rank() * l.sharded_numel} &&
-            s.metadata.sizes == std::vector<int64_t>{valid}) {
-          mine = &s;
-        }
-      }
-      if (t.size() != std::vector<int64_t>{l.unpadded_unsharded_numel} ||
-          (plan.strict_dtype && t.dtype() != h.orig_dtype()) || (valid > 0 && mine == nullptr)) {
-        plan.fail("'" + fk + "' does not match this rank's flat parameter (rank " +
-                  std::to_string(h.rank()) + " of " + std::to_string(h.world_size()) + ", " +
-                  std::to_string(l.unpadded_unsharded_numel) + " elements, shard at " +
-                  std::to_string(h.rank() * l.sharded_numel) + " of " + std::to_string(valid) +
-                  "): LOCAL state dicts load only at the world size and layout that saved "
-                  "them; use SHARDED_STATE_DICT to reshard");
-        continue;
-      }
-      if (valid > 0) {
-        plan.copies.emplace_back(h.flat_param().detach().narrow(0, 0, valid), mine->tensor);
-      }
+      if (sd.contains(fk)) plan_local_unit(rt.handle(loc.unit), fk, sd.at(fk), plan);
       continue;
     }
     expect(k);
     if (!sd.contains(k)) continue;
     const StateValue& v = sd.at(k);
-    const auto& shape = l.shapes[loc.index];
     // A SHARDED dict may hold a parameter whole, as a plain tensor: PyTorch's FSDP runs every
     // strategy as NO_SHARD at world size 1, and its SHARDED dicts are then FULL ones.
     if (type == StateDictType::FULL_STATE_DICT || v.is_tensor()) {
-      if (!v.is_tensor()) {
-        plan.fail("'" + k + "' must be a Tensor in a FULL state dict, it is " +
-                  to_string(v.kind()));
-        continue;
-      }
-      const at::Tensor& t = v.tensor();
-      check_shape_dtype(k, t.sizes(), t.scalar_type(), shape, h.orig_dtype(), rank, plan);
-      if (!plan.error.empty()) continue;
-      plan_param(
-          rt, loc, [&](int64_t start, int64_t n) { return t.reshape({-1}).narrow(0, start, n); },
-          plan);
+      plan_whole_param(rt, k, loc, v, rank, plan);
     } else {
-      if (!v.is_sharded_tensor()) {
-        plan.fail("'" + k +
-                  "' must be a ShardedTensor or a Tensor in a SHARDED state dict, it is " +
-                  to_string(v.kind()));
-        continue;
-      }
-      const ShardedTensor& t = v.sharded_tensor();
-      check_shape_dtype(k, t.size(), t.dtype(), shape, h.orig_dtype(), rank, plan);
-      if (!plan.error.empty()) continue;
-      // The exchange gives every rank holding the key exactly its range, which starts at its
-      // intra-param start; it is absent only where the exchange already failed the plan.
-      auto got = ranges.find(k);
-      if (got == ranges.end()) {
-        plan.fail("'" + k + "': no range assembled (rank " + std::to_string(rank) + ")");
-        continue;
-      }
-      const ShardParamInfo& s = h.shard_param_infos()[loc.index];
-      const int64_t lo = s.in_shard ? s.intra_param_start_idx : 0;
-      plan_param(
-          rt, loc, [&](int64_t start, int64_t n) { return got->second.narrow(0, start - lo, n); },
-          plan);
+      plan_sharded_param(rt, k, loc, v, ranges, rank, plan);
     }
   }
   for (const auto& [k, v] : sd) {
@@ -249,6 +265,104 @@ std::string key_list(const std::vector<std::string>& keys) {
   for (const auto& k : keys) out += (out.empty() ? "\"" : ", \"") + k + "\"";
   return out;
 }
+
+// What a key of the model's state dict must be: shape, dtype and device of the model's own tensor.
+struct Target {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+  at::Device device;
+};
+
+Target target_of(const RuntimeView& rt, const KeyMap& km, const std::string& k) {
+  auto m = km.managed.find(k);
+  if (m != km.managed.end()) {
+    const FlatParamHandle& h = rt.handle(m->second.unit);
+    return Target{h.layout().shapes[m->second.index], h.orig_dtype(), h.flat_param().device()};
+  }
+  const at::Tensor& t = km.unmanaged.at(k);
+  return Target{t.sizes().vec(), rt.original_dtype(t), t.device()};
+}
+
+// Rank 0's check of its dict against the model (which every rank shares): the plan's error and
+// the keys it will skip.
+void check_root_dict(const RuntimeView& rt, const KeyMap& km, const StateDict& sd, bool strict,
+                     Plan& plan) {
+  for (const auto& k : km.order) {
+    if (!sd.contains(k)) {
+      plan.result.missing_keys.push_back(k);
+      continue;
+    }
+    const StateValue& v = sd.at(k);
+    if (!v.is_tensor()) {
+      plan.fail("'" + k + "' must be a Tensor in a full state dict, it is " + to_string(v.kind()));
+      continue;
+    }
+    const Target want = target_of(rt, km, k);
+    check_shape_dtype(k, v.tensor().sizes(), v.tensor().scalar_type(), want.shape, want.dtype, 0,
+                      plan);
+  }
+  for (const auto& [k, v] : sd) {
+    if (!km.managed.count(k) && !km.unmanaged.count(k)) plan.result.unexpected_keys.push_back(k);
+  }
+  if (plan.error.empty() && strict) plan.error = detail::load_keys_error(plan.result);
+}
+
+// Rank 0's skipped keys (`root_result`) on every rank. One broadcast.
+LoadResult broadcast_skipped_keys(dist::ProcessGroup& pg, const LoadResult& root_result) {
+  // The skipped keys, one per line: missing, then a blank line, then unexpected.
+  std::string lists;
+  if (pg.rank() == 0) {
+    for (const auto& k : root_result.missing_keys) lists += k + "\n";
+    lists += "\n";
+    for (const auto& k : root_result.unexpected_keys) lists += k + "\n";
+  }
+  lists = pg.broadcast_bytes(lists, 0);
+  LoadResult result;
+  std::vector<std::string>* into = &result.missing_keys;
+  size_t start = 0;
+  for (size_t nl; (nl = lists.find('\n', start)) != std::string::npos; start = nl + 1) {
+    if (nl == start && into == &result.missing_keys) {
+      into = &result.unexpected_keys;
+      continue;
+    }
+    into->push_back(lists.substr(start, nl - start));
+  }
+  return result;
+}
+
+// Broadcasts each of rank 0's values (all but the `missing_keys`) in turn; each rank copies only
+// its range of it into its shard. One tensor in flight at a time.
+void broadcast_values(const RuntimeView& rt, const KeyMap& km, const StateDict& sd,
+                      const std::vector<std::string>& missing_keys) {
+  dist::ProcessGroup& pg = rt.world_group();
+  const bool root = pg.rank() == 0;
+  const std::set<std::string> missing(missing_keys.begin(), missing_keys.end());
+  std::set<std::pair<int, size_t>> done;  // a tied parameter arrives once
+  int64_t largest = 0;
+  for (const auto& k : km.order)
+    largest = std::max(largest, c10::multiply_integers(target_of(rt, km, k).shape));
+  detail::ScratchBuffers scratch(largest);
+  at::NoGradGuard no_grad;
+  for (const auto& k : km.order) {
+    if (missing.count(k)) continue;
+    auto m = km.managed.find(k);
+    if (m != km.managed.end() && !done.insert({m->second.unit, m->second.index}).second) continue;
+    const auto [shape, dtype, device] = target_of(rt, km, k);
+    at::Tensor buf = root ? scratch.as(sd.at(k).tensor().detach(), dtype, device)
+                          : scratch.get(shape, dtype, device);
+    pg.broadcast(buf, 0);
+    if (m == km.managed.end()) {
+      km.unmanaged.at(k).detach().copy_(buf);
+      continue;
+    }
+    Plan one;
+    plan_param(
+        rt, m->second,
+        [&](int64_t start, int64_t n) { return buf.reshape({-1}).narrow(0, start, n); }, one);
+    for (auto& [dst, src] : one.copies) dst.copy_(src);
+  }
+}
+
 }  // namespace
 
 LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd, bool strict,
@@ -292,90 +406,15 @@ LoadResult load_state_dict_from_rank0(FullyShardedDataParallel& model, const Sta
   const detail::RuntimeView rt(*model);
   rt.require_idle("load_state_dict (broadcast_from_rank0)");
   dist::ProcessGroup& pg = rt.world_group();
-  const bool root = pg.rank() == 0;
   Plan plan;  // only its error and result are used: copies are made as tensors arrive
   writeback_all(rt, plan);
   const KeyMap km = key_map(rt);
-  // What each key must be: shape, dtype and device of the model's own tensor.
-  auto target = [&](const std::string& k) {
-    auto m = km.managed.find(k);
-    if (m != km.managed.end()) {
-      const FlatParamHandle& h = rt.handle(m->second.unit);
-      return std::make_tuple(h.layout().shapes[m->second.index], h.orig_dtype(),
-                             h.flat_param().device());
-    }
-    const at::Tensor& t = km.unmanaged.at(k);
-    return std::make_tuple(t.sizes().vec(), rt.original_dtype(t), t.device());
-  };
-  // Rank 0 checks its dict against the model (which every rank shares), then tells the others
-  // which keys it will send; nothing moves unless every rank agrees.
-  if (root) {
-    for (const auto& k : km.order) {
-      if (!sd.contains(k)) {
-        plan.result.missing_keys.push_back(k);
-        continue;
-      }
-      const StateValue& v = sd.at(k);
-      if (!v.is_tensor()) {
-        plan.fail("'" + k + "' must be a Tensor in a full state dict, it is " +
-                  to_string(v.kind()));
-        continue;
-      }
-      const auto [shape, dtype, device] = target(k);
-      check_shape_dtype(k, v.tensor().sizes(), v.tensor().scalar_type(), shape, dtype, 0, plan);
-    }
-    for (const auto& [k, v] : sd) {
-      if (!km.managed.count(k) && !km.unmanaged.count(k)) plan.result.unexpected_keys.push_back(k);
-    }
-    if (plan.error.empty() && strict) plan.error = detail::load_keys_error(plan.result);
-  }
+  // Rank 0 checks its dict against the model, then tells the others which keys it will send;
+  // nothing moves unless every rank agrees.
+  if (pg.rank() == 0) check_root_dict(rt, km, sd, strict, plan);
   agree_or_throw(pg, plan.error);
-  // The skipped keys, one per line: missing, then a blank line, then unexpected.
-  std::string lists;
-  if (root) {
-    for (const auto& k : plan.result.missing_keys) lists += k + "\n";
-    lists += "\n";
-    for (const auto& k : plan.result.unexpected_keys) lists += k + "\n";
-  }
-  lists = pg.broadcast_bytes(lists, 0);
-  LoadResult result;
-  {
-    std::vector<std::string>* into = &result.missing_keys;
-    size_t start = 0;
-    for (size_t nl; (nl = lists.find('\n', start)) != std::string::npos; start = nl + 1) {
-      if (nl == start && into == &result.missing_keys) {
-        into = &result.unexpected_keys;
-        continue;
-      }
-      into->push_back(lists.substr(start, nl - start));
-    }
-  }
-  const std::set<std::string> missing(result.missing_keys.begin(), result.missing_keys.end());
-  // One tensor in flight at a time; each rank copies only its range of it into its shard.
-  std::set<std::pair<int, size_t>> done;  // a tied parameter arrives once
-  int64_t largest = 0;
-  for (const auto& k : km.order)
-    largest = std::max(largest, c10::multiply_integers(std::get<0>(target(k))));
-  ScratchBuffers scratch(largest);
-  at::NoGradGuard no_grad;
-  for (const auto& k : km.order) {
-    if (missing.count(k)) continue;
-    auto m = km.managed.find(k);
-    if (m != km.managed.end() && !done.insert({m->second.unit, m->second.index}).second) continue;
-    const auto [shape, dtype, device] = target(k);
-    at::Tensor buf = root ? scratch.as(sd.at(k).tensor().detach(), dtype, device)
-                          : scratch.get(shape, dtype, device);
-    pg.broadcast(buf, 0);
-    if (m == km.managed.end()) {
-      km.unmanaged.at(k).detach().copy_(buf);
-      continue;
-    }
-    Plan one;
-    plan_param(
-        rt, m->second,
-        [&](int64_t start, int64_t n) { return buf.reshape({-1}).narrow(0, start, n); }, one);
-    for (auto& [dst, src] : one.copies) dst.copy_(src);
-  }
+  LoadResult result = broadcast_skipped_keys(pg, plan.result);
+  broadcast_values(rt, km, sd, result.missing_keys);
   return result;
 }
 

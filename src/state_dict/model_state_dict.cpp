@@ -6,25 +6,16 @@
 
 #include "fsdp/errors.h"
 #include "runtime/view.h"
+#include "state_dict/flat_shard_boxes.h"
 #include "state_dict/gather_queue.h"
+#include "state_dict/global_placement.h"
 #include "state_dict/interface.h"
+#include "state_dict/kept_value.h"
 #include "state_dict/key_map.h"
+#include "state_dict/no_shard_fallback.h"
 #include "state_dict/settings.h"
 
 namespace fsdp {
-
-std::function<void(int64_t)>& detail::state_dict_gather_probe() {
-  static std::function<void(int64_t)> probe;
-  return probe;
-}
-
-int64_t& detail::full_gather_window_bytes() {
-  // A few coalesced buckets of small tensors in flight at once; a unit or state tensor of several
-  // MB is gathered alone (at 12.5 MB each, two in flight were no faster on loopback Gloo, and
-  // each holds fresh memory).
-  static int64_t bytes = int64_t{16} << 20;
-  return bytes;
-}
 
 namespace detail {
 
@@ -103,19 +94,36 @@ at::Tensor unmanaged_value(const RuntimeView& rt, const at::Tensor& t, bool offl
   return detail::kept_value(v, offload);
 }
 
+// The state dict in the model's key order: each managed parameter's value from `values` (by unit
+// and index in its handle), every other key's as unmanaged_value saves it.
+template <typename V>
+StateDict in_key_order(const RuntimeView& rt, const KeyMap& km,
+                       const std::map<std::pair<int, size_t>, V>& values, bool offload) {
+  StateDict sd;
+  for (const auto& k : km.order) {
+    auto m = km.managed.find(k);
+    if (m != km.managed.end()) {
+      sd.insert_or_assign(k, values.at({m->second.unit, m->second.index}));
+    } else {
+      sd.insert_or_assign(k, unmanaged_value(rt, km.unmanaged.at(k), offload));
+    }
+  }
+  return sd;
+}
+
 // Unshards each unit in turn (full precision; only the NO_SHARD ones with `no_shard_only`) and
 // calls `take(unit, param index, full value)`. The values are the live parameters (NO_SHARD) or
 // views of a buffer freed at the reshard: they must be copied to be kept.
 template <typename F>
-void unshard_units(const RuntimeView& rt, bool no_shard_only, F&& take) {
+void unshard_units(const RuntimeView& rt, bool no_shard_only, const GatherObserver& on_gather,
+                   F&& take) {
   for (const auto& u : rt.units()) {
     if (!u.handle || (no_shard_only && u.handle->uses_sharded_strategy())) continue;
     FlatParamHandle& h = *u.handle;
     h.set_training_state(HandleTrainingState::SUMMON_FULL_PARAMS);
     try {
       h.unshard();
-      if (detail::state_dict_gather_probe())
-        detail::state_dict_gather_probe()(h.unsharded_storage_bytes());
+      if (on_gather) on_gather(h.unsharded_storage_bytes());
       auto params = h.orig_params();
       for (size_t i = 0; i < params.size(); ++i) take(u.index, i, params[i].detach());
     } catch (...) {
@@ -138,8 +146,7 @@ StateDict full_state_dict(const RuntimeView& rt, const FullStateDictConfig& cfg)
   // nobody else holds: kept as they are, as a copy would double the memory written and faulted
   // in, most of consolidation's cost on the CPU (docs/performance.md). Every rank gathers (the
   // collective needs them all); only those that keep the result hold on to it.
-  detail::GatherQueue gathers(detail::full_gather_window_bytes(),
-                              detail::state_dict_gather_probe());
+  detail::GatherQueue gathers(cfg.gather_window_bytes(), cfg.on_gather());
   for (const auto& u : rt.units()) {
     if (!u.handle || !u.handle->uses_sharded_strategy()) continue;
     FlatParamHandle& h = *u.handle;
@@ -154,20 +161,12 @@ StateDict full_state_dict(const RuntimeView& rt, const FullStateDictConfig& cfg)
   }
   gathers.finish();
   // NO_SHARD units hold their whole parameters: copied from the live values.
-  unshard_units(rt, /*no_shard_only=*/true, [&](int u, size_t i, const at::Tensor& full) {
-    if (keep) values[{u, i}] = detail::kept_value(full, cfg.offload_to_cpu());
-  });
-  StateDict sd;
-  if (!keep) return sd;
-  for (const auto& k : km.order) {
-    auto m = km.managed.find(k);
-    if (m != km.managed.end()) {
-      sd.insert_or_assign(k, values.at({m->second.unit, m->second.index}));
-    } else {
-      sd.insert_or_assign(k, unmanaged_value(rt, km.unmanaged.at(k), cfg.offload_to_cpu()));
-    }
-  }
-  return sd;
+  unshard_units(rt, /*no_shard_only=*/true, cfg.on_gather(),
+                [&](int u, size_t i, const at::Tensor& full) {
+                  if (keep) values[{u, i}] = detail::kept_value(full, cfg.offload_to_cpu());
+                });
+  if (!keep) return StateDict();
+  return in_key_order(rt, km, values, cfg.offload_to_cpu());
 }
 
 // SHARDED and LOCAL run only on fully sharded models: NoShardFallback (state_dict) turned any
@@ -201,21 +200,13 @@ StateDict sharded_state_dict(const RuntimeView& rt, const ShardedStateDictConfig
       }
     }
   } else {
-    unshard_units(rt, /*no_shard_only=*/false, [&](int u, size_t i, const at::Tensor& full) {
-      ShardedTensor t = chunk_sharded(full, rank, world);
-      values[{u, i}] = offload ? t.to(at::kCPU) : t;
-    });
+    unshard_units(rt, /*no_shard_only=*/false, cfg.on_gather(),
+                  [&](int u, size_t i, const at::Tensor& full) {
+                    ShardedTensor t = chunk_sharded(full, rank, world);
+                    values[{u, i}] = offload ? t.to(at::kCPU) : t;
+                  });
   }
-  StateDict sd;
-  for (const auto& k : km.order) {
-    auto m = km.managed.find(k);
-    if (m != km.managed.end()) {
-      sd.insert_or_assign(k, values.at({m->second.unit, m->second.index}));
-    } else {
-      sd.insert_or_assign(k, unmanaged_value(rt, km.unmanaged.at(k), offload));
-    }
-  }
-  return sd;
+  return in_key_order(rt, km, values, offload);
 }
 
 ShardedTensor local_flat_value(const FlatParamHandle& h, bool offload) {
@@ -265,13 +256,15 @@ NoShardFallback::NoShardFallback(const RuntimeView& rt, StateDictSettings& cfg) 
   for (const auto& u : rt.units()) no_shard |= u.handle && !u.handle->uses_sharded_strategy();
   if (!no_shard) return;
   // PyTorch's _replace_with_full_state_dict_type: NO_SHARD has nothing to shard, so the other
-  // types fall back to FULL (with a default config) and say so.
+  // types fall back to FULL (with a default config) and say so. A SHARDED config's observer
+  // still watches the gathers made in its place.
   TORCH_WARN("When using NO_SHARD for ShardingStrategy, full_state_dict will be returned.");
   active_ = true;
   prev_type_ = cfg.type;
   prev_full_ = cfg.full;
   cfg.type = StateDictType::FULL_STATE_DICT;
-  cfg.full = FullStateDictConfig();
+  cfg.full = FullStateDictConfig().on_gather(
+      prev_type_ == StateDictType::SHARDED_STATE_DICT ? cfg.sharded.on_gather() : GatherObserver());
 }
 NoShardFallback::~NoShardFallback() {
   if (!active_) return;

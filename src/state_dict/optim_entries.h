@@ -1,6 +1,7 @@
 // Internal: which parameters an optimizer holds over a (wrapped or plain) model, and under which
-// canonical FQNs; shared by optimizer-state export (optim_state_dict.cpp) and import
-// (optim_load.cpp).
+// canonical FQNs; shared by optimizer-state export (optim_state_dict.cpp), import
+// (optim_load.cpp) and checkpoint/ (through interface.h). Defined in optim_kinds.cpp, next to the
+// optimizer table: the two together are the optimizer in PyTorch's names.
 #pragma once
 
 #include <torch/optim/optimizer.h>

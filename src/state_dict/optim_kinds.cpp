@@ -1,6 +1,8 @@
-// The optimizer table (see optim_kinds.h): LibTorch's *ParamState / *Options members under
-// PyTorch's names. State names and group keys follow torch.optim 2.x; "step" is a 0-d float32
-// tensor in PyTorch's dicts and an int64 in LibTorch's state.
+// An optimizer in PyTorch's terms, as export (optim_state_dict.cpp), import (optim_load.cpp) and
+// checkpoint/ need it: the optimizer table (see optim_kinds.h), LibTorch's *ParamState / *Options
+// members under PyTorch's names; and, over a model, which parameters the optimizer holds under
+// which canonical FQNs (see optim_entries.h). State names and group keys follow torch.optim 2.x;
+// "step" is a 0-d float32 tensor in PyTorch's dicts and an int64 in LibTorch's state.
 #include "state_dict/optim_kinds.h"
 
 #include <torch/optim/adagrad.h>
@@ -12,9 +14,12 @@
 #include <c10/util/Type.h>
 
 #include <typeinfo>
+#include <unordered_set>
 
 #include "fsdp/compat.h"
 #include "fsdp/errors.h"
+#include "state_dict/optim_entries.h"
+#include "util/tensor_utils.h"  // shape_str
 
 namespace fsdp {
 namespace detail {
@@ -327,6 +332,132 @@ const OptimKind& optim_kind(const torch::optim::Optimizer& optimizer) {
                    c10::demangle(typeid(optimizer).name()) +
                    "; supported are torch::optim Adam, AdamW, SGD, Adagrad and RMSprop "
                    "(add an entry to src/state_dict/optim_kinds.cpp)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Which parameters the optimizer holds over a model, under which FQNs (optim_entries.h)
+
+namespace {
+
+using Impl = const c10::TensorImpl*;
+
+// The entries of a wrapped model: one per parameter of param_fqns(), managed (a flat parameter
+// or an original parameter of a unit's handle) or plain (an ignored parameter).
+std::vector<OptEntry> wrapped_entries(FullyShardedDataParallel& model, const RuntimeView& rt) {
+  // Where each flat or original parameter lives.
+  std::unordered_map<Impl, std::pair<int, int>> loc;  // impl -> (unit, index; -1 = flat)
+  for (const auto& u : rt.units()) {
+    if (!u.handle) continue;
+    loc[u.handle->flat_param().unsafeGetTensorImpl()] = {u.index, -1};
+    const auto params = u.handle->orig_params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      loc[params[i].unsafeGetTensorImpl()] = {u.index, static_cast<int>(i)};
+    }
+  }
+  std::vector<OptEntry> entries;
+  for (const auto& pf : model->param_fqns()) {
+    OptEntry e;
+    e.param = pf.param;
+    auto it = loc.find(pf.param.unsafeGetTensorImpl());
+    if (it == loc.end()) {  // ignored parameter: plain
+      e.fqns = {pf.fqns.front()};
+      e.shapes = {pf.param.sizes().vec()};
+    } else {
+      e.unit = it->second.first;
+      const FlatParamHandle& h = rt.handle(e.unit);
+      const auto& l = h.layout();
+      e.flat = it->second.second < 0;
+      if (e.flat) {
+        for (size_t i = 0; i < l.fqns.size(); ++i) e.indices.push_back(i);
+      } else {
+        e.indices = {static_cast<size_t>(it->second.second)};
+      }
+      for (size_t i : e.indices) {
+        e.fqns.push_back(l.fqns[i]);
+        e.shapes.push_back(l.shapes[i]);
+      }
+    }
+    entries.push_back(std::move(e));
+  }
+  return entries;
+}
+
+// The entries of a plain module: all plain, a tied parameter once under its first FQN.
+std::vector<OptEntry> plain_entries(const torch::nn::Module& plain) {
+  std::vector<OptEntry> entries;
+  std::unordered_set<Impl> seen;
+  for (const auto& item : plain.named_parameters(/*recurse=*/true)) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied: first FQN
+    OptEntry e;
+    e.param = item.value();
+    e.fqns = {item.key()};
+    e.shapes = {item.value().sizes().vec()};
+    entries.push_back(std::move(e));
+  }
+  return entries;
+}
+
+// Fills om.groups and each entry's group from the optimizer's param groups; `model` only words
+// the error for a tensor the model lacks.
+void assign_groups(OptModel& om, const std::unordered_map<Impl, size_t>& by_impl,
+                   FullyShardedDataParallel* model, torch::optim::Optimizer& optimizer) {
+  const auto& groups = optimizer.param_groups();
+  om.groups.resize(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t j = 0; j < groups[g].params().size(); ++j) {
+      const at::Tensor& p = groups[g].params()[j];
+      auto it = by_impl.find(p.unsafeGetTensorImpl());
+      if (it == by_impl.end()) {
+        throw ValueError("optimizer state dicts: parameter " + std::to_string(j) +
+                         " of the optimizer's param group " + std::to_string(g) + " (shape " +
+                         shape_str(p.sizes()) + ") is not a parameter of the model" +
+                         (model && !(*model)->options().use_orig_params()
+                              ? " (without use_orig_params, build the optimizer over the wrapped "
+                                "model's parameters(): its flat parameters)"
+                              : ""));
+      }
+      OptEntry& e = om.entries[it->second];
+      if (e.group >= 0) {
+        throw ValueError("optimizer state dicts: the parameter '" + e.fqns.front() +
+                         "' is in the optimizer's param groups " + std::to_string(e.group) +
+                         " and " + std::to_string(g));
+      }
+      e.group = static_cast<int>(g);
+      om.groups[g].push_back(it->second);
+    }
+  }
+}
+
+}  // namespace
+
+OptModel::Local OptModel::local(const OptEntry& e, size_t p) const {
+  const FlatParamHandle& h = rt->handle(e.unit);
+  const size_t i = e.indices[p];
+  const ShardParamInfo& s = h.shard_param_infos()[i];
+  if (!h.uses_sharded_strategy()) {
+    return Local{0, h.layout().numels[i], h.layout().param_offset(i), s.in_shard};
+  }
+  if (!s.in_shard) return Local{0, 0, 0, false};
+  return Local{s.intra_param_start_idx, s.numel_in_shard, s.offset_in_shard, true};
+}
+
+OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module* plain,
+                        torch::optim::Optimizer& optimizer) {
+  OptModel om;
+  if (model) {
+    om.rt = std::make_shared<const RuntimeView>(**model);
+    om.entries = wrapped_entries(*model, *om.rt);
+  } else {
+    om.entries = plain_entries(*plain);
+  }
+  std::unordered_map<Impl, size_t> by_impl;
+  for (size_t e = 0; e < om.entries.size(); ++e) {
+    by_impl[om.entries[e].param.unsafeGetTensorImpl()] = e;
+    for (size_t p = 0; p < om.entries[e].fqns.size(); ++p)
+      om.by_fqn[om.entries[e].fqns[p]] = {e, p};
+  }
+  assign_groups(om, by_impl, model, optimizer);
+  return om;
 }
 
 }  // namespace detail

@@ -8,9 +8,9 @@
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
 #include "state_dict/from_rank0.h"
-#include "state_dict/key_map.h"
 #include "state_dict/optim_entries.h"
 #include "state_dict/piece_exchange.h"
+#include "util/tensor_utils.h"  // shape_str
 
 namespace fsdp {
 namespace {
@@ -155,18 +155,65 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
   return s;
 }
 
+// One load, phase by phase over the state the phases share: check the dict (plan), fetch the
+// ranges of managed parameters' ShardedTensor states (collective), build every entry's new state,
+// agree on the verdict (collective), apply.
+//
 // `from_rank0`: `osd` is rank 0's dict there and its structure elsewhere (tensors as empty
 // ShardedTensors, see detail::broadcast_structure); each tensor state is broadcast from rank 0
 // when its turn comes and this rank keeps its range. The order of those broadcasts depends only
 // on the structure and the model, so every rank makes the same ones.
-void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict& osd,
-               bool from_rank0 = false) {
-  const OptimKind& kind = detail::optim_kind(opt);
+struct OsdLoad {
+  const OptModel& om;
+  torch::optim::Optimizer& opt;
+  const OptimKind& kind;
+  const RuntimeView* rt;
+  const bool from_rank0;
   LoadPlan plan;
-  const RuntimeView* rt = om.rt.get();
-  plan_groups(om, opt, kind, osd, plan);
   const StateDict empty;
-  const StateDict* state = &empty;
+  const StateDict* state = &empty;                                       // the dict's "state"
+  std::vector<std::vector<FqnState>> fs;                                 // per entry, per FQN
+  std::map<std::pair<size_t, size_t>, std::vector<at::Tensor>> fetched;  // (entry, pos) -> per name
+  detail::ScratchBuffers scratch;  // receive buffers under from_rank0: one state tensor at a time
+
+  OsdLoad(const OptModel& om, torch::optim::Optimizer& opt, bool from_rank0)
+      : om(om),
+        opt(opt),
+        kind(detail::optim_kind(opt)),
+        rt(om.rt.get()),
+        from_rank0(from_rank0),
+        scratch(from_rank0 ? largest_numel(om) : 0) {}
+
+  static int64_t largest_numel(const OptModel& om) {
+    int64_t largest = 0;
+    for (const auto& en : om.entries)
+      for (const auto& shape : en.shapes)
+        largest = std::max(largest, c10::multiply_integers(shape));
+    return largest;
+  }
+
+  void run(const StateDict& osd) {
+    check(osd);
+    if (rt && !from_rank0) fetch();
+    build();
+    agree();
+    apply();
+  }
+
+  void check(const StateDict& osd);
+  void fetch();
+  at::Tensor range_of(size_t e, size_t p, size_t n, int64_t lo, int64_t len);
+  void build();
+  std::optional<int64_t> common_step(size_t e);
+  void build_tensor(size_t e, size_t n, ParamOptimState& ns);
+  void agree() const;
+  void apply();
+};
+
+// The dict against the optimizer: its groups, then each FQN's state against its parameter and
+// its group's (new) hyperparameters.
+void OsdLoad::check(const StateDict& osd) {
+  plan_groups(om, opt, kind, osd, plan);
   if (!osd.contains("state") || !osd.at("state").is_dict()) {
     plan.fail("the dict has no \"state\" dict");
   } else {
@@ -180,7 +227,7 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
     }
   }
   // Check each FQN's state against its parameter and its group's (new) hyperparameters.
-  std::vector<std::vector<FqnState>> fs(om.entries.size());
+  fs.resize(om.entries.size());
   for (size_t e = 0; e < om.entries.size(); ++e) {
     const OptEntry& en = om.entries[e];
     fs[e].resize(en.fqns.size());
@@ -194,94 +241,84 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       }
     }
   }
-  // ShardedTensor values of managed parameters: fetch this rank's ranges (collective; the same
-  // requests on every rank: every managed FQN times every tensor state name).
-  std::map<std::pair<size_t, size_t>, std::vector<at::Tensor>> fetched;  // (entry, pos) -> per name
-  if (rt && !from_rank0) {
-    std::vector<detail::RangeRequest> reqs;
-    std::vector<std::tuple<size_t, size_t, size_t>> where;
-    for (size_t e = 0; e < om.entries.size(); ++e) {
-      const OptEntry& en = om.entries[e];
-      if (en.unit < 0) continue;
-      for (size_t p = 0; p < en.fqns.size(); ++p) {
-        const auto r = om.local(en, p);
-        for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
-          detail::RangeRequest q;
-          q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
-          q.shape = en.shapes[p];
-          q.lo = r.lo;
-          q.n = r.n;
-          const StateValue* v = fs[e][p].present ? fs[e][p].values[n] : nullptr;
-          if (v && v->is_sharded_tensor()) q.pieces = &v->sharded_tensor();
-          reqs.push_back(std::move(q));
-          where.emplace_back(e, p, n);
-        }
+}
+
+// ShardedTensor values of managed parameters: fetch this rank's ranges (collective; the same
+// requests on every rank: every managed FQN times every tensor state name).
+void OsdLoad::fetch() {
+  std::vector<detail::RangeRequest> reqs;
+  std::vector<std::tuple<size_t, size_t, size_t>> where;
+  for (size_t e = 0; e < om.entries.size(); ++e) {
+    const OptEntry& en = om.entries[e];
+    if (en.unit < 0) continue;
+    for (size_t p = 0; p < en.fqns.size(); ++p) {
+      const auto r = om.local(en, p);
+      for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
+        detail::RangeRequest q;
+        q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
+        q.shape = en.shapes[p];
+        q.lo = r.lo;
+        q.n = r.n;
+        const StateValue* v = fs[e][p].present ? fs[e][p].values[n] : nullptr;
+        if (v && v->is_sharded_tensor()) q.pieces = &v->sharded_tensor();
+        reqs.push_back(std::move(q));
+        where.emplace_back(e, p, n);
       }
     }
-    std::string err;
-    const std::vector<at::Tensor> got = detail::exchange_ranges(rt->world_group(), reqs, err);
-    if (!err.empty()) plan.fail("" + err);
-    for (size_t i = 0; i < got.size(); ++i) {
-      auto [e, p, n] = where[i];
-      auto& slot = fetched[{e, p}];
-      slot.resize(kind.tensor_names.size());
-      slot[n] = got[i];
-    }
   }
-  int64_t largest = 0;  // receive buffers under from_rank0: one state tensor at a time
-  for (const auto& en : om.entries)
-    for (const auto& shape : en.shapes) largest = std::max(largest, c10::multiply_integers(shape));
-  detail::ScratchBuffers scratch(from_rank0 ? largest : 0);
-  // This rank's part of one FQN's tensor state `n`: elements [lo, lo + len) of the flattened
-  // tensor (undefined if absent or already reported).
-  auto range_of = [&](size_t e, size_t p, size_t n, int64_t lo, int64_t len) -> at::Tensor {
-    const StateValue* v = fs[e][p].values[n];
-    if (!v) return at::Tensor();
-    const std::vector<int64_t>& shape = om.entries[e].shapes[p];
-    // A 0-d state (of a 0-d parameter) came inline with the structure, as a tensor on every rank.
-    if (from_rank0 && !shape.empty()) {  // one full tensor in flight; the caller keeps the range
-      dist::ProcessGroup& pg = rt->world_group();
-      const at::Tensor& param = om.entries[e].param;
-      at::Tensor buf =
-          pg.rank() == 0
-              ? scratch.as(v->tensor().detach(), v->tensor().scalar_type(), param.device())
-              : scratch.get(shape, v->sharded_tensor().dtype(), param.device());
-      pg.broadcast(buf, 0);
-      return buf.reshape({-1}).narrow(0, lo, len);
-    }
-    if (v->is_tensor()) return v->tensor().reshape({-1}).narrow(0, lo, len);
-    if (om.entries[e].unit >= 0) {
-      auto it = fetched.find({e, p});
-      return it == fetched.end() ? at::Tensor() : it->second[n];
-    }
-    try {
-      return v->sharded_tensor().flat_range(lo, len, "'" + om.entries[e].fqns[p] + "'");
-    } catch (const ValueError& ex) {
-      plan.fail(std::string("state '") + kind.tensor_names[n] + "' of '" + om.entries[e].fqns[p] +
-                "': " + ex.what());
-      return at::Tensor();
-    }
-  };
-  // Build each entry's new state.
+  std::string err;
+  const std::vector<at::Tensor> got = detail::exchange_ranges(rt->world_group(), reqs, err);
+  if (!err.empty()) plan.fail("" + err);
+  for (size_t i = 0; i < got.size(); ++i) {
+    auto [e, p, n] = where[i];
+    auto& slot = fetched[{e, p}];
+    slot.resize(kind.tensor_names.size());
+    slot[n] = got[i];
+  }
+}
+
+// This rank's part of one FQN's tensor state `n`: elements [lo, lo + len) of the flattened
+// tensor (undefined if absent or already reported).
+at::Tensor OsdLoad::range_of(size_t e, size_t p, size_t n, int64_t lo, int64_t len) {
+  const StateValue* v = fs[e][p].values[n];
+  if (!v) return at::Tensor();
+  const std::vector<int64_t>& shape = om.entries[e].shapes[p];
+  // A 0-d state (of a 0-d parameter) came inline with the structure, as a tensor on every rank.
+  if (from_rank0 && !shape.empty()) {  // one full tensor in flight; the caller keeps the range
+    dist::ProcessGroup& pg = rt->world_group();
+    const at::Tensor& param = om.entries[e].param;
+    at::Tensor buf =
+        pg.rank() == 0 ? scratch.as(v->tensor().detach(), v->tensor().scalar_type(), param.device())
+                       : scratch.get(shape, v->sharded_tensor().dtype(), param.device());
+    pg.broadcast(buf, 0);
+    return buf.reshape({-1}).narrow(0, lo, len);
+  }
+  if (v->is_tensor()) return v->tensor().reshape({-1}).narrow(0, lo, len);
+  if (om.entries[e].unit >= 0) {
+    auto it = fetched.find({e, p});
+    return it == fetched.end() ? at::Tensor() : it->second[n];
+  }
+  try {
+    return v->sharded_tensor().flat_range(lo, len, "'" + om.entries[e].fqns[p] + "'");
+  } catch (const ValueError& ex) {
+    plan.fail(std::string("state '") + kind.tensor_names[n] + "' of '" + om.entries[e].fqns[p] +
+              "': " + ex.what());
+    return at::Tensor();
+  }
+}
+
+// Build each entry's new state.
+void OsdLoad::build() {
   plan.states.resize(om.entries.size());
   for (size_t e = 0; e < om.entries.size(); ++e) {
     const OptEntry& en = om.entries[e];
     if (en.group < 0) continue;
     bool any = false, all = true;
-    std::optional<int64_t> step;
     for (size_t p = 0; p < en.fqns.size(); ++p) {
       any |= fs[e][p].present;
       all &= fs[e][p].present;
-      if (!fs[e][p].present || !fs[e][p].step) continue;
-      if (step && *step != *fs[e][p].step) {
-        plan.fail(
-            "the parameters of one flat parameter must have the same "
-            "'step', but '" +
-            en.fqns[0] + "' has " + std::to_string(*step) + " and '" + en.fqns[p] + "' " +
-            std::to_string(*fs[e][p].step));
-      }
-      step = fs[e][p].step;
     }
+    const std::optional<int64_t> step = common_step(e);
     if (!any) continue;
     if (!all && kind.has_step) {
       std::vector<std::string> without;
@@ -296,47 +333,72 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
     ParamOptimState ns;
     ns.step = step;
     ns.tensors.resize(kind.tensor_names.size());
-    const at::TensorOptions popts = en.param.options().requires_grad(false);
-    for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
-      bool has_n = false;
-      for (size_t p = 0; p < en.fqns.size(); ++p) has_n |= fs[e][p].present && fs[e][p].values[n];
-      if (!has_n) continue;
-      if (en.unit < 0) {  // plain: the whole tensor
-        const int64_t numel = en.param.numel();
-        at::Tensor t = range_of(e, 0, n, 0, numel);
-        if (t.defined()) ns.tensors[n] = t.reshape(en.param.sizes()).to(popts).clone();
-        continue;
-      }
-      if (!en.flat) {  // an original parameter: its piece of this rank's shard
-        const auto r = om.local(en, 0);
-        at::Tensor t = range_of(e, 0, n, r.lo, r.n);  // first: collective under from_rank0
-        if (r.n != en.param.numel()) {
-          plan.fail("'" + en.fqns[0] + "' holds " + std::to_string(en.param.numel()) +
-                    " elements on this rank, its shard " + std::to_string(r.n));
-          continue;
-        }
-        if (t.defined()) ns.tensors[n] = t.reshape(en.param.sizes()).to(popts).clone();
-        continue;
-      }
-      // A flat parameter: this rank's shard of the flattened state; zeros where a parameter
-      // has none (as PyTorch's _flatten_tensor_optim_state) and in the padding.
-      at::Tensor flat = at::zeros({en.param.numel()}, popts);
-      for (size_t p = 0; p < en.fqns.size(); ++p) {
-        const auto r = om.local(en, p);
-        if (!fs[e][p].present) continue;
-        at::Tensor t = range_of(e, p, n, r.lo, r.n);  // also where r.n == 0: collective
-        if (t.defined() && r.n > 0) flat.narrow(0, r.offset, r.n).copy_(t);
-      }
-      ns.tensors[n] = flat;
-    }
+    for (size_t n = 0; n < kind.tensor_names.size(); ++n) build_tensor(e, n, ns);
     // An original parameter this rank's shard does not hold gets no state, as training leaves it
     // (its gradient stays undefined) and as the seed's _shard_orig_param_state gives it none.
     if (en.unit >= 0 && !en.flat && !om.local(en, 0).held) continue;
     plan.states[e] = std::move(ns);
   }
-  // All-or-nothing across ranks. Every rank reports every failing rank's problem: one rank's bad
-  // dict often makes the others fail too (pieces they needed from it are missing), and the first
-  // cause should be visible wherever the error is caught.
+}
+
+// The 'step' of entry `e`: its FQNs' (the parameters of one flat parameter must agree).
+std::optional<int64_t> OsdLoad::common_step(size_t e) {
+  const OptEntry& en = om.entries[e];
+  std::optional<int64_t> step;
+  for (size_t p = 0; p < en.fqns.size(); ++p) {
+    if (!fs[e][p].present || !fs[e][p].step) continue;
+    if (step && *step != *fs[e][p].step) {
+      plan.fail(
+          "the parameters of one flat parameter must have the same "
+          "'step', but '" +
+          en.fqns[0] + "' has " + std::to_string(*step) + " and '" + en.fqns[p] + "' " +
+          std::to_string(*fs[e][p].step));
+    }
+    step = fs[e][p].step;
+  }
+  return step;
+}
+
+// Tensor state `n` of entry `e` into `ns`, in the shape the optimizer holds it here.
+void OsdLoad::build_tensor(size_t e, size_t n, ParamOptimState& ns) {
+  const OptEntry& en = om.entries[e];
+  bool has_n = false;
+  for (size_t p = 0; p < en.fqns.size(); ++p) has_n |= fs[e][p].present && fs[e][p].values[n];
+  if (!has_n) return;
+  const at::TensorOptions popts = en.param.options().requires_grad(false);
+  if (en.unit < 0) {  // plain: the whole tensor
+    const int64_t numel = en.param.numel();
+    at::Tensor t = range_of(e, 0, n, 0, numel);
+    if (t.defined()) ns.tensors[n] = t.reshape(en.param.sizes()).to(popts).clone();
+    return;
+  }
+  if (!en.flat) {  // an original parameter: its piece of this rank's shard
+    const auto r = om.local(en, 0);
+    at::Tensor t = range_of(e, 0, n, r.lo, r.n);  // first: collective under from_rank0
+    if (r.n != en.param.numel()) {
+      plan.fail("'" + en.fqns[0] + "' holds " + std::to_string(en.param.numel()) +
+                " elements on this rank, its shard " + std::to_string(r.n));
+      return;
+    }
+    if (t.defined()) ns.tensors[n] = t.reshape(en.param.sizes()).to(popts).clone();
+    return;
+  }
+  // A flat parameter: this rank's shard of the flattened state; zeros where a parameter
+  // has none (as PyTorch's _flatten_tensor_optim_state) and in the padding.
+  at::Tensor flat = at::zeros({en.param.numel()}, popts);
+  for (size_t p = 0; p < en.fqns.size(); ++p) {
+    const auto r = om.local(en, p);
+    if (!fs[e][p].present) continue;
+    at::Tensor t = range_of(e, p, n, r.lo, r.n);  // also where r.n == 0: collective
+    if (t.defined() && r.n > 0) flat.narrow(0, r.offset, r.n).copy_(t);
+  }
+  ns.tensors[n] = flat;
+}
+
+// All-or-nothing across ranks. Every rank reports every failing rank's problem: one rank's bad
+// dict often makes the others fail too (pieces they needed from it are missing), and the first
+// cause should be visible wherever the error is caught.
+void OsdLoad::agree() const {
   std::vector<std::string> errors{plan.error};
   if (rt) errors = rt->world_group().all_gather_bytes(plan.error);
   std::string all;
@@ -347,7 +409,10 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
   if (!all.empty()) {
     throw ValueError(std::string("load_optim_state_dict failed, nothing was loaded: ") + all);
   }
-  // Apply: the dict replaces the optimizer's state and hyperparameters.
+}
+
+// Apply: the dict replaces the optimizer's state and hyperparameters.
+void OsdLoad::apply() {
   for (size_t g = 0; g < plan.options.size(); ++g) {
     opt.param_groups()[g].set_options(std::move(plan.options[g]));
   }
@@ -363,6 +428,11 @@ void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict
       opt.state().erase(key);
     }
   }
+}
+
+void load_impl(const OptModel& om, torch::optim::Optimizer& opt, const StateDict& osd,
+               bool from_rank0 = false) {
+  OsdLoad(om, opt, from_rank0).run(osd);
 }
 
 }  // namespace

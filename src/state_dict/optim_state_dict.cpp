@@ -1,125 +1,22 @@
 // Exporting optimizer state dicts keyed by canonical FQNs (seed 000, _optim_utils.py:
 // _optim_state_dict, _convert_state_with_flat_params / _with_orig_params, _unflatten_param_groups)
-// and re-keying them. Loading is in optim_load.cpp.
+// and re-keying them. Loading is in optim_load.cpp; which parameters the optimizer holds under
+// which FQNs (describe_model) in optim_kinds.cpp.
 #include <deque>
 #include <optional>
 #include <sstream>
-#include <unordered_set>
 
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
+#include "state_dict/flat_shard_boxes.h"
 #include "state_dict/gather_queue.h"
-#include "state_dict/key_map.h"
+#include "state_dict/global_placement.h"
+#include "state_dict/kept_value.h"
 #include "state_dict/optim_entries.h"
 #include "state_dict/piece_exchange.h"
+#include "state_dict/settings.h"
 
 namespace fsdp {
-
-std::function<void(int64_t)>& detail::optim_gather_probe() {
-  static std::function<void(int64_t)> probe;
-  return probe;
-}
-
-namespace detail {
-
-OptModel::Local OptModel::local(const OptEntry& e, size_t p) const {
-  const FlatParamHandle& h = rt->handle(e.unit);
-  const size_t i = e.indices[p];
-  const ShardParamInfo& s = h.shard_param_infos()[i];
-  if (!h.uses_sharded_strategy()) {
-    return Local{0, h.layout().numels[i], h.layout().param_offset(i), s.in_shard};
-  }
-  if (!s.in_shard) return Local{0, 0, 0, false};
-  return Local{s.intra_param_start_idx, s.numel_in_shard, s.offset_in_shard, true};
-}
-
-OptModel describe_model(FullyShardedDataParallel* model, const torch::nn::Module* plain,
-                        torch::optim::Optimizer& optimizer) {
-  using Impl = const c10::TensorImpl*;
-  OptModel om;
-  if (model) {
-    om.rt = std::make_shared<const RuntimeView>(**model);
-    const RuntimeView& rt = *om.rt;
-    // Where each flat or original parameter lives.
-    std::unordered_map<Impl, std::pair<int, int>> loc;  // impl -> (unit, index; -1 = flat)
-    for (const auto& u : rt.units()) {
-      if (!u.handle) continue;
-      loc[u.handle->flat_param().unsafeGetTensorImpl()] = {u.index, -1};
-      const auto params = u.handle->orig_params();
-      for (size_t i = 0; i < params.size(); ++i) {
-        loc[params[i].unsafeGetTensorImpl()] = {u.index, static_cast<int>(i)};
-      }
-    }
-    for (const auto& pf : (*model)->param_fqns()) {
-      OptEntry e;
-      e.param = pf.param;
-      auto it = loc.find(pf.param.unsafeGetTensorImpl());
-      if (it == loc.end()) {  // ignored parameter: plain
-        e.fqns = {pf.fqns.front()};
-        e.shapes = {pf.param.sizes().vec()};
-      } else {
-        e.unit = it->second.first;
-        const FlatParamHandle& h = rt.handle(e.unit);
-        const auto& l = h.layout();
-        e.flat = it->second.second < 0;
-        if (e.flat) {
-          for (size_t i = 0; i < l.fqns.size(); ++i) e.indices.push_back(i);
-        } else {
-          e.indices = {static_cast<size_t>(it->second.second)};
-        }
-        for (size_t i : e.indices) {
-          e.fqns.push_back(l.fqns[i]);
-          e.shapes.push_back(l.shapes[i]);
-        }
-      }
-      om.entries.push_back(std::move(e));
-    }
-  } else {
-    std::unordered_set<Impl> seen;
-    for (const auto& item : plain->named_parameters(/*recurse=*/true)) {
-      if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;  // tied: first FQN
-      OptEntry e;
-      e.param = item.value();
-      e.fqns = {item.key()};
-      e.shapes = {item.value().sizes().vec()};
-      om.entries.push_back(std::move(e));
-    }
-  }
-  std::unordered_map<Impl, size_t> by_impl;
-  for (size_t e = 0; e < om.entries.size(); ++e) {
-    by_impl[om.entries[e].param.unsafeGetTensorImpl()] = e;
-    for (size_t p = 0; p < om.entries[e].fqns.size(); ++p)
-      om.by_fqn[om.entries[e].fqns[p]] = {e, p};
-  }
-  const auto& groups = optimizer.param_groups();
-  om.groups.resize(groups.size());
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (size_t j = 0; j < groups[g].params().size(); ++j) {
-      const at::Tensor& p = groups[g].params()[j];
-      auto it = by_impl.find(p.unsafeGetTensorImpl());
-      if (it == by_impl.end()) {
-        throw ValueError("optimizer state dicts: parameter " + std::to_string(j) +
-                         " of the optimizer's param group " + std::to_string(g) + " (shape " +
-                         shape_str(p.sizes()) + ") is not a parameter of the model" +
-                         (model && !(*model)->options().use_orig_params()
-                              ? " (without use_orig_params, build the optimizer over the wrapped "
-                                "model's parameters(): its flat parameters)"
-                              : ""));
-      }
-      OptEntry& e = om.entries[it->second];
-      if (e.group >= 0) {
-        throw ValueError("optimizer state dicts: the parameter '" + e.fqns.front() +
-                         "' is in the optimizer's param groups " + std::to_string(e.group) +
-                         " and " + std::to_string(g));
-      }
-      e.group = static_cast<int>(g);
-      om.groups[g].push_back(it->second);
-    }
-  }
-  return om;
-}
-
-}  // namespace detail
 
 namespace {
 
@@ -191,200 +88,269 @@ std::vector<Merged> merge_presence(const OptModel& om, const OptimKind& kind,
   return out;
 }
 
-StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool sharded, bool offload,
-                     bool rank0_only, bool flat_shards = false) {
-  const OptimKind& kind = detail::optim_kind(opt);
-  std::vector<std::optional<ParamOptimState>> local(om.entries.size());
-  for (size_t e = 0; e < om.entries.size(); ++e) {
-    if (om.entries[e].group < 0) continue;
-    if (const auto* s = find_state(opt, om.entries[e].param)) local[e] = kind.read(*s);
+// SHARDED, routed: one state tensor of one FQN, as asked of the piece exchange.
+struct ChunkJob {
+  std::string fqn;
+  size_t name;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+  int rank;
+  std::vector<ShardMetadata> chunks;  // every rank's dim-0 chunk (chunk_metadata)
+  at::Device device;                  // the state's (the piece exchange assembles on the CPU)
+};
+
+// One export, phase by phase over the state the phases share: managed entries (collective on
+// every rank), then, on the ranks that return the dict, plain entries and the dict itself.
+//
+// Managed entries. FULL (and state that stays whole): gather one unit's state tensor at a time.
+// SHARDED: route each parameter's piece of every rank's flat shard straight to the ranks whose
+// dim-0 chunk needs it (one piece exchange for the whole call); no unit is ever whole.
+struct OsdExport {
+  const OptModel& om;
+  torch::optim::Optimizer& opt;
+  const OptimKind& kind;
+  const bool sharded, offload, flat_shards;
+  const FullOptimStateDictConfig& gathering;  // the FULL export's window and observer
+  bool keep = true;  // this rank returns the dict: every rank does, under rank0_only rank 0 only
+  std::vector<std::optional<ParamOptimState>> local;  // per entry: this rank's state
+  std::vector<Merged> merged;                         // per managed entry, over the shard group
+  std::map<std::string, StateDict> per_fqn;           // the state by FQN, as it is exported
+  std::vector<ChunkJob> jobs;                         // SHARDED, routed: what to make of...
+  std::vector<detail::RangeRequest> reqs;             // ...the piece exchange's answers to these
+  std::deque<ShardedTensor> held;                     // the pieces reqs point to
+
+  OsdExport(const OptModel& om, torch::optim::Optimizer& opt, bool sharded, bool offload,
+            bool rank0_only, bool flat_shards, const FullOptimStateDictConfig& gathering)
+      : om(om),
+        opt(opt),
+        kind(detail::optim_kind(opt)),
+        sharded(sharded),
+        offload(offload),
+        flat_shards(flat_shards),
+        gathering(gathering),
+        local(om.entries.size()) {
+    for (size_t e = 0; e < om.entries.size(); ++e) {
+      if (om.entries[e].group < 0) continue;
+      if (const auto* s = find_state(opt, om.entries[e].param)) local[e] = kind.read(*s);
+    }
+    keep = !rank0_only || !om.rt || om.rt->world_group().rank() == 0;
   }
-  const bool keep = !rank0_only || !om.rt || om.rt->world_group().rank() == 0;
-  auto out_tensor = [&](const at::Tensor& t, bool owned = false) {
+
+  at::Tensor out_tensor(const at::Tensor& t, bool owned = false) const {
     return detail::kept_value(t, offload, owned);
-  };
-  std::map<std::string, StateDict> per_fqn;
-  auto start = [&](const std::string& fqn, int64_t step) -> StateDict& {
+  }
+
+  StateDict& start(const std::string& fqn, int64_t step) {
     StateDict& d = per_fqn[fqn];
     if (kind.has_step && !d.contains("step")) d.insert_or_assign("step", step_value(step));
     return d;
-  };
+  }
 
-  // Managed entries. FULL (and state that stays whole): gather one unit's state tensor at a
-  // time. SHARDED: route each parameter's piece of every rank's flat shard straight to the ranks
-  // whose dim-0 chunk needs it (one piece exchange for the whole call); no unit is ever whole.
-  struct ChunkJob {
-    std::string fqn;
-    size_t name;
-    std::vector<int64_t> shape;
-    at::ScalarType dtype;
-    int rank;
-    std::vector<ShardMetadata> chunks;  // every rank's dim-0 chunk (chunk_metadata)
-    at::Device device;                  // the state's (the piece exchange assembles on the CPU)
-  };
-  std::vector<ChunkJob> jobs;
-  std::vector<detail::RangeRequest> reqs;
-  std::deque<ShardedTensor> held;  // the pieces reqs point to
-  if (om.rt) {
-    const RuntimeView& rt = *om.rt;
-    const std::vector<Merged> merged = merge_presence(om, kind, local, rt.shard_group());
-    // FULL: each unit's state tensor is gathered whole, several at a time (gather_queue.h).
-    // `finish` takes one unit's gathered state tensor `n`.
-    auto finish = [&](const FlatParamLayout& l, size_t n, const std::vector<size_t>& mine,
-                      const at::Tensor& full, bool fresh) {
-      if (!keep) return;
-      const std::vector<at::Tensor> views = l.unflat_views(full);
-      // A freshly gathered buffer is kept whole and its views returned, without a copy each
-      // (as the model's FULL state dict does), where the returned states fill most of it; one
-      // mostly of parameters without state (frozen ones, say) is not kept for a few of them.
-      int64_t returned = 0;
-      for (size_t e : mine) {
-        if (merged[e].dtype[n] < 0) continue;
-        for (size_t idx : om.entries[e].indices) returned += l.numels[idx];
-      }
-      const bool owned = fresh && 2 * returned >= full.numel();
-      for (size_t e : mine) {
-        if (merged[e].dtype[n] < 0) continue;
-        const OptEntry& en = om.entries[e];
-        for (size_t p = 0; p < en.indices.size(); ++p) {
-          per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n],
-                                               out_tensor(views[en.indices[p]], owned));
-        }
-      }
-    };
-    detail::GatherQueue gathers(detail::full_gather_window_bytes(), detail::optim_gather_probe());
-    for (const auto& u : rt.units()) {
-      if (!u.handle) continue;
-      FlatParamHandle& h = *u.handle;
-      const auto& l = h.layout();
-      std::vector<size_t> mine;  // entries of this unit with state somewhere
-      for (size_t e = 0; e < om.entries.size(); ++e) {
-        if (om.entries[e].unit == u.index && merged[e].has) mine.push_back(e);
-      }
-      if (mine.empty()) continue;
-      if (keep) {
-        for (size_t e : mine)
-          for (const auto& fqn : om.entries[e].fqns) start(fqn, merged[e].step);
-      }
-      const int64_t local_numel = h.flat_param().numel();
-      // As the seed: SHARDED chunks the state of flat parameters under every strategy (under
-      // NO_SHARD too, where each rank holds it whole), and of original parameters only where
-      // they are sharded (NO_SHARD then gives plain tensors, as _convert_state_with_orig_params).
-      const bool chunk = sharded && (h.uses_sharded_strategy() || om.entries[mine[0]].flat);
-      // ShardLayout::FLAT_SHARDS: each rank's pieces as they lie in its shard, nothing routed.
-      std::optional<detail::FlatShardBoxes> as_stored;
-      if (chunk && flat_shards && h.uses_sharded_strategy()) as_stored.emplace(l);
-      for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
-        int dtype = -1;
-        for (size_t e : mine) dtype = dtype >= 0 ? dtype : merged[e].dtype[n];
-        if (dtype < 0) continue;  // no parameter of this unit has this state
-        const auto opts = at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype));
-        if (chunk) {
-          const int rank = h.process_group().rank(), world = h.process_group().size();
-          for (size_t e : mine) {
-            if (merged[e].dtype[n] < 0) continue;
-            const OptEntry& en = om.entries[e];
-            // This rank's flat state (the flat parameter's, or this parameter's piece).
-            at::Tensor flat;
-            if (local[e] && local[e]->tensors[n].defined()) {
-              flat = local[e]->tensors[n].reshape({-1}).to(opts);
-            }
-            for (size_t p = 0; p < en.indices.size(); ++p) {
-              const auto r = om.local(en, p);
-              const std::vector<int64_t>& shape = en.shapes[p];
-              const at::Tensor data = flat.defined() ? flat.narrow(0, en.flat ? r.offset : 0, r.n)
-                                                     : at::zeros({r.n}, opts);
-              if (as_stored) {
-                const std::vector<int64_t>& shape = en.shapes[p];
-                const bool empty = c10::multiply_integers(shape) == 0;
-                per_fqn[en.fqns[p]].insert_or_assign(
-                    kind.tensor_names[n],
-                    empty ? chunk_sharded(at::empty(shape, opts), rank, world)
-                          : sharded_from_flat_range(shape, r.lo, out_tensor(data), rank,
-                                                    as_stored->of(en.indices[p])));
-                continue;
-              }
-              held.push_back(sharded_from_flat_range(shape, r.lo, data, rank));
-              detail::RangeRequest q;
-              q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
-              q.shape = shape;
-              q.pieces = &held.back();
-              ChunkJob job{en.fqns[p],
-                           n,
-                           shape,
-                           static_cast<at::ScalarType>(dtype),
-                           rank,
-                           chunk_metadata(shape, world),
-                           en.param.device()};
-              if (shape.empty()) {
-                q.n = 1;  // a 0-d state stays plain (as PyTorch keeps zero-dim state): all need it
-              } else {
-                int64_t row = 1;  // elements per index of dim 0
-                for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
-                for (const auto& m : job.chunks) {
-                  if (m.placement_rank != rank) continue;
-                  q.lo = m.offsets[0] * row;
-                  q.n = m.numel();
-                }
-              }
-              reqs.push_back(std::move(q));
-              jobs.push_back(std::move(job));
-            }
-          }
-          continue;
-        }
-        at::Tensor shard;
-        if (mine.size() == 1 && om.entries[mine[0]].flat && local[mine[0]] &&
-            local[mine[0]]->tensors[n].defined()) {
-          shard = local[mine[0]]->tensors[n].reshape({-1}).to(opts);
-        } else {  // original parameters (or a rank without the state): assemble the flat shard
-          shard = at::zeros({local_numel}, opts);
-          for (size_t e : mine) {
-            if (!local[e] || !local[e]->tensors[n].defined()) continue;
-            const auto r = om.local(om.entries[e], 0);
-            if (r.n > 0) shard.narrow(0, r.offset, r.n).copy_(local[e]->tensors[n].reshape({-1}));
-          }
-        }
-        if (h.uses_sharded_strategy() && h.world_size() > 1) {
-          gathers.add(h.process_group(), std::move(shard),
-                      [&finish, &l, n, mine](const at::Tensor& full) {
-                        finish(l, n, mine, full, /*fresh=*/true);
-                      });
-        } else {
-          finish(l, n, mine, shard, /*fresh=*/false);
-        }
-      }
-    }
-    gathers.finish();
-    if (!reqs.empty()) {
-      // Over the shard group: every rank of it holds pieces of the same flat shards. (Under
-      // hybrid sharding each replica group exchanges within itself.)
-      std::string error;
-      const std::vector<at::Tensor> got = detail::exchange_ranges(rt.shard_group(), reqs, error);
-      if (!error.empty()) throw StateError("optim_state_dict: " + error);  // a bug, not input
-      for (size_t i = 0; i < jobs.size(); ++i) {
-        ChunkJob& j = jobs[i];
-        // On the state's own device unless offloaded, as the seed keeps its chunks.
-        const at::Device device = offload ? at::Device(at::kCPU) : j.device;
-        if (j.shape.empty()) {
-          per_fqn[j.fqn].insert_or_assign(kind.tensor_names[j.name],
-                                          out_tensor(got[i].reshape(at::IntArrayRef{}).to(device)));
-          continue;
-        }
-        std::vector<Shard> mine;
-        for (const auto& m : j.chunks) {
-          if (m.placement_rank != j.rank) continue;
-          mine.push_back(Shard{got[i].view(m.sizes).to(device), m});
-        }
-        per_fqn[j.fqn].insert_or_assign(
-            kind.tensor_names[j.name],
-            ShardedTensor(j.shape, j.dtype, std::move(mine), std::move(j.chunks)));
-      }
+  StateDict run() {
+    if (om.rt) managed();
+    if (!keep) return StateDict();
+    plain();
+    return assemble();
+  }
+
+  void managed();
+  void unit(const detail::UnitView& u, detail::GatherQueue& gathers);
+  void chunk_state(FlatParamHandle& h, const std::vector<size_t>& mine, size_t n,
+                   at::ScalarType dtype, const detail::FlatShardBoxes* as_stored);
+  void route(const OptEntry& en, size_t p, size_t n, at::ScalarType dtype, int64_t lo,
+             const at::Tensor& data, int rank, int world);
+  void gather_state(FlatParamHandle& h, const std::vector<size_t>& mine, size_t n,
+                    at::ScalarType dtype, detail::GatherQueue& gathers);
+  void finish(const FlatParamLayout& l, size_t n, const std::vector<size_t>& mine,
+              const at::Tensor& full, bool fresh);
+  void place_chunks(const RuntimeView& rt);
+  void plain();
+  StateDict assemble();
+};
+
+void OsdExport::managed() {
+  const RuntimeView& rt = *om.rt;
+  merged = merge_presence(om, kind, local, rt.shard_group());
+  // FULL: each unit's state tensor is gathered whole, several at a time (gather_queue.h).
+  detail::GatherQueue gathers(gathering.gather_window_bytes(), gathering.on_gather());
+  for (const auto& u : rt.units()) {
+    if (u.handle) unit(u, gathers);
+  }
+  gathers.finish();
+  if (!reqs.empty()) place_chunks(rt);
+}
+
+// Each state tensor of the unit's entries that some rank has state for.
+void OsdExport::unit(const detail::UnitView& u, detail::GatherQueue& gathers) {
+  FlatParamHandle& h = *u.handle;
+  std::vector<size_t> mine;  // entries of this unit with state somewhere
+  for (size_t e = 0; e < om.entries.size(); ++e) {
+    if (om.entries[e].unit == u.index && merged[e].has) mine.push_back(e);
+  }
+  if (mine.empty()) return;
+  if (keep) {
+    for (size_t e : mine)
+      for (const auto& fqn : om.entries[e].fqns) start(fqn, merged[e].step);
+  }
+  // As the seed: SHARDED chunks the state of flat parameters under every strategy (under
+  // NO_SHARD too, where each rank holds it whole), and of original parameters only where
+  // they are sharded (NO_SHARD then gives plain tensors, as _convert_state_with_orig_params).
+  const bool chunk = sharded && (h.uses_sharded_strategy() || om.entries[mine[0]].flat);
+  // ShardLayout::FLAT_SHARDS: each rank's pieces as they lie in its shard, nothing routed.
+  std::optional<detail::FlatShardBoxes> as_stored;
+  if (chunk && flat_shards && h.uses_sharded_strategy()) as_stored.emplace(h.layout());
+  for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
+    int dtype = -1;
+    for (size_t e : mine) dtype = dtype >= 0 ? dtype : merged[e].dtype[n];
+    if (dtype < 0) continue;  // no parameter of this unit has this state
+    const auto type = static_cast<at::ScalarType>(dtype);
+    if (chunk) {
+      chunk_state(h, mine, n, type, as_stored ? &*as_stored : nullptr);
+    } else {
+      gather_state(h, mine, n, type, gathers);
     }
   }
-  StateDict osd;
-  if (!keep) return osd;
-  // Plain entries (ignored parameters, unwrapped models): their own full state.
+}
+
+// SHARDED: each parameter's piece of this rank's flat state `n`, kept as it lies (`as_stored`)
+// or routed to the ranks whose chunk needs it.
+void OsdExport::chunk_state(FlatParamHandle& h, const std::vector<size_t>& mine, size_t n,
+                            at::ScalarType dtype, const detail::FlatShardBoxes* as_stored) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const int rank = h.process_group().rank(), world = h.process_group().size();
+  for (size_t e : mine) {
+    if (merged[e].dtype[n] < 0) continue;
+    const OptEntry& en = om.entries[e];
+    // This rank's flat state (the flat parameter's, or this parameter's piece).
+    at::Tensor flat;
+    if (local[e] && local[e]->tensors[n].defined()) {
+      flat = local[e]->tensors[n].reshape({-1}).to(opts);
+    }
+    for (size_t p = 0; p < en.indices.size(); ++p) {
+      const auto r = om.local(en, p);
+      const std::vector<int64_t>& shape = en.shapes[p];
+      const at::Tensor data =
+          flat.defined() ? flat.narrow(0, en.flat ? r.offset : 0, r.n) : at::zeros({r.n}, opts);
+      if (as_stored) {
+        const bool empty = c10::multiply_integers(shape) == 0;
+        per_fqn[en.fqns[p]].insert_or_assign(
+            kind.tensor_names[n], empty
+                                      ? chunk_sharded(at::empty(shape, opts), rank, world)
+                                      : sharded_from_flat_range(shape, r.lo, out_tensor(data), rank,
+                                                                as_stored->of(en.indices[p])));
+        continue;
+      }
+      route(en, p, n, dtype, r.lo, data, rank, world);
+    }
+  }
+}
+
+// Offers `data` (elements [lo, lo + data.numel()) of FQN `p` of `en`'s flattened state `n`) to
+// the piece exchange and asks it for this rank's dim-0 chunk of that state.
+void OsdExport::route(const OptEntry& en, size_t p, size_t n, at::ScalarType dtype, int64_t lo,
+                      const at::Tensor& data, int rank, int world) {
+  const std::vector<int64_t>& shape = en.shapes[p];
+  held.push_back(sharded_from_flat_range(shape, lo, data, rank));
+  detail::RangeRequest q;
+  q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
+  q.shape = shape;
+  q.pieces = &held.back();
+  ChunkJob job{en.fqns[p], n, shape, dtype, rank, chunk_metadata(shape, world), en.param.device()};
+  if (shape.empty()) {
+    q.n = 1;  // a 0-d state stays plain (as PyTorch keeps zero-dim state): all need it
+  } else {
+    int64_t row = 1;  // elements per index of dim 0
+    for (size_t d = 1; d < shape.size(); ++d) row *= shape[d];
+    for (const auto& m : job.chunks) {
+      if (m.placement_rank != rank) continue;
+      q.lo = m.offsets[0] * row;
+      q.n = m.numel();
+    }
+  }
+  reqs.push_back(std::move(q));
+  jobs.push_back(std::move(job));
+}
+
+// FULL (and state that stays whole): this rank's flat shard of state `n`, gathered whole where
+// the unit is sharded; finish() then takes it.
+void OsdExport::gather_state(FlatParamHandle& h, const std::vector<size_t>& mine, size_t n,
+                             at::ScalarType dtype, detail::GatherQueue& gathers) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const FlatParamLayout& l = h.layout();
+  at::Tensor shard;
+  if (mine.size() == 1 && om.entries[mine[0]].flat && local[mine[0]] &&
+      local[mine[0]]->tensors[n].defined()) {
+    shard = local[mine[0]]->tensors[n].reshape({-1}).to(opts);
+  } else {  // original parameters (or a rank without the state): assemble the flat shard
+    shard = at::zeros({h.flat_param().numel()}, opts);
+    for (size_t e : mine) {
+      if (!local[e] || !local[e]->tensors[n].defined()) continue;
+      const auto r = om.local(om.entries[e], 0);
+      if (r.n > 0) shard.narrow(0, r.offset, r.n).copy_(local[e]->tensors[n].reshape({-1}));
+    }
+  }
+  if (h.uses_sharded_strategy() && h.world_size() > 1) {
+    gathers.add(h.process_group(), std::move(shard), [this, &l, n, mine](const at::Tensor& full) {
+      finish(l, n, mine, full, /*fresh=*/true);
+    });
+  } else {
+    finish(l, n, mine, shard, /*fresh=*/false);
+  }
+}
+
+// Takes one unit's gathered state tensor `n`.
+void OsdExport::finish(const FlatParamLayout& l, size_t n, const std::vector<size_t>& mine,
+                       const at::Tensor& full, bool fresh) {
+  if (!keep) return;
+  const std::vector<at::Tensor> views = l.unflat_views(full);
+  // A freshly gathered buffer is kept whole and its views returned, without a copy each
+  // (as the model's FULL state dict does), where the returned states fill most of it; one
+  // mostly of parameters without state (frozen ones, say) is not kept for a few of them.
+  int64_t returned = 0;
+  for (size_t e : mine) {
+    if (merged[e].dtype[n] < 0) continue;
+    for (size_t idx : om.entries[e].indices) returned += l.numels[idx];
+  }
+  const bool owned = fresh && 2 * returned >= full.numel();
+  for (size_t e : mine) {
+    if (merged[e].dtype[n] < 0) continue;
+    const OptEntry& en = om.entries[e];
+    for (size_t p = 0; p < en.indices.size(); ++p) {
+      per_fqn[en.fqns[p]].insert_or_assign(kind.tensor_names[n],
+                                           out_tensor(views[en.indices[p]], owned));
+    }
+  }
+}
+
+// SHARDED, routed: one piece exchange for all requests; each answer becomes this rank's chunk.
+void OsdExport::place_chunks(const RuntimeView& rt) {
+  // Over the shard group: every rank of it holds pieces of the same flat shards. (Under
+  // hybrid sharding each replica group exchanges within itself.)
+  std::string error;
+  const std::vector<at::Tensor> got = detail::exchange_ranges(rt.shard_group(), reqs, error);
+  if (!error.empty()) throw StateError("optim_state_dict: " + error);  // a bug, not input
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ChunkJob& j = jobs[i];
+    // On the state's own device unless offloaded, as the seed keeps its chunks.
+    const at::Device device = offload ? at::Device(at::kCPU) : j.device;
+    if (j.shape.empty()) {
+      per_fqn[j.fqn].insert_or_assign(kind.tensor_names[j.name],
+                                      out_tensor(got[i].reshape(at::IntArrayRef{}).to(device)));
+      continue;
+    }
+    std::vector<Shard> mine;
+    for (const auto& m : j.chunks) {
+      if (m.placement_rank != j.rank) continue;
+      mine.push_back(Shard{got[i].view(m.sizes).to(device), m});
+    }
+    per_fqn[j.fqn].insert_or_assign(
+        kind.tensor_names[j.name],
+        ShardedTensor(j.shape, j.dtype, std::move(mine), std::move(j.chunks)));
+  }
+}
+
+// Plain entries (ignored parameters, unwrapped models): their own full state.
+void OsdExport::plain() {
   for (size_t e = 0; e < om.entries.size(); ++e) {
     const OptEntry& en = om.entries[e];
     if (en.unit >= 0 || !local[e]) continue;
@@ -394,7 +360,10 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
         d.insert_or_assign(kind.tensor_names[n], out_tensor(local[e]->tensors[n]));
     }
   }
-  // In the optimizer's order, as PyTorch lists them.
+}
+
+// The dict: states and param groups in the optimizer's order, as PyTorch lists them.
+StateDict OsdExport::assemble() {
   StateDict state;
   StateList groups;
   for (size_t g = 0; g < om.groups.size(); ++g) {
@@ -413,9 +382,18 @@ StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool shar
     group.insert_or_assign("params", std::move(params));
     groups.emplace_back(std::move(group));
   }
+  StateDict osd;
   osd.insert_or_assign("state", std::move(state));
   osd.insert_or_assign("param_groups", std::move(groups));
   return osd;
+}
+
+// `gathering`: the window and observer of the export's gathers (a SHARDED export should make
+// none: its observer is there to watch that).
+StateDict export_osd(const OptModel& om, torch::optim::Optimizer& opt, bool sharded, bool offload,
+                     bool rank0_only, bool flat_shards = false,
+                     const FullOptimStateDictConfig& gathering = {}) {
+  return OsdExport(om, opt, sharded, offload, rank0_only, flat_shards, gathering).run();
 }
 
 }  // namespace
@@ -436,10 +414,11 @@ StateDict optim_state_dict(FullyShardedDataParallel& model, torch::optim::Optimi
   for (const auto& u : rt.units()) {
     if (u.handle) u.handle->reset_flat_param_grad_info_if_needed();
   }
-  StateValue osd(export_osd(om, optimizer, sharded,
-                            sharded ? cfg.sharded_optim.offload_to_cpu() : full.offload_to_cpu(),
-                            !sharded && full.rank0_only(),
-                            sharded && cfg.sharded_optim.layout() == ShardLayout::FLAT_SHARDS));
+  StateValue osd(export_osd(
+      om, optimizer, sharded, sharded ? cfg.sharded_optim.offload_to_cpu() : full.offload_to_cpu(),
+      !sharded && full.rank0_only(),
+      sharded && cfg.sharded_optim.layout() == ShardLayout::FLAT_SHARDS,
+      sharded ? FullOptimStateDictConfig().on_gather(cfg.sharded_optim.on_gather()) : full));
   if (sharded) detail::place_on_global_ranks(osd, rt.shard_group());
   return std::move(osd.dict());
 }

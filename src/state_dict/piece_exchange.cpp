@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "fsdp/errors.h"
-#include "state_dict/key_map.h"
+#include "util/tensor_utils.h"  // shape_str, dim_outside
 
 namespace fsdp {
 namespace detail {
@@ -157,18 +157,10 @@ std::string describe_pieces(const RangeRequest& q, std::vector<at::Tensor>& flat
   return line.str();
 }
 
-}  // namespace
-
-std::vector<at::Tensor> exchange_ranges(dist::ProcessGroup& pg,
-                                        const std::vector<RangeRequest>& requests,
-                                        std::string& error) {
-  auto fail = [&](const std::string& e) {
-    if (error.empty()) error = e;
-  };
-  const int me = pg.rank();
-  const int W = pg.size();
-  std::vector<at::Tensor> out(requests.size());
-  // Does any rank miss an element it needs? If not, each assembles its ranges alone.
+// Whether some rank misses an element it needs. Where none does, `out` holds every rank's
+// ranges, assembled from its own pieces alone. One all_reduce, so that every rank decides alike.
+bool needs_exchange(dist::ProcessGroup& pg, const std::vector<RangeRequest>& requests,
+                    std::vector<at::Tensor>& out) {
   bool covered = true;
   for (size_t i = 0; i < requests.size() && covered; ++i) {
     const RangeRequest& q = requests[i];
@@ -181,13 +173,16 @@ std::vector<at::Tensor> exchange_ranges(dist::ProcessGroup& pg,
   }
   at::Tensor flag = at::full({1}, covered ? 0 : 1, at::kInt);
   pg.all_reduce(flag, dist::ReduceOp::MAX);
-  if (flag.item<int>() == 0) return out;
-  out.assign(requests.size(), at::Tensor());
+  return flag.item<int>() != 0;
+}
 
-  // One metadata exchange: per request, a line "<tag> lo n [dtype ndim npieces offs.. sizes..]"
-  // (tag + has pieces, - holds none, ! this rank's own pieces are malformed).
+// One metadata exchange: per request, a line "<tag> lo n [dtype ndim npieces offs.. sizes..]"
+// (tag + has pieces, - holds none, ! this rank's own pieces are malformed). Returns every rank's
+// lines; `my_pieces` gets this rank's pieces of each request, flattened.
+std::vector<std::vector<std::string>> exchange_metadata(
+    dist::ProcessGroup& pg, const std::vector<RangeRequest>& requests,
+    std::vector<std::vector<at::Tensor>>& my_pieces) {
   std::ostringstream meta;
-  std::vector<std::vector<at::Tensor>> my_pieces(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     meta << describe_pieces(requests[i], my_pieces[i]) << "\n";
   }
@@ -197,117 +192,177 @@ std::vector<at::Tensor> exchange_ranges(dist::ProcessGroup& pg,
     std::istringstream is(metas[r]);
     for (std::string l; std::getline(is, l);) lines[r].push_back(l);
   }
+  return lines;
+}
 
+// A part of a run of a box, sent by rank `src` to one receiver.
+struct Seg {
+  int src;
+  size_t box;
+  int64_t local, len, dst;  // into the source box / into the receiver's range
+};
+
+// What every rank concluded of one request from the gathered metadata alone: the same on every
+// rank.
+struct Route {
+  std::vector<RankMeta> ms;          // each rank's parsed metadata
+  std::string problem;               // why the request cannot be served ("" if it can)
+  int dtype = -1;                    // of the pieces; -1 where no rank holds any
+  bool anyone = false;               // some rank holds the tensor
+  std::vector<std::vector<Seg>> to;  // to[d]: segments for receiver d, in sender order
+};
+
+// Parses and validates every rank's view of request `ki`; the same verdict on every rank.
+void parse_views(const std::vector<std::vector<std::string>>& lines, size_t ki,
+                 const RangeRequest& q, Route& route) {
+  const int W = static_cast<int>(route.ms.size());
+  for (int r = 0; r < W; ++r) {
+    RankMeta& m = route.ms[r];
+    if (ki < lines[r].size()) {
+      m = parse_meta(lines[r][ki], q.shape);
+    } else {
+      m.valid = false;
+      m.error = "no metadata";
+    }
+    if (!m.valid) {
+      if (route.problem.empty())
+        route.problem =
+            "rank " + std::to_string(r) + "'s pieces of " + q.name + " are invalid: " + m.error;
+      continue;
+    }
+    route.anyone |= m.have;
+    if (!m.have || m.boxes.empty()) continue;
+    if (route.dtype >= 0 && m.dtype != route.dtype && route.problem.empty()) {
+      route.problem = "ranks hold pieces of " + q.name + " in different dtypes";
+    }
+    route.dtype = m.dtype;
+  }
+}
+
+// Who sends what: each distinct box once (its lowest-ranked holder), the part of each of its
+// runs inside the receiver's range.
+void route_segments(const RangeRequest& q, Route& route) {
+  const int W = static_cast<int>(route.ms.size());
+  const std::vector<RankMeta>& ms = route.ms;
+  std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> seen;
+  for (int r = 0; r < W; ++r) {
+    for (size_t bi = 0; bi < ms[r].boxes.size(); ++bi) {
+      const ShardMetadata& b = ms[r].boxes[bi];
+      auto id = std::make_pair(b.offsets, b.sizes);
+      if (std::find(seen.begin(), seen.end(), id) != seen.end()) continue;
+      seen.push_back(id);
+      for (const Run& run : box_runs(q.shape, b)) {
+        for (int d = 0; d < W; ++d) {
+          const int64_t lo = std::max(run.global_start, ms[d].need_lo);
+          const int64_t hi = std::min(run.global_start + run.len, ms[d].need_lo + ms[d].need_n);
+          if (lo >= hi) continue;
+          route.to[d].push_back(
+              Seg{r, bi, run.local_start + (lo - run.global_start), hi - lo, lo - ms[d].need_lo});
+        }
+      }
+    }
+  }
+}
+
+// Every rank's range must be covered: the problem names the first rank whose range is not.
+void check_coverage(const RangeRequest& q, Route& route) {
+  const int W = static_cast<int>(route.ms.size());
+  for (int d = 0; d < W && route.problem.empty(); ++d) {
+    const RankMeta& m = route.ms[d];
+    if (m.need_n == 0) continue;
+    std::vector<std::pair<int64_t, int64_t>> iv;
+    for (const auto& sg : route.to[d]) iv.emplace_back(sg.dst, sg.dst + sg.len);
+    std::sort(iv.begin(), iv.end());
+    int64_t reach = 0;
+    for (const auto& [a, b] : iv) {
+      if (a > reach) break;
+      reach = std::max(reach, b);
+    }
+    if (reach < m.need_n) {
+      route.problem = "no rank holds elements [" + std::to_string(m.need_lo + reach) + ", " +
+                      std::to_string(m.need_lo + m.need_n) + ") of " + q.name +
+                      " (flattened), which rank " + std::to_string(d) + " needs";
+    }
+  }
+}
+
+// Request `ki` as every rank sees it; `route.to` is filled only where nothing is wrong and some
+// rank holds the tensor.
+Route plan_route(const std::vector<std::vector<std::string>>& lines, size_t ki,
+                 const RangeRequest& q, int W) {
+  Route route;
+  route.ms.resize(W);
+  route.to.resize(W);
+  parse_views(lines, ki, q, route);
+  if (!route.problem.empty() || !route.anyone) return route;
+  route_segments(q, route);
+  check_coverage(q, route);
+  return route;
+}
+
+// Runs the route's all_to_all_single (if anything moves at all) and returns this rank's range:
+// `pieces` are this rank's flattened pieces of the request.
+at::Tensor move_segments(dist::ProcessGroup& pg, const Route& route,
+                         const std::vector<at::Tensor>& pieces) {
+  const int me = pg.rank();
+  const int W = pg.size();
+  const at::ScalarType dt =
+      route.dtype >= 0 ? static_cast<at::ScalarType>(route.dtype) : at::kFloat;
+  // Send buffer: for each receiver in rank order, my segments to it.
+  std::vector<int64_t> in_splits(W, 0), out_splits(W, 0);
+  std::vector<at::Tensor> send;
+  for (int d = 0; d < W; ++d) {
+    for (const auto& sg : route.to[d]) {
+      if (sg.src == me) {
+        send.push_back(pieces[sg.box].narrow(0, sg.local, sg.len));
+        in_splits[d] += sg.len;
+      }
+    }
+  }
+  for (const auto& sg : route.to[me]) out_splits[sg.src] += sg.len;
+  int64_t traffic = 0;  // elements moved for this request, all ranks together (same everywhere)
+  for (int d = 0; d < W; ++d)
+    for (const auto& sg : route.to[d]) traffic += sg.len;
+  at::Tensor mine = at::empty({route.ms[me].need_n}, at::TensorOptions().dtype(dt));
+  if (traffic > 0) {
+    at::Tensor in = send.empty() ? at::empty({0}, mine.options()) : at::cat(send);
+    send.clear();
+    int64_t recv_n = 0;
+    for (auto n : out_splits) recv_n += n;
+    at::Tensor recv = at::empty({recv_n}, mine.options());
+    pg.all_to_all_single(recv, in, out_splits, in_splits);
+    // Segments from each sender arrive in the order the sender listed them for me.
+    std::vector<int64_t> pos(W, 0);
+    for (int r = 1; r < W; ++r) pos[r] = pos[r - 1] + out_splits[r - 1];
+    for (const auto& sg : route.to[me]) {
+      mine.narrow(0, sg.dst, sg.len).copy_(recv.narrow(0, pos[sg.src], sg.len));
+      pos[sg.src] += sg.len;
+    }
+  }
+  return mine;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> exchange_ranges(dist::ProcessGroup& pg,
+                                        const std::vector<RangeRequest>& requests,
+                                        std::string& error) {
+  const int me = pg.rank();
+  std::vector<at::Tensor> out(requests.size());
+  // Does any rank miss an element it needs? If not, each assembles its ranges alone.
+  if (!needs_exchange(pg, requests, out)) return out;
+  out.assign(requests.size(), at::Tensor());
+  std::vector<std::vector<at::Tensor>> my_pieces(requests.size());
+  const auto lines = exchange_metadata(pg, requests, my_pieces);
   for (size_t ki = 0; ki < requests.size(); ++ki) {
-    const RangeRequest& q = requests[ki];
-    // Parse and validate every rank's view of this request; the same verdict on every rank.
-    std::vector<RankMeta> ms(W);
-    std::string problem;
-    int dtype = -1;
-    bool anyone = false;
-    for (int r = 0; r < W; ++r) {
-      if (ki < lines[r].size()) {
-        ms[r] = parse_meta(lines[r][ki], q.shape);
-      } else {
-        ms[r].valid = false;
-        ms[r].error = "no metadata";
-      }
-      if (!ms[r].valid) {
-        if (problem.empty())
-          problem = "rank " + std::to_string(r) + "'s pieces of " + q.name +
-                    " are invalid: " + ms[r].error;
-        continue;
-      }
-      anyone |= ms[r].have;
-      if (!ms[r].have || ms[r].boxes.empty()) continue;
-      if (dtype >= 0 && ms[r].dtype != dtype && problem.empty()) {
-        problem = "ranks hold pieces of " + q.name + " in different dtypes";
-      }
-      dtype = ms[r].dtype;
-    }
-    if (problem.empty() && !anyone) continue;  // nobody has it: the caller reports it missing
-    // Who sends what: each distinct box once (its lowest-ranked holder), the part of each of its
-    // runs inside the receiver's range.
-    struct Seg {
-      int src;
-      size_t box;
-      int64_t local, len, dst;  // into the source box / into the receiver's range
-    };
-    std::vector<std::vector<Seg>> to(W);  // to[q]: segments for receiver q, in sender order
-    if (problem.empty()) {
-      std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> seen;
-      for (int r = 0; r < W; ++r) {
-        for (size_t bi = 0; bi < ms[r].boxes.size(); ++bi) {
-          const ShardMetadata& b = ms[r].boxes[bi];
-          auto id = std::make_pair(b.offsets, b.sizes);
-          if (std::find(seen.begin(), seen.end(), id) != seen.end()) continue;
-          seen.push_back(id);
-          for (const Run& run : box_runs(q.shape, b)) {
-            for (int d = 0; d < W; ++d) {
-              const int64_t lo = std::max(run.global_start, ms[d].need_lo);
-              const int64_t hi = std::min(run.global_start + run.len, ms[d].need_lo + ms[d].need_n);
-              if (lo >= hi) continue;
-              to[d].push_back(Seg{r, bi, run.local_start + (lo - run.global_start), hi - lo,
-                                  lo - ms[d].need_lo});
-            }
-          }
-        }
-      }
-      // Every rank's range must be covered.
-      for (int d = 0; d < W && problem.empty(); ++d) {
-        if (ms[d].need_n == 0) continue;
-        std::vector<std::pair<int64_t, int64_t>> iv;
-        for (const auto& sg : to[d]) iv.emplace_back(sg.dst, sg.dst + sg.len);
-        std::sort(iv.begin(), iv.end());
-        int64_t reach = 0;
-        for (const auto& [a, b] : iv) {
-          if (a > reach) break;
-          reach = std::max(reach, b);
-        }
-        if (reach < ms[d].need_n) {
-          problem = "no rank holds elements [" + std::to_string(ms[d].need_lo + reach) + ", " +
-                    std::to_string(ms[d].need_lo + ms[d].need_n) + ") of " + q.name +
-                    " (flattened), which rank " + std::to_string(d) + " needs";
-        }
-      }
-    }
-    if (!problem.empty()) {
-      fail(problem + " (seen by rank " + std::to_string(me) + ")");
+    const Route route = plan_route(lines, ki, requests[ki], pg.size());
+    if (route.problem.empty() && !route.anyone) continue;  // the caller reports it missing
+    if (!route.problem.empty()) {
+      if (error.empty()) error = route.problem + " (seen by rank " + std::to_string(me) + ")";
       continue;  // every rank skips this request alike
     }
-    const at::ScalarType dt = dtype >= 0 ? static_cast<at::ScalarType>(dtype) : at::kFloat;
-    // Send buffer: for each receiver in rank order, my segments to it.
-    std::vector<int64_t> in_splits(W, 0), out_splits(W, 0);
-    std::vector<at::Tensor> send;
-    for (int d = 0; d < W; ++d) {
-      for (const auto& sg : to[d]) {
-        if (sg.src == me) {
-          send.push_back(my_pieces[ki][sg.box].narrow(0, sg.local, sg.len));
-          in_splits[d] += sg.len;
-        }
-      }
-    }
-    for (const auto& sg : to[me]) out_splits[sg.src] += sg.len;
-    int64_t traffic = 0;  // elements moved for this request, all ranks together (same everywhere)
-    for (int d = 0; d < W; ++d)
-      for (const auto& sg : to[d]) traffic += sg.len;
-    at::Tensor mine = at::empty({ms[me].need_n}, at::TensorOptions().dtype(dt));
-    if (traffic > 0) {
-      at::Tensor in = send.empty() ? at::empty({0}, mine.options()) : at::cat(send);
-      send.clear();
-      int64_t recv_n = 0;
-      for (auto n : out_splits) recv_n += n;
-      at::Tensor recv = at::empty({recv_n}, mine.options());
-      pg.all_to_all_single(recv, in, out_splits, in_splits);
-      // Segments from each sender arrive in the order the sender listed them for me.
-      std::vector<int64_t> pos(W, 0);
-      for (int r = 1; r < W; ++r) pos[r] = pos[r - 1] + out_splits[r - 1];
-      for (const auto& sg : to[me]) {
-        mine.narrow(0, sg.dst, sg.len).copy_(recv.narrow(0, pos[sg.src], sg.len));
-        pos[sg.src] += sg.len;
-      }
-    }
-    if (ms[me].have) out[ki] = mine;  // a rank without the key reports it as missing
+    at::Tensor mine = move_segments(pg, route, my_pieces[ki]);
+    if (route.ms[me].have) out[ki] = mine;  // a rank without the key reports it as missing
   }
   return out;
 }

@@ -82,6 +82,10 @@ struct StateDictOptions {
   /// (as with PyTorch's per-parameter FSDP2). DIM0_CHUNKS gives PyTorch FSDP1's pieces at the
   /// cost of gathering. set_* accepts either, from any world size.
   TORCH_ARG(ShardLayout, shard_layout) = ShardLayout::FLAT_SHARDS;
+  /// Not in PyTorch. Watches a wrapped model's gathers (see GatherObserver in
+  /// fsdp/model_state_dict.h), model and optimizers alike: with the default FLAT_SHARDS layout,
+  /// get_* gathers nothing.
+  TORCH_ARG(GatherObserver, on_gather);
 };
 
 /// Submodules to restrict get_* to (pointers into the model's module tree).
