@@ -12,8 +12,8 @@
 //
 // With $FSDP_BENCH_ALGOS=1 (or the older $FSDP_BENCH_RS_ALGOS=1) it also times
 // ProcessGroup::reduce_scatter_tensor's emulations on the same bytes against each other
-// (rs_alltoall, rs_pairwise: what kAuto picks on Gloo), and all_gather_into_tensor's algorithms
-// (ag_native: the backend's own; ag_pairwise: what kAuto picks on Gloo), on preallocated tensors.
+// (rs_alltoall, rs_pairwise: what AUTO picks on Gloo), and all_gather_into_tensor's algorithms
+// (ag_native: the backend's own; ag_pairwise: what AUTO picks on Gloo), on preallocated tensors.
 //
 // Rounds are interleaved (bench_ranks.h); rank 0 prints the ratios and emits every sample.
 #include "bench_ranks.h"
@@ -204,10 +204,10 @@ void register_all(int world, int rounds) {
                                         {"raw_reduce_scatter", BM_RawReduceScatter, n, it},
                                         {"reduce_grad", BM_ReduceGrad, n, it}};
     if (compare_algos()) {
-      cases.push_back({"rs_alltoall", BM_ReduceScatterAlgo<ReduceScatterAlgo::kAllToAll>, n, it});
-      cases.push_back({"rs_pairwise", BM_ReduceScatterAlgo<ReduceScatterAlgo::kPairwise>, n, it});
-      cases.push_back({"ag_native", BM_AllGatherAlgo<AllGatherAlgo::kNative>, n, it});
-      cases.push_back({"ag_pairwise", BM_AllGatherAlgo<AllGatherAlgo::kPairwise>, n, it});
+      cases.push_back({"rs_alltoall", BM_ReduceScatterAlgo<ReduceScatterAlgo::ALL_TO_ALL>, n, it});
+      cases.push_back({"rs_pairwise", BM_ReduceScatterAlgo<ReduceScatterAlgo::PAIRWISE>, n, it});
+      cases.push_back({"ag_native", BM_AllGatherAlgo<AllGatherAlgo::NATIVE>, n, it});
+      cases.push_back({"ag_pairwise", BM_AllGatherAlgo<AllGatherAlgo::PAIRWISE>, n, it});
     }
     fsdp_bench::register_rounds(cases, rounds);
   }

@@ -50,17 +50,17 @@ inline std::string py_float(double x) {
 
 inline std::string py_repr(const StateValue& v) {
   switch (v.kind()) {
-    case StateValue::Kind::None:
+    case StateValue::Kind::NONE:
       return "None";
-    case StateValue::Kind::Bool:
+    case StateValue::Kind::BOOL:
       return v.to_bool() ? "True" : "False";
-    case StateValue::Kind::Int:
+    case StateValue::Kind::INT:
       return std::to_string(v.to_int());
-    case StateValue::Kind::Double:
+    case StateValue::Kind::DOUBLE:
       return py_float(v.to_double());
-    case StateValue::Kind::String:
+    case StateValue::Kind::STRING:
       return "'" + v.string() + "'";
-    case StateValue::Kind::List: {
+    case StateValue::Kind::LIST: {
       std::string out = "[";
       for (size_t i = 0; i < v.list().size(); ++i) out += (i ? ", " : "") + py_repr(v.list()[i]);
       return out + "]";

@@ -56,7 +56,7 @@ struct Value {
     return static_cast<int64_t>(v);
   }
   const std::string& as_string(const std::string& what) const {
-    if (kind != Kind::String) throw std::runtime_error(what + ": expected a string");
+    if (kind != Kind::STRING) throw std::runtime_error(what + ": expected a string");
     return text;
   }
   const Value* find(const std::string& key) const {
@@ -98,7 +98,7 @@ class Parser {
     const char c = peek();
     Value v;
     if (c == '{') {
-      v.kind = Value::Kind::Object;
+      v.kind = Value::Kind::OBJECT;
       ++i_;
       if (peek() == '}') {
         ++i_;
@@ -131,14 +131,14 @@ class Parser {
         if (d != ',') fail("expected ',' or ']'");
       }
     } else if (c == '"') {
-      v.kind = Value::Kind::String;
+      v.kind = Value::Kind::STRING;
       v.text = parse_string();
     } else if (c == 't' || c == 'f' || c == 'n') {
       for (const char* lit : {"true", "false", "null"}) {
         const size_t n = std::strlen(lit);
         if (s_.compare(i_, n, lit) == 0) {
           i_ += n;
-          v.kind = lit[0] == 'n' ? Value::Kind::Null : Value::Kind::Bool;
+          v.kind = lit[0] == 'n' ? Value::Kind::Null : Value::Kind::BOOL;
           v.boolean = lit[0] == 't';
           return v;
         }
@@ -411,7 +411,7 @@ inline File read(const std::string& path) {
   } catch (const std::exception& e) {
     throw fail(std::string("bad header: ") + e.what());
   }
-  if (root.kind != json::Value::Kind::Object) throw fail("header is not a JSON object");
+  if (root.kind != json::Value::Kind::OBJECT) throw fail("header is not a JSON object");
   File f;
   struct Span {
     uint64_t b, e;
@@ -421,12 +421,12 @@ inline File read(const std::string& path) {
   for (const auto& [name, v] : root.object) {
     const std::string what = "safetensors: " + path + ": '" + name + "'";
     if (name == "__metadata__") {
-      if (v.kind != json::Value::Kind::Object) throw fail("__metadata__ is not an object");
+      if (v.kind != json::Value::Kind::OBJECT) throw fail("__metadata__ is not an object");
       for (const auto& [mk, mv] : v.object)
         f.metadata.emplace_back(mk, mv.as_string(what + " metadata " + mk));
       continue;
     }
-    if (v.kind != json::Value::Kind::Object) throw fail("entry '" + name + "' is not an object");
+    if (v.kind != json::Value::Kind::OBJECT) throw fail("entry '" + name + "' is not an object");
     const json::Value* dt = v.find("dtype");
     const json::Value* sh = v.find("shape");
     const json::Value* off = v.find("data_offsets");

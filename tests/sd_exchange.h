@@ -31,29 +31,29 @@ class Writer {
 
   std::string node(const StateValue& v) {
     switch (v.kind()) {
-      case StateValue::Kind::None:
+      case StateValue::Kind::NONE:
         return "{\"none\":null}";
-      case StateValue::Kind::Tensor:
+      case StateValue::Kind::TENSOR:
         return "{\"tensor\":" + json::quote(put(v.tensor())) + "}";
-      case StateValue::Kind::Int:
+      case StateValue::Kind::INT:
         return "{\"int\":\"" + std::to_string(v.to_int()) + "\"}";
-      case StateValue::Kind::Double: {
+      case StateValue::Kind::DOUBLE: {
         char buf[40];
         std::snprintf(buf, sizeof(buf), "%.17g", v.to_double());
         return "{\"float\":\"" + std::string(buf) + "\"}";
       }
-      case StateValue::Kind::Bool:
+      case StateValue::Kind::BOOL:
         return std::string("{\"bool\":") + (v.to_bool() ? "true" : "false") + "}";
-      case StateValue::Kind::String:
+      case StateValue::Kind::STRING:
         return "{\"str\":" + json::quote(v.string()) + "}";
-      case StateValue::Kind::List: {
+      case StateValue::Kind::LIST: {
         std::string out = "{\"list\":[";
         for (size_t i = 0; i < v.list().size(); ++i) out += (i ? "," : "") + node(v.list()[i]);
         return out + "]}";
       }
-      case StateValue::Kind::Dict:
+      case StateValue::Kind::DICT:
         return dict(v.dict());
-      case StateValue::Kind::ShardedTensor: {
+      case StateValue::Kind::SHARDED_TENSOR: {
         const ShardedTensor& t = v.sharded_tensor();
         std::string out = "{\"sharded\":{\"size\":" + ints(t.size()) + ",\"dtype\":\"" +
                           safetensors::dtype_name(t.dtype()) + "\",\"pieces\":[";
@@ -101,7 +101,7 @@ inline ShardMetadata parse_box(const json::Value& v) {
 }
 
 inline StateValue parse(const json::Value& node, const safetensors::File& f) {
-  if (node.kind != json::Value::Kind::Object || node.object.size() != 1)
+  if (node.kind != json::Value::Kind::OBJECT || node.object.size() != 1)
     throw std::runtime_error("sdx: a node is an object of one key");
   const std::string& kind = node.object[0].first;
   const json::Value& v = node.object[0].second;

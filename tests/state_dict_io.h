@@ -56,26 +56,26 @@ inline c10::IValue to_ivalue(const StateDict& d) {
 
 inline c10::IValue to_ivalue(const StateValue& v) {
   switch (v.kind()) {
-    case StateValue::Kind::None:
+    case StateValue::Kind::NONE:
       return c10::IValue();
-    case StateValue::Kind::Tensor:
+    case StateValue::Kind::TENSOR:
       return v.tensor().detach().cpu().contiguous();
-    case StateValue::Kind::Int:
+    case StateValue::Kind::INT:
       return v.to_int();
-    case StateValue::Kind::Double:
+    case StateValue::Kind::DOUBLE:
       return v.to_double();
-    case StateValue::Kind::Bool:
+    case StateValue::Kind::BOOL:
       return v.to_bool();
-    case StateValue::Kind::String:
+    case StateValue::Kind::STRING:
       return v.string();
-    case StateValue::Kind::List: {
+    case StateValue::Kind::LIST: {
       c10::impl::GenericList l(c10::AnyType::get());
       for (const auto& x : v.list()) l.push_back(to_ivalue(x));
       return l;
     }
-    case StateValue::Kind::Dict:
+    case StateValue::Kind::DICT:
       return to_ivalue(v.dict());
-    case StateValue::Kind::ShardedTensor: {
+    case StateValue::Kind::SHARDED_TENSOR: {
       const ShardedTensor& t = v.sharded_tensor();
       c10::impl::GenericList pieces(c10::AnyType::get()), global(c10::AnyType::get());
       for (const auto& s : t.local_shards()) {

@@ -96,10 +96,10 @@ TEST(Xxh3, EveryBuildComputesTheReferenceDigest) {
       {129, "1648bdc3db49d1a2"},    {240, "b6cfaf343fab81e6"},  {241, "956cae592c67279e"},
       {1024, "9fb9947417c15b80"},   {1025, "fe1b47100b1d79d8"}, {65543, "b3b117903157eaa7"},
       {1000003, "3b34f5bc1d444bbc"}};
-  std::vector<ckpt::files::Xxh3Build> builds = {ckpt::files::Xxh3Build::kBest,
-                                                ckpt::files::Xxh3Build::kPortable};
+  std::vector<ckpt::files::Xxh3Build> builds = {ckpt::files::Xxh3Build::BEST,
+                                                ckpt::files::Xxh3Build::PORTABLE};
   if (ckpt::files::xxh3_avx2_available())
-    builds.push_back(ckpt::files::Xxh3Build::kAvx2);
+    builds.push_back(ckpt::files::Xxh3Build::AVX2);
   else
     std::printf("note: no AVX2 build or CPU here; only the portable build is checked\n");
   for (const auto& [n, digest] : reference) {

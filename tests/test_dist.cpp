@@ -44,14 +44,14 @@ bool runs_pairwise(ProcessGroup& pg) {
   if (pg.backend_name() == "gloo") return true;
   const int W = pg.size();
   EXPECT_THROW(
-      pg.all_gather_into_tensor(at::empty({4 * W}), at::ones({4}), AllGatherAlgo::kPairwise),
+      pg.all_gather_into_tensor(at::empty({4 * W}), at::ones({4}), AllGatherAlgo::PAIRWISE),
       fsdp::ValueError);
   EXPECT_THROW(pg.reduce_scatter_tensor(at::empty({4}), at::ones({4 * W}), ReduceOp::SUM,
-                                        ReduceScatterAlgo::kPairwise),
+                                        ReduceScatterAlgo::PAIRWISE),
                fsdp::ValueError);
   std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(W), {at::ones({4})});
   EXPECT_THROW(pg.reduce_scatter_pieces_async(at::empty({4}), chunks, ReduceOp::SUM,
-                                              ReduceScatterAlgo::kPairwise),
+                                              ReduceScatterAlgo::PAIRWISE),
                fsdp::ValueError);
   return false;
 }
@@ -77,8 +77,8 @@ TEST_P(DistWorld, AllGatherEveryAlgorithmInPlaceAndWithoutScratch) {
   const int W = GetParam();
   run_ranks(W, [](ProcessGroup& pg) {
     const int W = pg.size();
-    for (auto algo : {AllGatherAlgo::kAuto, AllGatherAlgo::kNative, AllGatherAlgo::kPairwise}) {
-      if (algo == AllGatherAlgo::kPairwise && !runs_pairwise(pg)) continue;
+    for (auto algo : {AllGatherAlgo::AUTO, AllGatherAlgo::NATIVE, AllGatherAlgo::PAIRWISE}) {
+      if (algo == AllGatherAlgo::PAIRWISE && !runs_pairwise(pg)) continue;
       for (auto dtype : {at::kFloat, at::kDouble, at::kShort, at::kHalf}) {
         for (int64_t n : {0, 1, 5, 4097}) {
           const std::string what = "algo " + std::to_string(static_cast<int>(algo)) + ", " +
@@ -105,17 +105,17 @@ TEST_P(DistWorld, AllGatherEveryAlgorithmInPlaceAndWithoutScratch) {
     int64_t pairwise = 0, native = 0;
     {
       fsdp::testing::MemoryWatch watch;
-      pg.all_gather_into_tensor(out, in, AllGatherAlgo::kPairwise);
+      pg.all_gather_into_tensor(out, in, AllGatherAlgo::PAIRWISE);
       pairwise = watch.peak();
     }
     {
       fsdp::testing::MemoryWatch watch;
-      pg.all_gather_into_tensor(out, in, AllGatherAlgo::kNative);
+      pg.all_gather_into_tensor(out, in, AllGatherAlgo::NATIVE);
       native = watch.peak();
     }
     EXPECT_EQ(pairwise, 0) << "rank " << pg.rank();
     EXPECT_GE(native, n * W * 4) << "rank " << pg.rank();
-    // kAuto: Gloo's own below 4 MiB of output (the 256 KiB per rank above), pairwise from there.
+    // AUTO: Gloo's own below 4 MiB of output (the 256 KiB per rank above), pairwise from there.
     int64_t auto_small = 0, auto_big = 0;
     {
       fsdp::testing::MemoryWatch watch;
@@ -154,7 +154,7 @@ TEST_P(DistWorld, PairwiseAllGathersInFlightTogetherAndOverlapRefused) {
     for (int k = 0; k < 3; ++k) {
       outs.push_back(at::empty({n * W}));
       works.push_back(pg.all_gather_into_tensor_async(
-          outs[k], seeded_randn({n}, 500 * (k + 1) + pg.rank()), AllGatherAlgo::kPairwise));
+          outs[k], seeded_randn({n}, 500 * (k + 1) + pg.rank()), AllGatherAlgo::PAIRWISE));
     }
     for (int k = 2; k >= 0; --k) works[k].wait();
     for (int k = 0; k < 3; ++k) {
@@ -166,11 +166,11 @@ TEST_P(DistWorld, PairwiseAllGathersInFlightTogetherAndOverlapRefused) {
     {
       at::Tensor rs_in = seeded_randn({n * W}, 900 + pg.rank());
       at::Tensor rs_out = at::empty({n});
-      auto rs = pg.reduce_scatter_tensor_async(rs_out, rs_in, ReduceOp::MAX,
-                                               ReduceScatterAlgo::kPairwise);
+      auto rs =
+          pg.reduce_scatter_tensor_async(rs_out, rs_in, ReduceOp::MAX, ReduceScatterAlgo::PAIRWISE);
       at::Tensor ag_out = at::empty({n * W});
       pg.all_gather_into_tensor_async(ag_out, seeded_randn({n}, 950 + pg.rank()),
-                                      AllGatherAlgo::kPairwise)
+                                      AllGatherAlgo::PAIRWISE)
           .wait();
       rs.wait();
       at::Tensor expect = seeded_randn({n * W}, 900);
@@ -187,14 +187,14 @@ TEST_P(DistWorld, PairwiseAllGathersInFlightTogetherAndOverlapRefused) {
     // A peer's piece, shifted by one element into it: overlaps, and is not this rank's own.
     const int64_t at_elem = other * n + (other == W - 1 ? -1 : 1);
     try {
-      pg.all_gather_into_tensor(out, out.narrow(0, at_elem, n), AllGatherAlgo::kPairwise);
+      pg.all_gather_into_tensor(out, out.narrow(0, at_elem, n), AllGatherAlgo::PAIRWISE);
       FAIL() << "expected ValueError";
     } catch (const fsdp::ValueError& e) {
       EXPECT_NE(std::string(e.what()).find("overlaps the output"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(pg.rank())), std::string::npos);
     }
     pg.barrier();  // refused on every rank before any message: the group is still in step
-    pg.all_gather_into_tensor(out, rank_input(pg.rank(), n), AllGatherAlgo::kPairwise);
+    pg.all_gather_into_tensor(out, rank_input(pg.rank(), n), AllGatherAlgo::PAIRWISE);
     for (int r = 0; r < W; ++r) ASSERT_TRUE(at::equal(out.narrow(0, r * n, n), rank_input(r, n)));
   });
 }
@@ -204,14 +204,14 @@ TEST_P(DistWorld, ReduceScatterEveryAlgorithmAndOp) {
   run_ranks(W, [](ProcessGroup& pg) {
     const int W = pg.size();
     for (auto algo :
-         {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll, ReduceScatterAlgo::kAllReduce,
-          ReduceScatterAlgo::kNative, ReduceScatterAlgo::kPairwise}) {
-      if (algo == ReduceScatterAlgo::kPairwise && !runs_pairwise(pg)) continue;
+         {ReduceScatterAlgo::AUTO, ReduceScatterAlgo::ALL_TO_ALL, ReduceScatterAlgo::ALL_REDUCE,
+          ReduceScatterAlgo::NATIVE, ReduceScatterAlgo::PAIRWISE}) {
+      if (algo == ReduceScatterAlgo::PAIRWISE && !runs_pairwise(pg)) continue;
       for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
         for (int64_t n : {0, 1, 3, 4097}) {
           at::Tensor in = rank_input(pg.rank(), n * W);
           at::Tensor out = at::empty({n});
-          if (algo == ReduceScatterAlgo::kNative && W > 1 && n > 0) {
+          if (algo == ReduceScatterAlgo::NATIVE && W > 1 && n > 0) {
             // Native must be right or refused: Gloo's native form sums whatever op it is given
             // (LibTorch 2.6), which must never come back as a MAX or MIN result.
             // NCCL's native reduce-scatter honours every op.
@@ -272,8 +272,8 @@ TEST_P(DistWorld, AllToAllReduceScatterIsRankOrderedSum) {
     const int W = pg.size();
     const int64_t n = 777;
     at::Tensor in = seeded_randn({n * W}, 100 + pg.rank());
-    for (auto algo : {ReduceScatterAlgo::kAllToAll, ReduceScatterAlgo::kPairwise}) {
-      if (algo == ReduceScatterAlgo::kPairwise && !runs_pairwise(pg)) continue;
+    for (auto algo : {ReduceScatterAlgo::ALL_TO_ALL, ReduceScatterAlgo::PAIRWISE}) {
+      if (algo == ReduceScatterAlgo::PAIRWISE && !runs_pairwise(pg)) continue;
       at::Tensor out = at::empty({n});
       pg.reduce_scatter_tensor(out, in, ReduceOp::AVG, algo);
       ASSERT_TRUE(at::equal(out, rank_ordered_avg(pg, n, 100))) << static_cast<int>(algo);
@@ -301,7 +301,7 @@ TEST_P(DistWorld, PairwiseReductionsInFlightTogetherKeepTheirOwnPieces) {
       ins.push_back(seeded_randn({n * W}, 1000 * (k + 1) + pg.rank()));
       outs.push_back(at::empty({n}));
       works.push_back(pg.reduce_scatter_tensor_async(outs[k], ins[k], ReduceOp::AVG,
-                                                     ReduceScatterAlgo::kPairwise));
+                                                     ReduceScatterAlgo::PAIRWISE));
       if (k == 0) {
         gather = pg.all_gather_into_tensor_async(gathered, rank_input(pg.rank(), 5));
       }
@@ -334,7 +334,7 @@ TEST_P(DistWorld, PairwiseSumReceivesIntoTheOutputUnlessItAliasesTheInput) {
     int64_t scratch = 0;
     {
       fsdp::testing::MemoryWatch watch;
-      pg.reduce_scatter_tensor(out, in, ReduceOp::SUM, ReduceScatterAlgo::kPairwise);
+      pg.reduce_scatter_tensor(out, in, ReduceOp::SUM, ReduceScatterAlgo::PAIRWISE);
       scratch = watch.peak();
     }
     if ((W & (W - 1)) == 0) {  // x W after / W is exact for powers of two only; else see below
@@ -347,7 +347,7 @@ TEST_P(DistWorld, PairwiseSumReceivesIntoTheOutputUnlessItAliasesTheInput) {
     // In place: the output is this rank's chunk of the input.
     at::Tensor in2 = seeded_randn({n * W}, 300 + pg.rank());
     at::Tensor own = in2.narrow(0, pg.rank() * n, n);
-    pg.reduce_scatter_tensor(own, in2, ReduceOp::SUM, ReduceScatterAlgo::kPairwise);
+    pg.reduce_scatter_tensor(own, in2, ReduceOp::SUM, ReduceScatterAlgo::PAIRWISE);
     ASSERT_TRUE(at::equal(own, out)) << "in-place pairwise sum differs on rank " << pg.rank();
   });
 }
@@ -380,15 +380,15 @@ TEST_P(DistWorld, ReduceScatterDivideByEqualsDivisionsAfterTheSum) {
       for (auto op : {ReduceOp::SUM, ReduceOp::AVG}) {
         for (const auto& divisors : divisor_lists) {
           at::Tensor expect = at::empty({n}, dtype);
-          pg.reduce_scatter_tensor(expect, in, op, ReduceScatterAlgo::kAllToAll);
+          pg.reduce_scatter_tensor(expect, in, op, ReduceScatterAlgo::ALL_TO_ALL);
           for (double d : divisors) expect.div_(d);
           const std::string what =
               std::string(c10::toString(dtype)) + " op " + std::to_string(static_cast<int>(op)) +
               ", " + std::to_string(divisors.size()) + " divisors from " +
               std::to_string(divisors[0]) + ", rank " + std::to_string(pg.rank());
-          for (auto algo : {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll,
-                            ReduceScatterAlgo::kPairwise}) {
-            if (algo == ReduceScatterAlgo::kPairwise && !pairwise) continue;
+          for (auto algo : {ReduceScatterAlgo::AUTO, ReduceScatterAlgo::ALL_TO_ALL,
+                            ReduceScatterAlgo::PAIRWISE}) {
+            if (algo == ReduceScatterAlgo::PAIRWISE && !pairwise) continue;
             at::Tensor out = at::empty({n}, dtype);
             pg.reduce_scatter_tensor(out, in, op, algo, divisors);
             ASSERT_TRUE(at::equal(out, expect)) << what << ", algo " << static_cast<int>(algo);
@@ -400,13 +400,12 @@ TEST_P(DistWorld, ReduceScatterDivideByEqualsDivisionsAfterTheSum) {
                                               in.narrow(0, q * n + 100, n - 100)};
           }
           at::Tensor out = at::empty({n}, dtype);
-          pg.reduce_scatter_pieces_async(out, chunks, op, ReduceScatterAlgo::kAuto, divisors)
-              .wait();
+          pg.reduce_scatter_pieces_async(out, chunks, op, ReduceScatterAlgo::AUTO, divisors).wait();
           ASSERT_TRUE(at::equal(out, expect)) << what << ", pieces";
           if (pairwise) {
             at::Tensor copy = in.clone();
             at::Tensor own = copy.narrow(0, pg.rank() * n, n);
-            pg.reduce_scatter_tensor(own, copy, op, ReduceScatterAlgo::kPairwise, divisors);
+            pg.reduce_scatter_tensor(own, copy, op, ReduceScatterAlgo::PAIRWISE, divisors);
             ASSERT_TRUE(at::equal(own, expect)) << what << ", in place";
           }
         }
@@ -415,17 +414,16 @@ TEST_P(DistWorld, ReduceScatterDivideByEqualsDivisionsAfterTheSum) {
     // Divisors are for sums, and must be finite and non-zero.
     at::Tensor in = at::ones({4 * W});
     at::Tensor out = at::empty({4});
-    EXPECT_THROW(pg.reduce_scatter_tensor(out, in, ReduceOp::MAX, ReduceScatterAlgo::kAuto, {2}),
+    EXPECT_THROW(pg.reduce_scatter_tensor(out, in, ReduceOp::MAX, ReduceScatterAlgo::AUTO, {2}),
                  fsdp::ValueError);
     for (double bad :
          {0.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
-      EXPECT_THROW(
-          pg.reduce_scatter_tensor(out, in, ReduceOp::SUM, ReduceScatterAlgo::kAuto, {bad}),
-          fsdp::ValueError);
+      EXPECT_THROW(pg.reduce_scatter_tensor(out, in, ReduceOp::SUM, ReduceScatterAlgo::AUTO, {bad}),
+                   fsdp::ValueError);
     }
     std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(W), {at::ones({4})});
     EXPECT_THROW(
-        pg.reduce_scatter_pieces_async(out, chunks, ReduceOp::MIN, ReduceScatterAlgo::kAuto, {2}),
+        pg.reduce_scatter_pieces_async(out, chunks, ReduceOp::MIN, ReduceScatterAlgo::AUTO, {2}),
         fsdp::ValueError);
     pg.barrier();
   });
@@ -553,8 +551,8 @@ TEST_P(DistWorld, PairwiseSumOfIntegersAndHalvesPieceByPiece) {
       at::Tensor expect = at::zeros({n}, at::kFloat);
       for (int r = 0; r < W; ++r) expect += rank_input(r, n * W).narrow(0, pg.rank() * n, n);
       at::Tensor out = at::empty({n}, dtype), reference = at::empty({n}, dtype);
-      pg.reduce_scatter_tensor(out, in, ReduceOp::SUM, ReduceScatterAlgo::kPairwise);
-      pg.reduce_scatter_tensor(reference, in, ReduceOp::SUM, ReduceScatterAlgo::kAllToAll);
+      pg.reduce_scatter_tensor(out, in, ReduceOp::SUM, ReduceScatterAlgo::PAIRWISE);
+      pg.reduce_scatter_tensor(reference, in, ReduceOp::SUM, ReduceScatterAlgo::ALL_TO_ALL);
       ASSERT_TRUE(at::equal(out, reference)) << c10::toString(dtype) << ", rank " << pg.rank();
       ASSERT_TRUE(at::equal(out, expect.to(dtype))) << c10::toString(dtype);
     }
@@ -678,12 +676,12 @@ TEST(Dist, CollectiveTimesOutWithErrorNamingOpAndRank) {
                    {"all_reduce", "rank 0 of 2"});
 }
 
-// A pairwise all-gather (kAuto's choice on Gloo from 4 MiB) whose peer never joins: the receive
+// A pairwise all-gather (AUTO's choice on Gloo from 4 MiB) whose peer never joins: the receive
 // from that peer times out, and the error names it.
 TEST(Dist, PairwiseAllGatherTimesOutNamingThePeer) {
   expect_times_out(
       [](ProcessGroup& pg) {
-        pg.all_gather_into_tensor(at::empty({8}), at::ones({4}), AllGatherAlgo::kPairwise);
+        pg.all_gather_into_tensor(at::empty({8}), at::ones({4}), AllGatherAlgo::PAIRWISE);
       },
       {"all_gather_into_tensor", "rank 0 of 2", "from rank 1"});
 }

@@ -52,7 +52,7 @@ int64_t anon_huge_kb_in(const at::Tensor& t) {
   return -1;
 }
 
-// An unshard of a unit of 4 MiB and up (where kAuto is pairwise on Gloo) allocates the unit's
+// An unshard of a unit of 4 MiB and up (where AUTO is pairwise on Gloo) allocates the unit's
 // unsharded buffer and nothing else. Gloo's own all-gather also
 // held a scratch copy of the whole unit (received into, then copied out of), alive on its worker
 // thread while a prefetch was in flight: the fourth unit at the peak of FULL_SHARD's backward
@@ -305,9 +305,9 @@ TEST(ReduceScatterPieces, EqualsTheFlatReduceScatterAndRefusesBadChunks) {
                                           flat.narrow(0, q * n + a + b, n - a - b)};
       }
       for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX, ReduceOp::MIN}) {
-        for (auto algo : {ReduceScatterAlgo::kAuto, ReduceScatterAlgo::kAllToAll}) {
+        for (auto algo : {ReduceScatterAlgo::AUTO, ReduceScatterAlgo::ALL_TO_ALL}) {
           at::Tensor expected = at::empty({n});
-          pg.reduce_scatter_tensor(expected, flat, op, ReduceScatterAlgo::kAllToAll);
+          pg.reduce_scatter_tensor(expected, flat, op, ReduceScatterAlgo::ALL_TO_ALL);
           at::Tensor out = at::empty({n});
           pg.reduce_scatter_pieces_async(out, chunks, op, algo).wait();
           EXPECT_TRUE(at::equal(out, expected)) << "op " << static_cast<int>(op);

@@ -159,7 +159,7 @@ std::string diff(const StateValue& a, const StateValue& b, double tol, const std
     return at + " is " + fsdp::to_string(a.kind()) + ", expected " + fsdp::to_string(b.kind());
   }
   switch (a.kind()) {
-    case StateValue::Kind::Dict: {
+    case StateValue::Kind::DICT: {
       if (a.dict().keys() != b.dict().keys()) {
         std::string ka, kb;
         for (const auto& k : a.dict().keys()) ka += " " + k;
@@ -172,7 +172,7 @@ std::string diff(const StateValue& a, const StateValue& b, double tol, const std
       }
       return "";
     }
-    case StateValue::Kind::List: {
+    case StateValue::Kind::LIST: {
       if (a.list().size() != b.list().size()) return "lengths of " + at + " differ";
       for (size_t i = 0; i < a.list().size(); ++i) {
         auto d = diff(a.list()[i], b.list()[i], tol, path + "[" + std::to_string(i) + "]", worst);
@@ -180,7 +180,7 @@ std::string diff(const StateValue& a, const StateValue& b, double tol, const std
       }
       return "";
     }
-    case StateValue::Kind::Tensor: {
+    case StateValue::Kind::TENSOR: {
       const at::Tensor x = a.tensor().detach().cpu(), y = b.tensor().detach().cpu();
       if (x.scalar_type() != y.scalar_type() || x.sizes() != y.sizes()) {
         std::ostringstream os;
@@ -207,16 +207,16 @@ std::string diff(const StateValue& a, const StateValue& b, double tol, const std
       }
       return "";
     }
-    case StateValue::Kind::ShardedTensor:
+    case StateValue::Kind::SHARDED_TENSOR:
       return at + " is a ShardedTensor where a full value was expected";
-    case StateValue::Kind::Int:
-    case StateValue::Kind::Double:
+    case StateValue::Kind::INT:
+    case StateValue::Kind::DOUBLE:
       return a.to_double() == b.to_double() ? "" : at + " differs";
-    case StateValue::Kind::Bool:
+    case StateValue::Kind::BOOL:
       return a.to_bool() == b.to_bool() ? "" : at + " differs";
-    case StateValue::Kind::String:
+    case StateValue::Kind::STRING:
       return a.string() == b.string() ? "" : at + " differs";
-    case StateValue::Kind::None:
+    case StateValue::Kind::NONE:
       return "";
   }
   return "";

@@ -36,45 +36,55 @@ enum class ReduceOp { SUM, AVG, MAX, MIN };
 
 /// How reduce_scatter is carried out where the backend has no native flat reduce-scatter.
 enum class ReduceScatterAlgo {
-  /// Native on NCCL; kPairwise on Gloo (as fast as kAllToAll with half or less of its scratch;
-  /// both 2-3x faster than kAllReduce from 1 MiB per rank, and Gloo's native form in LibTorch 2.x
-  /// is kAllReduce on a clone of the input; docs/dist.md).
-  kAuto,
+  /// Native on NCCL; PAIRWISE on Gloo (as fast as ALL_TO_ALL with half or less of its scratch;
+  /// both 2-3x faster than ALL_REDUCE from 1 MiB per rank, and Gloo's native form in LibTorch 2.x
+  /// is ALL_REDUCE on a clone of the input; docs/dist.md).
+  AUTO,
   /// alltoall of the W chunks, then a local sum in rank order: each rank receives only the
   /// (W-1)/W of the data it needs, and every rank sums in the same order (deterministic).
-  kAllToAll,
+  ALL_TO_ALL,
   /// all_reduce of the whole tensor, then keep this rank's chunk: moves about twice the bytes.
-  kAllReduce,
+  ALL_REDUCE,
   /// The backend's _reduce_scatter_base. Throws where the backend lacks it.
-  kNative,
+  NATIVE,
   /// Point-to-point, Gloo only (ValueError elsewhere: NCCL's in-order point-to-point could
   /// deadlock it, and NCCL's native form is a real reduce-scatter). Piece q of the input is sent
   /// to rank q, and the pieces of this rank's chunk are received (for SUM and AVG the first one
   /// straight into the output, the others into at most two chunk-sized buffers) and summed in
-  /// rank order (the same sums as kAllToAll, bit for bit, NaN payloads aside). Holds at most 2/W
-  /// of the input in scratch, none at W=2 for a sum, where kAllToAll holds all of it: the lower
+  /// rank order (the same sums as ALL_TO_ALL, bit for bit, NaN payloads aside). Holds at most 2/W
+  /// of the input in scratch, none at W=2 for a sum, where ALL_TO_ALL holds all of it: the lower
   /// peak of backward under FULL_SHARD. Each call sends under a tag of its own (a per-group
   /// counter): code that sends on the same c10d backend directly must not use tags from 0 up.
-  kPairwise,
+  PAIRWISE,
+  // The names before the one enum style (docs/migration.md); removed in the next release.
+  kAuto [[deprecated("use ReduceScatterAlgo::AUTO")]] = AUTO,
+  kAllToAll [[deprecated("use ReduceScatterAlgo::ALL_TO_ALL")]] = ALL_TO_ALL,
+  kAllReduce [[deprecated("use ReduceScatterAlgo::ALL_REDUCE")]] = ALL_REDUCE,
+  kNative [[deprecated("use ReduceScatterAlgo::NATIVE")]] = NATIVE,
+  kPairwise [[deprecated("use ReduceScatterAlgo::PAIRWISE")]] = PAIRWISE,
 };
 
 /// How all_gather_into_tensor is carried out.
 enum class AllGatherAlgo {
-  /// Native on NCCL; on Gloo kPairwise for outputs of 4 MiB and up (no scratch and no copy of the
-  /// whole output: faster there, and a unit less memory at FSDP's peak), kNative below (where
+  /// Native on NCCL; on Gloo PAIRWISE for outputs of 4 MiB and up (no scratch and no copy of the
+  /// whole output: faster there, and a unit less memory at FSDP's peak), NATIVE below (where
   /// pairwise measured slower in training steps; docs/dist.md).
-  kAuto,
+  AUTO,
   /// The backend's own all-gather (_allgather_base, or in LibTorch 1.13's Gloo the list form with
   /// views of the output). Gloo's receives into a scratch tensor of the whole output and then
   /// copies every piece into place.
-  kNative,
+  NATIVE,
   /// Point-to-point, Gloo only (ValueError elsewhere): every rank sends its input to each peer and
   /// receives each peer's input straight into its place in the output. Allocates nothing for
   /// tensors on device(); only this rank's own piece is copied (not even that when the input is
   /// that piece of the output). Each call sends under a tag of its own (the per-group counter
-  /// kPairwise reduce-scatters use). An input that overlaps the output anywhere but this rank's
+  /// PAIRWISE reduce-scatters use). An input that overlaps the output anywhere but this rank's
   /// own piece is refused (ValueError) on the rank that passes it.
-  kPairwise,
+  PAIRWISE,
+  // The names before the one enum style (docs/migration.md); removed in the next release.
+  kAuto [[deprecated("use AllGatherAlgo::AUTO")]] = AUTO,
+  kNative [[deprecated("use AllGatherAlgo::NATIVE")]] = NATIVE,
+  kPairwise [[deprecated("use AllGatherAlgo::PAIRWISE")]] = PAIRWISE,
 };
 
 /// How init_process_group finds its peers. Every field left unset is read from the environment
@@ -193,35 +203,35 @@ class ProcessGroup {
 
   /// output (numel = W * input.numel()) receives every rank's `input`, in rank order. `input` may
   /// be this rank's own piece of `output` (in place); it must not overlap it anywhere else
-  /// (kPairwise refuses that).
+  /// (PAIRWISE refuses that).
   void all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input,
-                              AllGatherAlgo algo = AllGatherAlgo::kAuto);
+                              AllGatherAlgo algo = AllGatherAlgo::AUTO);
   Work all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input,
-                                    AllGatherAlgo algo = AllGatherAlgo::kAuto);
+                                    AllGatherAlgo algo = AllGatherAlgo::AUTO);
 
   /// output (numel = input.numel() / W) receives this rank's chunk of the element-wise reduction
   /// of every rank's `input`. input.numel() must be divisible by W. `input` is left unchanged; the
-  /// emulations allocate scratch: kAllToAll and kAllReduce one buffer of input's size, kPairwise
+  /// emulations allocate scratch: ALL_TO_ALL and ALL_REDUCE one buffer of input's size, PAIRWISE
   /// at most two of output's (none at W=2 for SUM and AVG, whose first piece it receives straight
   /// into `output`).
   ///
   /// `divide_by` (SUM and AVG only; finite, non-zero): the result is then divided by each in turn
   /// (after AVG's W), each division rounded as ATen's div_ rounds it: what FSDP's gradient pre-
-  /// and post-division need. kPairwise on float and double applies the leading powers of two (at
+  /// and post-division need. PAIRWISE on float and double applies the leading powers of two (at
   /// most two) in the pass of the sum's last addition, one pass over the output fewer per divisor
   /// and the same bits; any other divisor is a div_ of its own.
   void reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
                              ReduceOp op = ReduceOp::SUM,
-                             ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto,
+                             ReduceScatterAlgo algo = ReduceScatterAlgo::AUTO,
                              const std::vector<double>& divide_by = {});
   Work reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
                                    ReduceOp op = ReduceOp::SUM,
-                                   ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto,
+                                   ReduceScatterAlgo algo = ReduceScatterAlgo::AUTO,
                                    const std::vector<double>& divide_by = {});
 
   /// reduce_scatter_tensor with the input in pieces rather than one flat tensor: chunks[q] lists
   /// the contiguous tensors whose concatenation (flattened) is the chunk of the input that rank q
-  /// receives the reduction of, output.numel() elements in all. With kPairwise (kAuto on Gloo)
+  /// receives the reduction of, output.numel() elements in all. With PAIRWISE (AUTO on Gloo)
   /// every piece is sent as it is, saving the copy that flattening them costs (FSDP sends
   /// autograd's gradients this way); each piece is one message, so chunk q must be split into
   /// pieces of the same sizes on every rank. Other algorithms, tensors off device(), one rank,
@@ -231,7 +241,7 @@ class ProcessGroup {
   Work reduce_scatter_pieces_async(const at::Tensor& output,
                                    std::vector<std::vector<at::Tensor>> chunks,
                                    ReduceOp op = ReduceOp::SUM,
-                                   ReduceScatterAlgo algo = ReduceScatterAlgo::kAuto,
+                                   ReduceScatterAlgo algo = ReduceScatterAlgo::AUTO,
                                    const std::vector<double>& divide_by = {});
 
   /// Rank r's `input` is split into W consecutive runs of input_split_sizes[q] elements; run q goes
@@ -271,7 +281,7 @@ class ProcessGroup {
   explicit ProcessGroup(std::shared_ptr<State> s) : state_(std::move(s)) {}
   State& checked_state(const char* op) const;
   Work launch(const char* op, compat::WorkPtr work, std::function<void()> finish = {});
-  // ReduceScatterAlgo::kPairwise over `chunks` (see reduce_scatter_pieces_async), under the
+  // ReduceScatterAlgo::PAIRWISE over `chunks` (see reduce_scatter_pieces_async), under the
   // group's next pairwise tag; the sum is then divided by `divisors` in turn.
   Work launch_pairwise(const char* op, const at::Tensor& out_flat,
                        std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,

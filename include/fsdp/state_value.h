@@ -159,7 +159,27 @@ using StateList = std::vector<StateValue>;
 /// One value of a state dict.
 class StateValue {
  public:
-  enum class Kind { None, Tensor, ShardedTensor, Int, Double, Bool, String, List, Dict };
+  enum class Kind {
+    NONE,
+    TENSOR,
+    SHARDED_TENSOR,
+    INT,
+    DOUBLE,
+    BOOL,
+    STRING,
+    LIST,
+    DICT,
+    // The names before the one enum style (docs/migration.md); removed in the next release.
+    None [[deprecated("use Kind::NONE")]] = NONE,
+    Tensor [[deprecated("use Kind::TENSOR")]] = TENSOR,
+    ShardedTensor [[deprecated("use Kind::SHARDED_TENSOR")]] = SHARDED_TENSOR,
+    Int [[deprecated("use Kind::INT")]] = INT,
+    Double [[deprecated("use Kind::DOUBLE")]] = DOUBLE,
+    Bool [[deprecated("use Kind::BOOL")]] = BOOL,
+    String [[deprecated("use Kind::STRING")]] = STRING,
+    List [[deprecated("use Kind::LIST")]] = LIST,
+    Dict [[deprecated("use Kind::DICT")]] = DICT,
+  };
 
   StateValue() = default;  // None
   StateValue(at::Tensor t) : v_(std::move(t)) {}
@@ -174,15 +194,15 @@ class StateValue {
   StateValue(StateDict d) : v_(std::move(d)) {}
 
   Kind kind() const { return static_cast<Kind>(v_.index()); }
-  bool is_none() const { return kind() == Kind::None; }
-  bool is_tensor() const { return kind() == Kind::Tensor; }
-  bool is_sharded_tensor() const { return kind() == Kind::ShardedTensor; }
-  bool is_int() const { return kind() == Kind::Int; }
-  bool is_double() const { return kind() == Kind::Double; }
-  bool is_bool() const { return kind() == Kind::Bool; }
-  bool is_string() const { return kind() == Kind::String; }
-  bool is_list() const { return kind() == Kind::List; }
-  bool is_dict() const { return kind() == Kind::Dict; }
+  bool is_none() const { return kind() == Kind::NONE; }
+  bool is_tensor() const { return kind() == Kind::TENSOR; }
+  bool is_sharded_tensor() const { return kind() == Kind::SHARDED_TENSOR; }
+  bool is_int() const { return kind() == Kind::INT; }
+  bool is_double() const { return kind() == Kind::DOUBLE; }
+  bool is_bool() const { return kind() == Kind::BOOL; }
+  bool is_string() const { return kind() == Kind::STRING; }
+  bool is_list() const { return kind() == Kind::LIST; }
+  bool is_dict() const { return kind() == Kind::DICT; }
 
   // Accessors throw ValueError naming the expected and actual kind.
   const at::Tensor& tensor() const;

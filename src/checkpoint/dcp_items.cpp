@@ -85,22 +85,22 @@ namespace {
 
 NodePtr to_node(const StateValue& v, const std::string& key) {
   switch (v.kind()) {
-    case StateValue::Kind::None:
+    case StateValue::Kind::NONE:
       return Node::none();
-    case StateValue::Kind::Bool:
+    case StateValue::Kind::BOOL:
       return Node::boolean(v.to_bool());
-    case StateValue::Kind::Int:
+    case StateValue::Kind::INT:
       return Node::integer(v.to_int());
-    case StateValue::Kind::Double:
+    case StateValue::Kind::DOUBLE:
       return Node::real(v.to_double());
-    case StateValue::Kind::String:
+    case StateValue::Kind::STRING:
       return Node::str(v.string());
-    case StateValue::Kind::List: {
+    case StateValue::Kind::LIST: {
       std::vector<NodePtr> items;
       for (const auto& x : v.list()) items.push_back(to_node(x, key));
       return Node::list(std::move(items));
     }
-    case StateValue::Kind::Dict: {
+    case StateValue::Kind::DICT: {
       std::vector<std::pair<NodePtr, NodePtr>> entries;
       for (const auto& [k, x] : v.dict()) entries.emplace_back(Node::str(k), to_node(x, key));
       return Node::dict(std::move(entries));
@@ -181,10 +181,10 @@ at::Tensor decode_tensor(const char* data, size_t n, const std::string& where, b
 at::Tensor decode_tensor(const ItemParts& item, const std::string& where, bool check_crc) {
   ItemArchive a(item, where, check_crc, /*views=*/true);
   const pickle::NodePtr root = archive::read_data_pkl(a.dir, a.read, check_crc);
-  if (!root->is(Node::Kind::Object) || root->class_name() != "torch._utils._rebuild_tensor_v2")
+  if (!root->is(Node::Kind::OBJECT) || root->class_name() != "torch._utils._rebuild_tensor_v2")
     throw ValueError(
         where + " is not a readable tensor: it holds a " +
-        (root->is(Node::Kind::Object) ? root->class_name() : std::string(to_string(root->kind))));
+        (root->is(Node::Kind::OBJECT) ? root->class_name() : std::string(to_string(root->kind))));
   return a.values.tensor(*root, "the chunk");
 }
 

@@ -76,8 +76,8 @@ class Parser {
   NodePtr attrs(const NodePtr& obj, const std::vector<std::string>& classes,
                 const std::string& where) const {
     std::string got =
-        obj ? (obj->is(Kind::Object) ? obj->class_name() : to_string(obj->kind)) : "null";
-    bool ok = obj && obj->is(Kind::Object);
+        obj ? (obj->is(Kind::OBJECT) ? obj->class_name() : to_string(obj->kind)) : "null";
+    bool ok = obj && obj->is(Kind::OBJECT);
     if (ok) {
       ok = false;
       for (const auto& c : classes) ok = ok || obj->class_name() == c;
@@ -85,10 +85,10 @@ class Parser {
     if (!ok) fail(where, "expected " + classes.front() + ", found " + got);
     const NodePtr& st = obj->state;
     if (!st) return Node::dict({});
-    if (st->is(Kind::Dict)) return st;
-    if (st->is(Kind::Tuple) && st->items.size() == 2 && st->items[1]->is(Kind::Dict)) {
+    if (st->is(Kind::DICT)) return st;
+    if (st->is(Kind::TUPLE) && st->items.size() == 2 && st->items[1]->is(Kind::DICT)) {
       std::vector<std::pair<NodePtr, NodePtr>> all;
-      if (st->items[0]->is(Kind::Dict)) all = st->items[0]->entries;
+      if (st->items[0]->is(Kind::DICT)) all = st->items[0]->entries;
       all.insert(all.end(), st->items[1]->entries.begin(), st->items[1]->entries.end());
       return Node::dict(std::move(all));
     }
@@ -103,23 +103,23 @@ class Parser {
   }
 
   int64_t integer(const NodePtr& n, const std::string& where) const {
-    if (!n || !n->is(Kind::Int)) fail(where, "expected an int");
+    if (!n || !n->is(Kind::INT)) fail(where, "expected an int");
     return n->i;
   }
 
   std::string str(const NodePtr& n, const std::string& where) const {
-    if (!n || !n->is(Kind::Str)) fail(where, "expected a str");
+    if (!n || !n->is(Kind::STR)) fail(where, "expected a str");
     return n->s;
   }
 
   // torch.Size((...)) or a plain tuple/list of ints.
   std::vector<int64_t> ints(const NodePtr& n, const std::string& where) const {
     const NodePtr* seq = &n;
-    if (n && n->is(Kind::Object) && n->class_name() == "torch.Size") {
+    if (n && n->is(Kind::OBJECT) && n->class_name() == "torch.Size") {
       if (n->items.size() != 1) fail(where, "torch.Size takes one argument");
       seq = &n->items[0];
     }
-    if (!*seq || !((*seq)->is(Kind::Tuple) || (*seq)->is(Kind::List)))
+    if (!*seq || !((*seq)->is(Kind::TUPLE) || (*seq)->is(Kind::LIST)))
       fail(where, "expected a torch.Size or a tuple of ints");
     std::vector<int64_t> out;
     for (const auto& x : (*seq)->items) out.push_back(integer(x, where));
@@ -127,7 +127,7 @@ class Parser {
   }
 
   at::ScalarType dtype(const NodePtr& n, const std::string& where) const {
-    if (n && n->is(Kind::Global) && n->module == "torch") {
+    if (n && n->is(Kind::GLOBAL) && n->module == "torch") {
       for (const auto& [t, name] : dtype_table())
         if (n->name == name) return t;
     }
@@ -141,7 +141,7 @@ class Parser {
     const std::string pw = key + " (properties)";
     const std::vector<std::string> prop_classes{std::string(kMeta) + ".TensorProperties",
                                                 std::string(kOldMeta) + ".TensorProperties"};
-    if (props->is(Kind::Object) && props->state && props->state->is(Kind::Tuple) &&
+    if (props->is(Kind::OBJECT) && props->state && props->state->is(Kind::TUPLE) &&
         props->state->items.size() == 5) {
       // TensorProperties pickles its __getstate__ tuple:
       // (dtype, layout, requires_grad, memory_format, pin_memory).
@@ -150,19 +150,19 @@ class Parser {
         fail(pw, "expected TensorProperties, found " + c);
       const auto& items = props->state->items;
       t.dtype = dtype(items[0], pw);
-      if (!items[2]->is(Kind::Bool)) fail(pw, "requires_grad must be a bool");
+      if (!items[2]->is(Kind::BOOL)) fail(pw, "requires_grad must be a bool");
       t.requires_grad = items[2]->b;
     } else {  // a plain dataclass state
       const NodePtr pa = attrs(props, prop_classes, pw);
       t.dtype = dtype(field(pa, "dtype", pw), pw);
       const NodePtr rg = pa->get("requires_grad");
-      t.requires_grad = rg && rg->is(Kind::Bool) && rg->b;
+      t.requires_grad = rg && rg->is(Kind::BOOL) && rg->b;
     }
     t.size = ints(field(a, "size", key), key + " (size)");
     for (int64_t s : t.size)
       if (s < 0) fail(key, "negative size");
     const NodePtr chunks = field(a, "chunks", key);
-    if (!chunks->is(Kind::List)) fail(key, "chunks must be a list");
+    if (!chunks->is(Kind::LIST)) fail(key, "chunks must be a list");
     for (size_t i = 0; i < chunks->items.size(); ++i) {
       const std::string cw = key + " (chunk " + std::to_string(i) + ")";
       const NodePtr ca =
@@ -180,9 +180,9 @@ class Parser {
 
   std::string relative_path(const NodePtr& n, const std::string& where) const {
     std::string p;
-    if (n && n->is(Kind::Str)) {
+    if (n && n->is(Kind::STR)) {
       p = n->s;
-    } else if (n && n->is(Kind::Object) &&
+    } else if (n && n->is(Kind::OBJECT) &&
                (n->callee->module == "pathlib" || n->callee->module == "pathlib._local")) {
       if (n->items.size() != 1) fail(where, "a path of several parts");
       p = str(n->items[0], where);
@@ -200,11 +200,11 @@ class Parser {
     Metadata m;
     const NodePtr a = attrs(root, {std::string(kMeta) + ".Metadata"}, "");
     const NodePtr sdm = field(a, "state_dict_metadata", "");
-    if (!sdm->is(Kind::Dict)) fail("state_dict_metadata", "must be a dict");
+    if (!sdm->is(Kind::DICT)) fail("state_dict_metadata", "must be a dict");
     for (const auto& [k, v] : sdm->entries) {
       const std::string key = str(k, "state_dict_metadata key");
       ItemMeta item;
-      if (v && v->is(Kind::Object) &&
+      if (v && v->is(Kind::OBJECT) &&
           v->class_name() == std::string(kMeta) + ".BytesStorageMetadata") {
         item.bytes = true;
       } else {
@@ -212,14 +212,14 @@ class Parser {
       }
       m.state_dict_metadata.emplace_back(key, std::move(item));
     }
-    if (const NodePtr pd = a->get("planner_data"); pd && pd->is(Kind::Dict)) {
+    if (const NodePtr pd = a->get("planner_data"); pd && pd->is(Kind::DICT)) {
       for (const auto& [k, v] : pd->entries) {
         const std::string key = str(k, "planner_data key");
         std::vector<PathElement> path;
-        if (!v->is(Kind::Tuple) && !v->is(Kind::List))
+        if (!v->is(Kind::TUPLE) && !v->is(Kind::LIST))
           fail("planner_data '" + key + "'", "must be a tuple");
         for (const auto& e : v->items) {
-          if (e->is(Kind::Str)) {
+          if (e->is(Kind::STR)) {
             path.emplace_back(e->s);
           } else {
             path.emplace_back(integer(e, "planner_data '" + key + "'"));
@@ -229,7 +229,7 @@ class Parser {
       }
     }
     const NodePtr sd = field(a, "storage_data", "");
-    if (!sd->is(Kind::Dict)) fail("storage_data", "must be a dict");
+    if (!sd->is(Kind::DICT)) fail("storage_data", "must be a dict");
     std::set<std::string> seen;
     for (size_t i = 0; i < sd->entries.size(); ++i) {
       const auto& [k, v] = sd->entries[i];
@@ -237,9 +237,9 @@ class Parser {
       const NodePtr ka = attrs(k, {std::string(kMeta) + ".MetadataIndex"}, w);
       Index idx;
       idx.fqn = str(field(ka, "fqn", w), w + " (fqn)");
-      if (const NodePtr off = ka->get("offset"); off && !off->is(Kind::None))
+      if (const NodePtr off = ka->get("offset"); off && !off->is(Kind::NONE))
         idx.offset = ints(off, w + " (offset)");
-      if (const NodePtr ix = ka->get("index"); ix && !ix->is(Kind::None))
+      if (const NodePtr ix = ka->get("index"); ix && !ix->is(Kind::NONE))
         idx.index = integer(ix, w + " (index)");
       const std::string vw = "storage_data '" + idx.fqn + "'";
       const NodePtr va = attrs(v, {std::string(kFs) + "._StorageInfo"}, vw);
@@ -249,8 +249,8 @@ class Parser {
       info.length = integer(field(va, "length", vw), vw + " (length)");
       if (info.offset < 0 || info.length < 0) fail(vw, "negative offset or length");
       if (const NodePtr td = va->get("transform_descriptors");
-          td && !td->is(Kind::None) && !(td->is(Kind::List) && td->items.empty()) &&
-          !(td->is(Kind::Tuple) && td->items.empty()))
+          td && !td->is(Kind::NONE) && !(td->is(Kind::LIST) && td->items.empty()) &&
+          !(td->is(Kind::TUPLE) && td->items.empty()))
         fail(vw, "transform_descriptors (compression, ...) are not supported");
       // Two entries for one chunk would leave a reader to pick one of them silently.
       std::string id = idx.fqn + (idx.offset ? std::string(1, '\0') : std::string());
@@ -259,7 +259,7 @@ class Parser {
       if (!seen.insert(id).second) fail(vw, "is stored twice");
       m.storage_data.emplace_back(std::move(idx), std::move(info));
     }
-    if (const NodePtr v = a->get("version"); v && v->is(Kind::Str)) m.version = v->s;
+    if (const NodePtr v = a->get("version"); v && v->is(Kind::STR)) m.version = v->s;
     return m;
   }
 

@@ -94,18 +94,18 @@ void wait_for_background_removal();
 
 /// Which build of XXH3 hashes: the fastest the CPU runs (AVX2 on x86-64 CPUs that have it), or
 /// one in particular (the tests compare them). All compute the same function.
-enum class Xxh3Build { kBest, kPortable, kAvx2 };
+enum class Xxh3Build { BEST, PORTABLE, AVX2 };
 /// Whether the AVX2 build is compiled in and the CPU runs it.
 bool xxh3_avx2_available();
 
 /// XXH3-64 of the bytes, as 16 lower-case hex digits (xxh3.cpp).
-std::string xxh3_hex(const void* data, size_t n, Xxh3Build build = Xxh3Build::kBest);
+std::string xxh3_hex(const void* data, size_t n, Xxh3Build build = Xxh3Build::BEST);
 inline std::string xxh3_hex(const std::string& s) { return xxh3_hex(s.data(), s.size()); }
 
 /// XXH3-64 of bytes fed in pieces (the same digest as xxh3_hex of them all at once).
 class Xxh3Stream {
  public:
-  explicit Xxh3Stream(Xxh3Build build = Xxh3Build::kBest);
+  explicit Xxh3Stream(Xxh3Build build = Xxh3Build::BEST);
   ~Xxh3Stream();
   Xxh3Stream(const Xxh3Stream&) = delete;
   Xxh3Stream& operator=(const Xxh3Stream&) = delete;

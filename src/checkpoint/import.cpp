@@ -189,7 +189,7 @@ StateDict load_pt(const std::string& path, FileIO* io_in) {
   };
   const archive::Directory dir(size, read, where);
   const pickle::NodePtr root = archive::read_data_pkl(dir, read, /*check_crc=*/true);
-  if (!root->is(pickle::Node::Kind::Dict))
+  if (!root->is(pickle::Node::Kind::DICT))
     throw ValueError(where + ": the file holds a " + pickle::to_string(root->kind) +
                      ", not a dict");
   // Each storage is read straight into its tensor and checked against its CRC-32 (a .pt file

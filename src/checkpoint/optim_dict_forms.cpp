@@ -22,13 +22,13 @@ bool same_value(const StateValue& a, const StateValue& b) {
     return a.to_double() == b.to_double();
   if (a.kind() != b.kind()) return false;
   switch (a.kind()) {
-    case StateValue::Kind::None:
+    case StateValue::Kind::NONE:
       return true;
-    case StateValue::Kind::Bool:
+    case StateValue::Kind::BOOL:
       return a.to_bool() == b.to_bool();
-    case StateValue::Kind::String:
+    case StateValue::Kind::STRING:
       return a.string() == b.string();
-    case StateValue::Kind::List:
+    case StateValue::Kind::LIST:
       if (a.list().size() != b.list().size()) return false;
       for (size_t i = 0; i < a.list().size(); ++i)
         if (!same_value(a.list()[i], b.list()[i])) return false;

@@ -22,50 +22,50 @@ NodePtr make(Node::Kind k) {
 }
 }  // namespace
 
-NodePtr Node::none() { return make(Kind::None); }
+NodePtr Node::none() { return make(Kind::NONE); }
 NodePtr Node::boolean(bool v) {
-  auto n = make(Kind::Bool);
+  auto n = make(Kind::BOOL);
   n->b = v;
   return n;
 }
 NodePtr Node::integer(int64_t v) {
-  auto n = make(Kind::Int);
+  auto n = make(Kind::INT);
   n->i = v;
   return n;
 }
 NodePtr Node::real(double v) {
-  auto n = make(Kind::Float);
+  auto n = make(Kind::FLOAT);
   n->f = v;
   return n;
 }
 NodePtr Node::str(std::string v) {
-  auto n = make(Kind::Str);
+  auto n = make(Kind::STR);
   n->s = std::move(v);
   return n;
 }
 NodePtr Node::tuple(std::vector<NodePtr> v) {
-  auto n = make(Kind::Tuple);
+  auto n = make(Kind::TUPLE);
   n->items = std::move(v);
   return n;
 }
 NodePtr Node::list(std::vector<NodePtr> v) {
-  auto n = make(Kind::List);
+  auto n = make(Kind::LIST);
   n->items = std::move(v);
   return n;
 }
 NodePtr Node::dict(std::vector<std::pair<NodePtr, NodePtr>> v) {
-  auto n = make(Kind::Dict);
+  auto n = make(Kind::DICT);
   n->entries = std::move(v);
   return n;
 }
 NodePtr Node::global(std::string module, std::string name) {
-  auto n = make(Kind::Global);
+  auto n = make(Kind::GLOBAL);
   n->module = std::move(module);
   n->name = std::move(name);
   return n;
 }
 NodePtr Node::object(NodePtr callee, std::vector<NodePtr> args, bool newobj, NodePtr state) {
-  auto n = make(Kind::Object);
+  auto n = make(Kind::OBJECT);
   n->callee = std::move(callee);
   n->items = std::move(args);
   n->newobj = newobj;
@@ -74,49 +74,49 @@ NodePtr Node::object(NodePtr callee, std::vector<NodePtr> args, bool newobj, Nod
 }
 
 NodePtr Node::persistent_id(NodePtr id) {
-  auto n = make(Kind::PersId);
+  auto n = make(Kind::PERS_ID);
   n->items.push_back(std::move(id));
   return n;
 }
 
 std::string Node::class_name() const {
-  if (kind == Kind::Global) return module + "." + name;
-  if (kind == Kind::Object && callee) return callee->class_name();
+  if (kind == Kind::GLOBAL) return module + "." + name;
+  if (kind == Kind::OBJECT && callee) return callee->class_name();
   return "";
 }
 
 NodePtr Node::get(const std::string& key) const {
   for (const auto& [k, v] : entries) {
-    if (k->kind == Kind::Str && k->s == key) return v;
+    if (k->kind == Kind::STR && k->s == key) return v;
   }
   return nullptr;
 }
 
 const char* to_string(Node::Kind k) {
   switch (k) {
-    case Node::Kind::None:
+    case Node::Kind::NONE:
       return "None";
-    case Node::Kind::Bool:
+    case Node::Kind::BOOL:
       return "bool";
-    case Node::Kind::Int:
+    case Node::Kind::INT:
       return "int";
-    case Node::Kind::Float:
+    case Node::Kind::FLOAT:
       return "float";
-    case Node::Kind::Str:
+    case Node::Kind::STR:
       return "str";
-    case Node::Kind::Bytes:
+    case Node::Kind::BYTES:
       return "bytes";
-    case Node::Kind::Tuple:
+    case Node::Kind::TUPLE:
       return "tuple";
-    case Node::Kind::List:
+    case Node::Kind::LIST:
       return "list";
-    case Node::Kind::Dict:
+    case Node::Kind::DICT:
       return "dict";
-    case Node::Kind::Global:
+    case Node::Kind::GLOBAL:
       return "global";
-    case Node::Kind::Object:
+    case Node::Kind::OBJECT:
       return "object";
-    case Node::Kind::PersId:
+    case Node::Kind::PERS_ID:
       return "persistent id";
   }
   return "?";
@@ -216,11 +216,11 @@ class Reader {
   }
   void set_item(Node& dict, NodePtr k, NodePtr v) {
     // Python would keep the last value; a file with a repeated key is malformed or hostile.
-    if (k->kind == Node::Kind::Str || k->kind == Node::Kind::Int) {
-      const std::string id = k->kind == Node::Kind::Str ? "s" + k->s : "i" + std::to_string(k->i);
+    if (k->kind == Node::Kind::STR || k->kind == Node::Kind::INT) {
+      const std::string id = k->kind == Node::Kind::STR ? "s" + k->s : "i" + std::to_string(k->i);
       if (!keys_[&dict].insert(id).second) {
         fail("duplicate dict key " +
-             (k->kind == Node::Kind::Str ? "'" + k->s + "'" : std::to_string(k->i)));
+             (k->kind == Node::Kind::STR ? "'" + k->s + "'" : std::to_string(k->i)));
       }
     }
     dict.entries.emplace_back(std::move(k), std::move(v));
@@ -243,8 +243,8 @@ class Reader {
   NodePtr call(bool newobj) {
     NodePtr args = pop();
     NodePtr callee = pop();
-    expect(args, Node::Kind::Tuple, newobj ? "NEWOBJ's arguments" : "REDUCE's arguments");
-    expect(callee, Node::Kind::Global, newobj ? "NEWOBJ's class" : "REDUCE's callable");
+    expect(args, Node::Kind::TUPLE, newobj ? "NEWOBJ's arguments" : "REDUCE's arguments");
+    expect(callee, Node::Kind::GLOBAL, newobj ? "NEWOBJ's class" : "REDUCE's callable");
     // collections.OrderedDict() (what nn.Module.state_dict() returns) is read as a dict, so that
     // SETITEMS can fill it; its BUILD state (`_metadata`) is kept on the dict.
     if (callee->module == "collections" && callee->name == "OrderedDict" && args->items.empty())
@@ -318,7 +318,7 @@ class Reader {
       case 'B':     // BINBYTES
       case 0x8e: {  // BINBYTES8
         NodePtr n = Node::str(take(le(op_ == 'C' ? 1 : op_ == 'B' ? 4 : 8)));
-        n->kind = Node::Kind::Bytes;
+        n->kind = Node::Kind::BYTES;
         push(counted(n));
         return;
       }
@@ -345,12 +345,12 @@ class Reader {
         return;
       case 'a': {  // APPEND
         NodePtr v = pop();
-        expect(top(), Node::Kind::List, "APPEND's target").get()->items.push_back(std::move(v));
+        expect(top(), Node::Kind::LIST, "APPEND's target").get()->items.push_back(std::move(v));
         return;
       }
       case 'e': {  // APPENDS
         std::vector<NodePtr> items = pop_mark();
-        auto& l = expect(top(), Node::Kind::List, "APPENDS' target")->items;
+        auto& l = expect(top(), Node::Kind::LIST, "APPENDS' target")->items;
         l.insert(l.end(), items.begin(), items.end());
         return;
       }
@@ -368,13 +368,13 @@ class Reader {
       case 's': {  // SETITEM
         NodePtr v = pop();
         NodePtr k = pop();
-        set_item(*expect(top(), Node::Kind::Dict, "SETITEM's target"), k, v);
+        set_item(*expect(top(), Node::Kind::DICT, "SETITEM's target"), k, v);
         return;
       }
       case 'u': {  // SETITEMS
         std::vector<NodePtr> items = pop_mark();
         if (items.size() % 2) fail("SETITEMS with an odd number of items");
-        Node& d = *expect(top(), Node::Kind::Dict, "SETITEMS' target");
+        Node& d = *expect(top(), Node::Kind::DICT, "SETITEMS' target");
         for (size_t k = 0; k < items.size(); k += 2) set_item(d, items[k], items[k + 1]);
         return;
       }
@@ -387,8 +387,8 @@ class Reader {
       case 0x93: {  // STACK_GLOBAL
         NodePtr name = pop();
         NodePtr module = pop();
-        expect(name, Node::Kind::Str, "STACK_GLOBAL's name");
-        expect(module, Node::Kind::Str, "STACK_GLOBAL's module");
+        expect(name, Node::Kind::STR, "STACK_GLOBAL's name");
+        expect(module, Node::Kind::STR, "STACK_GLOBAL's module");
         push(global(module->s, name->s));
         return;
       }
@@ -400,7 +400,7 @@ class Reader {
         return;
       case 'b': {  // BUILD
         NodePtr state = pop();
-        if (top()->kind != Node::Kind::Dict) expect(top(), Node::Kind::Object, "BUILD's target");
+        if (top()->kind != Node::Kind::DICT) expect(top(), Node::Kind::OBJECT, "BUILD's target");
         Node& obj = *top();
         if (obj.state) fail("BUILD applied twice to one object");
         obj.state = std::move(state);
@@ -464,22 +464,22 @@ class Writer {
     if (!n) throw PickleError("pickle write: null node");
     if (depth > 256) throw PickleError("pickle write: deeper than 256 levels (cyclic?)");
     switch (n->kind) {
-      case Node::Kind::None:
+      case Node::Kind::NONE:
         out_ += 'N';
         return;
-      case Node::Kind::Bool:
+      case Node::Kind::BOOL:
         out_ += n->b ? '\x88' : '\x89';
         return;
-      case Node::Kind::Int:
+      case Node::Kind::INT:
         return integer(n->i);
-      case Node::Kind::Float: {
+      case Node::Kind::FLOAT: {
         uint64_t bits;
         std::memcpy(&bits, &n->f, sizeof bits);
         out_ += 'G';
         for (int k = 7; k >= 0; --k) out_ += static_cast<char>((bits >> (8 * k)) & 0xff);
         return;
       }
-      case Node::Kind::Str:
+      case Node::Kind::STR:
         if (n->s.size() > 0xffffffffu) throw PickleError("pickle write: string too long");
         if (recall('s' + n->s)) return;
         out_ += 'X';
@@ -487,9 +487,9 @@ class Writer {
         out_ += n->s;
         remember();
         return;
-      case Node::Kind::Bytes:
+      case Node::Kind::BYTES:
         throw PickleError("pickle write: bytes need protocol 3, this writer emits protocol 2");
-      case Node::Kind::Tuple:
+      case Node::Kind::TUPLE:
         if (n->items.empty()) {
           out_ += ')';
         } else if (n->items.size() <= 3) {
@@ -501,7 +501,7 @@ class Writer {
           out_ += 't';
         }
         return;
-      case Node::Kind::List:
+      case Node::Kind::LIST:
         out_ += ']';
         if (!n->items.empty()) {
           out_ += '(';
@@ -509,7 +509,7 @@ class Writer {
           out_ += 'e';
         }
         return;
-      case Node::Kind::Dict:
+      case Node::Kind::DICT:
         out_ += '}';
         if (!n->entries.empty()) {
           out_ += '(';
@@ -520,21 +520,21 @@ class Writer {
           out_ += 'u';
         }
         return;
-      case Node::Kind::Global:
+      case Node::Kind::GLOBAL:
         if (n->module.find('\n') != std::string::npos || n->name.find('\n') != std::string::npos)
           throw PickleError("pickle write: newline in a global's name");
         if (recall('g' + n->module + '\n' + n->name)) return;
         out_ += 'c' + n->module + '\n' + n->name + '\n';
         remember();
         return;
-      case Node::Kind::PersId:
+      case Node::Kind::PERS_ID:
         if (n->items.size() != 1)
           throw PickleError("pickle write: a persistent id holds one value");
         emit(n->items[0], depth + 1);
         out_ += 'Q';
         return;
-      case Node::Kind::Object:
-        if (!n->callee || n->callee->kind != Node::Kind::Global)
+      case Node::Kind::OBJECT:
+        if (!n->callee || n->callee->kind != Node::Kind::GLOBAL)
           throw PickleError("pickle write: an object's callee must be a global");
         emit(n->callee, depth + 1);
         emit(Node::tuple(n->items), depth + 1);

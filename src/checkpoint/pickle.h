@@ -37,8 +37,21 @@ using NodePtr = std::shared_ptr<Node>;
 
 /// One decoded value. Containers hold shared pointers, as the pickle's memo can share them.
 struct Node {
-  enum class Kind { None, Bool, Int, Float, Str, Bytes, Tuple, List, Dict, Global, Object, PersId };
-  Kind kind = Kind::None;
+  enum class Kind {
+    NONE,
+    BOOL,
+    INT,
+    FLOAT,
+    STR,
+    BYTES,
+    TUPLE,
+    LIST,
+    DICT,
+    GLOBAL,
+    OBJECT,
+    PERS_ID
+  };
+  Kind kind = Kind::NONE;
   bool b = false;
   int64_t i = 0;
   double f = 0;

@@ -447,17 +447,17 @@ ModelFrom model_source(const Target& t, const StateDictOptions& o,
                        const std::vector<std::string>& flags) {
   dist::ProcessGroup* pg = t.group();
   const bool multi = pg && pg->size() > 1;
-  if (o.broadcast_from_rank0() && multi) return ModelFrom::kRank0;
-  if (!t.wrapped || !multi) return ModelFrom::kOwn;  // local: an empty dict loads nothing
+  if (o.broadcast_from_rank0() && multi) return ModelFrom::RANK0;
+  if (!t.wrapped || !multi) return ModelFrom::OWN;  // local: an empty dict loads nothing
   // A wrapped model over several ranks: what the ranks passed decides.
   std::vector<int> with, without;
   for (size_t r = 0; r < flags.size(); ++r)
     (flags[r][0] == 'm' ? with : without).push_back(static_cast<int>(r));
-  if (with.empty()) return ModelFrom::kNowhere;  // an empty dict loads nothing (PyTorch)
-  if (without.empty()) return ModelFrom::kOwn;
+  if (with.empty()) return ModelFrom::NOWHERE;  // an empty dict loads nothing (PyTorch)
+  if (without.empty()) return ModelFrom::OWN;
   // What a full_state_dict + cpu_offload get leaves: values on rank 0, empty dicts elsewhere.
   // (PyTorch's FSDP would wait forever here: rank 0 loads while the others skip the load.)
-  if (o.full_state_dict() && o.cpu_offload() && with.front() == 0) return ModelFrom::kRank0;
+  if (o.full_state_dict() && o.cpu_offload() && with.front() == 0) return ModelFrom::RANK0;
   throw ValueError(
       "set_model_state_dict: rank " + std::to_string(without.front()) +
       " passed an empty model state dict but rank " + std::to_string(with.front()) +
@@ -467,8 +467,8 @@ ModelFrom model_source(const Target& t, const StateDictOptions& o,
 
 LoadResult load_model(const Target& t, const StateDict& msd, const StateDictOptions& o,
                       ModelFrom from) {
-  if (from == ModelFrom::kNowhere) return LoadResult();
-  if (from == ModelFrom::kRank0) {
+  if (from == ModelFrom::NOWHERE) return LoadResult();
+  if (from == ModelFrom::RANK0) {
     if (t.wrapped) return detail::load_state_dict_from_rank0(t.wrapped, msd, o.strict());
     // A replica per rank: rank 0's values go straight into every rank's own tensors.
     StateDict local = module_state_dict(*t.plain);
@@ -524,7 +524,7 @@ LoadResult set_impl(const Target& t, const Optimizers& optimizers, const StateDi
                      ": rank 0 holds no optimizer state dict, and its dict is the one "
                      "loaded (broadcast_from_rank0, or full_state_dict with cpu_offload)");
   }
-  const ModelFrom from = msd ? model_source(t, o, flags) : ModelFrom::kNowhere;
+  const ModelFrom from = msd ? model_source(t, o, flags) : ModelFrom::NOWHERE;
   if (osd) load_optimizers(t, optimizers, parts, optim_rank0, o);
   return msd ? load_model(t, *msd, o, from) : LoadResult();
 }

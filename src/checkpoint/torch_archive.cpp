@@ -278,32 +278,32 @@ StateValue Values::value(const pickle::NodePtr& n, const std::string& name, int 
   using K = pickle::Node::Kind;
   if (depth > 64) fail(name + " is nested deeper than 64 levels");
   switch (n->kind) {
-    case K::None:
+    case K::NONE:
       return StateValue();
-    case K::Bool:
+    case K::BOOL:
       return StateValue(n->b);
-    case K::Int:
+    case K::INT:
       return StateValue(n->i);
-    case K::Float:
+    case K::FLOAT:
       return StateValue(n->f);
-    case K::Str:
+    case K::STR:
       return StateValue(n->s);
-    case K::List:
-    case K::Tuple: {
+    case K::LIST:
+    case K::TUPLE: {
       StateList l;
       for (size_t i = 0; i < n->items.size(); ++i)
         l.push_back(value(n->items[i], name + "[" + std::to_string(i) + "]", depth + 1));
       return StateValue(std::move(l));
     }
-    case K::Dict: {
+    case K::DICT: {
       StateDict d;
       for (const auto& [k, v] : n->entries) {
-        if (!k->is(K::Str)) fail(name + " has a key that is not a str");
+        if (!k->is(K::STR)) fail(name + " has a key that is not a str");
         d.insert_or_assign(k->s, value(v, name.empty() ? k->s : name + "." + k->s, depth + 1));
       }
       return StateValue(std::move(d));
     }
-    case K::Object:
+    case K::OBJECT:
       if (n->class_name() == "torch._utils._rebuild_tensor_v2") return tensor(*n, name);
       fail(name + " is a " + n->class_name() + ", which fsdp-cpp does not read");
     default:
@@ -312,10 +312,10 @@ StateValue Values::value(const pickle::NodePtr& n, const std::string& name, int 
 }
 
 std::vector<int64_t> Values::ints(const pickle::NodePtr& n, const std::string& what) const {
-  if (!n->is(pickle::Node::Kind::Tuple)) fail(what + " is not a tuple");
+  if (!n->is(pickle::Node::Kind::TUPLE)) fail(what + " is not a tuple");
   std::vector<int64_t> out;
   for (const auto& x : n->items) {
-    if (!x->is(pickle::Node::Kind::Int)) fail(what + " holds a non-integer");
+    if (!x->is(pickle::Node::Kind::INT)) fail(what + " holds a non-integer");
     out.push_back(x->i);
   }
   return out;
@@ -325,12 +325,12 @@ at::Tensor Values::tensor(const pickle::Node& call, const std::string& name) {
   using K = pickle::Node::Kind;
   const auto& a = call.items;
   if (call.class_name() != "torch._utils._rebuild_tensor_v2" || a.size() < 4 ||
-      !a[0]->is(K::PersId) || !a[1]->is(K::Int))
+      !a[0]->is(K::PERS_ID) || !a[1]->is(K::INT))
     fail("tensor '" + name + "' has unexpected _rebuild_tensor_v2 arguments");
   const pickle::NodePtr& pid = a[0]->items[0];
-  if (!pid->is(K::Tuple) || pid->items.size() != 5 || !pid->items[0]->is(K::Str) ||
-      pid->items[0]->s != "storage" || !pid->items[1]->is(K::Global) ||
-      !pid->items[2]->is(K::Str) || !pid->items[4]->is(K::Int))
+  if (!pid->is(K::TUPLE) || pid->items.size() != 5 || !pid->items[0]->is(K::STR) ||
+      pid->items[0]->s != "storage" || !pid->items[1]->is(K::GLOBAL) ||
+      !pid->items[2]->is(K::STR) || !pid->items[4]->is(K::INT))
     fail("tensor '" + name + "' refers to its storage in an unexpected way");
   at::ScalarType dtype = at::kFloat;
   bool known = false;

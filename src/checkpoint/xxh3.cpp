@@ -34,11 +34,11 @@ bool cpu_has_avx2() {
 #endif
 }
 
-// kBest is AVX2 where the CPU has it; asking for AVX2 where it is not there is a programming error.
+// BEST is AVX2 where the CPU has it; asking for AVX2 where it is not there is a programming error.
 Xxh3Build resolve(Xxh3Build build) {
-  if (build == Xxh3Build::kBest)
-    return xxh3_avx2_available() ? Xxh3Build::kAvx2 : Xxh3Build::kPortable;
-  if (build == Xxh3Build::kAvx2 && !xxh3_avx2_available())
+  if (build == Xxh3Build::BEST)
+    return xxh3_avx2_available() ? Xxh3Build::AVX2 : Xxh3Build::PORTABLE;
+  if (build == Xxh3Build::AVX2 && !xxh3_avx2_available())
     throw std::logic_error("xxh3: the AVX2 build was asked for, and this build or CPU lacks it");
   return build;
 }
@@ -51,7 +51,7 @@ bool xxh3_avx2_available() {
 }
 
 std::string xxh3_hex(const void* data, size_t n, Xxh3Build build) {
-  const bool avx2 = resolve(build) == Xxh3Build::kAvx2;
+  const bool avx2 = resolve(build) == Xxh3Build::AVX2;
 #if FSDP_XXH3_AVX2
   if (avx2) return hex16(xxh3_avx2::hash(data, n));
 #endif
@@ -64,7 +64,7 @@ struct Xxh3Stream::State {
 };
 
 Xxh3Stream::Xxh3Stream(Xxh3Build build)
-    : state_(std::make_unique<State>()), avx2_(resolve(build) == Xxh3Build::kAvx2) {
+    : state_(std::make_unique<State>()), avx2_(resolve(build) == Xxh3Build::AVX2) {
   XXH3_64bits_reset(&state_->s);
 }
 Xxh3Stream::~Xxh3Stream() = default;

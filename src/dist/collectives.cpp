@@ -161,7 +161,7 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
 // ---------------------------------------------------------------------------------------------
 // All-gather
 
-// From this output size up, kAuto on Gloo is pairwise. Measured in training steps (bench_scaling,
+// From this output size up, AUTO on Gloo is pairwise. Measured in training steps (bench_scaling,
 // W=2, FULL_SHARD, LibTorch 1.13, interleaved A/B of the two): with 2 MB units pairwise made the
 // step 20% slower (178 against 147 ms: about 1 ms more per all-gather, there in flight beside the
 // computation), with 5 MB units the two were level (336 against 340 ms), with 12.5 MB units
@@ -181,8 +181,8 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
                      ", expected " + std::to_string(input.numel() * s.size) + " of " +
                      c10::toString(input.scalar_type()));
   }
-  if (algo == AllGatherAlgo::kPairwise) {
-    pairwise_needs_gloo(op, *this, s.backend_name, "AllGatherAlgo::kPairwise");
+  if (algo == AllGatherAlgo::PAIRWISE) {
+    pairwise_needs_gloo(op, *this, s.backend_name, "AllGatherAlgo::PAIRWISE");
   }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
@@ -198,13 +198,13 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   }
   at::Tensor out_flat = as_wire(output.view(-1));
   at::Tensor in_flat = as_wire(input.view(-1));
-  if (algo == AllGatherAlgo::kAuto) {
+  if (algo == AllGatherAlgo::AUTO) {
     // Gloo's own all-gather allocates and copies a whole output's worth on every call (see
     // pairwise.cpp): pairwise from kPairwiseAllGatherMinBytes, where that matters (docs/dist.md).
     const bool big = out_flat.numel() * out_flat.element_size() >= kPairwiseAllGatherMinBytes;
-    algo = s.backend_name == "gloo" && big ? AllGatherAlgo::kPairwise : AllGatherAlgo::kNative;
+    algo = s.backend_name == "gloo" && big ? AllGatherAlgo::PAIRWISE : AllGatherAlgo::NATIVE;
   }
-  if (algo == AllGatherAlgo::kPairwise) {
+  if (algo == AllGatherAlgo::PAIRWISE) {
     // Pieces land in the output while the input is still being sent: an input inside the output
     // must be this rank's own piece of it (in place), where nothing lands.
     const auto lo = reinterpret_cast<uintptr_t>(out_flat.data_ptr());
@@ -261,24 +261,24 @@ void check_reduce_scatter_args(const char* op, const ProcessGroup& g, int world,
                      " x " + std::to_string(world) + " ranks) of " +
                      c10::toString(output.scalar_type()));
   }
-  if (algo == ReduceScatterAlgo::kPairwise) {
-    pairwise_needs_gloo(op, g, backend, "ReduceScatterAlgo::kPairwise");
+  if (algo == ReduceScatterAlgo::PAIRWISE) {
+    pairwise_needs_gloo(op, g, backend, "ReduceScatterAlgo::PAIRWISE");
   }
 }
 
-// The algorithm a reduce-scatter of op_kind over `backend` runs: `algo` as given, or kAuto's
-// choice. Throws for kNative where the backend's native form would not honour op_kind.
+// The algorithm a reduce-scatter of op_kind over `backend` runs: `algo` as given, or AUTO's
+// choice. Throws for NATIVE where the backend's native form would not honour op_kind.
 ReduceScatterAlgo resolve_reduce_scatter_algo(const char* op, const ProcessGroup& g,
                                               const std::string& backend, ReduceOp op_kind,
                                               ReduceScatterAlgo algo) {
   const bool native_ok = compat::native_flat_collectives(backend) &&
                          compat::native_reduce_scatter_honours(backend, to_c10d(op_kind));
-  if (algo == ReduceScatterAlgo::kNative && !native_ok) {
+  if (algo == ReduceScatterAlgo::NATIVE && !native_ok) {
     // Refuse rather than return a silently wrong reduction (Gloo's native form always sums).
     throw ValueError(describe(op, g) + ": the " + backend +
-                     " backend has no native reduce-scatter that honours this op; use kAuto");
+                     " backend has no native reduce-scatter that honours this op; use AUTO");
   }
-  if (algo == ReduceScatterAlgo::kAuto) {
+  if (algo == ReduceScatterAlgo::AUTO) {
     // Measured with bench/bench_collectives (docs/dist.md): on Gloo, alltoall + local sum is
     // 2-3x faster than allreduce + narrow from 1 MiB per rank up (half the bytes) and level or
     // ahead below; its rank-ordered sum is also reproducible bit for bit. Pairwise moves the same
@@ -288,13 +288,12 @@ ReduceScatterAlgo resolve_reduce_scatter_algo(const char* op, const ProcessGroup
     // that, on a clone of the input made on the caller's thread and released by Gloo's worker
     // thread whenever it drops its work, so it also costs a unit of memory at a moment that
     // varies from run to run. Native is the default only where it is a real reduce-scatter.
-    algo =
-        native_ok && backend != "gloo" ? ReduceScatterAlgo::kNative : ReduceScatterAlgo::kPairwise;
+    algo = native_ok && backend != "gloo" ? ReduceScatterAlgo::NATIVE : ReduceScatterAlgo::PAIRWISE;
   }
   return algo;
 }
 
-// The finish step of kAllToAll: `recv` holds the W pieces of this rank's chunk, n elements each,
+// The finish step of ALL_TO_ALL: `recv` holds the W pieces of this rank's chunk, n elements each,
 // in rank order; they are combined into out_flat, `divide` divides the result, and `recv` goes.
 template <typename Divide>
 std::function<void()> combine_all_to_all(at::Tensor recv, at::Tensor out_flat, ReduceOp op_kind,
@@ -356,14 +355,14 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
     return launch(op, {});
   }
   switch (resolve_reduce_scatter_algo(op, *this, s.backend_name, op_kind, algo)) {
-    case ReduceScatterAlgo::kNative: {
+    case ReduceScatterAlgo::NATIVE: {
       c10d::ReduceScatterOptions opts;
       opts.reduceOp = to_c10d(op_kind);
       opts.timeout = s.timeout;
       auto w = FSDP_START(op, s.backend->_reduce_scatter_base(out_flat, in_flat, opts));
       return launch(op, std::move(w), divide);
     }
-    case ReduceScatterAlgo::kAllToAll: {
+    case ReduceScatterAlgo::ALL_TO_ALL: {
       at::Tensor recv = fsdp::detail::empty_buffer(in_flat.numel(), in_flat.options());
       c10d::AllToAllOptions opts;
       opts.timeout = s.timeout;
@@ -372,7 +371,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       return launch(op, std::move(w),
                     combine_all_to_all(std::move(recv), out_flat, op_kind, world, n, divide));
     }
-    case ReduceScatterAlgo::kAllReduce: {
+    case ReduceScatterAlgo::ALL_REDUCE: {
       at::Tensor tmp = in_flat.clone();
       c10d::AllreduceOptions opts;
       opts.reduceOp = to_c10d(op_kind);
@@ -386,13 +385,13 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
         detail::release_completed(tmp);
       });
     }
-    case ReduceScatterAlgo::kPairwise: {
+    case ReduceScatterAlgo::PAIRWISE: {
       std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world));
       for (int q = 0; q < world; ++q)
         chunks[static_cast<size_t>(q)] = {in_flat.narrow(0, q * n, n)};
       return launch_pairwise(op, out_flat, std::move(chunks), op_kind, std::move(divisors));
     }
-    case ReduceScatterAlgo::kAuto:
+    case ReduceScatterAlgo::AUTO:
       break;
   }
   throw InternalError("reduce_scatter_tensor: unhandled algorithm");
@@ -417,8 +416,8 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
     throw ValueError(describe(op, *this) + ": expected " + std::to_string(s.size) +
                      " chunks (one per rank), got " + std::to_string(chunks.size()));
   }
-  if (algo == ReduceScatterAlgo::kPairwise) {
-    pairwise_needs_gloo(op, *this, s.backend_name, "ReduceScatterAlgo::kPairwise");
+  if (algo == ReduceScatterAlgo::PAIRWISE) {
+    pairwise_needs_gloo(op, *this, s.backend_name, "ReduceScatterAlgo::PAIRWISE");
   }
   bool on_device = !elsewhere(s.device, output);
   for (size_t q = 0; q < chunks.size(); ++q) {
@@ -442,8 +441,8 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
     }
     chunks[q] = std::move(kept);
   }
-  const bool pairwise = algo == ReduceScatterAlgo::kPairwise ||
-                        (algo == ReduceScatterAlgo::kAuto && s.backend_name == "gloo");
+  const bool pairwise = algo == ReduceScatterAlgo::PAIRWISE ||
+                        (algo == ReduceScatterAlgo::AUTO && s.backend_name == "gloo");
   if (!pairwise || !on_device || s.size == 1 || n == 0 ||
       gloo_lacks(s.backend_name, output.scalar_type())) {
     // Everything else goes through the flat form, on one concatenated copy of the input.

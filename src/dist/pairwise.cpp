@@ -1,5 +1,5 @@
 // Collectives out of point-to-point sends and receives on the backend (Gloo): the reduce-scatter
-// (ReduceScatterAlgo::kPairwise) and the all-gather (AllGatherAlgo::kPairwise).
+// (ReduceScatterAlgo::PAIRWISE) and the all-gather (AllGatherAlgo::PAIRWISE).
 //
 // Reduce-scatter. Why not the all-to-all: alltoall_base needs a receive buffer the size of the
 // whole input (W pieces, one of them this rank's own, copied locally by Gloo), so a unit's
@@ -8,7 +8,7 @@
 // its own chunk straight into the output (sums) and the others into at most two chunk-sized
 // buffers, reused as the sum goes on, and reads its own piece in place: W=2 needs no scratch at
 // all, W=4 one or two chunks where the all-to-all holds a whole unit. The sum is the all-to-all's,
-// in rank order, so the results are bit-identical to kAllToAll.
+// in rank order, so the results are bit-identical to ALL_TO_ALL.
 //
 // The sends and the first receives are posted at the start; the sum, and the receives that reuse a
 // buffer, run in the finish (Work::wait), each wait bounded by the group's timeout.

@@ -97,7 +97,7 @@ size_t fusable_divisors(at::ScalarType dtype, const std::vector<double>& divisor
 void sum_then_divide(const at::Tensor& acc, const std::vector<at::Tensor>& srcs,
                      const std::vector<double>& divisors, size_t count);
 
-// Starts ReduceScatterAlgo::kPairwise (pairwise.cpp): posts the sends and the first
+// Starts ReduceScatterAlgo::PAIRWISE (pairwise.cpp): posts the sends and the first
 // receives and returns the finish step for Work (receives the rest, sums in rank order into
 // `out_flat`, divides by `divisors` in turn, the leading powers of two in the last addition's
 // pass; divisors are for SUM and AVG only). The input is given as chunks[q], the non-empty 1-D
@@ -109,7 +109,7 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
                                                     std::vector<std::vector<at::Tensor>> chunks,
                                                     ReduceOp op, std::vector<double> divisors);
 
-// Starts AllGatherAlgo::kPairwise (pairwise.cpp): posts a receive of every peer's input into its
+// Starts AllGatherAlgo::PAIRWISE (pairwise.cpp): posts a receive of every peer's input into its
 // place in `out_flat` and a send of `in_flat` to every peer, copies this rank's own piece (unless
 // `in_flat` is that piece already) and returns the finish step for Work (waits for all of them).
 // `in_flat` must not overlap `out_flat` anywhere else.

@@ -196,8 +196,8 @@ void FlatParamHandle::reduce_grad_async() {
     at::Tensor out = detail::empty_buffer(
         layout_.sharded_numel, at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU));
     auto [by_collective, owed] = split_divisions(reduce_dtype_, /*scatter=*/true);
-    dist::Work w = group_.reduce_scatter_pieces_async(
-        out, std::move(chunks), dist::ReduceOp::SUM, dist::ReduceScatterAlgo::kAuto, by_collective);
+    dist::Work w = group_.reduce_scatter_pieces_async(out, std::move(chunks), dist::ReduceOp::SUM,
+                                                      dist::ReduceScatterAlgo::AUTO, by_collective);
     pending_reduce_.reset(
         new PendingReduce{at::Tensor(), std::move(out), std::move(w), std::move(owed)});
     grads_unreduced_ = true;
@@ -366,8 +366,8 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
   if (uses_sharded_strategy()) {
     at::Tensor out = detail::empty_buffer(layout_.sharded_numel, g.options());
     auto [by_collective, owed] = split_divisions(g.scalar_type(), /*scatter=*/true);
-    dist::Work w = group_.reduce_scatter_tensor_async(
-        out, g, dist::ReduceOp::SUM, dist::ReduceScatterAlgo::kAuto, by_collective);
+    dist::Work w = group_.reduce_scatter_tensor_async(out, g, dist::ReduceOp::SUM,
+                                                      dist::ReduceScatterAlgo::AUTO, by_collective);
     pending_reduce_.reset(
         new PendingReduce{std::move(g), std::move(out), std::move(w), std::move(owed)});
   } else {

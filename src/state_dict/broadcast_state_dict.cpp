@@ -89,9 +89,9 @@ std::string encode(const StateDict& flat, const FlattenMapping& mapping) {
     }
     w.pod<uint8_t>(static_cast<uint8_t>(v.kind()));
     switch (v.kind()) {
-      case StateValue::Kind::None:
+      case StateValue::Kind::NONE:
         break;
-      case StateValue::Kind::Tensor: {
+      case StateValue::Kind::TENSOR: {
         const at::Tensor& t = v.tensor();
         w.pod<int8_t>(static_cast<int8_t>(t.scalar_type()));
         w.pod<uint64_t>(t.dim());
@@ -102,16 +102,16 @@ std::string encode(const StateDict& flat, const FlattenMapping& mapping) {
         }
         break;
       }
-      case StateValue::Kind::Int:
+      case StateValue::Kind::INT:
         w.pod<int64_t>(v.to_int());
         break;
-      case StateValue::Kind::Double:
+      case StateValue::Kind::DOUBLE:
         w.pod<double>(v.to_double());
         break;
-      case StateValue::Kind::Bool:
+      case StateValue::Kind::BOOL:
         w.pod<uint8_t>(v.to_bool() ? 1 : 0);
         break;
-      case StateValue::Kind::String:
+      case StateValue::Kind::STRING:
         w.str(v.string());
         break;
       default: {  // ShardedTensor (a flattened dict has no List or Dict left)
@@ -145,9 +145,9 @@ std::vector<Entry> decode(const std::string& bytes, int src) {
     }
     const auto kind = static_cast<StateValue::Kind>(r.pod<uint8_t>());
     switch (kind) {
-      case StateValue::Kind::None:
+      case StateValue::Kind::NONE:
         break;
-      case StateValue::Kind::Tensor: {
+      case StateValue::Kind::TENSOR: {
         e.dtype = static_cast<at::ScalarType>(r.pod<int8_t>());
         const auto dim = r.pod<uint64_t>();
         for (uint64_t d = 0; d < dim; ++d) e.shape.push_back(r.pod<int64_t>());
@@ -164,16 +164,16 @@ std::vector<Entry> decode(const std::string& bytes, int src) {
         }
         break;
       }
-      case StateValue::Kind::Int:
+      case StateValue::Kind::INT:
         e.value = r.pod<int64_t>();
         break;
-      case StateValue::Kind::Double:
+      case StateValue::Kind::DOUBLE:
         e.value = r.pod<double>();
         break;
-      case StateValue::Kind::Bool:
+      case StateValue::Kind::BOOL:
         e.value = r.pod<uint8_t>() != 0;
         break;
-      case StateValue::Kind::String:
+      case StateValue::Kind::STRING:
         e.value = r.str();
         break;
       default:

@@ -70,14 +70,14 @@ void GatherQueue::start(dist::ProcessGroup& pg, Gather g) {
   // Fresh memory the gather writes whole: huge pages from a unit's size (util/huge_pages.h).
   g.out = empty_buffer(g.in.numel() * pg.size(), g.in.options());
   g.bytes += nbytes(g.out);
-  // On Gloo, pairwise from 1 MiB rather than kAuto's 4 MiB: Gloo's own all-gather receives into
+  // On Gloo, pairwise from 1 MiB rather than AUTO's 4 MiB: Gloo's own all-gather receives into
   // a scratch output it allocates afresh and then copies out, which on top of the fresh memory
   // the dict keeps cost more than the transfer (8M parameters in 2 MB units and state tensors,
-  // W=2: consolidation 35-40 ms pairwise against 62 ms native; docs/performance.md). kAuto's
+  // W=2: consolidation 35-40 ms pairwise against 62 ms native; docs/performance.md). AUTO's
   // threshold stays for training, where pairwise below 4 MiB measured slower (docs/dist.md).
   const bool pairwise = pg.backend_name() == "gloo" && nbytes(g.out) >= kCoalesceBelowBytes;
   g.work.emplace(pg.all_gather_into_tensor_async(
-      g.out, g.in, pairwise ? dist::AllGatherAlgo::kPairwise : dist::AllGatherAlgo::kAuto));
+      g.out, g.in, pairwise ? dist::AllGatherAlgo::PAIRWISE : dist::AllGatherAlgo::AUTO));
   g.world = pg.size();
   in_flight_bytes_ += g.bytes;
   in_flight_.push_back(std::move(g));

@@ -231,23 +231,23 @@ void StateDict::reindex() {
 
 const char* to_string(StateValue::Kind k) {
   switch (k) {
-    case StateValue::Kind::None:
+    case StateValue::Kind::NONE:
       return "None";
-    case StateValue::Kind::Tensor:
+    case StateValue::Kind::TENSOR:
       return "Tensor";
-    case StateValue::Kind::ShardedTensor:
+    case StateValue::Kind::SHARDED_TENSOR:
       return "ShardedTensor";
-    case StateValue::Kind::Int:
+    case StateValue::Kind::INT:
       return "int";
-    case StateValue::Kind::Double:
+    case StateValue::Kind::DOUBLE:
       return "float";
-    case StateValue::Kind::Bool:
+    case StateValue::Kind::BOOL:
       return "bool";
-    case StateValue::Kind::String:
+    case StateValue::Kind::STRING:
       return "str";
-    case StateValue::Kind::List:
+    case StateValue::Kind::LIST:
       return "list";
-    case StateValue::Kind::Dict:
+    case StateValue::Kind::DICT:
       return "dict";
   }
   return "?";
@@ -264,28 +264,28 @@ auto& get_as(V& v, StateValue::Kind want, StateValue::Kind have) {
 }  // namespace
 
 const at::Tensor& StateValue::tensor() const {
-  return get_as<at::Tensor>(v_, Kind::Tensor, kind());
+  return get_as<at::Tensor>(v_, Kind::TENSOR, kind());
 }
-at::Tensor& StateValue::tensor() { return get_as<at::Tensor>(v_, Kind::Tensor, kind()); }
+at::Tensor& StateValue::tensor() { return get_as<at::Tensor>(v_, Kind::TENSOR, kind()); }
 const ShardedTensor& StateValue::sharded_tensor() const {
-  return get_as<ShardedTensor>(v_, Kind::ShardedTensor, kind());
+  return get_as<ShardedTensor>(v_, Kind::SHARDED_TENSOR, kind());
 }
 ShardedTensor& StateValue::sharded_tensor() {
-  return get_as<ShardedTensor>(v_, Kind::ShardedTensor, kind());
+  return get_as<ShardedTensor>(v_, Kind::SHARDED_TENSOR, kind());
 }
-int64_t StateValue::to_int() const { return get_as<int64_t>(v_, Kind::Int, kind()); }
+int64_t StateValue::to_int() const { return get_as<int64_t>(v_, Kind::INT, kind()); }
 double StateValue::to_double() const {
   if (is_int()) return static_cast<double>(std::get<int64_t>(v_));
-  return get_as<double>(v_, Kind::Double, kind());
+  return get_as<double>(v_, Kind::DOUBLE, kind());
 }
-bool StateValue::to_bool() const { return get_as<bool>(v_, Kind::Bool, kind()); }
+bool StateValue::to_bool() const { return get_as<bool>(v_, Kind::BOOL, kind()); }
 const std::string& StateValue::string() const {
-  return get_as<std::string>(v_, Kind::String, kind());
+  return get_as<std::string>(v_, Kind::STRING, kind());
 }
-const StateList& StateValue::list() const { return get_as<StateList>(v_, Kind::List, kind()); }
-StateList& StateValue::list() { return get_as<StateList>(v_, Kind::List, kind()); }
-const StateDict& StateValue::dict() const { return get_as<StateDict>(v_, Kind::Dict, kind()); }
-StateDict& StateValue::dict() { return get_as<StateDict>(v_, Kind::Dict, kind()); }
+const StateList& StateValue::list() const { return get_as<StateList>(v_, Kind::LIST, kind()); }
+StateList& StateValue::list() { return get_as<StateList>(v_, Kind::LIST, kind()); }
+const StateDict& StateValue::dict() const { return get_as<StateDict>(v_, Kind::DICT, kind()); }
+StateDict& StateValue::dict() { return get_as<StateDict>(v_, Kind::DICT, kind()); }
 
 // ---------------------------------------------------------------------------------------------
 

@@ -129,22 +129,22 @@ bool same_keys(const StateDict& a, const StateDict& b) {
 bool similar(const StateValue& a, const StateValue& b) {
   if (a.kind() != b.kind()) return false;
   switch (a.kind()) {
-    case StateValue::Kind::Dict: {
+    case StateValue::Kind::DICT: {
       if (!same_keys(a.dict(), b.dict())) return false;
       for (const auto& [k, v] : a.dict())
         if (!similar(v, b.dict().at(k))) return false;
       return true;
     }
-    case StateValue::Kind::List: {
+    case StateValue::Kind::LIST: {
       if (a.list().size() != b.list().size()) return false;
       for (size_t i = 0; i < a.list().size(); ++i)
         if (!similar(a.list()[i], b.list()[i])) return false;
       return true;
     }
-    case StateValue::Kind::Tensor:
+    case StateValue::Kind::TENSOR:
       return a.tensor().sizes() == b.tensor().sizes() &&
              a.tensor().scalar_type() == b.tensor().scalar_type();
-    case StateValue::Kind::ShardedTensor:
+    case StateValue::Kind::SHARDED_TENSOR:
       return a.sharded_tensor().size() == b.sharded_tensor().size() &&
              a.sharded_tensor().dtype() == b.sharded_tensor().dtype();
     default:
