@@ -33,15 +33,15 @@ namespace json {
 
 /// A parsed JSON value. Numbers keep their text; integers are also available as int64.
 struct Value {
-  enum class Kind { Null, Bool, Number, String, Array, Object };
-  Kind kind = Kind::Null;
+  enum class Kind { NONE, BOOL, NUMBER, STRING, ARRAY, OBJECT };  // NONE: JSON's null
+  Kind kind = Kind::NONE;
   bool boolean = false;
   std::string text;  // String: the decoded string; Number: the literal
   std::vector<Value> array;
   std::vector<std::pair<std::string, Value>> object;  // in document order
 
   bool is_integer() const {
-    return kind == Kind::Number && text.find_first_of(".eE") == std::string::npos;
+    return kind == Kind::NUMBER && text.find_first_of(".eE") == std::string::npos;
   }
   int64_t as_int(const std::string& what) const {
     if (!is_integer()) throw std::runtime_error(what + ": expected an integer");
@@ -117,7 +117,7 @@ class Parser {
         if (d != ',') fail("expected ',' or '}'");
       }
     } else if (c == '[') {
-      v.kind = Value::Kind::Array;
+      v.kind = Value::Kind::ARRAY;
       ++i_;
       if (peek() == ']') {
         ++i_;
@@ -138,14 +138,14 @@ class Parser {
         const size_t n = std::strlen(lit);
         if (s_.compare(i_, n, lit) == 0) {
           i_ += n;
-          v.kind = lit[0] == 'n' ? Value::Kind::Null : Value::Kind::BOOL;
+          v.kind = lit[0] == 'n' ? Value::Kind::NONE : Value::Kind::BOOL;
           v.boolean = lit[0] == 't';
           return v;
         }
       }
       fail("bad literal");
     } else if (c == '-' || (c >= '0' && c <= '9')) {
-      v.kind = Value::Kind::Number;
+      v.kind = Value::Kind::NUMBER;
       const size_t start = i_;
       if (s_[i_] == '-') ++i_;
       auto digits = [&] {
@@ -433,7 +433,7 @@ inline File read(const std::string& path) {
     if (!dt || !sh || !off || v.object.size() != 3)
       throw fail("entry '" + name + "' needs exactly dtype, shape and data_offsets");
     const at::ScalarType dtype = dtype_from_name(dt->as_string(what), what);
-    if (sh->kind != json::Value::Kind::Array) throw fail("shape of '" + name + "' is not a list");
+    if (sh->kind != json::Value::Kind::ARRAY) throw fail("shape of '" + name + "' is not a list");
     std::vector<int64_t> shape;
     uint64_t numel = 1;
     for (const auto& d : sh->array) {
@@ -444,7 +444,7 @@ inline File read(const std::string& path) {
         throw fail("shape of '" + name + "' overflows");
       numel *= static_cast<uint64_t>(x);
     }
-    if (off->kind != json::Value::Kind::Array || off->array.size() != 2)
+    if (off->kind != json::Value::Kind::ARRAY || off->array.size() != 2)
       throw fail("data_offsets of '" + name + "' is not [begin, end]");
     const int64_t b = off->array[0].as_int(what + " data_offsets");
     const int64_t e = off->array[1].as_int(what + " data_offsets");
