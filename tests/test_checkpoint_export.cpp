@@ -312,6 +312,9 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
         {"empty", "", "shorter than"},
         {"header length beyond the file", huge_len, "header length"},
         {"header not JSON", with_header("{\"w\": "), "not valid JSON"},
+        // nlohmann's parser stops at a NUL: without our check this header parsed (issue 39).
+        {"header with a NUL and garbage after it",
+         with_header(header + std::string("\0garbage", 8)), "a NUL byte at offset"},
         {"unknown dtype", replaced("\"F32\"", "\"F99\""), "unsupported dtype 'F99'"},
         {"negative dimension", replaced("[6,5]", "[-6,5]"), "bad shape"},
         {"offsets past the data", replaced("\"data_offsets\":[0,", "\"data_offsets\":[99999,"),
@@ -368,6 +371,19 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
       w.writeRecord("data.pkl", pkl.data(), pkl.size());
       w.writeEndOfFile();
     }
+    // A list nested a million deep (a million EMPTY_LISTs, then APPENDs): within every limit of
+    // the reader, and it used to overflow the stack when the parsed tree was destroyed (issue 39).
+    std::string deep;
+    {
+      caffe2::serialize::PyTorchStreamWriter w([&](const void* d, size_t n) {
+        deep.append(static_cast<const char*>(d), n);
+        return n;
+      });
+      const size_t n = 1000000;
+      const std::string pkl = "\x80\x02" + std::string(n, ']') + std::string(n - 1, 'a') + ".";
+      w.writeRecord("data.pkl", pkl.data(), pkl.size());
+      w.writeEndOfFile();
+    }
     torch::save(at::ones({2}), tmp.file("script.pt"));
     // A byte of the first storage flipped: only its CRC-32 can tell (a .pt has no other check).
     std::string flipped = pt;
@@ -393,6 +409,7 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
         {os_system, "os.system"},
         {flipped, "fails its CRC-32"},
         {far, "its directory lies outside the file"},
+        {deep, "holds a list, not a dict"},
     };
     for (const auto& [bytes, expected] : pt_cases) {
       write_bytes(tmp.file("bad.pt"), bytes);

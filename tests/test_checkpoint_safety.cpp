@@ -404,6 +404,33 @@ TEST(CheckpointSafety, HostileFilesAreRejectedBeforeLargeAllocations) {
          "plain file name"},
         {"manifest item past its file",
          [&](auto d) { edit_manifest(d, "\"offset\": 0", "\"offset\": 999999999"); }, "outside"},
+        // A list nested a million deep (a million EMPTY_LISTs, then APPENDs): within every limit
+        // of the reader, and it used to overflow the stack when the parsed tree was destroyed
+        // (issue 39).
+        {"metadata nested a million deep",
+         [&](auto d) {
+           const size_t n = 1000000;
+           set_metadata(d, "\x80\x02" + std::string(n, ']') + std::string(n - 1, 'a') + ".");
+         },
+         ".metadata"},
+        // One byte of a str made 0xff: Python's dcp.load raises UnicodeDecodeError on it, so we
+        // must not approve it either (issue 39; we used to accept it).
+        {"metadata with a str that is not UTF-8",
+         [&](auto d) {
+           std::string m = meta;
+           const size_t at = m.find("planner_data");
+           ASSERT_NE(at, std::string::npos);
+           m[at] = '\xff';
+           set_metadata(d, m);
+         },
+         "not UTF-8"},
+        // nlohmann's parser stops at a NUL: without our check this manifest parsed (issue 39).
+        {"manifest with a NUL and garbage after it",
+         [&](auto d) {
+           const std::string mf = read_bytes(d + "/.fsdp_manifest.json");
+           write_bytes(d + "/.fsdp_manifest.json", mf + std::string("\0{garbage", 9));
+         },
+         "a NUL byte at offset"},
         {"manifest deeply nested",
          [&](auto d) { write_bytes(d + "/.fsdp_manifest.json", std::string(100000, '[')); },
          "not valid JSON"},
@@ -494,6 +521,105 @@ struct ChunkyIO : ckpt::FileIO {
     return FileIO::write(fd, data, std::min<size_t>(n, 7));
   }
 };
+
+// verify's coverage checks against hostile metadata (issue 39): element counts that overflow an
+// int64 used to pass (they wrapped to the chunks' volume), and beyond 4096 chunks, where pairs are
+// not tested, an overlap plus a hole of the same size passed too. 5000 chunks that do tile are the
+// negative control.
+TEST(CheckpointSafety, VerifyFindsChunksThatDoNotTileTheirTensor) {
+  TempDir tmp;
+  run_ranks(1, [&](ProcessGroup&) {
+    const std::string good = tmp.file("good");
+    ckpt::save(sample(), good);
+    // verify's problems once model.w's entry in .metadata is edited.
+    auto verify_with = [&](const std::string& name,
+                           const std::function<void(dcp::TensorMeta&)>& edit) {
+      const std::string d = tmp.file(name);
+      copy_dir(good, d);
+      edit_metadata(d, [&](dcp::Metadata& m) {
+        for (auto& [key, item] : m.state_dict_metadata)
+          if (key == "model.w") edit(item.tensor);
+      });
+      return ckpt::verify(d).problems;
+    };
+    auto mentions = [](const std::vector<std::string>& problems, const std::string& part) {
+      for (const auto& p : problems)
+        if (p.find(part) != std::string::npos) return true;
+      return false;
+    };
+    auto first = [](const std::vector<std::string>& problems) {
+      return problems.empty() ? std::string("(no problem)") : problems.front();
+    };
+    auto reshape = [](dcp::TensorMeta& t, std::vector<int64_t> size) {
+      t.size = std::move(size);
+      t.chunks.clear();
+    };
+    // 2^32 x 2^32 elements and no chunk: the count wrapped to 0, the chunks' volume.
+    auto p = verify_with("wrap0", [&](dcp::TensorMeta& t) {
+      reshape(t, {int64_t{1} << 32, int64_t{1} << 32});
+    });
+    EXPECT_TRUE(mentions(p, "more elements than an int64 counts")) << first(p);
+    // (2^62 + 1) x 4 with one 1 x 4 chunk: the count wrapped to 4.
+    p = verify_with("wrap4", [&](dcp::TensorMeta& t) {
+      reshape(t, {(int64_t{1} << 62) + 1, 4});
+      t.chunks.push_back({{0, 0}, {1, 4}});
+    });
+    EXPECT_TRUE(mentions(p, "more elements than an int64 counts")) << first(p);
+    // 5000 one-element chunks of a 1 x 5000 tensor tile it: no overlap, the volumes add up.
+    auto tiles = [&](dcp::TensorMeta& t) {
+      reshape(t, {1, 5000});
+      for (int64_t i = 0; i < 5000; ++i) t.chunks.push_back({{0, i}, {1, 1}});
+    };
+    p = verify_with("tiles", tiles);
+    EXPECT_FALSE(mentions(p, "overlapping")) << first(p);
+    EXPECT_FALSE(mentions(p, "elements, the tensor")) << first(p);
+    // The second chunk moved onto the first: an overlap and a hole of the same size.
+    p = verify_with("overlap", [&](dcp::TensorMeta& t) {
+      tiles(t);
+      t.chunks[1].offsets = {0, 0};
+    });
+    EXPECT_TRUE(mentions(p, "'model.w' has overlapping chunks at [0, 0] and [0, 0]")) << first(p);
+    EXPECT_FALSE(mentions(p, "elements, the tensor")) << "the volumes still add up";
+  });
+}
+
+// An export, or a full template for diff and convert, allocates each tensor whole. A tensor that
+// claims more bytes than its key stores (here 1 GiB, which would fit in memory, against the
+// 48 bytes of its one chunk) is refused before any allocation: it used to be allocated, and only
+// the chunks' coverage check failed afterwards (issue 39).
+TEST(CheckpointSafety, ExportRefusesATensorItsChunksCannotHold) {
+  TempDir tmp;
+  run_ranks(1, [&](ProcessGroup&) {
+    const std::string good = tmp.file("good"), bad = tmp.file("bad");
+    ckpt::save(sample(), good);
+    copy_dir(good, bad);
+    edit_metadata(bad, [&](dcp::Metadata& m) {
+      for (auto& [key, item] : m.state_dict_metadata)
+        if (key == "model.w") item.tensor.size = {int64_t{1} << 16, int64_t{1} << 12};
+    });
+    for (const bool template_only : {false, true}) {
+      std::string err;
+      int64_t peak = 0;
+      {
+        fsdp::testing::MemoryWatch watch;
+        try {
+          if (template_only) {
+            ckpt::full_template(ckpt::inspect(bad));
+          } else {
+            ckpt::export_safetensors(bad, tmp.file("st"));
+          }
+        } catch (const fsdp::CorruptionError& e) {
+          err = e.what();
+        }
+        peak = watch.peak();
+      }
+      EXPECT_NE(err.find("'model.w' claims 1073741824 bytes"), std::string::npos) << err;
+      EXPECT_LT(peak, 64 << 10) << template_only;
+    }
+    // The negative control: the checkpoint as saved exports.
+    EXPECT_NO_THROW(ckpt::export_safetensors(good, tmp.file("good_st")));
+  });
+}
 
 TEST(CheckpointSafety, ShortWritesAreCompleted) {
   TempDir tmp;

@@ -8,8 +8,10 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <regex>
 
 #include "command_testing.h"
+#include "dcp_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "multi_rank.h"
 
@@ -132,6 +134,24 @@ TEST(FsdpCkptTool, InspectVerifyConvertDiff) {
     EXPECT_EQ(r.rc, 0) << sub << r.out;
     EXPECT_TRUE(has(r, "[OPTIONS]")) << r.out;  // CLI11 2.1 says "Usage: ...", 2.4 does not
   }
+}
+
+// The manifest is not checksummed: a created_unix that gmtime cannot represent (2^63 - 1) sent
+// strftime a null tm and crashed inspect (issue 39). It is printed as the number it is.
+TEST(FsdpCkptTool, InspectPrintsAnUnrepresentableSaveTime) {
+  TempDir tmp;
+  const std::string c = tmp.file("c");
+  run_ranks(2, [&](ProcessGroup& pg) { ckpt::save(sample(pg.rank(), 1.0), c); });
+  const std::string path = c + "/.fsdp_manifest.json";
+  const std::string mf = fsdp::testing::read_bytes(path);
+  const std::string edited = std::regex_replace(mf, std::regex("\"created_unix\": *[0-9]+"),
+                                                "\"created_unix\": 9223372036854775807");
+  ASSERT_NE(edited, mf);
+  fsdp::testing::write_bytes(path, edited);
+  const ToolRun r = tool("inspect " + c);
+  EXPECT_EQ(r.rc, 0) << r.out;
+  EXPECT_TRUE(has(r, "at created_unix 9223372036854775807 (not a representable time)")) << r.out;
+  EXPECT_TRUE(has(r, "saved by 2 rank(s)")) << r.out;
 }
 
 }  // namespace

@@ -97,16 +97,27 @@ fsdp::StateDict tensors_of(const std::string& path) {
   return ckpt::load_safetensors(path);
 }
 
+// When a checkpoint was saved, from its manifest's created_unix, as "2026-11-26 07:30:00 UTC". The
+// manifest is not checksummed: a time gmtime cannot represent (a year past 2^31) is printed as the
+// number it is, never handed to strftime as a null tm.
+std::string saved_when(int64_t created_unix) {
+  const auto t = static_cast<std::time_t>(created_unix);
+  std::tm tm{};
+  char when[64];
+  if (::gmtime_r(&t, &tm) == nullptr ||
+      std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", &tm) == 0) {
+    return "created_unix " + std::to_string(created_unix) + " (not a representable time)";
+  }
+  return when;
+}
+
 int cmd_inspect(const std::string& dir) {
   const ckpt::CheckpointInfo info = ckpt::inspect(dir);
   std::cout << "checkpoint " << dir << "\n";
   if (info.has_manifest) {
-    const auto t = static_cast<std::time_t>(info.created_unix);
-    char when[64];
-    std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&t));
     std::cout << "  format version " << info.format_version << ", saved by " << info.world_size
               << " rank(s) with fsdp-cpp " << info.library_version << " (LibTorch "
-              << info.torch_version << ") at " << when << "\n";
+              << info.torch_version << ") at " << saved_when(info.created_unix) << "\n";
     for (const auto& [k, v] : info.annotations) std::cout << "  " << k << ": " << v << "\n";
   } else {
     std::cout << "  no manifest: written by PyTorch DCP (or another tool); not verifiable\n";

@@ -38,13 +38,24 @@ inline bool overlap(const Region& a, const Region& b) {
 }
 
 /// Testing boxes pairwise for overlaps is quadratic: beyond this many boxes of one tensor, load
-/// counts their coverage with a mask instead, and verify does not test them.
+/// counts their coverage with a mask instead, and verify claims the cells of a grid.
 constexpr size_t kMaxPairwiseBoxes = 4096;
 
 /// A decoded chunk must be exactly what the metadata says: a ValueError naming `what` and `where`
 /// for another dtype or shape.
 void check_chunk(const at::Tensor& chunk, at::ScalarType dtype, const std::vector<int64_t>& sizes,
                  const std::string& where, const char* what);
+
+/// The bytes `.metadata` says are stored for each key: its items' lengths added up (saturating at
+/// the int64 maximum).
+std::map<std::string, int64_t> stored_bytes(const Metadata& md);
+
+/// Memory is allocated for a whole tensor only once its claim is plausible: its chunks are
+/// uncompressed torch.save archives, each holding at least its elements, so a tensor of `nbytes`
+/// whose key stores fewer bytes is damaged (or hostile) metadata, a CorruptionError naming `what`,
+/// the key and `where`, raised before anything is allocated.
+void check_claim(const char* what, const std::string& where, const std::string& key, int64_t nbytes,
+                 int64_t stored);
 
 }  // namespace dcp
 

@@ -3,6 +3,7 @@
 // that may be hostile: it collects each problem it finds, in the order of its checks, instead of
 // stopping at the first.
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -10,6 +11,7 @@
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/files.h"
+#include "checkpoint/tensor_formats.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
 #include "util/tensor_utils.h"
@@ -51,16 +53,97 @@ void check_manifest(const CheckpointReader& o, FileIO& io, VerifyReport& rep) {
                            std::to_string(o.metadata().storage_data.size()));
 }
 
-// Coverage: the chunks of tensor `key` tile it exactly (inside it, as parsing checked; disjoint;
-// volumes add up). Chunks are tested pairwise for overlaps only up to dcp::kMaxPairwiseBoxes.
+// The element count of a box of `sizes`, or nullopt where it does not fit an int64. The metadata
+// is not trusted: a shape of 2^32 x 2^32 would otherwise count as 0 elements and pass.
+std::optional<int64_t> checked_numel(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) {
+    if (__builtin_mul_overflow(n, s, &n)) return std::nullopt;
+  }
+  return n;
+}
+
+// Beyond kMaxPairwiseBoxes chunks, where testing every pair is too slow, the chunks' boundaries
+// cut the tensor into a grid of cells and each chunk claims its cells: a cell claimed twice is an
+// overlap. Exact for any boxes; the work is bounded by the cells (each claimed once where the
+// chunks tile) and capped at kMaxCells, beyond which coverage is reported as not checkable
+// rather than passed. (The volume check alone would pass an overlap with a hole of equal size.)
+void check_overlaps_on_grid(const std::string& key, const dcp::TensorMeta& t,
+                            std::vector<std::string>& problems) {
+  constexpr int64_t kMaxCells = int64_t{1} << 24;
+  const size_t nd = t.size.size();
+  std::vector<std::vector<int64_t>> cuts(nd);
+  int64_t cells = 1;
+  for (size_t d = 0; d < nd; ++d) {
+    cuts[d] = {0, t.size[d]};
+    for (const dcp::ChunkMeta& c : t.chunks) {
+      cuts[d].push_back(c.offsets[d]);
+      cuts[d].push_back(c.offsets[d] + c.sizes[d]);
+    }
+    std::sort(cuts[d].begin(), cuts[d].end());
+    cuts[d].erase(std::unique(cuts[d].begin(), cuts[d].end()), cuts[d].end());
+    if (__builtin_mul_overflow(cells, static_cast<int64_t>(cuts[d].size()) - 1, &cells) ||
+        cells > kMaxCells) {
+      problems.push_back(std::string(kVerify) + ": cannot check that the " +
+                         std::to_string(t.chunks.size()) + " chunks of '" + key +
+                         "' do not overlap: their boundaries cut it into more than " +
+                         std::to_string(kMaxCells) + " cells");
+      return;
+    }
+  }
+  std::vector<int32_t> owner(static_cast<size_t>(cells), -1);
+  for (size_t i = 0; i < t.chunks.size(); ++i) {
+    const dcp::ChunkMeta& c = t.chunks[i];
+    std::vector<int64_t> lo(nd), hi(nd), at(nd);
+    bool empty = false;
+    for (size_t d = 0; d < nd; ++d) {
+      auto cell = [&](int64_t x) {
+        return std::lower_bound(cuts[d].begin(), cuts[d].end(), x) - cuts[d].begin();
+      };
+      lo[d] = at[d] = cell(c.offsets[d]);
+      hi[d] = cell(c.offsets[d] + c.sizes[d]);
+      empty = empty || lo[d] == hi[d];
+    }
+    if (empty) continue;  // holds no element: overlaps nothing
+    for (;;) {            // every cell of the chunk, the last dimension fastest
+      int64_t flat = 0;
+      for (size_t d = 0; d < nd; ++d)
+        flat = flat * (static_cast<int64_t>(cuts[d].size()) - 1) + at[d];
+      int32_t& o = owner[static_cast<size_t>(flat)];
+      if (o >= 0) {
+        problems.push_back(std::string(kVerify) + ": '" + key + "' has overlapping chunks at " +
+                           shape_str(t.chunks[static_cast<size_t>(o)].offsets) + " and " +
+                           shape_str(c.offsets));
+        return;
+      }
+      o = static_cast<int32_t>(i);
+      size_t d = nd;
+      while (d > 0 && ++at[d - 1] == hi[d - 1]) {
+        at[d - 1] = lo[d - 1];
+        --d;
+      }
+      if (d == 0) break;
+    }
+  }
+}
+
+// Coverage: the chunks of tensor `key` tile it exactly (inside it, as parsing checked; disjoint,
+// pairwise up to dcp::kMaxPairwiseBoxes and on a grid beyond; volumes add up, without overflow).
 void check_coverage(const std::string& key, const dcp::TensorMeta& t,
                     std::vector<std::string>& problems) {
-  int64_t numel = 1, volume = 0;
-  for (int64_t s : t.size) numel *= s;
+  const std::optional<int64_t> numel = checked_numel(t.size);
+  if (!numel) {
+    problems.push_back(std::string(kVerify) + ": '" + key + "' has shape " + shape_str(t.size) +
+                       ", more elements than an int64 counts");
+    return;
+  }
+  // Each chunk lies inside the tensor (parse_metadata), so only the sum can overflow, and only
+  // where chunks overlap.
+  int64_t volume = 0;
+  bool past_int64 = false;
   for (const dcp::ChunkMeta& c : t.chunks) {
-    int64_t v = 1;
-    for (int64_t s : c.sizes) v *= s;
-    volume += v;
+    const std::optional<int64_t> v = checked_numel(c.sizes);
+    past_int64 = past_int64 || !v || __builtin_add_overflow(volume, *v, &volume);
   }
   if (t.chunks.size() <= dcp::kMaxPairwiseBoxes) {
     std::vector<dcp::Region> boxes;
@@ -75,10 +158,13 @@ void check_coverage(const std::string& key, const dcp::TensorMeta& t,
           problems.push_back(std::string(kVerify) + ": '" + key + "' has overlapping chunks at " +
                              shape_str(t.chunks[a].offsets) + " and " +
                              shape_str(t.chunks[b].offsets));
+  } else {
+    check_overlaps_on_grid(key, t, problems);
   }
-  if (volume != numel)
+  if (past_int64 || volume != *numel)
     problems.push_back(std::string(kVerify) + ": the chunks of '" + key + "' hold " +
-                       std::to_string(volume) + " elements, the tensor " + std::to_string(numel));
+                       (past_int64 ? std::string("more than 2^63") : std::to_string(volume)) +
+                       " elements, the tensor " + std::to_string(*numel));
 }
 
 // One stored item, at `place`: it belongs to a key, lies inside its file, matches its checksum
@@ -164,10 +250,9 @@ CheckpointInfo inspect(const std::string& dir, FileIO* io_in) {
     info.created_unix = mf->created_unix;
     info.annotations = mf->annotations;
   }
-  std::map<std::string, int64_t> stored;
+  std::map<std::string, int64_t> stored = dcp::stored_bytes(r.metadata());
   std::set<std::string> files_seen;
   for (const auto& [idx, s] : r.metadata().storage_data) {
-    stored[idx.fqn] += s.length;
     if (files_seen.insert(s.relative_path).second) info.files.push_back(s.relative_path);
   }
   for (const auto& [key, item] : r.metadata().state_dict_metadata) {
@@ -183,7 +268,32 @@ CheckpointInfo inspect(const std::string& dir, FileIO* io_in) {
   return info;
 }
 
+std::map<std::string, int64_t> dcp::stored_bytes(const Metadata& md) {
+  std::map<std::string, int64_t> stored;
+  for (const auto& [idx, s] : md.storage_data) {
+    int64_t& n = stored[idx.fqn];
+    if (__builtin_add_overflow(n, std::max<int64_t>(s.length, 0), &n))
+      n = std::numeric_limits<int64_t>::max();
+  }
+  return stored;
+}
+
+void dcp::check_claim(const char* what, const std::string& where, const std::string& key,
+                      int64_t nbytes, int64_t stored) {
+  if (nbytes <= stored) return;
+  throw CorruptionError(std::string(what) + ": '" + key + "' claims " + std::to_string(nbytes) +
+                        " bytes, but " + where + " stores " + std::to_string(stored) +
+                        " for it: its metadata is damaged (nothing was allocated for it)");
+}
+
 StateDict full_template(const CheckpointInfo& info) {
+  for (const auto& e : info.entries) {
+    if (e.tensor) {
+      dcp::check_claim("full_template", "the checkpoint", e.key,
+                       formats::checked_nbytes(e.shape, e.dtype, "'" + e.key + "'"),
+                       e.stored_bytes);
+    }
+  }
   StateDict t;
   for (const auto& e : info.entries)
     t.insert_or_assign(e.key,

@@ -83,6 +83,11 @@ Source from_checkpoint(const CheckpointReader& reader, const std::optional<std::
     if (!item.bytes && (prefix.empty() || under(key, prefix)))
       src.entries.push_back(entry(key, prefix, item.tensor.dtype, item.tensor.size));
   if (src.entries.empty()) no_tensors(reader.dir(), prefix);
+  const std::map<std::string, int64_t> stored = dcp::stored_bytes(reader.metadata());
+  for (const Entry& e : src.entries) {
+    auto it = stored.find(e.key);
+    dcp::check_claim(kWhat, reader.dir(), e.key, e.nbytes, it == stored.end() ? 0 : it->second);
+  }
   // Every tensor is read into the same memory, as large as the largest, and through the same read
   // buffer: each is written out before the next is fetched, so the export faults in its memory
   // once, where a fresh tensor and a fresh read buffer per tensor cost a page fault for every 4 KiB

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "checkpoint/files.h"
+#include "checkpoint/json_text.h"
 #include "checkpoint/pickle.h"
 #include "checkpoint/tensor_formats.h"
 #include "checkpoint/torch_archive.h"
@@ -26,6 +27,9 @@ constexpr int64_t kMaxHeader = int64_t{100} << 20;  // the reference reader's li
 }
 
 nlohmann::json parse_json(const std::string& text, const std::string& path) {
+  if (const std::string why = json_text_problem(text); !why.empty()) {
+    bad(path, "the header is not valid JSON: " + why);
+  }
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {

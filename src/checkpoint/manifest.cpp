@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "checkpoint/json_text.h"
 #include "fsdp/errors.h"
 
 namespace fsdp {
@@ -94,6 +95,9 @@ std::string to_json(const Manifest& m) {
 Manifest parse(const std::string& bytes, const std::string& path) {
   Reader r{path};
   json j;
+  if (const std::string why = json_text_problem(bytes); !why.empty()) {
+    r.fail("not valid JSON: " + why);
+  }
   try {
     j = json::parse(bytes);
   } catch (const json::exception& e) {

@@ -15,6 +15,25 @@ namespace pickle {
 // Nodes
 
 namespace {
+// Moves the children of `n` that nobody else holds into `out`, leaving `n` without children. A
+// child still held elsewhere (the memo, another parent, a caller) keeps its own; dropping our
+// reference to it destroys nothing.
+void detach_children(Node& n, std::vector<NodePtr>& out) {
+  auto take = [&](NodePtr& c) {
+    if (c && c.use_count() == 1) out.push_back(std::move(c));
+    c.reset();
+  };
+  for (auto& c : n.items) take(c);
+  for (auto& [k, v] : n.entries) {
+    take(k);
+    take(v);
+  }
+  take(n.callee);
+  take(n.state);
+  n.items.clear();
+  n.entries.clear();
+}
+
 NodePtr make(Node::Kind k) {
   auto n = std::make_shared<Node>();
   n->kind = k;
@@ -38,6 +57,16 @@ NodePtr Node::real(double v) {
   n->f = v;
   return n;
 }
+Node::~Node() {
+  std::vector<NodePtr> pending;
+  detach_children(*this, pending);
+  while (!pending.empty()) {
+    NodePtr n = std::move(pending.back());
+    pending.pop_back();
+    detach_children(*n, pending);
+  }  // each n goes here, childless: its own destructor has nothing left to recurse into
+}
+
 NodePtr Node::str(std::string v) {
   auto n = make(Kind::STR);
   n->s = std::move(v);
@@ -169,6 +198,45 @@ class Reader {
     std::string out = d_.substr(pos_, n);
     pos_ += n;
     return out;
+  }
+  // A str's n bytes, which must be UTF-8 as Python's unpickler decodes them ('utf-8',
+  // 'surrogatepass': encoded surrogates pass, nothing else that is not UTF-8 does). Accepting
+  // what Python's dcp.load raises UnicodeDecodeError on would approve a checkpoint PyTorch cannot
+  // read.
+  std::string unicode(uint64_t n) {
+    const size_t at = pos_;
+    std::string s = take(n);
+    const size_t bad = utf8_error_at(s);
+    if (bad != std::string::npos) {
+      char byte[8];
+      std::snprintf(byte, sizeof byte, "0x%02x", static_cast<uint8_t>(s[bad]));
+      fail_at(at, "a str that is not UTF-8 (byte " + std::string(byte) + " at position " +
+                      std::to_string(bad) + " of it)");
+    }
+    return s;
+  }
+  // Where `s` stops being UTF-8 (RFC 3629, surrogates allowed), or npos.
+  static size_t utf8_error_at(const std::string& s) {
+    auto cont = [&](size_t i, uint8_t lo = 0x80, uint8_t hi = 0xbf) {
+      return i < s.size() && static_cast<uint8_t>(s[i]) >= lo && static_cast<uint8_t>(s[i]) <= hi;
+    };
+    for (size_t i = 0; i < s.size();) {
+      const uint8_t c = static_cast<uint8_t>(s[i]);
+      size_t len = 0;
+      if (c < 0x80) {
+        len = 1;
+      } else if (c >= 0xc2 && c <= 0xdf) {
+        len = cont(i + 1) ? 2 : 0;
+      } else if (c >= 0xe0 && c <= 0xef) {
+        len = cont(i + 1, c == 0xe0 ? 0xa0 : 0x80) && cont(i + 2) ? 3 : 0;
+      } else if (c >= 0xf0 && c <= 0xf4) {
+        const uint8_t lo = c == 0xf0 ? 0x90 : 0x80, hi = c == 0xf4 ? 0x8f : 0xbf;
+        len = cont(i + 1, lo, hi) && cont(i + 2) && cont(i + 3) ? 4 : 0;
+      }
+      if (len == 0) return i;
+      i += len;
+    }
+    return std::string::npos;
   }
   uint64_t le(int bytes) {
     const std::string b = take(bytes);
@@ -306,13 +374,13 @@ class Reader {
         return;
       }
       case 0x8c:
-        push(counted(Node::str(take(le(1)))));
+        push(counted(Node::str(unicode(le(1)))));
         return;  // SHORT_BINUNICODE
       case 'X':
-        push(counted(Node::str(take(le(4)))));
+        push(counted(Node::str(unicode(le(4)))));
         return;  // BINUNICODE
       case 0x8d:
-        push(counted(Node::str(take(le(8)))));
+        push(counted(Node::str(unicode(le(8)))));
         return;     // BINUNICODE8
       case 'C':     // SHORT_BINBYTES
       case 'B':     // BINBYTES

@@ -64,6 +64,16 @@ struct Node {
   NodePtr state;                                     // Object: BUILD's argument, if any
                                                      // PersId: items[0] is the id
 
+  Node() = default;
+  Node(const Node&) = default;
+  Node(Node&&) = default;
+  Node& operator=(const Node&) = default;
+  Node& operator=(Node&&) = default;
+  /// Takes its descendants apart one at a time rather than recursively: a hostile pickle nests a
+  /// list a million deep within every limit of the reader, and recursive destruction of such a
+  /// tree overflows the stack.
+  ~Node();
+
   static NodePtr none();
   static NodePtr boolean(bool v);
   static NodePtr integer(int64_t v);
