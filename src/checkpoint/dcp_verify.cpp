@@ -63,6 +63,13 @@ std::optional<int64_t> checked_numel(const std::vector<int64_t>& sizes) {
   return n;
 }
 
+// The problem of two chunks of `key` that overlap, as both overlap checks report it.
+std::string overlap_problem(const std::string& key, const dcp::ChunkMeta& a,
+                            const dcp::ChunkMeta& b) {
+  return std::string(kVerify) + ": '" + key + "' has overlapping chunks at " +
+         shape_str(a.offsets) + " and " + shape_str(b.offsets);
+}
+
 // Beyond kMaxPairwiseBoxes chunks, where testing every pair is too slow, the chunks' boundaries
 // cut the tensor into a grid of cells and each chunk claims its cells: a cell claimed twice is an
 // overlap. Exact for any boxes; the work is bounded by the cells (each claimed once where the
@@ -111,9 +118,7 @@ void check_overlaps_on_grid(const std::string& key, const dcp::TensorMeta& t,
         flat = flat * (static_cast<int64_t>(cuts[d].size()) - 1) + at[d];
       int32_t& o = owner[static_cast<size_t>(flat)];
       if (o >= 0) {
-        problems.push_back(std::string(kVerify) + ": '" + key + "' has overlapping chunks at " +
-                           shape_str(t.chunks[static_cast<size_t>(o)].offsets) + " and " +
-                           shape_str(c.offsets));
+        problems.push_back(overlap_problem(key, t.chunks[static_cast<size_t>(o)], c));
         return;
       }
       o = static_cast<int32_t>(i);
@@ -155,9 +160,7 @@ void check_coverage(const std::string& key, const dcp::TensorMeta& t,
     for (size_t a = 0; a < boxes.size(); ++a)
       for (size_t b = a + 1; b < boxes.size(); ++b)
         if (dcp::overlap(boxes[a], boxes[b]))
-          problems.push_back(std::string(kVerify) + ": '" + key + "' has overlapping chunks at " +
-                             shape_str(t.chunks[a].offsets) + " and " +
-                             shape_str(t.chunks[b].offsets));
+          problems.push_back(overlap_problem(key, t.chunks[a], t.chunks[b]));
   } else {
     check_overlaps_on_grid(key, t, problems);
   }
