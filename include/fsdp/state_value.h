@@ -67,7 +67,8 @@ class ShardedTensor {
   /// `covered` (bool, same shape) if given.
   void copy_into(at::Tensor& out, at::Tensor* covered = nullptr) const;
   /// Elements [start, start + n) of the row-major flattened tensor, assembled from the pieces held
-  /// here. Throws ValueError naming `what` (e.g. the key) if the pieces do not cover the range.
+  /// here. Throws ValueError starting with `what`, which names the tensor (e.g. "'fc.weight'",
+  /// quotes included), if the pieces do not cover the range.
   at::Tensor flat_range(int64_t start, int64_t n, const std::string& what) const;
   /// A ShardedTensor with the same metadata whose pieces are on `device` (copies if needed).
   ShardedTensor to(at::Device device) const;

@@ -12,10 +12,15 @@
 #include "checkpoint/tensor_formats.h"
 #include "checkpoint/torch_archive.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
 namespace items {
+
+using detail::msg;
+using detail::quote;
+
 namespace {
 
 using pickle::Node;
@@ -106,8 +111,8 @@ NodePtr to_node(const StateValue& v, const std::string& key) {
       return Node::dict(std::move(entries));
     }
     default:
-      throw ValueError("checkpoint save: '" + key + "' holds a " + to_string(v.kind()) +
-                       " inside a value DCP stores as bytes");
+      throw ValueError(msg("checkpoint save: ", quote(key), " holds a ", to_string(v.kind()),
+                           " inside a value DCP stores as bytes"));
   }
 }
 
@@ -137,7 +142,7 @@ struct ItemArchive {
         read([this, where](int64_t off, size_t len, char* dst) {
           const size_t n = item.size;
           if (off < 0 || static_cast<uint64_t>(off) > n || len > n - static_cast<size_t>(off))
-            throw ValueError(where + ": a read past the end of the item");
+            throw ValueError(msg(where, ": a read past the end of the item"));
           const auto end = static_cast<size_t>(off) + len;
           for (const ItemParts::Part& p : item.parts) {
             const size_t lo = std::max(static_cast<size_t>(off), static_cast<size_t>(p.offset));
@@ -158,11 +163,11 @@ struct ItemArchive {
                         part.n)
                   p = part.data + (r.offset - part.offset);
               if (!p)
-                throw ValueError(where + ": storage " + key +
-                                 " does not lie where the item was read to hold it");
+                throw ValueError(msg(where, ": storage ", key,
+                                     " does not lie where the item was read to hold it"));
               if (check_crc && archive::crc32(p, static_cast<size_t>(r.size)) != r.crc32)
-                throw ValueError(where + ": storage " + key +
-                                 " fails its CRC-32: the file is corrupt");
+                throw ValueError(
+                    msg(where, ": storage ", key, " fails its CRC-32: the file is corrupt"));
               at::Tensor t =
                   at::from_blob(const_cast<char*>(p), {numel}, at::TensorOptions().dtype(dtype));
               return views ? t : t.clone();
@@ -182,9 +187,9 @@ at::Tensor decode_tensor(const ItemParts& item, const std::string& where, bool c
   ItemArchive a(item, where, check_crc, /*views=*/true);
   const pickle::NodePtr root = archive::read_data_pkl(a.dir, a.read, check_crc);
   if (!root->is(Node::Kind::OBJECT) || root->class_name() != "torch._utils._rebuild_tensor_v2")
-    throw ValueError(
-        where + " is not a readable tensor: it holds a " +
-        (root->is(Node::Kind::OBJECT) ? root->class_name() : std::string(to_string(root->kind))));
+    throw ValueError(msg(
+        where, " is not a readable tensor: it holds a ",
+        root->is(Node::Kind::OBJECT) ? root->class_name() : std::string(to_string(root->kind))));
   return a.values.tensor(*root, "the chunk");
 }
 

@@ -15,6 +15,7 @@
 #include "checkpoint/torch_archive.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
@@ -25,7 +26,9 @@ constexpr const char* kWhat = "checkpoint load";
 constexpr int64_t kMaxMetadata = int64_t{64} << 20;  // the pickle reader's limit
 
 using dcp::Region;
-using detail::shape_str;
+using detail::msg;
+using detail::quote;
+using detail::shape;
 
 int64_t volume(const Region& r) {
   int64_t v = 1;
@@ -75,12 +78,11 @@ void dcp::check_chunk(const at::Tensor& chunk, at::ScalarType dtype,
                       const std::vector<int64_t>& sizes, const std::string& where,
                       const char* what) {
   if (chunk.scalar_type() != dtype)
-    throw ValueError(std::string(what) + ": " + where + " holds " +
-                     c10::toString(chunk.scalar_type()) + ", the metadata says " +
-                     c10::toString(dtype));
+    throw ValueError(
+        msg(what, ": ", where, " holds ", chunk.scalar_type(), ", the metadata says ", dtype));
   if (chunk.sizes().vec() != sizes)
-    throw ValueError(std::string(what) + ": " + where + " has shape " +
-                     shape_str(chunk.sizes().vec()) + ", the metadata says " + shape_str(sizes));
+    throw ValueError(msg(what, ": ", where, " has shape ", shape(chunk.sizes().vec()),
+                         ", the metadata says ", shape(sizes)));
 }
 
 CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in, bool verify,
@@ -90,19 +92,20 @@ CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in, bool v
   if (io.file_size(meta_path) < 0) {
     const std::string partial =
         files::join(files::parent_of(dir_), "." + files::base_of(dir_) + ".partial");
-    throw ValueError(std::string(what) + ": " + meta_path + " does not exist: " +
-                     (io.is_dir(partial) == 1
-                          ? "the save into " + dir_ + " did not complete (" + partial + " is left)"
-                          : std::string("not a committed checkpoint")));
+    throw ValueError(msg(what, ": ", meta_path, " does not exist: ",
+                         io.is_dir(partial) == 1 ? msg("the save into ", dir_,
+                                                       " did not complete (", partial, " is left)")
+                                                 : std::string("not a committed checkpoint")));
   }
   const std::string meta_bytes = files::read_file(io, meta_path, kMaxMetadata, what);
   const std::string mf_path = files::join(dir_, manifest::kFileName);
   if (io.file_size(mf_path) >= 0) {
     mf_ = manifest::parse(files::read_file(io, mf_path, manifest::kMaxBytes, what), mf_path);
     if (verify && files::xxh3_hex(meta_bytes) != mf_->metadata_xxh3)
-      throw ValueError(std::string(what) + ": " + meta_path +
-                       " does not match its checksum in the manifest: the file is corrupt or was "
-                       "replaced");
+      throw ValueError(
+          msg(what, ": ", meta_path,
+              " does not match its checksum in the manifest: the file is corrupt or was "
+              "replaced"));
   }
   md_ = dcp::parse_metadata(meta_bytes, meta_path);
   for (const auto& [k, item] : md_.state_dict_metadata) items_[k] = &item;
@@ -133,16 +136,14 @@ void CheckpointReader::check_digest(const std::string& key, const dcp::StorageIn
                                     const std::string& h) const {
   const manifest::Item* m = mf_->find(info.relative_path, info.offset);
   const std::string at = where(key, info);
-  if (!m)
-    throw CorruptionError(std::string(what_) + ": " + at + " has no checksum in the manifest");
+  if (!m) throw CorruptionError(msg(what_, ": ", at, " has no checksum in the manifest"));
   if (m->length != info.length || m->key != key)
-    throw CorruptionError(std::string(what_) + ": " + at +
-                          " disagrees with the manifest (which has '" + m->key + "', " +
-                          std::to_string(m->length) + " bytes)");
+    throw CorruptionError(msg(what_, ": ", at, " disagrees with the manifest (which has ",
+                              quote(m->key), ", ", m->length, " bytes)"));
   if (h != m->xxh3)
-    throw CorruptionError(std::string(what_) + ": checksum mismatch for " + at + " (" +
-                          std::to_string(info.length) + " bytes, xxh3 " + h + ", expected " +
-                          m->xxh3 + "): the file is corrupt");
+    throw CorruptionError(msg(what_, ": checksum mismatch for ", at, " (", info.length,
+                              " bytes, xxh3 ", h, ", expected ", m->xxh3,
+                              "): the file is corrupt"));
 }
 
 void CheckpointReader::read_hashed(const std::string& path, int64_t offset, int64_t length,
@@ -183,7 +184,7 @@ std::optional<at::Tensor> CheckpointReader::read_chunk_into(const std::string& k
         len,
         [&](int64_t off, size_t n, char* out) {
           if (off < 0 || off > len || static_cast<int64_t>(n) > len - off)
-            throw ValueError(where(key, info) + ": a read outside the item");  // unreachable
+            throw ValueError(msg(where(key, info), ": a read outside the item"));  // unreachable
           files::pread_all(io_, path, info.offset + off, static_cast<int64_t>(n), out, what_);
         },
         where(key, info));
@@ -213,12 +214,11 @@ std::optional<at::Tensor> CheckpointReader::read_chunk_into(const std::string& k
   parts.parts = {{0, head, around},
                  {rec.offset, dst_bytes, dst},
                  {rec.offset + rec.size, tail, around + head}};
-  return items::decode_tensor(parts, std::string(what_) + ": " + where(key, info), check_crc());
+  return items::decode_tensor(parts, msg(what_, ": ", where(key, info)), check_crc());
 }
 
 std::string CheckpointReader::where(const std::string& key, const dcp::StorageInfo& info) const {
-  return "'" + key + "' in " + files::join(dir_, info.relative_path) + " at offset " +
-         std::to_string(info.offset);
+  return msg(quote(key), " in ", files::join(dir_, info.relative_path), " at offset ", info.offset);
 }
 
 void CheckpointReader::fill(StateDict& state_dict) const {
@@ -255,19 +255,18 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
   for (const items::FlatItem& it : items::flatten(state_dict)) {
     StateValue& v = *it.value;
     auto found = items_.find(it.key);
-    if (found == items_.end())
-      throw ValueError(std::string(what_) + ": " + dir_ + " has no '" + it.key + "'");
+    if (found == items_.end()) throw ValueError(msg(what_, ": ", dir_, " has no ", quote(it.key)));
     const dcp::ItemMeta& item = *found->second;
     if (v.is_tensor() || v.is_sharded_tensor()) {
       plan_tensor(it.key, item, v, plan);
       continue;
     }
     if (!item.bytes)
-      throw ValueError(std::string(what_) + ": '" + it.key + "' is a tensor in " + dir_ +
-                       ", the state dict holds a " + to_string(v.kind()));
+      throw ValueError(msg(what_, ": ", quote(it.key), " is a tensor in ", dir_,
+                           ", the state dict holds a ", to_string(v.kind())));
     auto b = bytes_at_.find(it.key);
     if (b == bytes_at_.end())
-      throw ValueError(std::string(what_) + ": no storage entry for '" + it.key + "' in " + dir_);
+      throw ValueError(msg(what_, ": no storage entry for ", quote(it.key), " in ", dir_));
     plan.values.emplace_back(&v, b->second, it.key);
   }
   apply(plan, buf);
@@ -275,14 +274,12 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
 
 void CheckpointReader::plan_tensor(const std::string& key, const dcp::ItemMeta& item, StateValue& v,
                                    FillPlan& plan) const {
-  if (item.bytes)
-    throw ValueError(std::string(what_) + ": '" + key + "' is not a tensor in " + dir_);
+  if (item.bytes) throw ValueError(msg(what_, ": ", quote(key), " is not a tensor in ", dir_));
   const std::vector<int64_t> shape =
       v.is_tensor() ? v.tensor().sizes().vec() : v.sharded_tensor().size();
   if (shape != item.tensor.size)
-    throw ValueError(std::string(what_) + ": '" + key + "' has shape " +
-                     shape_str(item.tensor.size) + " in " + dir_ + ", the state dict " +
-                     shape_str(shape));
+    throw ValueError(msg(what_, ": ", quote(key), " has shape ", detail::shape(item.tensor.size),
+                         " in ", dir_, ", the state dict ", detail::shape(shape)));
   // An empty tensor needs no bytes, but its chunks are still read and checked, so that damage
   // anywhere in a data file is reported by the load that reads it.
   if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {
@@ -312,8 +309,8 @@ void CheckpointReader::plan_tensor(const std::string& key, const dcp::ItemMeta& 
       if (!overlap) continue;
       auto info = chunk_at_.find({key, c.offsets});
       if (info == chunk_at_.end())
-        throw ValueError(std::string(what_) + ": no storage entry for '" + key + "' chunk at " +
-                         shape_str(c.offsets) + " in " + dir_);
+        throw ValueError(msg(what_, ": no storage entry for ", quote(key), " chunk at ",
+                             detail::shape(c.offsets), " in ", dir_));
       FillPlan::Copy cp;
       cp.dst = target;
       for (size_t d = 0; d < shape.size(); ++d) {
@@ -326,9 +323,9 @@ void CheckpointReader::plan_tensor(const std::string& key, const dcp::ItemMeta& 
     }
     const int64_t missing = uncovered(box, regions);
     if (missing > 0)
-      throw ValueError(std::string(what_) + ": " + std::to_string(missing) + " element(s) of '" +
-                       key + "' in the box at " + shape_str(box.offsets) + " of size " +
-                       shape_str(box.sizes) + " are in no chunk saved in " + dir_);
+      throw ValueError(msg(what_, ": ", missing, " element(s) of ", quote(key), " in the box at ",
+                           detail::shape(box.offsets), " of size ", detail::shape(box.sizes),
+                           " are in no chunk saved in ", dir_));
   }
 }
 
@@ -356,8 +353,8 @@ void CheckpointReader::apply(FillPlan& plan, Buffer& buf) const {
     }
     const std::string_view raw = read_item(job.key, *info, buf);
     // A view of `buf`: copied into the destinations before the next item is read.
-    const at::Tensor chunk = items::decode_tensor(raw.data(), raw.size(),
-                                                  std::string(what_) + ": " + place, check_crc());
+    const at::Tensor chunk =
+        items::decode_tensor(raw.data(), raw.size(), msg(what_, ": ", place), check_crc());
     dcp::check_chunk(chunk, job.dtype, job.sizes, place, what_);
     for (auto& cp : job.copies) {
       at::Tensor src = chunk;
@@ -368,7 +365,7 @@ void CheckpointReader::apply(FillPlan& plan, Buffer& buf) const {
   }
   for (auto& [v, info, key] : plan.values) {
     const std::string_view raw = read_item(key, *info, buf);
-    *v = items::decode_value(raw.data(), raw.size(), std::string(what_) + ": " + where(key, *info),
+    *v = items::decode_value(raw.data(), raw.size(), msg(what_, ": ", where(key, *info)),
                              check_crc());
   }
 }

@@ -28,6 +28,7 @@
 #include "checkpoint/wire_error.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
@@ -65,10 +66,8 @@ std::string encode(const RankPart& p) {
 }
 
 RankPart decode(const std::string& msg, int rank) {
-  const std::string where = "rank " + std::to_string(rank) + "'s save report";
-  auto fail = [&]() -> RankPart {
-    throw Error(std::string(kWhat) + ": " + where + " is malformed");
-  };
+  const std::string where = detail::msg(detail::rank(rank), "'s save report");
+  auto fail = [&]() -> RankPart { throw Error(detail::msg(kWhat, ": ", where, " is malformed")); };
   size_t pos = 1;
   auto line = [&]() {
     const size_t nl = msg.find('\n', pos);
@@ -117,8 +116,7 @@ void parse_held(const std::string& msg, size_t pos, std::set<std::string>* into,
     if (colon == std::string::npos || colon == pos || colon - pos > 18 ||
         msg.find_first_not_of("0123456789", pos) != colon ||
         (n = std::stoull(msg.substr(pos, colon - pos))) > msg.size() - colon - 1)
-      throw Error(std::string(kWhat) + ": rank " + std::to_string(rank) +
-                  "'s list of pieces is malformed");
+      throw Error(detail::msg(kWhat, ": ", detail::rank(rank), "'s list of pieces is malformed"));
     if (into) into->insert(msg.substr(colon + 1, n));
     pos = colon + 1 + n;
   }
@@ -225,7 +223,7 @@ void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& p
     files::io_error(kWhat, "checking", dir, err);
   }
   if (existing == 0 && io.file_size(dir) >= 0)
-    throw ValueError(std::string(kWhat) + ": " + dir + " exists and is not a directory");
+    throw ValueError(detail::msg(kWhat, ": ", dir, " exists and is not a directory"));
   // A replaced checkpoint ends up at `old`, to be unlinked in the background (tens of
   // milliseconds for a large checkpoint, which no rank waits for; the next save waits for it and
   // removes a leftover of a process that died first).
@@ -234,14 +232,15 @@ void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& p
   if (existing == 0) {
     if (io.rename(partial, dir) != 0) {
       const int err = errno;  // before the message allocates
-      files::io_error(kWhat, "renaming", partial + " to " + dir, err);
+      files::io_error(kWhat, "renaming", detail::msg(partial, " to ", dir), err);
     }
   } else if (io.exchange(partial, dir) == 0) {
     replaced = io.rename(partial, old) == 0;  // `partial` now holds the replaced checkpoint
   } else {
     if (errno != EINVAL && errno != ENOSYS) {
       const int err = errno;  // before the message allocates
-      files::io_error(kWhat, "swapping", partial + " with the checkpoint at " + dir, err);
+      files::io_error(kWhat, "swapping", detail::msg(partial, " with the checkpoint at ", dir),
+                      err);
     }
     // No atomic swap here: move the old one aside first (a crash in between leaves it there).
     if (io.rename(dir, old) != 0 || io.rename(partial, dir) != 0) {
@@ -281,8 +280,8 @@ class SaveRun {
     dir_ = files::normalize(dir_in);
     const std::string name = files::base_of(dir_);
     if (name == "." || name == ".." || name == "/")
-      throw ValueError(std::string(kWhat) + ": '" + dir_in +
-                       "' does not name a directory to create");
+      throw ValueError(
+          detail::msg(kWhat, ": ", detail::quote(dir_in), " does not name a directory to create"));
     partial_ = files::join(files::parent_of(dir_), "." + name + ".partial");
   }
   SaveRun(const SaveRun&) = delete;
@@ -329,7 +328,7 @@ class SaveRun {
       const std::string& m = prepared[r];
       if (m.empty() || m[0] != 'O') {
         error = m.empty() ? std::string("Eno report") : m.substr(1);
-        text = wire::message(error) + " (on rank " + std::to_string(r) + ")";
+        text = detail::msg(wire::message(error), " (on ", detail::rank(r), ")");
       } else {
         try {
           parse_held(m, 1, r < rank_ ? &skip_ : nullptr, r);
@@ -361,13 +360,13 @@ class SaveRun {
       if (!reports_[r].empty() && reports_[r][0] == 'M') continue;
       const std::string e = reports_[r].empty() ? std::string("Eno report") : reports_[r].substr(1);
       if (first.empty()) first = e;
-      failures += (failures.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " +
-                  wire::message(e);
+      failures +=
+          detail::msg(failures.empty() ? "" : "; ", detail::rank(r), ": ", wire::message(e));
     }
     if (!failures.empty()) {
       remove_partial_on_rank0();
-      wire::rethrow(first, std::string(kWhat) + " of " + dir_ +
-                               " failed, nothing was committed: " + failures);
+      wire::rethrow(first,
+                    detail::msg(kWhat, " of ", dir_, " failed, nothing was committed: ", failures));
     }
   }
 
@@ -388,8 +387,8 @@ class SaveRun {
     }
     error = verdict(group_, error);
     if (!error.empty())
-      wire::rethrow(error,
-                    rank_ == 0 ? wire::message(error) : wire::message(error) + " (on rank 0)");
+      wire::rethrow(error, rank_ == 0 ? wire::message(error)
+                                      : detail::msg(wire::message(error), " (on rank 0)"));
   }
 
  private:
@@ -463,7 +462,7 @@ std::vector<int64_t> list_steps(const std::string& root, FileIO* io_in) {
 
 std::string save_step(const StateDict& state_dict, const std::string& root_in, int64_t step,
                       const SaveOptions& options) {
-  if (step < 0) throw ValueError("checkpoint save_step: step " + std::to_string(step) + " < 0");
+  if (step < 0) throw ValueError(detail::msg("checkpoint save_step: step ", step, " < 0"));
   FileIO& io = options.io() ? *options.io() : default_file_io();
   const std::string root = files::normalize(root_in);
   const std::string dir = step_dir(root, step);

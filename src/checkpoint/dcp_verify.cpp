@@ -14,6 +14,7 @@
 #include "checkpoint/tensor_formats.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
@@ -22,7 +23,9 @@ namespace {
 
 constexpr const char* kVerify = "checkpoint verify";
 
-using detail::shape_str;
+using detail::msg;
+using detail::quote;
+using detail::shape;
 
 // The manifest against the directory (every file of its size) and `.metadata` (as many items);
 // without one, that it is missing.
@@ -30,10 +33,10 @@ void check_manifest(const CheckpointReader& o, FileIO& io, VerifyReport& rep) {
   const std::string& dir = o.dir();
   rep.has_manifest = o.manifest().has_value();
   if (!o.manifest()) {
-    rep.problems.push_back(
-        std::string(kVerify) + ": " + dir + " has no " + manifest::kFileName +
+    rep.problems.push_back(msg(
+        kVerify, ": ", dir, " has no ", manifest::kFileName,
         ": nothing stronger than the items' zip CRC-32s can be checked (a checkpoint written by "
-        "PyTorch?)");
+        "PyTorch?)"));
     return;
   }
   rep.format_version = o.manifest()->format_version;
@@ -43,14 +46,13 @@ void check_manifest(const CheckpointReader& o, FileIO& io, VerifyReport& rep) {
     const int64_t actual = io.file_size(path);
     if (actual != size)
       rep.problems.push_back(
-          std::string(kVerify) + ": " + path +
-          (actual < 0 ? std::string(" is missing") : " has " + std::to_string(actual) + " bytes") +
-          ", the manifest says " + std::to_string(size));
+          msg(kVerify, ": ", path,
+              actual < 0 ? std::string(" is missing") : msg(" has ", actual, " bytes"),
+              ", the manifest says ", size));
   }
   if (o.manifest()->items.size() != o.metadata().storage_data.size())
-    rep.problems.push_back(std::string(kVerify) + ": the manifest lists " +
-                           std::to_string(o.manifest()->items.size()) + " items, .metadata " +
-                           std::to_string(o.metadata().storage_data.size()));
+    rep.problems.push_back(msg(kVerify, ": the manifest lists ", o.manifest()->items.size(),
+                               " items, .metadata ", o.metadata().storage_data.size()));
 }
 
 // The element count of a box of `sizes`, or nullopt where it does not fit an int64. The metadata
@@ -66,8 +68,8 @@ std::optional<int64_t> checked_numel(const std::vector<int64_t>& sizes) {
 // The problem of two chunks of `key` that overlap, as both overlap checks report it.
 std::string overlap_problem(const std::string& key, const dcp::ChunkMeta& a,
                             const dcp::ChunkMeta& b) {
-  return std::string(kVerify) + ": '" + key + "' has overlapping chunks at " +
-         shape_str(a.offsets) + " and " + shape_str(b.offsets);
+  return msg(kVerify, ": ", quote(key), " has overlapping chunks at ", shape(a.offsets), " and ",
+             shape(b.offsets));
 }
 
 // Beyond kMaxPairwiseBoxes chunks, where testing every pair is too slow, the chunks' boundaries
@@ -91,10 +93,9 @@ void check_overlaps_on_grid(const std::string& key, const dcp::TensorMeta& t,
     cuts[d].erase(std::unique(cuts[d].begin(), cuts[d].end()), cuts[d].end());
     if (__builtin_mul_overflow(cells, static_cast<int64_t>(cuts[d].size()) - 1, &cells) ||
         cells > kMaxCells) {
-      problems.push_back(std::string(kVerify) + ": cannot check that the " +
-                         std::to_string(t.chunks.size()) + " chunks of '" + key +
-                         "' do not overlap: their boundaries cut it into more than " +
-                         std::to_string(kMaxCells) + " cells");
+      problems.push_back(msg(kVerify, ": cannot check that the ", t.chunks.size(), " chunks of ",
+                             quote(key), " do not overlap: their boundaries cut it into more than ",
+                             kMaxCells, " cells"));
       return;
     }
   }
@@ -138,8 +139,8 @@ void check_coverage(const std::string& key, const dcp::TensorMeta& t,
                     std::vector<std::string>& problems) {
   const std::optional<int64_t> numel = checked_numel(t.size);
   if (!numel) {
-    problems.push_back(std::string(kVerify) + ": '" + key + "' has shape " + shape_str(t.size) +
-                       ", more elements than an int64 counts");
+    problems.push_back(msg(kVerify, ": ", quote(key), " has shape ", shape(t.size),
+                           ", more elements than an int64 counts"));
     return;
   }
   // Each chunk lies inside the tensor (parse_metadata), so only the sum can overflow, and only
@@ -165,9 +166,9 @@ void check_coverage(const std::string& key, const dcp::TensorMeta& t,
     check_overlaps_on_grid(key, t, problems);
   }
   if (past_int64 || volume != *numel)
-    problems.push_back(std::string(kVerify) + ": the chunks of '" + key + "' hold " +
-                       (past_int64 ? std::string("more than 2^63") : std::to_string(volume)) +
-                       " elements, the tensor " + std::to_string(*numel));
+    problems.push_back(msg(kVerify, ": the chunks of ", quote(key), " hold ",
+                           past_int64 ? std::string("more than 2^63") : std::to_string(volume),
+                           " elements, the tensor ", *numel));
 }
 
 // One stored item, at `place`: it belongs to a key, lies inside its file, matches its checksum
@@ -175,25 +176,23 @@ void check_coverage(const std::string& key, const dcp::TensorMeta& t,
 void check_item(const CheckpointReader& o, const dcp::Index& idx, const dcp::StorageInfo& info,
                 const std::string& place, CheckpointReader::Buffer& buf, VerifyReport& rep) {
   const dcp::ItemMeta* item = o.item(idx.fqn);
-  if (!item)
-    throw ValueError(std::string(kVerify) + ": " + place + " belongs to no key of .metadata");
+  if (!item) throw ValueError(msg(kVerify, ": ", place, " belongs to no key of .metadata"));
   const std::string_view raw = o.read_item(idx.fqn, info, buf);
   rep.bytes += static_cast<int64_t>(raw.size());
   ++rep.items;
   if (item->bytes) {
-    items::decode_value(raw.data(), raw.size(), std::string(kVerify) + ": " + place, o.check_crc());
+    items::decode_value(raw.data(), raw.size(), msg(kVerify, ": ", place), o.check_crc());
     return;
   }
-  if (!idx.offset)
-    throw ValueError(std::string(kVerify) + ": " + place + " is a tensor item without offsets");
+  if (!idx.offset) throw ValueError(msg(kVerify, ": ", place, " is a tensor item without offsets"));
   const auto& chunks = item->tensor.chunks;
   auto c = std::find_if(chunks.begin(), chunks.end(),
                         [&](const dcp::ChunkMeta& x) { return x.offsets == *idx.offset; });
   if (c == chunks.end())
-    throw ValueError(std::string(kVerify) + ": " + place + " is a chunk .metadata does not list");
-  dcp::check_chunk(items::decode_tensor(raw.data(), raw.size(), std::string(kVerify) + ": " + place,
-                                        o.check_crc()),
-                   item->tensor.dtype, c->sizes, place, kVerify);
+    throw ValueError(msg(kVerify, ": ", place, " is a chunk .metadata does not list"));
+  dcp::check_chunk(
+      items::decode_tensor(raw.data(), raw.size(), msg(kVerify, ": ", place), o.check_crc()),
+      item->tensor.dtype, c->sizes, place, kVerify);
 }
 
 }  // namespace
@@ -234,8 +233,8 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in,
     if (item.bytes) continue;
     for (const auto& c : item.tensor.chunks)
       if (!stored.count({key, c.offsets}))
-        rep.problems.push_back(std::string(kVerify) + ": the chunk of '" + key + "' at " +
-                               shape_str(c.offsets) + " has no storage entry");
+        rep.problems.push_back(msg(kVerify, ": the chunk of ", quote(key), " at ", shape(c.offsets),
+                                   " has no storage entry"));
   }
   return rep;
 }
@@ -284,16 +283,16 @@ std::map<std::string, int64_t> dcp::stored_bytes(const Metadata& md) {
 void dcp::check_claim(const char* what, const std::string& where, const std::string& key,
                       int64_t nbytes, int64_t stored) {
   if (nbytes <= stored) return;
-  throw CorruptionError(std::string(what) + ": '" + key + "' claims " + std::to_string(nbytes) +
-                        " bytes, but " + where + " stores " + std::to_string(stored) +
-                        " for it: its metadata is damaged (nothing was allocated for it)");
+  throw CorruptionError(msg(what, ": ", quote(key), " claims ", nbytes, " bytes, but ", where,
+                            " stores ", stored,
+                            " for it: its metadata is damaged (nothing was allocated for it)"));
 }
 
 StateDict full_template(const CheckpointInfo& info) {
   for (const auto& e : info.entries) {
     if (e.tensor) {
       dcp::check_claim("full_template", "the checkpoint", e.key,
-                       formats::checked_nbytes(e.shape, e.dtype, "'" + e.key + "'"),
+                       formats::checked_nbytes(e.shape, e.dtype, msg(quote(e.key))),
                        e.stored_bytes);
     }
   }

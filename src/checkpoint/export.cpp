@@ -21,10 +21,14 @@
 #include "checkpoint/tensor_formats.h"
 #include "checkpoint/torch_archive.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
 namespace {
+
+using detail::msg;
+using detail::quote;
 
 constexpr const char* kWhat = "checkpoint export";
 
@@ -49,12 +53,11 @@ bool under(const std::string& key, const std::string& prefix) {
 Entry entry(const std::string& key, const std::string& prefix, at::ScalarType dtype,
             const std::vector<int64_t>& shape) {
   return Entry{key.substr(prefix.size()), key, dtype, shape,
-               formats::checked_nbytes(shape, dtype, "'" + key + "'")};
+               formats::checked_nbytes(shape, dtype, msg(quote(key)))};
 }
 
 void no_tensors(const std::string& where, const std::string& prefix) {
-  throw ValueError(std::string(kWhat) + ": " + where + " has no tensor under the prefix '" +
-                   prefix + "'");
+  throw ValueError(msg(kWhat, ": ", where, " has no tensor under the prefix ", quote(prefix)));
 }
 
 // The prefix an export uses when its options give none. "model." for the {"model": ...,
@@ -123,9 +126,10 @@ Source from_state_dict(const StateDict& state_dict, const std::optional<std::str
   for (const items::FlatItem& it : flat) {
     if (!(prefix.empty() || under(it.key, prefix))) continue;
     if (it.value->is_sharded_tensor())
-      throw ValueError(std::string(kWhat) + ": '" + it.key +
-                       "' is a ShardedTensor; export a FULL state dict, or save a checkpoint and "
-                       "export that");
+      throw ValueError(
+          msg(kWhat, ": ", quote(it.key),
+              " is a ShardedTensor; export a FULL state dict, or save a checkpoint and "
+              "export that"));
     if (!it.value->is_tensor()) continue;
     const at::Tensor& t = it.value->tensor();
     src.entries.push_back(entry(it.key, prefix, t.scalar_type(), t.sizes().vec()));
@@ -141,21 +145,21 @@ Source from_state_dict(const StateDict& state_dict, const std::optional<std::str
 at::Tensor fetch_checked(const Source& src, const Entry& e) {
   at::Tensor t = src.fetch(e).contiguous();
   if (t.scalar_type() != e.dtype || t.sizes().vec() != e.shape)
-    throw Error(std::string(kWhat) + ": '" + e.key + "' changed while it was exported");
+    throw Error(msg(kWhat, ": ", quote(e.key), " changed while it was exported"));
   return t;
 }
 
 void commit_file(FileIO& io, const std::string& tmp, const std::string& path) {
   if (io.rename(tmp, path) != 0) {
     const int err = errno;  // before the message allocates
-    files::io_error(kWhat, "renaming", tmp + " to " + path, err);
+    files::io_error(kWhat, "renaming", msg(tmp, " to ", path), err);
   }
 }
 
 std::vector<std::string> write_safetensors(const Source& src, const std::string& out_dir,
                                            const ExportOptions& o) {
   FileIO& io = o.io() ? *o.io() : default_file_io();
-  for (const Entry& e : src.entries) formats::safetensors_dtype(e.dtype, "'" + e.key + "'");
+  for (const Entry& e : src.entries) formats::safetensors_dtype(e.dtype, msg(quote(e.key)));
   // Greedy split in order, each file up to max_shard_bytes (a larger tensor alone).
   std::vector<std::vector<const Entry*>> groups(1);
   int64_t in_group = 0, total = 0;

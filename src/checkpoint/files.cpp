@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
@@ -84,8 +85,10 @@ FileIO& default_file_io() {
 
 namespace files {
 
+using detail::msg;
+
 void io_error(const char* what, const std::string& op, const std::string& path, int err) {
-  throw IOError(std::string(what) + ": " + op + " " + path + " failed: " + std::strerror(err), err);
+  throw IOError(msg(what, ": ", op, " ", path, " failed: ", std::strerror(err)), err);
 }
 
 std::string join(const std::string& dir, const std::string& name) {
@@ -176,12 +179,11 @@ void write_file(FileIO& io, const std::string& path, const std::string& data, co
 void check_range(FileIO& io, const std::string& path, int64_t offset, int64_t length,
                  const char* what) {
   const int64_t size = io.file_size(path);
-  if (size < 0)
-    throw ValueError(std::string(what) + ": cannot open " + path + ": " + std::strerror(errno));
+  if (size < 0) throw ValueError(msg(what, ": cannot open ", path, ": ", std::strerror(errno)));
   if (offset < 0 || length < 0 || offset > size || length > size - offset) {
-    throw CorruptionError(std::string(what) + ": " + path + " has " + std::to_string(size) +
-                          " bytes; the bytes asked for lie at [" + std::to_string(offset) + ", " +
-                          std::to_string(offset) + " + " + std::to_string(length) + ")");
+    throw CorruptionError(msg(what, ": ", path, " has ", size,
+                              " bytes; the bytes asked for lie at [", offset, ", ", offset, " + ",
+                              length, ")"));
   }
 }
 
@@ -203,9 +205,8 @@ void pread_all(FileIO& io, const std::string& path, int64_t offset, int64_t leng
   io.close(fd);
   if (err != 0) io_error(what, "reading", path, err);
   if (done < length)
-    throw CorruptionError(std::string(what) + ": " + path + " ended at byte " +
-                          std::to_string(offset + done) + ", before the " + std::to_string(length) +
-                          " bytes at " + std::to_string(offset));
+    throw CorruptionError(msg(what, ": ", path, " ended at byte ", offset + done, ", before the ",
+                              length, " bytes at ", offset));
 }
 
 namespace {
@@ -239,11 +240,10 @@ std::vector<char> read_bytes(FileIO& io, const std::string& path, int64_t offset
 
 std::string read_file(FileIO& io, const std::string& path, int64_t limit, const char* what) {
   const int64_t size = io.file_size(path);
-  if (size < 0)
-    throw ValueError(std::string(what) + ": cannot open " + path + ": " + std::strerror(errno));
+  if (size < 0) throw ValueError(msg(what, ": cannot open ", path, ": ", std::strerror(errno)));
   if (size > limit)
-    throw ValueError(std::string(what) + ": " + path + " has " + std::to_string(size) +
-                     " bytes, more than the " + std::to_string(limit) + " accepted");
+    throw ValueError(
+        msg(what, ": ", path, " has ", size, " bytes, more than the ", limit, " accepted"));
   return read_range(io, path, 0, size, what);
 }
 
@@ -269,7 +269,7 @@ void make_dirs(FileIO& io, const std::string& path, const char* what) {
 namespace {
 
 void remove_tree(FileIO& io, const std::string& path, const char* what, int depth) {
-  if (depth > 8) throw Error(std::string(what) + ": " + path + " is nested too deeply to remove");
+  if (depth > 8) throw Error(msg(what, ": ", path, " is nested too deeply to remove"));
   if (io.is_dir(path) == 1) {
     std::vector<std::string> names;
     if (io.list_dir(path, names) != 0) io_error(what, "listing", path, errno);

@@ -15,25 +15,29 @@
 #include "checkpoint/torch_archive.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
 namespace {
 
+using detail::msg;
+using detail::quote;
+
 constexpr int64_t kMaxHeader = int64_t{100} << 20;  // the reference reader's limit
 
 [[noreturn]] void bad(const std::string& path, const std::string& what) {
-  throw ValueError("safetensors " + path + ": " + what);
+  throw ValueError(msg("safetensors ", path, ": ", what));
 }
 
 nlohmann::json parse_json(const std::string& text, const std::string& path) {
   if (const std::string why = json_text_problem(text); !why.empty()) {
-    bad(path, "the header is not valid JSON: " + why);
+    bad(path, msg("the header is not valid JSON: ", why));
   }
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    bad(path, std::string("the header is not valid JSON: ") + e.what());
+    bad(path, msg("the header is not valid JSON: ", e.what()));
   }
 }
 
@@ -48,14 +52,13 @@ struct Spec {
 // The length of the JSON header, read from the file's first 8 bytes and checked against the limit
 // and the file's `size`.
 int64_t header_length(FileIO& io, const std::string& path, int64_t size) {
-  if (size < 0) bad(path, "cannot open it: " + std::string(std::strerror(errno)));
+  if (size < 0) bad(path, msg("cannot open it: ", std::strerror(errno)));
   if (size < 8) bad(path, "shorter than its 8-byte header length");
   const std::string len_bytes = files::read_range(io, path, 0, 8, "safetensors");
   uint64_t n = 0;
   for (int k = 7; k >= 0; --k) n = (n << 8) | static_cast<unsigned char>(len_bytes[k]);
   if (n > static_cast<uint64_t>(kMaxHeader) || static_cast<int64_t>(n) > size - 8)
-    bad(path, "header length " + std::to_string(n) + " exceeds the limit or the file (" +
-                  std::to_string(size) + " bytes)");
+    bad(path, msg("header length ", n, " exceeds the limit or the file (", size, " bytes)"));
   return static_cast<int64_t>(n);
 }
 
@@ -63,10 +66,10 @@ int64_t header_length(FileIO& io, const std::string& path, int64_t size) {
 // holding exactly its bytes inside the `data_size`-byte data.
 Spec parse_spec(const std::string& name, const nlohmann::json& t, int64_t data_size,
                 const std::string& path) {
-  const std::string what = "tensor '" + name + "'";
+  const std::string what = msg("tensor ", quote(name));
   if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets"))
-    bad(path, what + " lacks dtype, shape or data_offsets");
-  if (!t["dtype"].is_string()) bad(path, what + ": dtype is not a string");
+    bad(path, msg(what, " lacks dtype, shape or data_offsets"));
+  if (!t["dtype"].is_string()) bad(path, msg(what, ": dtype is not a string"));
   const std::string dtype = t["dtype"].get<std::string>();
   Spec s{name, at::kFloat, {}, 0, 0};
   bool known = false;
@@ -75,24 +78,23 @@ Spec parse_spec(const std::string& name, const nlohmann::json& t, int64_t data_s
       s.dtype = d.dtype;
       known = true;
     }
-  if (!known) bad(path, what + ": unsupported dtype '" + dtype + "'");
-  if (!t["shape"].is_array() || t["shape"].size() > 64) bad(path, what + ": bad shape");
+  if (!known) bad(path, msg(what, ": unsupported dtype ", quote(dtype)));
+  if (!t["shape"].is_array() || t["shape"].size() > 64) bad(path, msg(what, ": bad shape"));
   for (const auto& d : t["shape"]) {
-    if (!d.is_number_integer() || d.get<int64_t>() < 0) bad(path, what + ": bad shape");
+    if (!d.is_number_integer() || d.get<int64_t>() < 0) bad(path, msg(what, ": bad shape"));
     s.shape.push_back(d.get<int64_t>());
   }
   const auto& off = t["data_offsets"];
   if (!off.is_array() || off.size() != 2 || !off[0].is_number_integer() ||
       !off[1].is_number_integer())
-    bad(path, what + ": data_offsets must be two integers");
+    bad(path, msg(what, ": data_offsets must be two integers"));
   s.begin = off[0].get<int64_t>();
   s.end = off[1].get<int64_t>();
   const int64_t nbytes =
-      formats::checked_nbytes(s.shape, s.dtype, "safetensors " + path + ": " + what);
+      formats::checked_nbytes(s.shape, s.dtype, msg("safetensors ", path, ": ", what));
   if (s.begin < 0 || s.end < s.begin || s.end > data_size || s.end - s.begin != nbytes)
-    bad(path, what + ": data_offsets [" + std::to_string(s.begin) + ", " + std::to_string(s.end) +
-                  "] do not hold its " + std::to_string(nbytes) + " bytes inside the " +
-                  std::to_string(data_size) + "-byte data");
+    bad(path, msg(what, ": data_offsets [", s.begin, ", ", s.end, "] do not hold its ", nbytes,
+                  " bytes inside the ", data_size, "-byte data"));
   return s;
 }
 
@@ -104,7 +106,8 @@ void check_tiling(const std::vector<Spec>& specs, int64_t data_size, const std::
             [](const Spec* a, const Spec* b) { return a->begin < b->begin; });
   int64_t at = 0;
   for (const Spec* s : order) {
-    if (s->begin != at) bad(path, "tensor '" + s->name + "' overlaps another or leaves a gap");
+    if (s->begin != at)
+      bad(path, msg("tensor ", quote(s->name), " overlaps another or leaves a gap"));
     at = s->end;
   }
   if (at != data_size) bad(path, "the data has bytes no tensor covers");
@@ -126,7 +129,7 @@ void read_safetensors_file(FileIO& io, const std::string& path, StateDict& out) 
       continue;
     }
     Spec s = parse_spec(it.key(), *it, data_size, path);
-    if (out.contains(s.name)) bad(path, "tensor '" + s.name + "' appears twice");
+    if (out.contains(s.name)) bad(path, msg("tensor ", quote(s.name), " appears twice"));
     specs.push_back(std::move(s));
   }
   check_tiling(specs, data_size, path);
@@ -159,10 +162,11 @@ StateDict load_safetensors(const std::string& path_in, FileIO* io_in) {
     std::map<std::string, std::vector<std::string>> by_file;
     for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
       if (!it->is_string())
-        bad(path, "weight_map['" + files::printable(it.key()) + "'] is not a file name");
+        bad(path, msg("weight_map[", quote(files::printable(it.key())), "] is not a file name"));
       const std::string f = it->get<std::string>();
       if (!files::plain_file_name(f))
-        bad(path, "weight_map names '" + files::printable(f) + "', not a file beside the index");
+        bad(path,
+            msg("weight_map names ", quote(files::printable(f)), ", not a file beside the index"));
       by_file[f].push_back(it.key());
     }
     const std::string dir = files::parent_of(path);
@@ -171,9 +175,9 @@ StateDict load_safetensors(const std::string& path_in, FileIO* io_in) {
       read_safetensors_file(io, files::join(dir, f), part);
       for (const auto& name : names)
         if (!part.contains(name))
-          bad(path, "the index puts '" + name + "' in " + f + ", which does not hold it");
+          bad(path, msg("the index puts ", quote(name), " in ", f, ", which does not hold it"));
       for (auto& [k, v] : part) {
-        if (out.contains(k)) bad(path, "'" + k + "' is in two files");
+        if (out.contains(k)) bad(path, msg(quote(k), " is in two files"));
         out.insert_or_assign(k, v);
       }
     }
@@ -186,16 +190,16 @@ StateDict load_safetensors(const std::string& path_in, FileIO* io_in) {
 StateDict load_pt(const std::string& path, FileIO* io_in) {
   FileIO& io = io_in ? *io_in : default_file_io();
   const int64_t size = io.file_size(path);
-  if (size < 0) throw ValueError("load_pt: cannot open " + path + ": " + std::strerror(errno));
-  const std::string where = "load_pt " + path;
+  if (size < 0) throw ValueError(msg("load_pt: cannot open ", path, ": ", std::strerror(errno)));
+  const std::string where = msg("load_pt ", path);
   const archive::ReadFn read = [&](int64_t offset, size_t n, char* dst) {
     files::read_into(io, path, offset, static_cast<int64_t>(n), dst, "load_pt");
   };
   const archive::Directory dir(size, read, where);
   const pickle::NodePtr root = archive::read_data_pkl(dir, read, /*check_crc=*/true);
   if (!root->is(pickle::Node::Kind::DICT))
-    throw ValueError(where + ": the file holds a " + pickle::to_string(root->kind) +
-                     ", not a dict");
+    throw ValueError(
+        msg(where, ": the file holds a ", pickle::to_string(root->kind), ", not a dict"));
   // Each storage is read straight into its tensor and checked against its CRC-32 (a .pt file
   // has no other checksum); tensors sharing a storage (tied weights) share it here too.
   archive::Values values(
@@ -205,8 +209,8 @@ StateDict load_pt(const std::string& path, FileIO* io_in) {
         char* p = static_cast<char*>(t.data_ptr());
         read(r.offset, static_cast<size_t>(r.size), p);
         if (archive::crc32(p, static_cast<size_t>(r.size)) != r.crc32)
-          throw CorruptionError(where + ": storage " + key +
-                                " fails its CRC-32: the file is corrupt");
+          throw CorruptionError(
+              msg(where, ": storage ", key, " fails its CRC-32: the file is corrupt"));
         return t;
       },
       size, where);

@@ -7,13 +7,15 @@
 
 #include <string>
 
+#include "util/message.h"
+
 namespace fsdp {
 namespace checkpoint {
 
 /// Why `text` is not JSON whatever nlohmann's parser says ("a NUL byte at offset 17"), or "".
 inline std::string json_text_problem(const std::string& text) {
   const size_t nul = text.find('\0');
-  return nul == std::string::npos ? std::string() : "a NUL byte at offset " + std::to_string(nul);
+  return nul == std::string::npos ? std::string() : detail::msg("a NUL byte at offset ", nul);
 }
 
 }  // namespace checkpoint

@@ -8,12 +8,15 @@
 
 #include "checkpoint/json_text.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
 namespace manifest {
 namespace {
 
+using detail::msg;
+using detail::quote;
 using nlohmann::json;
 
 bool item_less(const Item& a, const Item& b) {
@@ -35,25 +38,25 @@ bool hex16(const std::string& s) {
 struct Reader {
   const std::string& path;
   [[noreturn]] void fail(const std::string& what) const {
-    throw CorruptionError("checkpoint manifest " + path + ": " + what);
+    throw CorruptionError(msg("checkpoint manifest ", path, ": ", what));
   }
   const json& field(const json& obj, const char* name) const {
-    if (!obj.is_object()) fail(std::string("expected an object holding '") + name + "'");
+    if (!obj.is_object()) fail(msg("expected an object holding ", quote(name)));
     auto it = obj.find(name);
-    if (it == obj.end()) fail(std::string("'") + name + "' is missing");
+    if (it == obj.end()) fail(msg(quote(name), " is missing"));
     return *it;
   }
   int64_t integer(const json& obj, const char* name, int64_t lo) const {
     const json& v = field(obj, name);
-    if (!v.is_number_integer()) fail(std::string("'") + name + "' is not an integer");
+    if (!v.is_number_integer()) fail(msg(quote(name), " is not an integer"));
     const int64_t x = v.get<int64_t>();
     if (x < lo || (v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX))
-      fail(std::string("'") + name + "' is out of range: " + v.dump());
+      fail(msg(quote(name), " is out of range: ", v.dump()));
     return x;
   }
   std::string string(const json& obj, const char* name) const {
     const json& v = field(obj, name);
-    if (!v.is_string()) fail(std::string("'") + name + "' is not a string");
+    if (!v.is_string()) fail(msg(quote(name), " is not a string"));
     return v.get<std::string>();
   }
 };
@@ -96,21 +99,21 @@ Manifest parse(const std::string& bytes, const std::string& path) {
   Reader r{path};
   json j;
   if (const std::string why = json_text_problem(bytes); !why.empty()) {
-    r.fail("not valid JSON: " + why);
+    r.fail(msg("not valid JSON: ", why));
   }
   try {
     j = json::parse(bytes);
   } catch (const json::exception& e) {
-    r.fail(std::string("not valid JSON: ") + e.what());
+    r.fail(msg("not valid JSON: ", e.what()));
   }
   Manifest m;
   m.format_version =
       static_cast<int>(std::min<int64_t>(r.integer(j, "format_version", 1), 1 << 30));
   if (m.format_version > kFormatVersion)
-    r.fail("format version " + std::to_string(m.format_version) +
-           " was written by a newer fsdp-cpp; this build reads up to version " +
-           std::to_string(kFormatVersion));
-  if (r.string(j, "hash") != "xxh3-64") r.fail("unknown hash '" + r.string(j, "hash") + "'");
+    r.fail(msg("format version ", m.format_version,
+               " was written by a newer fsdp-cpp; this build reads up to version ",
+               kFormatVersion));
+  if (r.string(j, "hash") != "xxh3-64") r.fail(msg("unknown hash ", quote(r.string(j, "hash"))));
   m.library_version = r.string(j, "library_version");
   m.torch_version = r.string(j, "torch_version");
   m.world_size = static_cast<int>(std::min<int64_t>(r.integer(j, "world_size", 1), 1 << 30));
@@ -120,15 +123,16 @@ Manifest parse(const std::string& bytes, const std::string& path) {
   const json& ann = r.field(j, "annotations");
   if (!ann.is_object()) r.fail("'annotations' is not an object");
   for (auto it = ann.begin(); it != ann.end(); ++it) {
-    if (!it->is_string()) r.fail("annotation '" + it.key() + "' is not a string");
+    if (!it->is_string()) r.fail(msg("annotation ", quote(it.key()), " is not a string"));
     m.annotations[it.key()] = it->get<std::string>();
   }
   const json& files = r.field(j, "files");
   if (!files.is_object()) r.fail("'files' is not an object");
   for (auto it = files.begin(); it != files.end(); ++it) {
-    if (!plain_name(it.key())) r.fail("file name '" + it.key() + "' is not a plain file name");
+    if (!plain_name(it.key()))
+      r.fail(msg("file name ", quote(it.key()), " is not a plain file name"));
     if (!it->is_number_integer() || it->get<int64_t>() < 0)
-      r.fail("the size of '" + it.key() + "' is not a non-negative integer");
+      r.fail(msg("the size of ", quote(it.key()), " is not a non-negative integer"));
     m.files[it.key()] = it->get<int64_t>();
   }
   const json& items = r.field(j, "items");
@@ -143,19 +147,17 @@ Manifest parse(const std::string& bytes, const std::string& path) {
     i.xxh3 = r.string(x, "xxh3");
     auto size = m.files.find(i.file);
     if (size == m.files.end())
-      r.fail("item '" + i.key + "' is in '" + i.file + "', which 'files' does not list");
+      r.fail(msg("item ", quote(i.key), " is in ", quote(i.file), ", which 'files' does not list"));
     if (i.offset > size->second || i.length > size->second - i.offset)
-      r.fail("item '" + i.key + "' at " + std::to_string(i.offset) + " + " +
-             std::to_string(i.length) + " lies outside '" + i.file + "' (" +
-             std::to_string(size->second) + " bytes)");
-    if (!hex16(i.xxh3)) r.fail("the checksum of item '" + i.key + "' is not 16 hex digits");
+      r.fail(msg("item ", quote(i.key), " at ", i.offset, " + ", i.length, " lies outside ",
+                 quote(i.file), " (", size->second, " bytes)"));
+    if (!hex16(i.xxh3)) r.fail(msg("the checksum of item ", quote(i.key), " is not 16 hex digits"));
     m.items.push_back(std::move(i));
   }
   std::sort(m.items.begin(), m.items.end(), item_less);
   for (size_t k = 1; k < m.items.size(); ++k)
     if (m.items[k].file == m.items[k - 1].file && m.items[k].offset == m.items[k - 1].offset)
-      r.fail("two items at offset " + std::to_string(m.items[k].offset) + " of '" +
-             m.items[k].file + "'");
+      r.fail(msg("two items at offset ", m.items[k].offset, " of ", quote(m.items[k].file)));
   return m;
 }
 

@@ -7,11 +7,14 @@
 
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
 namespace {
 
+using fsdp::detail::msg;
+using fsdp::detail::quote;
 using optim_forms::kGroups;
 using optim_forms::kParams;
 using optim_forms::kState;
@@ -61,9 +64,9 @@ StateDict flatten_optim_state_dict(const StateDict& osd) {
       if (!v.is_tensor() && !v.is_sharded_tensor() && !v.is_int() && !v.is_double() &&
           !v.is_bool()) {
         throw ValueError(
-            "Flattening optimizer state_dict only supports tensor, int, float states now. Type "
-            "is " +
-            std::string(to_string(v.kind())) + " (state '" + fqn + "', '" + name + "').");
+            msg("Flattening optimizer state_dict only supports tensor, int, float states now. Type "
+                "is ",
+                to_string(v.kind()), " (state ", quote(fqn), ", ", quote(name), ")."));
       }
       out.insert_or_assign(std::string(kState) + "." + fqn + "." + name, v);
     }
@@ -107,16 +110,16 @@ StateDict split_for(const DescribeOptimizer& describe, torch::optim::Optimizer& 
   for (size_t i = 0; i < groups.size(); ++i) {
     if (!groups[i].is_dict() || !groups[i].dict().contains(kParams) ||
         !groups[i].dict().at(kParams).is_list()) {
-      throw ValueError("optimizer state dict: param_groups[" + std::to_string(i) +
-                       "] is not a dict with a \"params\" list");
+      throw ValueError(
+          msg("optimizer state dict: param_groups[", i, "] is not a dict with a \"params\" list"));
     }
     const StateList& params = groups[i].dict().at(kParams).list();
     size_t ours = 0;
     for (const auto& p : params) ours += p.is_string() && mine.count(p.string()) ? 1 : 0;
     if (ours == 0) continue;
     if (ours != params.size()) {
-      throw ValueError("optimizer state dict: param_groups[" + std::to_string(i) +
-                       "] lists parameters of more than one of the given optimizers");
+      throw ValueError(msg("optimizer state dict: param_groups[", i,
+                           "] lists parameters of more than one of the given optimizers"));
     }
     out_groups.push_back(groups[i]);
   }
@@ -138,8 +141,8 @@ StateDict unflatten_optim(const DescribeOptimizer& describe,
     const size_t start =
         is_state ? std::string(kState).size() + 1 : std::string(kGroups).size() + 1;
     if ((!is_state && !is_group) || dot == std::string::npos || dot <= start) {
-      throw ValueError("flattened optimizer state dict: unexpected key '" + k +
-                       "' (keys are \"state.<fqn>.<name>\" and \"param_groups.<fqn>.<key>\")");
+      throw ValueError(msg("flattened optimizer state dict: unexpected key ", quote(k),
+                           " (keys are \"state.<fqn>.<name>\" and \"param_groups.<fqn>.<key>\")"));
     }
     const std::string fqn = k.substr(start, dot - start);
     (is_state ? states : group_values)[fqn].insert_or_assign(k.substr(dot + 1), v);
@@ -165,10 +168,10 @@ StateDict unflatten_optim(const DescribeOptimizer& describe,
               group.insert_or_assign(key, v);
             } else if (!same_value(group.at(key), v)) {
               throw ValueError(
-                  "All the parameters in the same parameter group should have the same saved "
-                  "param_group value. But " +
-                  fqn + "." + key + " is " + value_text(v) + " while other(s) is " +
-                  value_text(group.at(key)) + ".");
+                  msg("All the parameters in the same parameter group should have the same saved "
+                      "param_group value. But ",
+                      fqn, ".", key, " is ", value_text(v), " while other(s) is ",
+                      value_text(group.at(key)), "."));
             }
           }
         }
@@ -180,8 +183,8 @@ StateDict unflatten_optim(const DescribeOptimizer& describe,
   for (const auto* m : {&states, &group_values}) {
     for (const auto& [fqn, v] : *m) {
       if (!known.count(fqn)) {
-        throw ValueError("flattened optimizer state dict: '" + fqn +
-                         "' is not a parameter of the given optimizers");
+        throw ValueError(msg("flattened optimizer state dict: ", quote(fqn),
+                             " is not a parameter of the given optimizers"));
       }
     }
   }

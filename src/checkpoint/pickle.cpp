@@ -7,9 +7,14 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "util/message.h"
+
 namespace fsdp {
 namespace checkpoint {
 namespace pickle {
+
+using detail::msg;
+using detail::quote;
 
 // ---------------------------------------------------------------------------------------------
 // Nodes
@@ -164,8 +169,8 @@ class Reader {
 
   NodePtr run() {
     if (d_.size() > limits_.max_bytes) {
-      throw PickleError("pickle: " + std::to_string(d_.size()) + " bytes exceed the limit of " +
-                        std::to_string(limits_.max_bytes));
+      throw PickleError(
+          msg("pickle: ", d_.size(), " bytes exceed the limit of ", limits_.max_bytes));
     }
     while (true) {
       if (pos_ >= d_.size()) fail_at(pos_, "ends without STOP");
@@ -175,25 +180,23 @@ class Reader {
       step();
     }
     if (stack_.size() != 1 || !marks_.empty())
-      fail("STOP with " + std::to_string(stack_.size()) + " values and " +
-           std::to_string(marks_.size()) + " marks on the stack (expected one value)");
+      fail(msg("STOP with ", stack_.size(), " values and ", marks_.size(),
+               " marks on the stack (expected one value)"));
     return stack_.back();
   }
 
  private:
   [[noreturn]] void fail_at(size_t at, const std::string& what) const {
-    throw PickleError("pickle: " + what + " (offset " + std::to_string(at) + ")");
+    throw PickleError(msg("pickle: ", what, " (offset ", at, ")"));
   }
   [[noreturn]] void fail(const std::string& what) const {
     char op[8];
     std::snprintf(op, sizeof op, "0x%02x", op_);
-    throw PickleError("pickle: " + what + " (opcode " + op + " at offset " +
-                      std::to_string(op_pos_) + ")");
+    throw PickleError(msg("pickle: ", what, " (opcode ", op, " at offset ", op_pos_, ")"));
   }
   std::string take(uint64_t n) {
     if (n > d_.size() - pos_) {
-      fail("a length of " + std::to_string(n) + " runs past the end (" +
-           std::to_string(d_.size() - pos_) + " bytes left)");
+      fail(msg("a length of ", n, " runs past the end (", d_.size() - pos_, " bytes left)"));
     }
     std::string out = d_.substr(pos_, n);
     pos_ += n;
@@ -210,8 +213,7 @@ class Reader {
     if (bad != std::string::npos) {
       char byte[8];
       std::snprintf(byte, sizeof byte, "0x%02x", static_cast<uint8_t>(s[bad]));
-      fail_at(at, "a str that is not UTF-8 (byte " + std::string(byte) + " at position " +
-                      std::to_string(bad) + " of it)");
+      fail_at(at, msg("a str that is not UTF-8 (byte ", byte, " at position ", bad, " of it)"));
     }
     return s;
   }
@@ -252,8 +254,7 @@ class Reader {
     return out;
   }
   NodePtr counted(NodePtr n) {
-    if (++nodes_ > limits_.max_nodes)
-      fail("more than " + std::to_string(limits_.max_nodes) + " values");
+    if (++nodes_ > limits_.max_nodes) fail(msg("more than ", limits_.max_nodes, " values"));
     return n;
   }
   void push(NodePtr n) {
@@ -279,7 +280,7 @@ class Reader {
     return items;
   }
   NodePtr& expect(NodePtr& n, Node::Kind k, const char* what) {
-    if (!n || n->kind != k) fail(std::string(what) + " must be a " + to_string(k));
+    if (!n || n->kind != k) fail(msg(what, " must be a ", to_string(k)));
     return n;
   }
   void set_item(Node& dict, NodePtr k, NodePtr v) {
@@ -287,24 +288,24 @@ class Reader {
     if (k->kind == Node::Kind::STR || k->kind == Node::Kind::INT) {
       const std::string id = k->kind == Node::Kind::STR ? "s" + k->s : "i" + std::to_string(k->i);
       if (!keys_[&dict].insert(id).second) {
-        fail("duplicate dict key " +
-             (k->kind == Node::Kind::STR ? "'" + k->s + "'" : std::to_string(k->i)));
+        fail(msg("duplicate dict key ",
+                 k->kind == Node::Kind::STR ? msg(quote(k->s)) : std::to_string(k->i)));
       }
     }
     dict.entries.emplace_back(std::move(k), std::move(v));
   }
   void put_memo(uint64_t idx) {
-    if (idx > limits_.max_nodes) fail("memo index " + std::to_string(idx) + " beyond the limit");
+    if (idx > limits_.max_nodes) fail(msg("memo index ", idx, " beyond the limit"));
     memo_[idx] = top();
   }
   void get_memo(uint64_t idx) {
     auto it = memo_.find(idx);
-    if (it == memo_.end()) fail("memo index " + std::to_string(idx) + " was never stored");
+    if (it == memo_.end()) fail(msg("memo index ", idx, " was never stored"));
     push(it->second);
   }
   NodePtr global(std::string module, std::string name) {
     if (!allowed_.count({module, name})) {
-      fail("global '" + module + "." + name + "' is not allowed here");
+      fail(msg("global ", quote(module + "." + name), " is not allowed here"));
     }
     return counted(Node::global(std::move(module), std::move(name)));
   }
@@ -326,7 +327,7 @@ class Reader {
     switch (op_) {
       case 0x80: {  // PROTO
         const uint64_t v = le(1);
-        if (v > 5) fail("protocol " + std::to_string(v) + " is not supported");
+        if (v > 5) fail(msg("protocol ", v, " is not supported"));
         return;
       }
       case 0x95: {  // FRAME: a length prefix only
@@ -358,7 +359,7 @@ class Reader {
         return;
       case 0x8a: {  // LONG1: little-endian two's complement of n bytes
         const uint64_t n = le(1);
-        if (n > 8) fail("integer of " + std::to_string(n) + " bytes does not fit 64 bits");
+        if (n > 8) fail(msg("integer of ", n, " bytes does not fit 64 bits"));
         uint64_t v = n ? le(static_cast<int>(n)) : 0;
         if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);  // sign
         push(counted(Node::integer(static_cast<int64_t>(v))));

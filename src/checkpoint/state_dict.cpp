@@ -17,11 +17,15 @@
 #include "fsdp/optim_state_dict.h"
 #include "fsdp/state_dict_utils.h"
 #include "state_dict/interface.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
 namespace {
 
+using detail::msg;
+using detail::quote;
+using detail::rank;
 using optim_forms::kGroups;
 using optim_forms::kParams;
 using optim_forms::kState;
@@ -52,12 +56,12 @@ Target resolve(torch::nn::Module& model) {
     const torch::nn::Module* m = item.value().get();
     if (dynamic_cast<const FullyShardedDataParallelImpl*>(m) != nullptr ||
         detail::is_wrapped_module(m)) {
-      const std::string where = item.key().empty() ? "the module itself" : "'" + item.key() + "'";
-      throw ValueError(
-          "state dict API: " + where +
+      const std::string where = item.key().empty() ? "the module itself" : msg(quote(item.key()));
+      throw ValueError(msg(
+          "state dict API: ", where,
           " is (part of) a FullyShardedDataParallel model, so its parameters are flat-parameter "
           "views (PyTorch: 'contains _flat_param ... the model is not the root module'); pass "
-          "the wrapped model itself");
+          "the wrapped model itself"));
     }
   }
   t.plain = &model;
@@ -72,7 +76,7 @@ std::vector<std::string> verify_options(const Target& t, const StateDictOptions&
     throw ValueError("Optimizers are not passed in but optim_only is set to True.");
   }
   for (size_t i = 0; i < optimizers.size(); ++i) {
-    if (optimizers[i] == nullptr) throw ValueError("optimizer " + std::to_string(i) + " is null");
+    if (optimizers[i] == nullptr) throw ValueError(msg("optimizer ", i, " is null"));
   }
   if (o.broadcast_from_rank0() && !o.full_state_dict()) {
     throw ValueError("full_state_dict must be True when broadcast_from_rank0 is True.");
@@ -89,9 +93,9 @@ std::vector<std::string> verify_options(const Target& t, const StateDictOptions&
       break;
     }
     if (!found) {
-      throw ValueError("submodules[" + std::to_string(i) + "] (" +
-                       (submodules[i] ? submodules[i]->name() : std::string("null")) +
-                       ") is not a module of the model");
+      throw ValueError(msg("submodules[", i, "] (",
+                           submodules[i] ? submodules[i]->name() : std::string("null"),
+                           ") is not a module of the model"));
     }
   }
   return prefixes;
@@ -104,23 +108,23 @@ void verify_state_dict(const Target& t, const StateDict* msd, const StateDict* o
   if (msd && msd->empty() && !have_prefixes && !o.ignore_frozen_params() && !rank0_holds_all &&
       o.strict() && !o.broadcast_from_rank0()) {
     throw ValueError(
-        "The option indicates that model state_dict is required to save or load, but model "
-        "state_dict is empty (rank " +
-        std::to_string(t.rank()) + ").");
+        msg("The option indicates that model state_dict is required to save or load, but model "
+            "state_dict is empty (",
+            rank(t.rank()), ")."));
   }
   if (osd && osd->empty() && !rank0_holds_all && !o.broadcast_from_rank0()) {
     throw ValueError(
-        "The option indicates that model state_dict is required to save, or load but optim "
-        "state_dict is empty (rank " +
-        std::to_string(t.rank()) + ").");
+        msg("The option indicates that model state_dict is required to save, or load but optim "
+            "state_dict is empty (",
+            rank(t.rank()), ")."));
   }
   if (msd) {
     for (const auto& [k, v] : *msd) {
       if (k.find("_flat_param") != std::string::npos) {
-        throw ValueError("'" + k +
-                         "' contains _flat_param: a LOCAL state dict (or a key of a model that "
-                         "is not the root module); these functions use FULL or SHARDED dicts "
-                         "keyed by the unwrapped model's FQNs");
+        throw ValueError(msg(quote(k),
+                             " contains _flat_param: a LOCAL state dict (or a key of a model that "
+                             "is not the root module); these functions use FULL or SHARDED dicts "
+                             "keyed by the unwrapped model's FQNs"));
       }
     }
   }
@@ -218,9 +222,9 @@ void init_optim_state(torch::optim::Optimizer& opt,
     opt.step(nullptr);
   } catch (const std::exception& e) {
     restore();
-    throw ValueError(std::string("initialising the optimizer's state (one step with zero "
-                                 "learning rate) failed: ") +
-                     e.what());
+    throw ValueError(
+        msg("initialising the optimizer's state (one step with zero learning rate) failed: ",
+            e.what()));
   }
   restore();
 }
@@ -270,12 +274,14 @@ void check_units_covered(const Target& t, const Optimizers& optimizers) {
     for (const auto& fqn : trainable[unit]) {
       if (fqns.count(fqn)) continue;
       std::string unit_params, optim_params;
-      for (const auto& f : trainable[unit]) unit_params += (unit_params.empty() ? "" : ", ") + f;
-      for (const auto& f : fqns) optim_params += (optim_params.empty() ? "" : ", ") + f;
-      throw ValueError(fqn + " is not in the optimizer state. The unit has the trainable " +
-                       "parameters [" + unit_params + "] while the optimizers hold [" +
-                       optim_params + "] (freeze it with requires_grad(false), or give it to " +
-                       "an optimizer)");
+      for (const auto& f : trainable[unit]) unit_params += msg(unit_params.empty() ? "" : ", ", f);
+      for (const auto& f : fqns) optim_params += msg(optim_params.empty() ? "" : ", ", f);
+      throw ValueError(msg(fqn,
+                           " is not in the optimizer state. The unit has the trainable "
+                           "parameters [",
+                           unit_params, "] while the optimizers hold [", optim_params,
+                           "] (freeze it with requires_grad(false), or give it to "
+                           "an optimizer)"));
     }
   }
 }
@@ -300,7 +306,7 @@ std::vector<std::string> agree(dist::ProcessGroup* pg, const std::string& api,
   } catch (const DistError& e) {
     kind = 'D', error = e.what(), mine = std::current_exception();
   } catch (const std::exception& e) {  // LibTorch's own (c10::Error): an fsdp error instead
-    kind = 'E', error = api + ": " + e.what();
+    kind = 'E', error = msg(api, ": ", e.what());
   }
   auto raise = [&](char k, const std::string& msg) -> std::vector<std::string> {
     if (k == 'S') throw StateError(msg);
@@ -321,10 +327,10 @@ std::vector<std::string> agree(dist::ProcessGroup* pg, const std::string& api,
     }
     if (mine) std::rethrow_exception(mine);
     if (kind) raise(kind, error);
-    return raise(all[r].empty() ? 'E' : all[r][0],
-                 api + " failed on rank " + std::to_string(r) + " (this is rank " +
-                     std::to_string(pg->rank()) + "); nothing was changed: " +
-                     (all[r].empty() ? std::string() : all[r].substr(1)));
+    return raise(
+        all[r].empty() ? 'E' : all[r][0],
+        msg(api, " failed on ", rank(r), " (this is ", rank(pg->rank()),
+            "); nothing was changed: ", all[r].empty() ? std::string() : all[r].substr(1)));
   }
   return out;
 }
@@ -459,10 +465,10 @@ ModelFrom model_source(const Target& t, const StateDictOptions& o,
   // (PyTorch's FSDP would wait forever here: rank 0 loads while the others skip the load.)
   if (o.full_state_dict() && o.cpu_offload() && with.front() == 0) return ModelFrom::RANK0;
   throw ValueError(
-      "set_model_state_dict: rank " + std::to_string(without.front()) +
-      " passed an empty model state dict but rank " + std::to_string(with.front()) +
-      " did not; every rank passes its dict, or rank 0 alone with broadcast_from_rank0 (or "
-      "with full_state_dict and cpu_offload)");
+      msg("set_model_state_dict: ", rank(without.front()), " passed an empty model state dict but ",
+          rank(with.front()),
+          " did not; every rank passes its dict, or rank 0 alone with broadcast_from_rank0 (or "
+          "with full_state_dict and cpu_offload)"));
 }
 
 LoadResult load_model(const Target& t, const StateDict& msd, const StateDictOptions& o,
@@ -520,9 +526,9 @@ LoadResult set_impl(const Target& t, const Optimizers& optimizers, const StateDi
   const std::vector<std::string> flags = agree(collective ? pg : nullptr, api, prepare);
   // Everything that can be refused is refused before anything is loaded.
   if (optim_rank0 && flags[0][1] != 'o') {
-    throw ValueError(api +
-                     ": rank 0 holds no optimizer state dict, and its dict is the one "
-                     "loaded (broadcast_from_rank0, or full_state_dict with cpu_offload)");
+    throw ValueError(msg(api,
+                         ": rank 0 holds no optimizer state dict, and its dict is the one "
+                         "loaded (broadcast_from_rank0, or full_state_dict with cpu_offload)"));
   }
   const ModelFrom from = msd ? model_source(t, o, flags) : ModelFrom::NOWHERE;
   if (osd) load_optimizers(t, optimizers, parts, optim_rank0, o);

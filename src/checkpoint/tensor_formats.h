@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
@@ -35,7 +36,7 @@ inline const std::vector<DtypeName>& dtype_names() {
 inline std::string safetensors_dtype(at::ScalarType t, const std::string& what) {
   for (const auto& n : dtype_names())
     if (n.dtype == t) return n.safetensors;
-  throw ValueError(what + ": dtype " + std::string(c10::toString(t)) + " has no safetensors name");
+  throw ValueError(detail::msg(what, ": dtype ", t, " has no safetensors name"));
 }
 
 /// torch.save's storage class name for `t` ("FloatStorage"), or null where the table has none.
@@ -47,8 +48,7 @@ inline const char* find_storage_class(at::ScalarType t) {
 
 inline std::string storage_class(at::ScalarType t, const std::string& what) {
   if (const char* name = find_storage_class(t)) return name;
-  throw ValueError(what + ": dtype " + std::string(c10::toString(t)) +
-                   " cannot be written to a .pt file");
+  throw ValueError(detail::msg(what, ": dtype ", t, " cannot be written to a .pt file"));
 }
 
 /// numel * itemsize, or ValueError naming `what` for a negative dimension or an overflow.
@@ -56,9 +56,9 @@ inline int64_t checked_nbytes(const std::vector<int64_t>& shape, at::ScalarType 
                               const std::string& what) {
   int64_t n = static_cast<int64_t>(c10::elementSize(t));
   for (int64_t s : shape) {
-    if (s < 0) throw ValueError(what + ": negative dimension " + std::to_string(s));
+    if (s < 0) throw ValueError(detail::msg(what, ": negative dimension ", s));
     if (s != 0 && n > INT64_MAX / s)
-      throw ValueError(what + ": the shape's byte size overflows 64 bits");
+      throw ValueError(detail::msg(what, ": the shape's byte size overflows 64 bits"));
     n *= s;
   }
   return n;

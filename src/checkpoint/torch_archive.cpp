@@ -10,10 +10,15 @@
 
 #include "checkpoint/tensor_formats.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace checkpoint {
 namespace archive {
+
+using detail::msg;
+using detail::quote;
+
 namespace {
 
 constexpr uint32_t kLocalSig = 0x04034b50, kCentralSig = 0x02014b50, kEndSig = 0x06054b50,
@@ -44,7 +49,7 @@ class DirectoryReader {
       : size_(size), read_(read), where_(where) {}
 
   [[noreturn]] void fail(const std::string& what) const {
-    throw ValueError(where_ + ": not a torch.save archive: " + what);
+    throw ValueError(msg(where_, ": not a torch.save archive: ", what));
   }
 
   // Where the central directory lies and how many entries it holds, checked against the file.
@@ -152,12 +157,12 @@ CentralEntry DirectoryReader::entry(const std::string& dir, size_t& pos) const {
   for (size_t x = 0; x + 4 <= extra_n;) {
     const char* f = c + kCentralSize + name_n + x;
     const size_t id = le(f, 2), len = le(f + 2, 2);
-    if (x + 4 + len > extra_n) fail("record '" + name + "' has a damaged extra field");
+    if (x + 4 + len > extra_n) fail(msg("record ", quote(name), " has a damaged extra field"));
     if (id == 0x0001) {
       size_t k = 4;
       auto take = [&](uint64_t& v) {
         if (v != 0xFFFFFFFF) return;
-        if (k + 8 > 4 + len) fail("record '" + name + "' has a short ZIP64 field");
+        if (k + 8 > 4 + len) fail(msg("record ", quote(name), " has a short ZIP64 field"));
         v = le(f + k, 8);
         k += 8;
       };
@@ -173,13 +178,13 @@ CentralEntry DirectoryReader::entry(const std::string& dir, size_t& pos) const {
 
 Record DirectoryReader::record(const CentralEntry& c, uint64_t dir_offset) const {
   if (c.local > static_cast<uint64_t>(size_) - kLocalSize)
-    fail("record '" + c.name + "' starts outside the file");
+    fail(msg("record ", quote(c.name), " starts outside the file"));
   char lh[kLocalSize];
   read_(static_cast<int64_t>(c.local), kLocalSize, lh);
-  if (le(lh, 4) != kLocalSig) fail("record '" + c.name + "' has no local header");
+  if (le(lh, 4) != kLocalSig) fail(msg("record ", quote(c.name), " has no local header"));
   const uint64_t data = c.local + kLocalSize + le(lh + 26, 2) + le(lh + 28, 2);
   if (data > dir_offset || c.usize > dir_offset - data)
-    fail("record '" + c.name + "' extends past the file's data");
+    fail(msg("record ", quote(c.name), " extends past the file's data"));
   return Record{static_cast<int64_t>(data), static_cast<int64_t>(c.usize),
                 static_cast<uint32_t>(c.crc)};
 }
@@ -202,17 +207,20 @@ Directory::Directory(int64_t size, const ReadFn& read, std::string where)
   for (uint64_t r = 0; r < place.count; ++r) {
     const CentralEntry c = zip.entry(dir, pos);
     const std::string& name = c.name;
-    if (c.method != 0) zip.fail("record '" + name + "' is compressed; torch.save stores records");
-    if (c.flags & 1) zip.fail("record '" + name + "' is encrypted");
-    if (c.csize != c.usize) zip.fail("record '" + name + "' has two sizes");
+    if (c.method != 0)
+      zip.fail(msg("record ", quote(name), " is compressed; torch.save stores records"));
+    if (c.flags & 1) zip.fail(msg("record ", quote(name), " is encrypted"));
+    if (c.csize != c.usize) zip.fail(msg("record ", quote(name), " has two sizes"));
     const size_t slash = name.find('/');
-    if (slash == std::string::npos || slash == 0) zip.fail("record '" + name + "' is in no folder");
+    if (slash == std::string::npos || slash == 0)
+      zip.fail(msg("record ", quote(name), " is in no folder"));
     if (folder.empty()) folder = name.substr(0, slash);
     if (name.compare(0, slash, folder) != 0 || slash != folder.size())
-      zip.fail("records lie in two folders ('" + folder + "' and '" + name.substr(0, slash) + "')");
+      zip.fail(msg("records lie in two folders (", quote(folder), " and ",
+                   quote(name.substr(0, slash)), ")"));
     const Record rec = zip.record(c, place.offset);
     if (!records_.emplace(name.substr(slash + 1), rec).second)
-      zip.fail("record '" + name + "' appears twice");
+      zip.fail(msg("record ", quote(name), " appears twice"));
   }
 }
 
@@ -224,11 +232,11 @@ const Record* Directory::find(const std::string& name) const {
 const Record& storage_record(const Directory& dir, const std::string& key, at::ScalarType dtype,
                              int64_t numel) {
   const Record* r = dir.find("data/" + key);
-  if (!r) throw ValueError(dir.where() + ": the storage record data/" + key + " is missing");
+  if (!r) throw ValueError(msg(dir.where(), ": the storage record data/", key, " is missing"));
   const int64_t want = numel * static_cast<int64_t>(c10::elementSize(dtype));
   if (r->size != want)
-    throw ValueError(dir.where() + ": the storage record data/" + key + " has " +
-                     std::to_string(r->size) + " bytes, its tensor needs " + std::to_string(want));
+    throw ValueError(msg(dir.where(), ": the storage record data/", key, " has ", r->size,
+                         " bytes, its tensor needs ", want));
   return *r;
 }
 
@@ -246,37 +254,36 @@ const std::set<std::pair<std::string, std::string>>& pickle_globals() {
 
 pickle::NodePtr read_data_pkl(const Directory& dir, const ReadFn& read, bool check_crc) {
   if (dir.find("constants.pkl"))
-    throw ValueError(dir.where() +
-                     ": a TorchScript archive (torch::save, torch.jit.save), not a torch.save "
-                     "archive of data; read it with torch::load");
+    throw ValueError(msg(dir.where(),
+                         ": a TorchScript archive (torch::save, torch.jit.save), not a torch.save "
+                         "archive of data; read it with torch::load"));
   if (const Record* order = dir.find("byteorder")) {
     std::string b(static_cast<size_t>(std::min<int64_t>(order->size, 16)), '\0');
     read(order->offset, b.size(), b.data());
-    if (b != "little") throw ValueError(dir.where() + ": stored in " + b + "-endian byte order");
+    if (b != "little") throw ValueError(msg(dir.where(), ": stored in ", b, "-endian byte order"));
   }
   const Record* pkl = dir.find("data.pkl");
-  if (!pkl) throw ValueError(dir.where() + ": not a torch.save archive: it has no data.pkl");
+  if (!pkl) throw ValueError(msg(dir.where(), ": not a torch.save archive: it has no data.pkl"));
   pickle::ReadLimits limits;
   limits.persistent_ids = true;
   if (pkl->size > static_cast<int64_t>(limits.max_bytes))
-    throw ValueError(dir.where() + ": data.pkl is larger than " + std::to_string(limits.max_bytes) +
-                     " bytes");
+    throw ValueError(msg(dir.where(), ": data.pkl is larger than ", limits.max_bytes, " bytes"));
   std::string bytes(static_cast<size_t>(pkl->size), '\0');
   read(pkl->offset, bytes.size(), bytes.data());
   if (check_crc && crc32(bytes.data(), bytes.size()) != pkl->crc32)
-    throw CorruptionError(dir.where() + ": data.pkl fails its CRC-32: the file is corrupt");
+    throw CorruptionError(msg(dir.where(), ": data.pkl fails its CRC-32: the file is corrupt"));
   try {
     return pickle::read(bytes, pickle_globals(), limits);
   } catch (const pickle::PickleError& e) {
-    throw ValueError(dir.where() + ": " + e.what());
+    throw ValueError(msg(dir.where(), ": ", e.what()));
   }
 }
 
-void Values::fail(const std::string& what) const { throw ValueError(where_ + ": " + what); }
+void Values::fail(const std::string& what) const { throw ValueError(msg(where_, ": ", what)); }
 
 StateValue Values::value(const pickle::NodePtr& n, const std::string& name, int depth) {
   using K = pickle::Node::Kind;
-  if (depth > 64) fail(name + " is nested deeper than 64 levels");
+  if (depth > 64) fail(msg(name, " is nested deeper than 64 levels"));
   switch (n->kind) {
     case K::NONE:
       return StateValue();
@@ -292,30 +299,31 @@ StateValue Values::value(const pickle::NodePtr& n, const std::string& name, int 
     case K::TUPLE: {
       StateList l;
       for (size_t i = 0; i < n->items.size(); ++i)
-        l.push_back(value(n->items[i], name + "[" + std::to_string(i) + "]", depth + 1));
+        l.push_back(value(n->items[i], msg(name, "[", i, "]"), depth + 1));
       return StateValue(std::move(l));
     }
     case K::DICT: {
       StateDict d;
       for (const auto& [k, v] : n->entries) {
-        if (!k->is(K::STR)) fail(name + " has a key that is not a str");
-        d.insert_or_assign(k->s, value(v, name.empty() ? k->s : name + "." + k->s, depth + 1));
+        if (!k->is(K::STR)) fail(msg(name, " has a key that is not a str"));
+        d.insert_or_assign(k->s, value(v, name.empty() ? k->s : msg(name, ".", k->s), depth + 1));
       }
       return StateValue(std::move(d));
     }
     case K::OBJECT:
       if (n->class_name() == "torch._utils._rebuild_tensor_v2") return tensor(*n, name);
-      fail(name + " is a " + n->class_name() + ", which fsdp-cpp does not read");
+      fail(msg(name, " is a ", n->class_name(), ", which fsdp-cpp does not read"));
     default:
-      fail(name + " is a Python " + pickle::to_string(n->kind) + ", which a StateDict cannot hold");
+      fail(msg(name, " is a Python ", pickle::to_string(n->kind),
+               ", which a StateDict cannot hold"));
   }
 }
 
 std::vector<int64_t> Values::ints(const pickle::NodePtr& n, const std::string& what) const {
-  if (!n->is(pickle::Node::Kind::TUPLE)) fail(what + " is not a tuple");
+  if (!n->is(pickle::Node::Kind::TUPLE)) fail(msg(what, " is not a tuple"));
   std::vector<int64_t> out;
   for (const auto& x : n->items) {
-    if (!x->is(pickle::Node::Kind::INT)) fail(what + " holds a non-integer");
+    if (!x->is(pickle::Node::Kind::INT)) fail(msg(what, " holds a non-integer"));
     out.push_back(x->i);
   }
   return out;
@@ -326,12 +334,12 @@ at::Tensor Values::tensor(const pickle::Node& call, const std::string& name) {
   const auto& a = call.items;
   if (call.class_name() != "torch._utils._rebuild_tensor_v2" || a.size() < 4 ||
       !a[0]->is(K::PERS_ID) || !a[1]->is(K::INT))
-    fail("tensor '" + name + "' has unexpected _rebuild_tensor_v2 arguments");
+    fail(msg("tensor ", quote(name), " has unexpected _rebuild_tensor_v2 arguments"));
   const pickle::NodePtr& pid = a[0]->items[0];
   if (!pid->is(K::TUPLE) || pid->items.size() != 5 || !pid->items[0]->is(K::STR) ||
       pid->items[0]->s != "storage" || !pid->items[1]->is(K::GLOBAL) ||
       !pid->items[2]->is(K::STR) || !pid->items[4]->is(K::INT))
-    fail("tensor '" + name + "' refers to its storage in an unexpected way");
+    fail(msg("tensor ", quote(name), " refers to its storage in an unexpected way"));
   at::ScalarType dtype = at::kFloat;
   bool known = false;
   for (const auto& d : formats::dtype_names())
@@ -339,34 +347,35 @@ at::Tensor Values::tensor(const pickle::Node& call, const std::string& name) {
       dtype = d.dtype;
       known = true;
     }
-  if (!known) fail("tensor '" + name + "' has storage class " + pid->items[1]->class_name());
+  if (!known) fail(msg("tensor ", quote(name), " has storage class ", pid->items[1]->class_name()));
   const std::string key = pid->items[2]->s;
   const int64_t numel = pid->items[4]->i;
   const auto item = static_cast<int64_t>(c10::elementSize(dtype));
   if (numel < 0 || numel > archive_size_ / item)
-    fail("tensor '" + name + "' claims a storage of " + std::to_string(numel) +
-         " elements, more than the archive holds");
+    fail(msg("tensor ", quote(name), " claims a storage of ", numel,
+             " elements, more than the archive holds"));
   at::Tensor storage = storage_of(key, dtype, numel, name);
   const int64_t offset = a[1]->i;
-  const std::vector<int64_t> size = ints(a[2], "the size of '" + name + "'");
-  const std::vector<int64_t> stride = ints(a[3], "the stride of '" + name + "'");
-  if (size.size() != stride.size()) fail("tensor '" + name + "': size and stride differ in length");
+  const std::vector<int64_t> size = ints(a[2], msg("the size of ", quote(name)));
+  const std::vector<int64_t> stride = ints(a[3], msg("the stride of ", quote(name)));
+  if (size.size() != stride.size())
+    fail(msg("tensor ", quote(name), ": size and stride differ in length"));
   // The furthest element must lie inside the storage.
   int64_t last = offset;
   bool empty = false;
   for (size_t d = 0; d < size.size(); ++d) {
-    if (size[d] < 0 || stride[d] < 0) fail("tensor '" + name + "': negative size or stride");
+    if (size[d] < 0 || stride[d] < 0)
+      fail(msg("tensor ", quote(name), ": negative size or stride"));
     if (size[d] == 0) empty = true;
   }
   if (!empty) {
     for (size_t d = 0; d < size.size(); ++d) {
       if (stride[d] != 0 && size[d] - 1 > (INT64_MAX - last) / stride[d])
-        fail("tensor '" + name + "': its extent overflows");
+        fail(msg("tensor ", quote(name), ": its extent overflows"));
       last += (size[d] - 1) * stride[d];
     }
     if (offset < 0 || last >= numel)
-      fail("tensor '" + name + "' reaches element " + std::to_string(last) + " of a storage of " +
-           std::to_string(numel));
+      fail(msg("tensor ", quote(name), " reaches element ", last, " of a storage of ", numel));
   }
   return storage.as_strided(size, stride, empty ? 0 : offset);
 }
@@ -376,11 +385,11 @@ at::Tensor Values::storage_of(const std::string& key, at::ScalarType dtype, int6
   auto it = storages_.find(key);
   if (it != storages_.end()) {
     if (it->second.scalar_type() != dtype || it->second.numel() != numel)
-      fail("storage " + key + " is used with two dtypes or sizes");
+      fail(msg("storage ", key, " is used with two dtypes or sizes"));
     return it->second;
   }
   if (key.empty() || key.find('/') != std::string::npos)
-    fail("tensor '" + name + "' names a storage '" + key + "'");
+    fail(msg("tensor ", quote(name), " names a storage ", quote(key)));
   at::Tensor t = storage_(key, dtype, numel);
   storages_[key] = t;
   return t;

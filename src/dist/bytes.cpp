@@ -5,11 +5,14 @@
 
 #include "dist/state.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace dist {
 
 using detail::describe;
+using fsdp::detail::msg;
+using fsdp::detail::rank;
 
 namespace {
 
@@ -28,8 +31,7 @@ int64_t get_length(const char* slot, const std::string& op, int from) {
   std::memcpy(&n, slot, sizeof n);
   // Every rank writes its own length, so this only fails on corrupted transport.
   if (n < 0 || n > (int64_t{1} << 40))
-    throw DistError(op + ": rank " + std::to_string(from) + " sent a length of " +
-                    std::to_string(n));
+    throw DistError(msg(op, ": ", rank(from), " sent a length of ", n));
   return n;
 }
 

@@ -15,15 +15,18 @@
 
 #include "dist/state.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace dist {
 
+using fsdp::detail::msg;
+using fsdp::detail::quote;
+
 std::string detail::describe(const char* op, const ProcessGroup& g) {
-  return std::string(op) + " on group '" + g.name() + "' (rank " + std::to_string(g.rank()) +
-         " of " + std::to_string(g.size()) + ", global rank " +
-         std::to_string(g.global_ranks()[g.rank()]) + ")";
+  return msg(op, " on group ", quote(g.name()), " (", fsdp::detail::rank(g.rank()), " of ",
+             g.size(), ", global ", fsdp::detail::rank(g.global_ranks()[g.rank()]), ")");
 }
 
 namespace {
@@ -44,9 +47,9 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 }
 
 void check_flat(const char* op, const ProcessGroup& g, const at::Tensor& t, const char* which) {
-  if (!t.defined()) throw ValueError(describe(op, g) + ": " + which + " tensor is undefined");
+  if (!t.defined()) throw ValueError(msg(describe(op, g), ": ", which, " tensor is undefined"));
   if (!t.is_contiguous()) {
-    throw ValueError(describe(op, g) + ": " + which + " tensor must be contiguous");
+    throw ValueError(msg(describe(op, g), ": ", which, " tensor must be contiguous"));
   }
 }
 
@@ -92,12 +95,12 @@ void check_divisors(const char* op, const ProcessGroup& g, ReduceOp op_kind,
                     const std::vector<double>& divide_by) {
   if (divide_by.empty()) return;
   if (op_kind != ReduceOp::SUM && op_kind != ReduceOp::AVG) {
-    throw ValueError(describe(op, g) + ": divide_by is for SUM and AVG only");
+    throw ValueError(msg(describe(op, g), ": divide_by is for SUM and AVG only"));
   }
   for (double d : divide_by) {
     if (!std::isfinite(d) || d == 0.0) {
-      throw ValueError(describe(op, g) + ": divide_by holds " + std::to_string(d) +
-                       "; divisors must be finite and non-zero");
+      throw ValueError(msg(describe(op, g), ": divide_by holds ", std::to_string(d),
+                           "; divisors must be finite and non-zero"));
     }
   }
 }
@@ -118,7 +121,7 @@ std::vector<double> divisors_of(ReduceOp op_kind, int world, const std::vector<d
 void pairwise_needs_gloo(const char* op, const ProcessGroup& g, const std::string& backend,
                          const char* algo) {
   if (backend != "gloo") {
-    throw ValueError(describe(op, g) + ": " + algo + " needs the gloo backend, not " + backend);
+    throw ValueError(msg(describe(op, g), ": ", algo, " needs the gloo backend, not ", backend));
   }
 }
 
@@ -148,14 +151,14 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
 }
 
 // Starting a collective can itself throw (a backend that lacks the op, a closed connection).
-#define FSDP_START(op, expr)                                                    \
-  [&]() -> compat::WorkPtr {                                                    \
-    try {                                                                       \
-      return (expr);                                                            \
-    } catch (const c10::Error& e) {                                             \
-      state_->failed->store(true);                                              \
-      throw DistError(describe(op, *this) + ": " + e.what_without_backtrace()); \
-    }                                                                           \
+#define FSDP_START(op, expr)                                                       \
+  [&]() -> compat::WorkPtr {                                                       \
+    try {                                                                          \
+      return (expr);                                                               \
+    } catch (const c10::Error& e) {                                                \
+      state_->failed->store(true);                                                 \
+      throw DistError(msg(describe(op, *this), ": ", e.what_without_backtrace())); \
+    }                                                                              \
   }()
 
 // ---------------------------------------------------------------------------------------------
@@ -176,10 +179,9 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   check_flat(op, *this, output, "output");
   check_flat(op, *this, input, "input");
   if (output.numel() != input.numel() * s.size || output.scalar_type() != input.scalar_type()) {
-    throw ValueError(describe(op, *this) + ": output has " + std::to_string(output.numel()) +
-                     " elements of " + std::string(c10::toString(output.scalar_type())) +
-                     ", expected " + std::to_string(input.numel() * s.size) + " of " +
-                     c10::toString(input.scalar_type()));
+    throw ValueError(msg(describe(op, *this), ": output has ", output.numel(), " elements of ",
+                         output.scalar_type(), ", expected ", input.numel() * s.size, " of ",
+                         input.scalar_type()));
   }
   if (algo == AllGatherAlgo::PAIRWISE) {
     pairwise_needs_gloo(op, *this, s.backend_name, "AllGatherAlgo::PAIRWISE");
@@ -212,11 +214,10 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
     const auto bytes = static_cast<uintptr_t>(in_flat.numel() * in_flat.element_size());
     const bool overlaps = from < lo + bytes * s.size && from + bytes > lo;
     if (overlaps && from != lo + bytes * s.rank) {
-      throw ValueError(describe(op, *this) +
-                       ": the input overlaps the output other than at this "
-                       "rank's own piece of it (bytes " +
-                       std::to_string(bytes * s.rank) + " to " +
-                       std::to_string(bytes * (s.rank + 1)) + " of the output)");
+      throw ValueError(msg(describe(op, *this),
+                           ": the input overlaps the output other than at this "
+                           "rank's own piece of it (bytes ",
+                           bytes * s.rank, " to ", bytes * (s.rank + 1), " of the output)"));
     }
     return launch(op, {},
                   detail::start_pairwise_all_gather(s.next_point_to_point(describe(op, *this)),
@@ -255,11 +256,9 @@ void check_reduce_scatter_args(const char* op, const ProcessGroup& g, int world,
   check_flat(op, g, input, "input");
   const int64_t n = output.numel();
   if (input.numel() != n * world || output.scalar_type() != input.scalar_type()) {
-    throw ValueError(describe(op, g) + ": input has " + std::to_string(input.numel()) +
-                     " elements of " + std::string(c10::toString(input.scalar_type())) +
-                     ", expected " + std::to_string(n * world) + " (output " + std::to_string(n) +
-                     " x " + std::to_string(world) + " ranks) of " +
-                     c10::toString(output.scalar_type()));
+    throw ValueError(msg(describe(op, g), ": input has ", input.numel(), " elements of ",
+                         input.scalar_type(), ", expected ", n * world, " (output ", n, " x ",
+                         world, " ranks) of ", output.scalar_type()));
   }
   if (algo == ReduceScatterAlgo::PAIRWISE) {
     pairwise_needs_gloo(op, g, backend, "ReduceScatterAlgo::PAIRWISE");
@@ -275,8 +274,8 @@ ReduceScatterAlgo resolve_reduce_scatter_algo(const char* op, const ProcessGroup
                          compat::native_reduce_scatter_honours(backend, to_c10d(op_kind));
   if (algo == ReduceScatterAlgo::NATIVE && !native_ok) {
     // Refuse rather than return a silently wrong reduction (Gloo's native form always sums).
-    throw ValueError(describe(op, g) + ": the " + backend +
-                     " backend has no native reduce-scatter that honours this op; use AUTO");
+    throw ValueError(msg(describe(op, g), ": the ", backend,
+                         " backend has no native reduce-scatter that honours this op; use AUTO"));
   }
   if (algo == ReduceScatterAlgo::AUTO) {
     // Measured with bench/bench_collectives (docs/dist.md): on Gloo, alltoall + local sum is
@@ -336,7 +335,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
   }
   if (gloo_lacks(s.backend_name, input.scalar_type()) && s.size > 1 && n > 0) {
     if (input.scalar_type() == at::kBool) {
-      throw ValueError(describe(op, *this) + ": bool tensors cannot be reduced over Gloo");
+      throw ValueError(msg(describe(op, *this), ": bool tensors cannot be reduced over Gloo"));
     }
     at::Tensor out32 = at::empty({n}, output.options().dtype(at::kFloat));
     return launch(op, {},
@@ -413,8 +412,8 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
   check_flat(op, *this, output, "output");
   const int64_t n = output.numel();
   if (chunks.size() != static_cast<size_t>(s.size)) {
-    throw ValueError(describe(op, *this) + ": expected " + std::to_string(s.size) +
-                     " chunks (one per rank), got " + std::to_string(chunks.size()));
+    throw ValueError(msg(describe(op, *this), ": expected ", s.size, " chunks (one per rank), got ",
+                         chunks.size()));
   }
   if (algo == ReduceScatterAlgo::PAIRWISE) {
     pairwise_needs_gloo(op, *this, s.backend_name, "ReduceScatterAlgo::PAIRWISE");
@@ -424,20 +423,19 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
     int64_t total = 0;
     std::vector<at::Tensor> kept;
     for (const at::Tensor& t : chunks[q]) {
-      const std::string which = "piece of chunk " + std::to_string(q);
+      const std::string which = msg("piece of chunk ", q);
       check_flat(op, *this, t, which.c_str());
       if (t.scalar_type() != output.scalar_type()) {
-        throw ValueError(describe(op, *this) + ": " + which + " is " +
-                         c10::toString(t.scalar_type()) + ", the output " +
-                         c10::toString(output.scalar_type()));
+        throw ValueError(msg(describe(op, *this), ": ", which, " is ", t.scalar_type(),
+                             ", the output ", output.scalar_type()));
       }
       total += t.numel();
       on_device = on_device && !elsewhere(s.device, t);
       if (t.numel() > 0) kept.push_back(t.view(-1));  // empty pieces are no messages
     }
     if (total != n) {
-      throw ValueError(describe(op, *this) + ": chunk " + std::to_string(q) + " has " +
-                       std::to_string(total) + " elements, the output " + std::to_string(n));
+      throw ValueError(
+          msg(describe(op, *this), ": chunk ", q, " has ", total, " elements, the output ", n));
     }
     chunks[q] = std::move(kept);
   }
@@ -479,27 +477,26 @@ void ProcessGroup::all_to_all_single(const at::Tensor& output, const at::Tensor&
                           const char* which) {
     if (splits.empty()) {
       if (t.numel() % s.size != 0) {
-        throw ValueError(describe(op, *this) + ": " + which + " has " + std::to_string(t.numel()) +
-                         " elements, not divisible into equal splits");
+        throw ValueError(msg(describe(op, *this), ": ", which, " has ", t.numel(),
+                             " elements, not divisible into equal splits"));
       }
       return;
     }
     int64_t total = 0;
     for (int64_t n : splits) {
-      if (n < 0) throw ValueError(describe(op, *this) + ": negative " + which + " split size");
+      if (n < 0) throw ValueError(msg(describe(op, *this), ": negative ", which, " split size"));
       total += n;
     }
     if (static_cast<int>(splits.size()) != s.size || total != t.numel()) {
-      throw ValueError(describe(op, *this) + ": " + std::to_string(splits.size()) + " " + which +
-                       " split sizes summing to " + std::to_string(total) + " for " +
-                       std::to_string(t.numel()) + " elements and " + std::to_string(s.size) +
-                       " ranks");
+      throw ValueError(msg(describe(op, *this), ": ", splits.size(), " ", which,
+                           " split sizes summing to ", total, " for ", t.numel(), " elements and ",
+                           s.size, " ranks"));
     }
   };
   check_splits(output_split_sizes, output, "output");
   check_splits(input_split_sizes, input, "input");
   if (output.scalar_type() != input.scalar_type()) {
-    throw ValueError(describe(op, *this) + ": input and output dtypes differ");
+    throw ValueError(msg(describe(op, *this), ": input and output dtypes differ"));
   }
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
@@ -543,7 +540,7 @@ Work ProcessGroup::all_reduce_async(const at::Tensor& tensor, ReduceOp op_kind) 
   }
   if (gloo_lacks(s.backend_name, tensor.scalar_type())) {
     if (tensor.scalar_type() == at::kBool) {
-      throw ValueError(describe(op, *this) + ": bool tensors cannot be reduced over Gloo");
+      throw ValueError(msg(describe(op, *this), ": bool tensors cannot be reduced over Gloo"));
     }
     at::Tensor t32 = tensor.to(at::kFloat);
     return launch(op, {}, copy_back(all_reduce_async(t32, op_kind), tensor, t32));
@@ -568,8 +565,8 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int src) {
   State& s = checked_state(op);
   check_flat(op, *this, tensor, "input");
   if (src < 0 || src >= s.size) {
-    throw ValueError(describe(op, *this) + ": source rank " + std::to_string(src) +
-                     " is out of range");
+    throw ValueError(
+        msg(describe(op, *this), ": source ", fsdp::detail::rank(src), " is out of range"));
   }
   if (s.size == 1 || tensor.numel() == 0) return;
   if (elsewhere(s.device, tensor)) {

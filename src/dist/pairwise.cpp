@@ -27,6 +27,7 @@
 #include "dist/add_scaled.h"
 #include "dist/state.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 #include <ATen/TensorIterator.h>
@@ -125,6 +126,9 @@ void sum_then_divide(const at::Tensor& acc, const std::vector<at::Tensor>& srcs,
 }
 
 namespace {
+
+using fsdp::detail::msg;
+using fsdp::detail::rank;
 
 // What every point-to-point collective's state has: the state is shared by its finish, so that a
 // failure can keep it alive for good (see keep_alive_for_good()).
@@ -258,13 +262,13 @@ void abandon(const std::shared_ptr<PointToPoint>& p) {
     reason = e.what();
   } catch (...) {
   }
-  throw DistError(p->what + " failed while " + step + ": " + reason);
+  throw DistError(msg(p->what, " failed while ", step, ": ", reason));
 }
 
 void wait_for(const std::shared_ptr<PointToPoint>& p, const compat::WorkPtr& w,
               const std::string& step) {
   try {
-    wait_backend_work(w, p->timeout, p->group_failed, p->what + " (" + step + ")");
+    wait_backend_work(w, p->timeout, p->group_failed, msg(p->what, " (", step, ")"));
   } catch (...) {
     keep_alive_for_good(p);
     throw;
@@ -278,7 +282,7 @@ void wait_all(const std::shared_ptr<PointToPoint>& p, std::vector<compat::WorkPt
 }
 
 void wait_sends(const std::shared_ptr<PointToPoint>& p) {
-  for (auto& [w, peer] : p->sends) wait_for(p, w, "sending to rank " + std::to_string(peer));
+  for (auto& [w, peer] : p->sends) wait_for(p, w, msg("sending to ", rank(peer)));
   p->sends.clear();
 }
 
@@ -350,7 +354,7 @@ void post_pairwise(const std::shared_ptr<Pairwise>& p, bool direct) {
 int arrived(const std::shared_ptr<Pairwise>& p, int q) {
   if (q == p->rank) return -1;
   auto& [ws, b] = p->recv_of[static_cast<size_t>(q)];
-  wait_all(p, ws, "receiving from rank " + std::to_string(q));
+  wait_all(p, ws, msg("receiving from ", rank(q)));
   return b;
 }
 
@@ -383,7 +387,7 @@ std::vector<int> sum_order(const std::shared_ptr<Pairwise>& p) {
   std::vector<int> order;
   if (p->has_direct) {
     const int first = p->peers[0];
-    wait_all(p, p->direct, "receiving from rank " + std::to_string(first));
+    wait_all(p, p->direct, msg("receiving from ", rank(first)));
     order.push_back(first == 0 ? 1 : 0);
     for (int q = 2; q < p->world; ++q) order.push_back(q);
   } else {
@@ -403,8 +407,8 @@ void combine_in_order(const std::shared_ptr<Pairwise>& p, const std::vector<int>
   for (size_t i = 0; i < order.size();) {
     if (!p->ready(order[i])) {
       abandon(p);
-      throw InternalError("pairwise reduce-scatter: rank " + std::to_string(order[i]) +
-                          "'s pieces were never posted");
+      throw InternalError(
+          msg("pairwise reduce-scatter: ", rank(order[i]), "'s pieces were never posted"));
     }
     std::vector<int> group{order[i++]};
     int buffers = group[0] == p->rank ? 0 : 1;
@@ -510,7 +514,8 @@ std::function<void()> start_pairwise_all_gather(PointToPointCall call, const at:
   // The own piece is copied while the peers' pieces travel.
   if (!in_place) own.copy_(in_flat);
   return [p]() {
-    for (auto& [w, peer] : p->recvs) wait_for(p, w, "receiving from rank " + std::to_string(peer));
+    for (auto& [w, peer] : p->recvs)
+      wait_for(p, w, msg("receiving from ", fsdp::detail::rank(peer)));
     p->recvs.clear();
     wait_sends(p);
     p->in = at::Tensor();

@@ -13,9 +13,14 @@
 
 #include "fsdp/compat_backends.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace dist {
+
+using fsdp::detail::msg;
+using fsdp::detail::quote;
+
 namespace {
 
 std::optional<std::string> get_env(const char* name) {
@@ -33,8 +38,7 @@ int env_int(const char* name, int fallback) {
     if (used != v->size()) throw std::invalid_argument("trailing characters");
     return x;
   } catch (const std::exception&) {
-    throw ValueError(std::string("environment variable ") + name + "='" + *v +
-                     "' is not an integer");
+    throw ValueError(msg("environment variable ", name, "=", quote(*v), " is not an integer"));
   }
 }
 
@@ -86,7 +90,7 @@ ProcessGroup ProcessGroup::from_backend(compat::BackendPtr backend, std::string 
                                         std::chrono::milliseconds timeout, compat::StorePtr store,
                                         std::vector<int> global_ranks) {
   if (!backend)
-    throw ValueError("ProcessGroup::from_backend: null backend for group '" + name + "'");
+    throw ValueError(msg("ProcessGroup::from_backend: null backend for group ", quote(name)));
   auto s = std::make_shared<State>();
   s->backend = std::move(backend);
   s->name = std::move(name);
@@ -100,9 +104,8 @@ ProcessGroup ProcessGroup::from_backend(compat::BackendPtr backend, std::string 
     for (int r = 0; r < s->size; ++r) global_ranks.push_back(r);
   }
   if (static_cast<int>(global_ranks.size()) != s->size) {
-    throw ValueError("ProcessGroup::from_backend: group '" + s->name + "' has " +
-                     std::to_string(s->size) + " ranks but " + std::to_string(global_ranks.size()) +
-                     " global ranks were given");
+    throw ValueError(msg("ProcessGroup::from_backend: group ", quote(s->name), " has ", s->size,
+                         " ranks but ", global_ranks.size(), " global ranks were given"));
   }
   s->global_ranks = std::move(global_ranks);
   return ProcessGroup(std::move(s));
@@ -124,8 +127,8 @@ ProcessGroup::State::~State() {
 
 ProcessGroup::State& ProcessGroup::checked_state(const char* op) const {
   if (!state_) {
-    throw StateError(std::string(op) +
-                     ": this process is not a member of the group (placeholder from new_group)");
+    throw StateError(
+        msg(op, ": this process is not a member of the group (placeholder from new_group)"));
   }
   return *state_;
 }
@@ -177,7 +180,7 @@ compat::BackendPtr make_backend(const std::string& kind, const compat::StorePtr&
     throw ValueError("backend 'nccl' requested but fsdp-cpp was built without USE_C10D_NCCL");
 #endif
   }
-  throw ValueError("unknown backend '" + kind + "' (expected gloo, nccl or auto)");
+  throw ValueError(msg("unknown backend ", quote(kind), " (expected gloo, nccl or auto)"));
 }
 
 // NCCL builds its communicator at a group's first collective, and building it waits for every
@@ -198,14 +201,15 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
   std::set<int> seen;
   for (int r : ranks) {
     if (r < 0 || r >= s.size || !seen.insert(r).second) {
-      throw ValueError("new_group on group '" + s.name + "' (size " + std::to_string(s.size) +
-                       "): rank " + std::to_string(r) + " is out of range or repeated");
+      throw ValueError(msg("new_group on group ", quote(s.name), " (size ", s.size,
+                           "): ", fsdp::detail::rank(r), " is out of range or repeated"));
     }
   }
-  if (ranks.empty()) throw ValueError("new_group on group '" + s.name + "': empty rank list");
+  if (ranks.empty())
+    throw ValueError(msg("new_group on group ", quote(s.name), ": empty rank list"));
   if (!s.store) {
-    throw StateError("new_group on group '" + s.name +
-                     "': the group has no store (built by from_backend without one)");
+    throw StateError(msg("new_group on group ", quote(s.name),
+                         ": the group has no store (built by from_backend without one)"));
   }
   // Every member counts every call, so all ranks agree on the sub-group's name (and store prefix)
   // without talking.
@@ -225,8 +229,8 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistError("new_group '" + name + "': rank " + std::to_string(s.rank) +
-                    " could not connect to its peers: " + e.what());
+    throw DistError(msg("new_group ", quote(name), ": ", fsdp::detail::rank(s.rank),
+                        " could not connect to its peers: ", e.what()));
   }
   ProcessGroup g = from_backend(std::move(backend), name, s.timeout, s.store, std::move(global));
   g.state_->gloo_hostname = s.gloo_hostname;
@@ -242,12 +246,11 @@ ProcessGroup init_process_group(const InitOptions& opts) {
   const std::string addr = opts.master_addr().value_or(env.master_addr);
   const int port = opts.master_port().value_or(env.master_port);
   if (world < 1 || rank < 0 || rank >= world) {
-    throw ValueError("init_process_group: rank " + std::to_string(rank) +
-                     " is not in [0, world_size=" + std::to_string(world) + ")");
+    throw ValueError(msg("init_process_group: ", fsdp::detail::rank(rank),
+                         " is not in [0, world_size=", world, ")"));
   }
   if (!opts.store() && (port < 0 || port > 65535)) {
-    throw ValueError("init_process_group: MASTER_PORT " + std::to_string(port) +
-                     " is out of range");
+    throw ValueError(msg("init_process_group: MASTER_PORT ", port, " is out of range"));
   }
   std::string kind = opts.backend();
   if (kind == "auto") {
@@ -261,8 +264,8 @@ ProcessGroup init_process_group(const InitOptions& opts) {
       get_env("FSDP_GLOO_HOSTNAME").value_or(is_loopback(addr) ? "127.0.0.1" : ""));
 
   compat::StorePtr store = opts.store();
-  const std::string where = opts.store() ? std::string("the given store")
-                                         : "TCPStore " + addr + ":" + std::to_string(port);
+  const std::string where =
+      opts.store() ? std::string("the given store") : msg("TCPStore ", addr, ":", port);
   compat::BackendPtr backend;
   try {
     if (!store) {
@@ -276,9 +279,8 @@ ProcessGroup init_process_group(const InitOptions& opts) {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistError("init_process_group: rank " + std::to_string(rank) + " of " +
-                    std::to_string(world) + " failed to rendezvous via " + where + " (" + kind +
-                    "): " + e.what());
+    throw DistError(msg("init_process_group: ", fsdp::detail::rank(rank), " of ", world,
+                        " failed to rendezvous via ", where, " (", kind, "): ", e.what()));
   }
   ProcessGroup g = ProcessGroup::from_backend(std::move(backend), "default", opts.timeout(), store);
   g.state_->gloo_hostname = hostname;
@@ -312,8 +314,8 @@ void destroy_process_group() {
 HybridGroups make_hybrid_groups(ProcessGroup& world, int shard_size) {
   const int w = world.size();
   if (shard_size < 1 || w % shard_size != 0) {
-    throw ValueError("make_hybrid_groups: shard size " + std::to_string(shard_size) +
-                     " does not divide world size " + std::to_string(w));
+    throw ValueError(
+        msg("make_hybrid_groups: shard size ", shard_size, " does not divide world size ", w));
   }
   HybridGroups out;
   for (int start = 0; start < w; start += shard_size) {

@@ -3,6 +3,7 @@
 // (a pairwise sum, a copy out of a staging buffer) once the backend is done.
 #include "dist/state.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
@@ -42,10 +43,10 @@ void detail::wait_backend_work(const compat::WorkPtr& work, std::chrono::millise
     }
   } catch (const c10::Error& e) {
     if (group_failed) group_failed->store(true);
-    throw DistError(what + " failed: " + e.what_without_backtrace());
+    throw DistError(fsdp::detail::msg(what, " failed: ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
     if (group_failed) group_failed->store(true);
-    throw DistError(what + " failed: " + e.what());
+    throw DistError(fsdp::detail::msg(what, " failed: ", e.what()));
   }
 }
 

@@ -2,11 +2,14 @@
 // the sharded gradient, and the gradient views handed to optimizers (use_orig_params).
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
 
-using detail::shape_str;
+using detail::msg;
+using detail::quote;
+using detail::shape;
 using detail::storage_alias;
 
 void FlatParamHandle::mark_grads_unreduced() {
@@ -128,9 +131,9 @@ void FlatParamHandle::use_sharded_grad_views() {
 
 void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
   if (grad.numel() != layout_.numels[i]) {
-    throw ValueError("gradient of '" + layout_.fqns[i] + "' has shape " + shape_str(grad.sizes()) +
-                     " but the parameter has shape " + shape_str(layout_.shapes[i]) + " (rank " +
-                     std::to_string(rank_) + ")");
+    throw ValueError(msg("gradient of ", quote(layout_.fqns[i]), " has shape ", shape(grad.sizes()),
+                         " but the parameter has shape ", shape(layout_.shapes[i]), " (",
+                         detail::rank(rank_), ")"));
   }
 }
 
@@ -184,8 +187,8 @@ void FlatParamHandle::reduce_grad() {
 
 void FlatParamHandle::reduce_grad_async() {
   if (!flat_param_.requires_grad()) {
-    throw StateError("reduce_grad: no parameter of this handle requires grad (first: '" +
-                     layout_.fqns[0] + "')");
+    throw StateError(msg("reduce_grad: no parameter of this handle requires grad (first: ",
+                         quote(layout_.fqns[0]), ")"));
   }
   finish_reduce_grad();  // a reduction still in flight adds to the gradient this one adds to
   check_flat_param_device("reduce_grad");  // before the gradients are taken: an error keeps them
@@ -341,8 +344,8 @@ std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces(
 
 void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
   if (unsharded_flat_grad.numel() != layout_.padded_unsharded_numel) {
-    throw ValueError("reduce_flat_grad: expects " + std::to_string(layout_.padded_unsharded_numel) +
-                     " elements but got " + std::to_string(unsharded_flat_grad.numel()));
+    throw ValueError(msg("reduce_flat_grad: expects ", layout_.padded_unsharded_numel,
+                         " elements but got ", unsharded_flat_grad.numel()));
   }
   finish_reduce_grad();
   check_flat_param_device("reduce_flat_grad");

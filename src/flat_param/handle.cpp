@@ -10,6 +10,7 @@
 #include "flat_param/flattened.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
@@ -22,8 +23,8 @@ at::Tensor named_param(const ParamInfo& info) {
   auto params = info.module->named_parameters(/*recurse=*/false);
   const at::Tensor* p = params.find(info.param_name);
   if (p == nullptr) {
-    throw ValueError("module '" + info.module_name + "' has no parameter '" + info.param_name +
-                     "'");
+    throw ValueError(
+        msg("module ", quote(info.module_name), " has no parameter ", quote(info.param_name)));
   }
   return *p;
 }
@@ -51,7 +52,7 @@ std::vector<at::Tensor> split_tied(std::vector<ParamInfo>& params, std::vector<P
   std::vector<at::Tensor> tensors;
   for (auto& ref : params) {
     if (!ref.module)
-      throw ValueError("FlatParamHandle: parameter '" + ref.fqn() + "' has no module");
+      throw ValueError(msg("FlatParamHandle: parameter ", quote(ref.fqn()), " has no module"));
     at::Tensor t = named_param(ref);
     auto it = seen.find(t.unsafeGetTensorImpl());
     if (it != seen.end()) {
@@ -126,8 +127,8 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamInfo> params, dist::ProcessGro
   const bool hybrid = options_.sharding_strategy() == ShardingStrategy::HYBRID_SHARD ||
                       options_.sharding_strategy() == ShardingStrategy::HYBRID_SHARD_ZERO2;
   if (hybrid && !options_.replicate_group().is_member()) {
-    throw ValueError(std::string("FlatParamHandle: ") + to_string(options_.sharding_strategy()) +
-                     " needs a replicate_group (see dist::make_hybrid_groups)");
+    throw ValueError(msg("FlatParamHandle: ", to_string(options_.sharding_strategy()),
+                         " needs a replicate_group (see dist::make_hybrid_groups)"));
   }
 
   const std::vector<at::Tensor> tensors = split_tied(params, param_infos_, shared_param_infos_);
@@ -190,28 +191,30 @@ void FlatParamHandle::validate_and_describe(const std::vector<at::Tensor>& tenso
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     const std::string fqn = param_infos_[i].fqn();
-    if (detail::is_flat_param(t)) throw ValueError("Cannot flatten a FlatParameter: '" + fqn + "'");
+    if (detail::is_flat_param(t))
+      throw ValueError(msg("Cannot flatten a FlatParameter: ", quote(fqn)));
     if (is_fsdp_flattened(t)) {
-      throw ValueError("Cannot flatten '" + fqn + "': it is already managed by a FlatParamHandle");
+      throw ValueError(
+          msg("Cannot flatten ", quote(fqn), ": it is already managed by a FlatParamHandle"));
     }
     if (!t.is_floating_point()) {
-      throw ValueError("Cannot flatten integer dtype tensors: '" + fqn + "' has dtype " +
-                       c10::toString(t.scalar_type()));
+      throw ValueError(msg("Cannot flatten integer dtype tensors: ", quote(fqn), " has dtype ",
+                           t.scalar_type()));
     }
     if (dtype && t.scalar_type() != *dtype) {
-      throw ValueError("Must flatten tensors with uniform dtype but got " +
-                       std::string(c10::toString(*dtype)) + " ('" + first_fqn + "') and " +
-                       c10::toString(t.scalar_type()) + " ('" + fqn + "')");
+      throw ValueError(msg("Must flatten tensors with uniform dtype but got ", *dtype, " (",
+                           quote(first_fqn), ") and ", t.scalar_type(), " (", quote(fqn), ")"));
     }
     if (!options_.use_orig_params() && requires_grad && t.requires_grad() != *requires_grad) {
       throw ValueError(
-          "Must flatten tensors with uniform requires_grad when use_orig_params=false, but '" +
-          first_fqn + "' has requires_grad=" + (*requires_grad ? "true" : "false") + " and '" +
-          fqn + "' has requires_grad=" + (t.requires_grad() ? "true" : "false"));
+          msg("Must flatten tensors with uniform requires_grad when use_orig_params=false, but ",
+              quote(first_fqn), " has requires_grad=", (*requires_grad ? "true" : "false"), " and ",
+              quote(fqn), " has requires_grad=", (t.requires_grad() ? "true" : "false")));
     }
     if (device && t.device() != *device) {
-      throw ValueError("Must flatten tensors on the same device but got both " + device->str() +
-                       " ('" + first_fqn + "') and " + t.device().str() + " ('" + fqn + "')");
+      throw ValueError(msg("Must flatten tensors on the same device but got both ", device->str(),
+                           " (", quote(first_fqn), ") and ", t.device().str(), " (", quote(fqn),
+                           ")"));
     }
     if (!dtype) first_fqn = fqn;
     dtype = t.scalar_type();
@@ -245,9 +248,9 @@ void FlatParamHandle::validate_and_describe(const std::vector<at::Tensor>& tenso
       const std::string a = i < ref.size() ? ref[i] : "<none>";
       const std::string b = i < other.size() ? other[i] : "<none>";
       if (a != b) {
-        throw ValueError("FlatParamHandle: ranks disagree on parameter #" + std::to_string(i) +
-                         ": rank 0 has '" + a + "' but rank " + std::to_string(r) + " has '" + b +
-                         "' (group '" + group_.name() + "')");
+        throw ValueError(msg("FlatParamHandle: ranks disagree on parameter #", i, ": rank 0 has ",
+                             quote(a), " but ", detail::rank(r), " has ", quote(b), " (group ",
+                             quote(group_.name()), ")"));
       }
     }
   }
@@ -342,20 +345,20 @@ void FlatParamHandle::wait_unshard() {
 
 void FlatParamHandle::throw_if_comm_failed(const char* where) const {
   if (!comm_failed_) return;
-  throw StateError(std::string("FlatParamHandle::") + where +
-                   ": an earlier collective of this handle failed (rank " + std::to_string(rank_) +
-                   ", group '" + group_.name() + "'); the process group is unusable");
+  throw StateError(msg("FlatParamHandle::", where,
+                       ": an earlier collective of this handle failed (", detail::rank(rank_),
+                       ", group ", quote(group_.name()), "); the process group is unusable"));
 }
 
 void FlatParamHandle::check_flat_param_device(const char* where) const {
   const at::Device expected = options_.offload_params() ? at::Device(at::kCPU) : options_.device();
   if (flat_param_.device() == expected) return;
-  throw StateError(std::string(where) + ": the flat parameter of the unit holding '" +
-                   layout_.fqns[0] + "' is on " + flat_param_.device().str() + " but " +
-                   (options_.offload_params() ? "offload_params keeps it on the CPU"
-                                              : "its compute device is " + expected.str()) +
-                   " (rank " + std::to_string(rank_) +
-                   "); it must not be moved after wrapping (e.g. by Module::to)");
+  throw StateError(msg(where, ": the flat parameter of the unit holding ", quote(layout_.fqns[0]),
+                       " is on ", flat_param_.device().str(), " but ",
+                       (options_.offload_params() ? "offload_params keeps it on the CPU"
+                                                  : msg("its compute device is ", expected.str())),
+                       " (", detail::rank(rank_),
+                       "); it must not be moved after wrapping (e.g. by Module::to)"));
 }
 
 void FlatParamHandle::finish_unshard() {
@@ -386,9 +389,9 @@ at::Tensor FlatParamHandle::shard_to_gather() {
   throw_if_comm_failed("shard_to_gather");
   if (!uses_sharded_strategy() || unsharded_views_ || pending_unshard_) {
     throw StateError(
-        "FlatParamHandle::shard_to_gather: the unit holding '" + layout_.fqns[0] + "' is " +
-        (uses_sharded_strategy() ? "unsharded or unsharding" : "not sharded (NO_SHARD)") +
-        " (rank " + std::to_string(rank_) + ")");
+        msg("FlatParamHandle::shard_to_gather: the unit holding ", quote(layout_.fqns[0]), " is ",
+            (uses_sharded_strategy() ? "unsharded or unsharding" : "not sharded (NO_SHARD)"), " (",
+            detail::rank(rank_), ")"));
   }
   if (options_.use_orig_params()) writeback_orig_params();
   check_flat_param_device("shard_to_gather");
@@ -504,9 +507,9 @@ void FlatParamHandle::writeback_unsharded() {
     throw StateError("writeback_unsharded: the handle is not unsharded");
   }
   if (unsharded_flat_.scalar_type() != orig_dtype_) {
-    throw StateError("writeback_unsharded: the unsharded parameters are in low precision (" +
-                     std::string(c10::toString(unsharded_flat_.scalar_type())) +
-                     "); unshard in SUMMON_FULL_PARAMS state to edit full-precision values");
+    throw StateError(msg("writeback_unsharded: the unsharded parameters are in low precision (",
+                         unsharded_flat_.scalar_type(),
+                         "); unshard in SUMMON_FULL_PARAMS state to edit full-precision values"));
   }
   at::NoGradGuard no_grad;
   if (!uses_sharded_strategy()) {
@@ -529,9 +532,9 @@ void FlatParamHandle::check_skipped_views_unchanged() const {
     if (!registered.is_same(params_[i]) ||
         !aliases(params_[i], unsharded_flat_, layout_.param_offset(i), layout_.numels[i])) {
       throw ValueError(
-          "FSDP does not support changing the parameters between forward and backward for " +
-          std::string(to_string(options_.sharding_strategy())) + ": '" + layout_.fqns[i] +
-          "' was replaced or its data reassigned (rank " + std::to_string(rank_) + ")");
+          msg("FSDP does not support changing the parameters between forward and backward for ",
+              to_string(options_.sharding_strategy()), ": ", quote(layout_.fqns[i]),
+              " was replaced or its data reassigned (", detail::rank(rank_), ")"));
     }
   }
 }
@@ -563,9 +566,9 @@ bool FlatParamHandle::writeback_orig_params() {
     at::Tensor p = params_[i];
     if (changed || !aliases(p, flat, off, numel)) {
       if (p.sizes() != at::IntArrayRef(expected_shape)) {
-        throw ValueError("Cannot writeback when the parameter shape changes: '" + layout_.fqns[i] +
-                         "' expects " + shape_str(expected_shape) + " but got " +
-                         shape_str(p.sizes()) + " (rank " + std::to_string(rank_) + ")");
+        throw ValueError(msg("Cannot writeback when the parameter shape changes: ",
+                             quote(layout_.fqns[i]), " expects ", shape(expected_shape),
+                             " but got ", shape(p.sizes()), " (", detail::rank(rank_), ")"));
       }
       flat.narrow(0, off, numel).copy_(p.detach().reshape({-1}));
       wrote_param = touched = true;
@@ -583,9 +586,9 @@ bool FlatParamHandle::writeback_orig_params() {
     }
     if (aliases(g, fg, off, numel)) continue;
     if (g.sizes() != at::IntArrayRef(expected_shape)) {
-      throw ValueError("Cannot writeback when the gradient shape changes: '" + layout_.fqns[i] +
-                       "' expects " + shape_str(expected_shape) + " but got " +
-                       shape_str(g.sizes()) + " (rank " + std::to_string(rank_) + ")");
+      throw ValueError(msg(
+          "Cannot writeback when the gradient shape changes: ", quote(layout_.fqns[i]), " expects ",
+          shape(expected_shape), " but got ", shape(g.sizes()), " (", detail::rank(rank_), ")"));
     }
     if (!fg.defined()) {
       fg = at::zeros_like(flat);
@@ -598,9 +601,9 @@ bool FlatParamHandle::writeback_orig_params() {
   for (const auto& sp : shared_param_infos_) {
     at::Tensor mine = named_param(ParamInfo{sp.param_name, sp.module, sp.module_name});
     if (!mine.is_same(params_[sp.prim_index])) {
-      throw ValueError("Changing shared parameters is not supported: '" +
-                       ParamInfo{sp.param_name, sp.module, sp.module_name}.fqn() +
-                       "' no longer shares '" + layout_.fqns[sp.prim_index] + "'");
+      throw ValueError(msg("Changing shared parameters is not supported: ",
+                           quote(ParamInfo{sp.param_name, sp.module, sp.module_name}.fqn()),
+                           " no longer shares ", quote(layout_.fqns[sp.prim_index])));
     }
   }
   if (touched) {

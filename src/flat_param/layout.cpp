@@ -6,6 +6,7 @@
 #include "flat_param/flattened.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "util/message.h"
 #include "util/module_tree.h"
 
 namespace fsdp {
@@ -91,8 +92,8 @@ FlatParamLayout FlatParamLayout::compute(const std::vector<std::string>& fqns,
 at::Tensor FlatParamLayout::flatten(const std::vector<at::Tensor>& tensors,
                                     double padding_value) const {
   if (tensors.size() != numels.size()) {
-    throw ValueError("FlatParamLayout::flatten: expects " + std::to_string(numels.size()) +
-                     " tensors but got " + std::to_string(tensors.size()));
+    throw ValueError(detail::msg("FlatParamLayout::flatten: expects ", numels.size(),
+                                 " tensors but got ", tensors.size()));
   }
   if (tensors.empty()) return at::empty({0});
   const auto opts = tensors[0].options();
@@ -105,9 +106,8 @@ at::Tensor FlatParamLayout::flatten(const std::vector<at::Tensor>& tensors,
     }
     const at::Tensor& t = tensors[idx];
     if (t.numel() != numels[idx]) {
-      throw ValueError("FlatParamLayout::flatten: '" + fqns[idx] + "' has " +
-                       std::to_string(t.numel()) + " elements, the layout " +
-                       std::to_string(numels[idx]));
+      throw ValueError(detail::msg("FlatParamLayout::flatten: ", detail::quote(fqns[idx]), " has ",
+                                   t.numel(), " elements, the layout ", numels[idx]));
     }
     pieces.push_back(t.detach().reshape({-1}));
     ++idx;
@@ -117,8 +117,8 @@ at::Tensor FlatParamLayout::flatten(const std::vector<at::Tensor>& tensors,
 
 std::vector<at::Tensor> FlatParamLayout::unflat_views(const at::Tensor& flat) const {
   if (flat.dim() != 1 || flat.numel() < unpadded_unsharded_numel) {
-    throw ValueError("FlatParamLayout::unflat_views: expects a 1-D tensor of at least " +
-                     std::to_string(unpadded_unsharded_numel) + " elements");
+    throw ValueError(detail::msg("FlatParamLayout::unflat_views: expects a 1-D tensor of at least ",
+                                 unpadded_unsharded_numel, " elements"));
   }
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < numels.size(); ++i) {
@@ -149,8 +149,7 @@ int64_t FlatParamLayout::param_offset(size_t i) const {
     off += numels_with_padding[k];
     ++idx;
   }
-  throw InternalError("FlatParamLayout::param_offset: index " + std::to_string(i) +
-                      " out of range");
+  throw InternalError(detail::msg("FlatParamLayout::param_offset: index ", i, " out of range"));
 }
 
 int64_t FlatParamLayout::shard_numel_padded(int rank) const {

@@ -10,6 +10,7 @@
 
 #include "fsdp/errors.h"
 #include "runtime/state.h"
+#include "util/message.h"
 #include "util/module_tree.h"
 #include "util/tensor_utils.h"
 
@@ -25,6 +26,9 @@ namespace {
 using ModulePtr = std::shared_ptr<torch::nn::Module>;
 using Impl = const c10::TensorImpl*;
 
+using detail::msg;
+using detail::quote;
+using detail::rank;
 using detail::under;
 
 // Everything the wrapper needs to know about the model's module tree, gathered once.
@@ -105,11 +109,11 @@ void check_compute_device(const ModulePtr& module, const FullyShardedOptions& op
                              : module->parameters().empty() ? world.device()
                                                             : module->parameters()[0].device();
   if (world.backend_name() == "nccl" && compute.is_cuda() && compute != world.device()) {
-    throw ValueError("FullyShardedDataParallel: rank " + std::to_string(world.rank()) +
-                     " computes on " + compute.str() + " but its NCCL group communicates from " +
-                     world.device().str() +
-                     "; set each rank's CUDA device (e.g. "
-                     "c10::cuda::set_device(local_rank)) before init_process_group");
+    throw ValueError(msg("FullyShardedDataParallel: ", rank(world.rank()), " computes on ",
+                         compute.str(), " but its NCCL group communicates from ",
+                         world.device().str(),
+                         "; set each rank's CUDA device (e.g. "
+                         "c10::cuda::set_device(local_rank)) before init_process_group"));
   }
 }
 
@@ -122,10 +126,9 @@ void move_to_device(const ModulePtr& module, const at::Device& dev, const Ignore
     if (t.device() == dev) return;
     if (!t.device().is_cpu()) {
       throw ValueError(
-          "FullyShardedDataParallel: inconsistent compute device and device_id on "
-          "rank " +
-          std::to_string(world.rank()) + ": " + kind + " '" + name + "' is on " + t.device().str() +
-          ", device_id is " + dev.str());
+          msg("FullyShardedDataParallel: inconsistent compute device and device_id on ",
+              rank(world.rank()), ": ", kind, " ", quote(name), " is on ", t.device().str(),
+              ", device_id is ", dev.str()));
     }
     t.set_data(t.to(dev));
   };

@@ -3,6 +3,7 @@
 
 #include "fsdp/errors.h"
 #include "runtime/state.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace detail {
@@ -15,8 +16,8 @@ RuntimeView::RuntimeView(const FullyShardedDataParallelImpl& model) : state_(mod
 FlatParamHandle& RuntimeView::handle(int unit) const {
   FlatParamHandle* h = units_.at(static_cast<size_t>(unit)).handle;
   if (h == nullptr) {
-    throw InternalError("unit " + std::to_string(unit) + " ('" + units_[unit].fqn +
-                        "') has no flat parameter");
+    throw InternalError(
+        msg("unit ", unit, " (", quote(units_[unit].fqn), ") has no flat parameter"));
   }
   return *h;
 }
@@ -32,7 +33,7 @@ at::ScalarType RuntimeView::original_dtype(const at::Tensor& buffer) const {
 
 void RuntimeView::require_idle(const char* what) const {
   if (state_->in_backward || state_->in_summon) {
-    throw StateError(std::string(what) + ": not allowed during backward or summon_full_params");
+    throw StateError(msg(what, ": not allowed during backward or summon_full_params"));
   }
   state_->reset_iteration();
 }

@@ -11,10 +11,16 @@
 #include "fsdp/errors.h"
 #include "fsdp/state_dict_utils.h"
 #include "state_dict/from_rank0.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace {
+
+using detail::msg;
+using detail::quote;
+using detail::rank;
+using detail::shape;
 
 // What the skeleton says of one key.
 struct Entry {
@@ -117,8 +123,9 @@ std::string encode(const StateDict& flat, const FlattenMapping& mapping) {
       default: {  // ShardedTensor (a flattened dict has no List or Dict left)
         Writer fail;
         fail.pod<uint8_t>(0);
-        fail.str("'" + key + "' is a " + to_string(v.kind()) +
-                 " on the source rank; broadcast_state_dict sends full tensors (gather first)");
+        fail.str(
+            msg(quote(key), " is a ", to_string(v.kind()),
+                " on the source rank; broadcast_state_dict sends full tensors (gather first)"));
         return fail.bytes();
       }
     }
@@ -129,7 +136,7 @@ std::string encode(const StateDict& flat, const FlattenMapping& mapping) {
 std::vector<Entry> decode(const std::string& bytes, int src) {
   Reader r(bytes);
   if (r.pod<uint8_t>() == 0) {
-    throw ValueError("broadcast_state_dict (source rank " + std::to_string(src) + "): " + r.str());
+    throw ValueError(msg("broadcast_state_dict (source ", rank(src), "): ", r.str()));
   }
   std::vector<Entry> out;
   while (!r.done()) {
@@ -155,7 +162,7 @@ std::vector<Entry> decode(const std::string& bytes, int src) {
           const std::string raw = r.str();
           at::Tensor t = at::empty({}, at::TensorOptions().dtype(e.dtype));
           if (raw.size() != static_cast<size_t>(t.element_size())) {
-            throw InternalError("broadcast_state_dict: bad 0-d tensor for '" + e.key + "'");
+            throw InternalError(msg("broadcast_state_dict: bad 0-d tensor for ", quote(e.key)));
           }
           std::memcpy(t.data_ptr(), raw.data(), raw.size());
           e.value = t;
@@ -204,26 +211,25 @@ std::string check(const std::vector<Entry>& entries, const StateDict& local, boo
     const bool src_tensor = e.tensor || e.value.is_tensor();
     if (local_tensor != src_tensor) {
       if (error.empty())
-        error = "'" + e.key + "' is a " + (src_tensor ? "Tensor" : to_string(e.value.kind())) +
-                " on the source rank but a " + to_string(v.kind()) + " here";
+        error = msg(quote(e.key), " is a ", src_tensor ? "Tensor" : to_string(e.value.kind()),
+                    " on the source rank but a ", to_string(v.kind()), " here");
     } else if (src_tensor && shape_of(v) != (e.tensor ? e.shape : std::vector<int64_t>{})) {
       if (error.empty())
-        error = "'" + e.key + "' has shape " +
-                detail::shape_str(e.tensor ? e.shape : std::vector<int64_t>{}) +
-                " on the source rank but " + detail::shape_str(shape_of(v)) + " here";
+        error = msg(quote(e.key), " has shape ", shape(e.tensor ? e.shape : std::vector<int64_t>{}),
+                    " on the source rank but ", shape(shape_of(v)), " here");
     }
   }
   for (const auto& [k, v] : local) {
     if (!by_key.count(k)) result.missing_keys.push_back(k);
   }
   auto first = [](const std::vector<std::string>& keys) {
-    return "'" + keys.front() + "'" +
-           (keys.size() > 1 ? " and " + std::to_string(keys.size() - 1) + " more key(s)" : "");
+    return msg(quote(keys.front()),
+               keys.size() > 1 ? msg(" and ", keys.size() - 1, " more key(s)") : "");
   };
   if (error.empty() && strict && !result.missing_keys.empty()) {
-    error = "strict: the source rank's dict lacks " + first(result.missing_keys);
+    error = msg("strict: the source rank's dict lacks ", first(result.missing_keys));
   } else if (error.empty() && strict && !result.unexpected_keys.empty()) {
-    error = "strict: the template has no " + first(result.unexpected_keys);
+    error = msg("strict: the template has no ", first(result.unexpected_keys));
   }
   return error;
 }
@@ -264,8 +270,8 @@ at::Device device_of(const StateDict& flat) {
 // Rank `src`'s skeleton of `sd`, on every rank (one broadcast).
 std::vector<Entry> broadcast_skeleton(const StateDict& sd, dist::ProcessGroup& pg, int src) {
   if (src < 0 || src >= pg.size()) {
-    throw ValueError("broadcast_state_dict: source rank " + std::to_string(src) +
-                     " is not in the group of " + std::to_string(pg.size()));
+    throw ValueError(
+        msg("broadcast_state_dict: source ", rank(src), " is not in the group of ", pg.size()));
   }
   std::string skeleton;
   if (pg.rank() == src) {
@@ -329,9 +335,9 @@ LoadResult broadcast_state_dict(const StateDict& full, StateDict& local, dist::P
   for (size_t r = 0; r < verdicts.size(); ++r) {
     if (verdicts[r].empty()) continue;
     if (!mine.empty())
-      throw ValueError("broadcast_state_dict (rank " + std::to_string(pg.rank()) + "): " + mine);
-    throw ValueError("broadcast_state_dict aborted, nothing was copied: rank " + std::to_string(r) +
-                     ": " + verdicts[r]);
+      throw ValueError(msg("broadcast_state_dict (", rank(pg.rank()), "): ", mine));
+    throw ValueError(
+        msg("broadcast_state_dict aborted, nothing was copied: ", rank(r), ": ", verdicts[r]));
   }
 
   const at::Device device = device_of(flat_local);

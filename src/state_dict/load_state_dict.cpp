@@ -14,7 +14,7 @@
 #include "state_dict/no_shard_fallback.h"
 #include "state_dict/piece_exchange.h"
 #include "state_dict/settings.h"
-#include "util/tensor_utils.h"  // shape_str
+#include "util/message.h"
 
 namespace fsdp {
 namespace {
@@ -22,9 +22,12 @@ namespace {
 using detail::flat_key;
 using detail::key_map;
 using detail::KeyMap;
+using detail::msg;
 using detail::ParamLoc;
+using detail::quote;
+using detail::rank;
 using detail::RuntimeView;
-using detail::shape_str;
+using detail::shape;
 
 struct Plan {
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // dst <- src (copy_ casts)
@@ -55,13 +58,12 @@ void plan_param(const RuntimeView& rt, const ParamLoc& loc, Range&& src_range, P
 void check_shape_dtype(const std::string& key, at::IntArrayRef got, at::ScalarType got_dtype,
                        at::IntArrayRef want, at::ScalarType want_dtype, int rank, Plan& plan) {
   if (got != want) {
-    plan.fail("size mismatch for '" + key + "': copying a param with shape " + shape_str(got) +
-              " from the state dict, the shape in the current model is " + shape_str(want) +
-              " (rank " + std::to_string(rank) + ")");
+    plan.fail(msg("size mismatch for ", quote(key), ": copying a param with shape ", shape(got),
+                  " from the state dict, the shape in the current model is ", shape(want), " (",
+                  detail::rank(rank), ")"));
   } else if (got_dtype != want_dtype && plan.strict_dtype) {
-    plan.fail(std::string("dtype mismatch for '") + key + "': the state dict has " +
-              c10::toString(got_dtype) + ", the model " + c10::toString(want_dtype) + " (rank " +
-              std::to_string(rank) + ")");
+    plan.fail(msg("dtype mismatch for ", quote(key), ": the state dict has ", got_dtype,
+                  ", the model ", want_dtype, " (", detail::rank(rank), ")"));
   }
 }
 
@@ -85,16 +87,16 @@ void agree_or_throw(dist::ProcessGroup& pg, const std::string& error) {
   const auto errors = pg.all_gather_bytes(error);
   for (size_t r = 0; r < errors.size(); ++r) {
     if (errors[r].empty()) continue;
-    if (!error.empty()) throw ValueError("load_state_dict: " + error);
-    throw ValueError("load_state_dict aborted, nothing was loaded: rank " + std::to_string(r) +
-                     " failed: " + errors[r]);
+    if (!error.empty()) throw ValueError(msg("load_state_dict: ", error));
+    throw ValueError(
+        msg("load_state_dict aborted, nothing was loaded: ", rank(r), " failed: ", errors[r]));
   }
 }
 
 void plan_unmanaged(const RuntimeView& rt, const std::string& key, const at::Tensor& target,
                     const StateValue& v, Plan& plan, int rank) {
   if (!v.is_tensor()) {
-    plan.fail("'" + key + "' must be a Tensor, the state dict has " + to_string(v.kind()));
+    plan.fail(msg(quote(key), " must be a Tensor, the state dict has ", to_string(v.kind())));
     return;
   }
   check_shape_dtype(key, v.tensor().sizes(), v.tensor().scalar_type(), target.sizes(),
@@ -114,7 +116,7 @@ std::map<std::string, at::Tensor> exchange_pieces(const RuntimeView& rt, const K
     const FlatParamHandle& h = rt.handle(m->second.unit);
     const ShardParamInfo& s = h.shard_param_infos()[m->second.index];
     detail::RangeRequest q;
-    q.name = "'" + k + "'";
+    q.name = msg(quote(k));
     q.shape = h.layout().shapes[m->second.index];
     q.lo = s.in_shard ? s.intra_param_start_idx : 0;
     q.n = s.in_shard ? s.numel_in_shard : 0;
@@ -139,8 +141,8 @@ std::map<std::string, at::Tensor> exchange_pieces(const RuntimeView& rt, const K
 void plan_local_unit(FlatParamHandle& h, const std::string& fk, const StateValue& v, Plan& plan) {
   const auto& l = h.layout();
   if (!v.is_sharded_tensor()) {
-    plan.fail("'" + fk + "' must be a ShardedTensor in a LOCAL state dict, it is " +
-              to_string(v.kind()));
+    plan.fail(msg(quote(fk), " must be a ShardedTensor in a LOCAL state dict, it is ",
+                  to_string(v.kind())));
     return;
   }
   const ShardedTensor& t = v.sharded_tensor();
@@ -154,12 +156,11 @@ void plan_local_unit(FlatParamHandle& h, const std::string& fk, const StateValue
   }
   if (t.size() != std::vector<int64_t>{l.unpadded_unsharded_numel} ||
       (plan.strict_dtype && t.dtype() != h.orig_dtype()) || (valid > 0 && mine == nullptr)) {
-    plan.fail("'" + fk + "' does not match this rank's flat parameter (rank " +
-              std::to_string(h.rank()) + " of " + std::to_string(h.world_size()) + ", " +
-              std::to_string(l.unpadded_unsharded_numel) + " elements, shard at " +
-              std::to_string(h.rank() * l.sharded_numel) + " of " + std::to_string(valid) +
-              "): LOCAL state dicts load only at the world size and layout that saved "
-              "them; use SHARDED_STATE_DICT to reshard");
+    plan.fail(msg(quote(fk), " does not match this rank's flat parameter (", rank(h.rank()), " of ",
+                  h.world_size(), ", ", l.unpadded_unsharded_numel, " elements, shard at ",
+                  h.rank() * l.sharded_numel, " of ", valid,
+                  "): LOCAL state dicts load only at the world size and layout that saved "
+                  "them; use SHARDED_STATE_DICT to reshard"));
     return;
   }
   if (valid > 0) {
@@ -171,7 +172,7 @@ void plan_local_unit(FlatParamHandle& h, const std::string& fk, const StateValue
 void plan_whole_param(const RuntimeView& rt, const std::string& k, const ParamLoc& loc,
                       const StateValue& v, int rank, Plan& plan) {
   if (!v.is_tensor()) {
-    plan.fail("'" + k + "' must be a Tensor in a FULL state dict, it is " + to_string(v.kind()));
+    plan.fail(msg(quote(k), " must be a Tensor in a FULL state dict, it is ", to_string(v.kind())));
     return;
   }
   const FlatParamHandle& h = rt.handle(loc.unit);
@@ -188,8 +189,8 @@ void plan_sharded_param(const RuntimeView& rt, const std::string& k, const Param
                         const StateValue& v, const std::map<std::string, at::Tensor>& ranges,
                         int rank, Plan& plan) {
   if (!v.is_sharded_tensor()) {
-    plan.fail("'" + k + "' must be a ShardedTensor or a Tensor in a SHARDED state dict, it is " +
-              to_string(v.kind()));
+    plan.fail(msg(quote(k), " must be a ShardedTensor or a Tensor in a SHARDED state dict, it is ",
+                  to_string(v.kind())));
     return;
   }
   const FlatParamHandle& h = rt.handle(loc.unit);
@@ -201,7 +202,7 @@ void plan_sharded_param(const RuntimeView& rt, const std::string& k, const Param
   // intra-param start; it is absent only where the exchange already failed the plan.
   auto got = ranges.find(k);
   if (got == ranges.end()) {
-    plan.fail("'" + k + "': no range assembled (rank " + std::to_string(rank) + ")");
+    plan.fail(msg(quote(k), ": no range assembled (", detail::rank(rank), ")"));
     return;
   }
   const ShardParamInfo& s = h.shard_param_infos()[loc.index];
@@ -262,7 +263,7 @@ Plan plan_load(const RuntimeView& rt, StateDictType type, const StateDict& sd, b
 
 std::string key_list(const std::vector<std::string>& keys) {
   std::string out;
-  for (const auto& k : keys) out += (out.empty() ? "\"" : ", \"") + k + "\"";
+  for (const auto& k : keys) out += msg(out.empty() ? "\"" : ", \"", k, "\"");
   return out;
 }
 
@@ -294,7 +295,8 @@ void check_root_dict(const RuntimeView& rt, const KeyMap& km, const StateDict& s
     }
     const StateValue& v = sd.at(k);
     if (!v.is_tensor()) {
-      plan.fail("'" + k + "' must be a Tensor in a full state dict, it is " + to_string(v.kind()));
+      plan.fail(
+          msg(quote(k), " must be a Tensor in a full state dict, it is ", to_string(v.kind())));
       continue;
     }
     const Target want = target_of(rt, km, k);
@@ -380,15 +382,14 @@ LoadResult load_state_dict(FullyShardedDataParallel& model, const StateDict& sd,
     const std::string failed =
         "\x01"
         "failed";
-    const std::string mine = plan.error.empty() ? key_list(plan.result.missing_keys) + "|" +
-                                                      key_list(plan.result.unexpected_keys)
+    const std::string mine = plan.error.empty() ? msg(key_list(plan.result.missing_keys), "|",
+                                                      key_list(plan.result.unexpected_keys))
                                                 : failed;
     const auto all = rt.world_group().all_gather_bytes(mine);
     for (size_t r = 0; r < all.size() && plan.error.empty(); ++r) {
       if (all[r] != failed && all[r] != mine) {
-        plan.error = "ranks disagree on the keys to skip: rank " +
-                     std::to_string(rt.world_group().rank()) + " misses/ignores " + mine +
-                     ", rank " + std::to_string(r) + " " + all[r];
+        plan.error = msg("ranks disagree on the keys to skip: ", rank(rt.world_group().rank()),
+                         " misses/ignores ", mine, ", ", rank(r), " ", all[r]);
       }
     }
   }

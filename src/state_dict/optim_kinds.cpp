@@ -19,7 +19,7 @@
 #include "fsdp/compat.h"
 #include "fsdp/errors.h"
 #include "state_dict/optim_entries.h"
-#include "util/tensor_utils.h"  // shape_str
+#include "util/message.h"
 
 namespace fsdp {
 namespace detail {
@@ -176,13 +176,13 @@ std::unique_ptr<to::OptimizerOptions> apply_group(const to::OptimizerOptions& ba
   for (const auto& h : hypers<O>()) {
     if (!h.set) continue;  // PyTorch-only: accepted and ignored
     if (!group.contains(h.name)) {
-      error += std::string(error.empty() ? "" : "; ") + "missing hyperparameter '" + h.name + "'";
+      error += msg(error.empty() ? "" : "; ", "missing hyperparameter ", quote(h.name));
       continue;
     }
     const StateValue& v = group.at(h.name);
     if (!h.set(*out, v)) {
-      error += std::string(error.empty() ? "" : "; ") + "hyperparameter '" + h.name +
-               "' has the wrong kind (" + to_string(v.kind()) + ")";
+      error += msg(error.empty() ? "" : "; ", "hyperparameter ", quote(h.name),
+                   " has the wrong kind (", to_string(v.kind()), ")");
     }
   }
   return out;
@@ -328,10 +328,10 @@ const OptimKind& optim_kind(const torch::optim::Optimizer& optimizer) {
   for (const auto& k : table()) {
     if (k.matches(optimizer)) return k;
   }
-  throw ValueError(std::string("optimizer state dicts: unsupported optimizer ") +
-                   c10::demangle(typeid(optimizer).name()) +
-                   "; supported are torch::optim Adam, AdamW, SGD, Adagrad and RMSprop "
-                   "(add an entry to src/state_dict/optim_kinds.cpp)");
+  throw ValueError(msg("optimizer state dicts: unsupported optimizer ",
+                       c10::demangle(typeid(optimizer).name()),
+                       "; supported are torch::optim Adam, AdamW, SGD, Adagrad and RMSprop "
+                       "(add an entry to src/state_dict/optim_kinds.cpp)"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -408,19 +408,18 @@ void assign_groups(OptModel& om, const std::unordered_map<Impl, size_t>& by_impl
       const at::Tensor& p = groups[g].params()[j];
       auto it = by_impl.find(p.unsafeGetTensorImpl());
       if (it == by_impl.end()) {
-        throw ValueError("optimizer state dicts: parameter " + std::to_string(j) +
-                         " of the optimizer's param group " + std::to_string(g) + " (shape " +
-                         shape_str(p.sizes()) + ") is not a parameter of the model" +
-                         (model && !(*model)->options().use_orig_params()
-                              ? " (without use_orig_params, build the optimizer over the wrapped "
-                                "model's parameters(): its flat parameters)"
-                              : ""));
+        throw ValueError(msg("optimizer state dicts: parameter ", j,
+                             " of the optimizer's param group ", g, " (shape ", shape(p.sizes()),
+                             ") is not a parameter of the model",
+                             model && !(*model)->options().use_orig_params()
+                                 ? " (without use_orig_params, build the optimizer over the "
+                                   "wrapped model's parameters(): its flat parameters)"
+                                 : ""));
       }
       OptEntry& e = om.entries[it->second];
       if (e.group >= 0) {
-        throw ValueError("optimizer state dicts: the parameter '" + e.fqns.front() +
-                         "' is in the optimizer's param groups " + std::to_string(e.group) +
-                         " and " + std::to_string(g));
+        throw ValueError(msg("optimizer state dicts: the parameter ", quote(e.fqns.front()),
+                             " is in the optimizer's param groups ", e.group, " and ", g));
       }
       e.group = static_cast<int>(g);
       om.groups[g].push_back(it->second);

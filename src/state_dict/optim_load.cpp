@@ -10,17 +10,20 @@
 #include "state_dict/from_rank0.h"
 #include "state_dict/optim_entries.h"
 #include "state_dict/piece_exchange.h"
-#include "util/tensor_utils.h"  // shape_str
+#include "util/message.h"
 
 namespace fsdp {
 namespace {
 
+using detail::msg;
 using detail::OptEntry;
 using detail::OptimKind;
 using detail::OptModel;
 using detail::ParamOptimState;
+using detail::quote;
+using detail::rank;
 using detail::RuntimeView;
-using detail::shape_str;
+using detail::shape;
 
 struct LoadPlan {
   std::string error;
@@ -33,8 +36,8 @@ struct LoadPlan {
 
 std::string list_text(const std::vector<std::string>& v, size_t max = 4) {
   std::string out;
-  for (size_t i = 0; i < v.size() && i < max; ++i) out += (i ? ", '" : "'") + v[i] + "'";
-  if (v.size() > max) out += ", ... (" + std::to_string(v.size()) + " in all)";
+  for (size_t i = 0; i < v.size() && i < max; ++i) out += msg(i ? ", " : "", quote(v[i]));
+  if (v.size() > max) out += msg(", ... (", v.size(), " in all)");
   return out.empty() ? "none" : out;
 }
 
@@ -48,23 +51,23 @@ void plan_groups(const OptModel& om, torch::optim::Optimizer& opt, const OptimKi
   }
   const StateList& groups = osd.at("param_groups").list();
   if (groups.size() != om.groups.size()) {
-    plan.fail("the dict has " + std::to_string(groups.size()) + " param groups, the optimizer " +
-              std::to_string(om.groups.size()));
+    plan.fail(
+        msg("the dict has ", groups.size(), " param groups, the optimizer ", om.groups.size()));
     return;
   }
   for (size_t g = 0; g < groups.size(); ++g) {
-    const std::string where = "param group " + std::to_string(g);
+    const std::string where = msg("param group ", g);
     if (!groups[g].is_dict() || !groups[g].dict().contains("params") ||
         !groups[g].dict().at("params").is_list()) {
-      plan.fail(where + " is not a dict with a \"params\" list");
+      plan.fail(msg(where, " is not a dict with a \"params\" list"));
       continue;
     }
     const StateDict& gd = groups[g].dict();
     std::set<std::string> theirs, ours;
     for (const auto& p : gd.at("params").list()) {
       if (!p.is_string()) {
-        plan.fail(where + " lists a parameter by " + to_string(p.kind()) +
-                  ", not by FQN (rekey_optim_state_dict converts parameter IDs to FQNs)");
+        plan.fail(msg(where, " lists a parameter by ", to_string(p.kind()),
+                      ", not by FQN (rekey_optim_state_dict converts parameter IDs to FQNs)"));
         break;
       }
       theirs.insert(p.string());
@@ -77,13 +80,13 @@ void plan_groups(const OptModel& om, torch::optim::Optimizer& opt, const OptimKi
     for (const auto& f : theirs)
       if (!ours.count(f)) extra.push_back(f);
     if (!missing.empty() || !extra.empty()) {
-      plan.fail(where + " does not match the optimizer's: the optimizer's group also holds " +
-                list_text(missing) + "; the dict's group also lists " + list_text(extra));
+      plan.fail(msg(where, " does not match the optimizer's: the optimizer's group also holds ",
+                    list_text(missing), "; the dict's group also lists ", list_text(extra)));
       continue;
     }
     std::string err;
     plan.options[g] = kind.apply_group(opt.param_groups()[g].options(), gd, err);
-    if (!err.empty()) plan.fail(where + ": " + err);
+    if (!err.empty()) plan.fail(msg(where, ": ", err));
   }
 }
 
@@ -100,12 +103,12 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
   FqnState s;
   s.values.assign(kind.tensor_names.size(), nullptr);
   if (!v.is_dict()) {
-    plan.fail("the state of '" + fqn + "' is " + to_string(v.kind()) + ", not a dict");
+    plan.fail(msg("the state of ", quote(fqn), " is ", to_string(v.kind()), ", not a dict"));
     return s;
   }
   s.present = true;
   std::string names = kind.has_step ? "step" : "";
-  for (const auto& n : kind.tensor_names) names += (names.empty() ? "" : ", ") + n;
+  for (const auto& n : kind.tensor_names) names += msg(names.empty() ? "" : ", ", n);
   for (const auto& [k, x] : v.dict()) {
     if (kind.has_step && k == "step") {
       if (x.is_tensor() && x.tensor().numel() == 1) {
@@ -113,16 +116,16 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
       } else if (x.is_int() || x.is_double()) {
         s.step = static_cast<int64_t>(x.to_double());
       } else {
-        plan.fail("state 'step' of '" + fqn + "' is " + to_string(x.kind()) +
-                  ", not a number or a 0-d tensor");
+        plan.fail(msg("state 'step' of ", quote(fqn), " is ", to_string(x.kind()),
+                      ", not a number or a 0-d tensor"));
       }
       continue;
     }
     size_t n = 0;
     while (n < kind.tensor_names.size() && kind.tensor_names[n] != k) ++n;
     if (n == kind.tensor_names.size()) {
-      plan.fail("unexpected state '" + k + "' for '" + fqn + "' (" + kind.name + " keeps " + names +
-                ")");
+      plan.fail(msg("unexpected state ", quote(k), " for ", quote(fqn), " (", kind.name, " keeps ",
+                    names, ")"));
       continue;
     }
     if (x.is_none()) continue;  // PyTorch 1.x SGD without momentum saves None
@@ -132,24 +135,25 @@ FqnState check_fqn_state(const std::string& fqn, const std::vector<int64_t>& sha
     } else if (x.is_sharded_tensor()) {
       got = x.sharded_tensor().size();
     } else {
-      plan.fail("state '" + k + "' of '" + fqn + "' is " + to_string(x.kind()) + ", not a tensor");
+      plan.fail(msg("state ", quote(k), " of ", quote(fqn), " is ", to_string(x.kind()),
+                    ", not a tensor"));
       continue;
     }
     if (got != shape) {
-      plan.fail("state '" + k + "' of '" + fqn + "' has shape " + shape_str(got) +
-                ", the parameter " + shape_str(shape));
+      plan.fail(msg("state ", quote(k), " of ", quote(fqn), " has shape ", detail::shape(got),
+                    ", the parameter ", detail::shape(shape)));
       continue;
     }
     s.values[n] = &x;
   }
   if (kind.has_step && !s.step) {
-    plan.fail("missing state 'step' for '" + fqn + "'");
+    plan.fail(msg("missing state 'step' for ", quote(fqn)));
   }
   const std::vector<bool> req = kind.required(options);
   for (size_t n = 0; n < req.size(); ++n) {
     if (req[n] && !s.values[n]) {
-      plan.fail("missing state '" + kind.tensor_names[n] + "' for '" + fqn + "' (" + kind.name +
-                " keeps " + names + " with these hyperparameters)");
+      plan.fail(msg("missing state ", quote(kind.tensor_names[n]), " for ", quote(fqn), " (",
+                    kind.name, " keeps ", names, " with these hyperparameters)"));
     }
   }
   return s;
@@ -223,7 +227,8 @@ void OsdLoad::check(const StateDict& osd) {
   for (const auto& [fqn, v] : *state) {
     auto it = om.by_fqn.find(fqn);
     if (it == om.by_fqn.end() || om.entries[it->second.first].group < 0) {
-      plan.fail("unknown FQN '" + fqn + "' in \"state\": not a parameter the optimizer holds");
+      plan.fail(
+          msg("unknown FQN ", quote(fqn), " in \"state\": not a parameter the optimizer holds"));
     }
   }
   // Check each FQN's state against its parameter and its group's (new) hyperparameters.
@@ -255,7 +260,7 @@ void OsdLoad::fetch() {
       const auto r = om.local(en, p);
       for (size_t n = 0; n < kind.tensor_names.size(); ++n) {
         detail::RangeRequest q;
-        q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
+        q.name = msg("state ", quote(kind.tensor_names[n]), " of ", quote(en.fqns[p]));
         q.shape = en.shapes[p];
         q.lo = r.lo;
         q.n = r.n;
@@ -299,10 +304,10 @@ at::Tensor OsdLoad::range_of(size_t e, size_t p, size_t n, int64_t lo, int64_t l
     return it == fetched.end() ? at::Tensor() : it->second[n];
   }
   try {
-    return v->sharded_tensor().flat_range(lo, len, "'" + om.entries[e].fqns[p] + "'");
+    return v->sharded_tensor().flat_range(lo, len, msg(quote(om.entries[e].fqns[p])));
   } catch (const ValueError& ex) {
-    plan.fail(std::string("state '") + kind.tensor_names[n] + "' of '" + om.entries[e].fqns[p] +
-              "': " + ex.what());
+    plan.fail(msg("state ", quote(kind.tensor_names[n]), " of ", quote(om.entries[e].fqns[p]), ": ",
+                  ex.what()));
     return at::Tensor();
   }
 }
@@ -324,10 +329,8 @@ void OsdLoad::build() {
       std::vector<std::string> without;
       for (size_t p = 0; p < en.fqns.size(); ++p)
         if (!fs[e][p].present) without.push_back(en.fqns[p]);
-      plan.fail(
-          "a flat parameter mixes parameters with and without "
-          "state: " +
-          list_text(without) + " have none, so 'step' cannot be flattened");
+      plan.fail(msg("a flat parameter mixes parameters with and without state: ",
+                    list_text(without), " have none, so 'step' cannot be flattened"));
       continue;
     }
     ParamOptimState ns;
@@ -348,11 +351,9 @@ std::optional<int64_t> OsdLoad::common_step(size_t e) {
   for (size_t p = 0; p < en.fqns.size(); ++p) {
     if (!fs[e][p].present || !fs[e][p].step) continue;
     if (step && *step != *fs[e][p].step) {
-      plan.fail(
-          "the parameters of one flat parameter must have the same "
-          "'step', but '" +
-          en.fqns[0] + "' has " + std::to_string(*step) + " and '" + en.fqns[p] + "' " +
-          std::to_string(*fs[e][p].step));
+      plan.fail(msg("the parameters of one flat parameter must have the same 'step', but ",
+                    quote(en.fqns[0]), " has ", *step, " and ", quote(en.fqns[p]), " ",
+                    *fs[e][p].step));
     }
     step = fs[e][p].step;
   }
@@ -376,8 +377,8 @@ void OsdLoad::build_tensor(size_t e, size_t n, ParamOptimState& ns) {
     const auto r = om.local(en, 0);
     at::Tensor t = range_of(e, 0, n, r.lo, r.n);  // first: collective under from_rank0
     if (r.n != en.param.numel()) {
-      plan.fail("'" + en.fqns[0] + "' holds " + std::to_string(en.param.numel()) +
-                " elements on this rank, its shard " + std::to_string(r.n));
+      plan.fail(msg(quote(en.fqns[0]), " holds ", en.param.numel(),
+                    " elements on this rank, its shard ", r.n));
       return;
     }
     if (t.defined()) ns.tensors[n] = t.reshape(en.param.sizes()).to(popts).clone();
@@ -404,10 +405,10 @@ void OsdLoad::agree() const {
   std::string all;
   for (size_t r = 0; r < errors.size(); ++r) {
     if (errors[r].empty()) continue;
-    all += (all.empty() ? "" : "; ") + (rt ? "rank " + std::to_string(r) + ": " : "") + errors[r];
+    all += msg(all.empty() ? "" : "; ", rt ? msg(rank(r), ": ") : "", errors[r]);
   }
   if (!all.empty()) {
-    throw ValueError(std::string("load_optim_state_dict failed, nothing was loaded: ") + all);
+    throw ValueError(msg("load_optim_state_dict failed, nothing was loaded: ", all));
   }
 }
 

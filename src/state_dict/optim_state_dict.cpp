@@ -15,15 +15,18 @@
 #include "state_dict/optim_entries.h"
 #include "state_dict/piece_exchange.h"
 #include "state_dict/settings.h"
+#include "util/message.h"
 
 namespace fsdp {
 
 namespace {
 
+using detail::msg;
 using detail::OptEntry;
 using detail::OptimKind;
 using detail::OptModel;
 using detail::ParamOptimState;
+using detail::quote;
 using detail::RuntimeView;
 
 const torch::optim::OptimizerParamState* find_state(torch::optim::Optimizer& opt,
@@ -252,7 +255,7 @@ void OsdExport::route(const OptEntry& en, size_t p, size_t n, at::ScalarType dty
   const std::vector<int64_t>& shape = en.shapes[p];
   held.push_back(sharded_from_flat_range(shape, lo, data, rank));
   detail::RangeRequest q;
-  q.name = "state '" + kind.tensor_names[n] + "' of '" + en.fqns[p] + "'";
+  q.name = msg("state ", quote(kind.tensor_names[n]), " of ", quote(en.fqns[p]));
   q.shape = shape;
   q.pieces = &held.back();
   ChunkJob job{en.fqns[p], n, shape, dtype, rank, chunk_metadata(shape, world), en.param.device()};
@@ -328,7 +331,7 @@ void OsdExport::place_chunks(const RuntimeView& rt) {
   // hybrid sharding each replica group exchanges within itself.)
   std::string error;
   const std::vector<at::Tensor> got = detail::exchange_ranges(rt.shard_group(), reqs, error);
-  if (!error.empty()) throw StateError("optim_state_dict: " + error);  // a bug, not input
+  if (!error.empty()) throw StateError(msg("optim_state_dict: ", error));  // a bug, not input
   for (size_t i = 0; i < jobs.size(); ++i) {
     ChunkJob& j = jobs[i];
     // On the state's own device unless offloaded, as the seed keeps its chunks.
@@ -466,9 +469,8 @@ StateDict rekey(const StateDict& osd, OptimStateKeyType to, const OptModel& om) 
     for (size_t e : g) {
       if (om.entries[e].fqns.size() != 1) {
         throw ValueError(
-            "rekey_optim_state_dict: the optimizer holds a flat parameter standing for " +
-            std::to_string(om.entries[e].fqns.size()) +
-            " parameters; parameter IDs need use_orig_params=true");
+            msg("rekey_optim_state_dict: the optimizer holds a flat parameter standing for ",
+                om.entries[e].fqns.size(), " parameters; parameter IDs need use_orig_params=true"));
       }
       fqn_of.push_back(om.entries[e].fqns[0]);
     }
@@ -479,8 +481,8 @@ StateDict rekey(const StateDict& osd, OptimStateKeyType to, const OptModel& om) 
     if (to == OptimStateKeyType::PARAM_ID) {
       auto it = id_of.find(key);
       if (it == id_of.end())
-        throw ValueError("rekey_optim_state_dict: '" + key +
-                         "' is not a parameter the optimizer holds");
+        throw ValueError(
+            msg("rekey_optim_state_dict: ", quote(key), " is not a parameter the optimizer holds"));
       return std::to_string(it->second);
     }
     size_t pos = 0;
@@ -491,9 +493,8 @@ StateDict rekey(const StateDict& osd, OptimStateKeyType to, const OptModel& om) 
       pos = 0;
     }
     if (pos != key.size() || id < 0 || id >= static_cast<int64_t>(fqn_of.size())) {
-      throw ValueError("rekey_optim_state_dict: '" + key +
-                       "' is not a parameter ID of the optimizer (0.." +
-                       std::to_string(fqn_of.size()) + ")");
+      throw ValueError(msg("rekey_optim_state_dict: ", quote(key),
+                           " is not a parameter ID of the optimizer (0..", fqn_of.size(), ")"));
     }
     return fqn_of[id];
   };

@@ -11,7 +11,8 @@
 #include <sstream>
 
 #include "fsdp/errors.h"
-#include "util/tensor_utils.h"  // shape_str, dim_outside
+#include "util/message.h"
+#include "util/tensor_utils.h"  // dim_outside
 
 namespace fsdp {
 namespace detail {
@@ -98,7 +99,7 @@ RankMeta parse_meta(const std::string& line, const std::vector<int64_t>& shape) 
   if (!(is >> tag)) return bad("empty metadata");
   if (tag == "!") {
     std::string rest;
-    std::getline(is, rest);
+    std::getline(is >> std::ws, rest);  // the text after "! ", without its leading blank
     return bad(rest);
   }
   int64_t lo = 0, n = 0, total = 1;
@@ -111,8 +112,7 @@ RankMeta parse_meta(const std::string& line, const std::vector<int64_t>& shape) 
   size_t nd = 0, nb = 0;
   if (!(is >> m.dtype >> nd >> nb) || !known_dtype(m.dtype)) return bad("bad dtype");
   if (nd != shape.size()) {
-    return bad("pieces have " + std::to_string(nd) + " dims, the tensor " +
-               std::to_string(shape.size()));
+    return bad(msg("pieces have ", nd, " dims, the tensor ", shape.size()));
   }
   if (nb > 1000000) return bad("too many pieces");
   m.have = true;
@@ -125,8 +125,8 @@ RankMeta parse_meta(const std::string& line, const std::vector<int64_t>& shape) 
     for (auto& z : b.sizes)
       if (!(is >> z)) return bad("truncated piece");
     if (detail::dim_outside(b.offsets, b.sizes, shape) >= 0) {
-      return bad("piece at " + shape_str(b.offsets) + " of size " + shape_str(b.sizes) +
-                 " lies outside the shape " + shape_str(shape));
+      return bad(msg("piece at ", detail::shape(b.offsets), " of size ", detail::shape(b.sizes),
+                     " lies outside the shape ", detail::shape(shape)));
     }
     m.boxes.push_back(std::move(b));
   }
@@ -148,7 +148,7 @@ std::string describe_pieces(const RangeRequest& q, std::vector<at::Tensor>& flat
         piece.metadata.offsets.size() != t.size().size() ||
         piece.metadata.sizes.size() != t.size().size()) {
       flat_pieces.clear();
-      return "! a piece of " + q.name + " does not match its metadata";
+      return msg("! a piece of ", q.name, " does not match its metadata");
     }
     for (auto o : piece.metadata.offsets) line << " " << o;
     for (auto z : piece.metadata.sizes) line << " " << z;
@@ -226,14 +226,13 @@ void parse_views(const std::vector<std::vector<std::string>>& lines, size_t ki,
     }
     if (!m.valid) {
       if (route.problem.empty())
-        route.problem =
-            "rank " + std::to_string(r) + "'s pieces of " + q.name + " are invalid: " + m.error;
+        route.problem = msg(rank(r), "'s pieces of ", q.name, " are invalid: ", m.error);
       continue;
     }
     route.anyone |= m.have;
     if (!m.have || m.boxes.empty()) continue;
     if (route.dtype >= 0 && m.dtype != route.dtype && route.problem.empty()) {
-      route.problem = "ranks hold pieces of " + q.name + " in different dtypes";
+      route.problem = msg("ranks hold pieces of ", q.name, " in different dtypes");
     }
     route.dtype = m.dtype;
   }
@@ -279,9 +278,8 @@ void check_coverage(const RangeRequest& q, Route& route) {
       reach = std::max(reach, b);
     }
     if (reach < m.need_n) {
-      route.problem = "no rank holds elements [" + std::to_string(m.need_lo + reach) + ", " +
-                      std::to_string(m.need_lo + m.need_n) + ") of " + q.name +
-                      " (flattened), which rank " + std::to_string(d) + " needs";
+      route.problem = msg("no rank holds elements [", m.need_lo + reach, ", ", m.need_lo + m.need_n,
+                          ") of ", q.name, " (flattened), which ", rank(d), " needs");
     }
   }
 }
@@ -358,7 +356,7 @@ std::vector<at::Tensor> exchange_ranges(dist::ProcessGroup& pg,
     const Route route = plan_route(lines, ki, requests[ki], pg.size());
     if (route.problem.empty() && !route.anyone) continue;  // the caller reports it missing
     if (!route.problem.empty()) {
-      if (error.empty()) error = route.problem + " (seen by rank " + std::to_string(me) + ")";
+      if (error.empty()) error = msg(route.problem, " (seen by ", rank(me), ")");
       continue;  // every rank skips this request alike
     }
     at::Tensor mine = move_segments(pg, route, my_pieces[ki]);

@@ -3,12 +3,15 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace {
 
-using detail::shape_str;
+using detail::msg;
+using detail::quote;
+using detail::shape;
 
 // Row-major strides of a shape, in elements.
 std::vector<int64_t> strides_of(const std::vector<int64_t>& shape) {
@@ -50,26 +53,24 @@ ShardedTensor::ShardedTensor(std::vector<int64_t> global_shape, at::ScalarType d
       global_metadata_(std::move(global_metadata)) {
   auto check_box = [&](const ShardMetadata& m) {
     if (m.offsets.size() != global_shape_.size() || m.sizes.size() != global_shape_.size()) {
-      throw ValueError("ShardedTensor: piece at " + shape_str(m.offsets) + " has " +
-                       std::to_string(m.offsets.size()) + " dims, the tensor " +
-                       std::to_string(global_shape_.size()));
+      throw ValueError(msg("ShardedTensor: piece at ", shape(m.offsets), " has ", m.offsets.size(),
+                           " dims, the tensor ", global_shape_.size()));
     }
     if (detail::dim_outside(m.offsets, m.sizes, global_shape_) >= 0) {
-      throw ValueError("ShardedTensor: piece at offsets " + shape_str(m.offsets) + " sizes " +
-                       shape_str(m.sizes) + " leaves the global shape " + shape_str(global_shape_));
+      throw ValueError(msg("ShardedTensor: piece at offsets ", shape(m.offsets), " sizes ",
+                           shape(m.sizes), " leaves the global shape ", shape(global_shape_)));
     }
   };
   for (const auto& s : local_shards_) {
     check_box(s.metadata);
     if (!s.tensor.defined() || s.tensor.sizes() != at::IntArrayRef(s.metadata.sizes)) {
-      throw ValueError("ShardedTensor: piece at " + shape_str(s.metadata.offsets) + " has shape " +
-                       (s.tensor.defined() ? shape_str(s.tensor.sizes()) : "undefined") +
-                       " but its metadata says " + shape_str(s.metadata.sizes));
+      throw ValueError(msg("ShardedTensor: piece at ", shape(s.metadata.offsets), " has shape ",
+                           s.tensor.defined() ? msg(shape(s.tensor.sizes())) : "undefined",
+                           " but its metadata says ", shape(s.metadata.sizes)));
     }
     if (s.tensor.scalar_type() != dtype_) {
-      throw ValueError("ShardedTensor: piece at " + shape_str(s.metadata.offsets) + " has dtype " +
-                       c10::toString(s.tensor.scalar_type()) + ", the tensor " +
-                       c10::toString(dtype_));
+      throw ValueError(msg("ShardedTensor: piece at ", shape(s.metadata.offsets), " has dtype ",
+                           s.tensor.scalar_type(), ", the tensor ", dtype_));
     }
   }
   for (const auto& m : global_metadata_) check_box(m);
@@ -96,9 +97,8 @@ void ShardedTensor::copy_into(at::Tensor& out, at::Tensor* covered) const {
 
 at::Tensor ShardedTensor::flat_range(int64_t start, int64_t n, const std::string& what) const {
   if (start < 0 || n < 0 || start + n > numel()) {
-    throw ValueError("'" + what + "': range [" + std::to_string(start) + ", " +
-                     std::to_string(start + n) + ") is outside a tensor of " +
-                     std::to_string(numel()) + " elements");
+    throw ValueError(msg(what, ": range [", start, ", ", start + n, ") is outside a tensor of ",
+                         numel(), " elements"));
   }
   auto opts = at::TensorOptions().dtype(dtype_);
   at::Tensor out = at::empty({n}, opts);
@@ -128,10 +128,9 @@ at::Tensor ShardedTensor::flat_range(int64_t start, int64_t n, const std::string
       return full.reshape({-1}).narrow(0, start, n).clone();
     }
   }
-  throw ValueError("'" + what + "': the pieces given do not cover elements [" +
-                   std::to_string(start) + ", " + std::to_string(start + n) +
-                   ") of the flattened tensor (shape " + shape_str(global_shape_) +
-                   "); pass the pieces saved by every rank");
+  throw ValueError(msg(what, ": the pieces given do not cover elements [", start, ", ", start + n,
+                       ") of the flattened tensor (shape ", shape(global_shape_),
+                       "); pass the pieces saved by every rank"));
 }
 
 ShardedTensor ShardedTensor::to(at::Device device) const {
@@ -187,13 +186,13 @@ StateDict::~StateDict() = default;
 
 StateValue& StateDict::at(const std::string& key) {
   auto it = index_.find(key);
-  if (it == index_.end()) throw ValueError("state dict has no key '" + key + "'");
+  if (it == index_.end()) throw ValueError(msg("state dict has no key ", quote(key)));
   return items_[it->second].second;
 }
 
 const StateValue& StateDict::at(const std::string& key) const {
   auto it = index_.find(key);
-  if (it == index_.end()) throw ValueError("state dict has no key '" + key + "'");
+  if (it == index_.end()) throw ValueError(msg("state dict has no key ", quote(key)));
   return items_[it->second].second;
 }
 
@@ -257,7 +256,7 @@ namespace {
 template <typename T, typename V>
 auto& get_as(V& v, StateValue::Kind want, StateValue::Kind have) {
   if (!std::holds_alternative<T>(v)) {
-    throw ValueError(std::string("state value is ") + to_string(have) + ", not " + to_string(want));
+    throw ValueError(msg("state value is ", to_string(have), ", not ", to_string(want)));
   }
   return std::get<T>(v);
 }
@@ -342,9 +341,9 @@ std::vector<ShardMetadata> flat_range_boxes(const std::vector<int64_t>& shape, i
   int64_t numel = 1;
   for (int64_t s : shape) numel *= s;
   if (start < 0 || n < 0 || start + n > numel) {
-    throw ValueError("flat_range_boxes: elements [" + std::to_string(start) + ", " +
-                     std::to_string(start + n) + ") are outside a tensor of shape " +
-                     shape_str(shape) + " (" + std::to_string(numel) + " elements)");
+    throw ValueError(msg("flat_range_boxes: elements [", start, ", ", start + n,
+                         ") are outside a tensor of shape ", detail::shape(shape), " (", numel,
+                         " elements)"));
   }
   std::vector<ShardMetadata> out;
   if (n == 0) return out;
@@ -359,8 +358,8 @@ ShardedTensor sharded_from_flat_range(std::vector<int64_t> global_shape, int64_t
                                       const at::Tensor& data, int rank,
                                       std::vector<ShardMetadata> global_metadata) {
   if (data.dim() != 1) {
-    throw ValueError("sharded_from_flat_range: the data must be 1-D, it has shape " +
-                     shape_str(data.sizes()));
+    throw ValueError(
+        msg("sharded_from_flat_range: the data must be 1-D, it has shape ", shape(data.sizes())));
   }
   std::vector<Shard> pieces;
   int64_t pos = 0;
@@ -399,13 +398,14 @@ std::string detail::load_keys_error(const LoadResult& r) {
   if (r.missing_keys.empty() && r.unexpected_keys.empty()) return "";
   auto list = [](const std::vector<std::string>& keys) {
     std::string out;
-    for (const auto& k : keys) out += (out.empty() ? "\"" : ", \"") + k + "\"";
+    for (const auto& k : keys) out += msg(out.empty() ? "\"" : ", \"", k, "\"");
     return out;
   };
   std::string e = "Error(s) in loading state_dict:";
-  if (!r.missing_keys.empty()) e += " Missing key(s) in state_dict: " + list(r.missing_keys) + ".";
+  if (!r.missing_keys.empty())
+    e += msg(" Missing key(s) in state_dict: ", list(r.missing_keys), ".");
   if (!r.unexpected_keys.empty())
-    e += " Unexpected key(s) in state_dict: " + list(r.unexpected_keys) + ".";
+    e += msg(" Unexpected key(s) in state_dict: ", list(r.unexpected_keys), ".");
   return e;
 }
 
@@ -426,22 +426,22 @@ LoadResult load_module_state_dict(torch::nn::Module& module, const StateDict& sd
     } else if (v.is_sharded_tensor()) {  // usable here only if the local pieces cover it
       const ShardedTensor& t = v.sharded_tensor();
       try {
-        src = t.flat_range(0, t.numel(), "'" + key + "'").view(t.size());
+        src = t.flat_range(0, t.numel(), msg(quote(key))).view(t.size());
       } catch (const ValueError& e) {
         if (error.empty()) error = e.what();
         continue;
       }
     } else {
       if (error.empty()) {
-        error = "'" + key + "' must be a Tensor, the state dict has " + to_string(v.kind());
+        error = msg(quote(key), " must be a Tensor, the state dict has ", to_string(v.kind()));
       }
       continue;
     }
     if (src.sizes() != dst.tensor().sizes()) {
       if (error.empty()) {
-        error = "size mismatch for '" + key + "': copying a param with shape " +
-                shape_str(src.sizes()) + " from the state dict, the shape in the current " +
-                "model is " + shape_str(dst.tensor().sizes());
+        error = msg("size mismatch for ", quote(key), ": copying a param with shape ",
+                    shape(src.sizes()), " from the state dict, the shape in the current model is ",
+                    shape(dst.tensor().sizes()));
       }
       continue;
     }
@@ -451,7 +451,7 @@ LoadResult load_module_state_dict(torch::nn::Module& module, const StateDict& sd
     if (!own.contains(key)) result.unexpected_keys.push_back(key);
   }
   if (error.empty() && strict) error = detail::load_keys_error(result);
-  if (!error.empty()) throw ValueError("load_module_state_dict: " + error);
+  if (!error.empty()) throw ValueError(msg("load_module_state_dict: ", error));
   at::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.copy_(src);
   return result;

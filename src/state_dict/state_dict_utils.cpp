@@ -5,10 +5,14 @@
 
 #include "fsdp/errors.h"
 #include "state_dict/piece_exchange.h"
-#include "util/tensor_utils.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace {
+
+using detail::msg;
+using detail::quote;
+using detail::shape;
 
 std::string path_text(const ObjPath& path) {
   std::string out;
@@ -71,16 +75,16 @@ StateDict map_values(const StateDict& sd, const std::function<StateValue(const S
 
 const std::string& key_of(const PathElement& e, const ObjPath& path) {
   if (!std::holds_alternative<std::string>(e)) {
-    throw ValueError("unflatten_state_dict: path '" + path_text(path) +
-                     "' indexes a dict with a number");
+    throw ValueError(msg("unflatten_state_dict: path ", quote(path_text(path)),
+                         " indexes a dict with a number"));
   }
   return std::get<std::string>(e);
 }
 
 size_t index_of(const PathElement& e, const ObjPath& path) {
   if (!std::holds_alternative<int64_t>(e) || std::get<int64_t>(e) < 0) {
-    throw ValueError("unflatten_state_dict: path '" + path_text(path) +
-                     "' indexes a list with a key");
+    throw ValueError(
+        msg("unflatten_state_dict: path ", quote(path_text(path)), " indexes a list with a key"));
   }
   return static_cast<size_t>(std::get<int64_t>(e));
 }
@@ -158,12 +162,12 @@ bool similar(const StateValue& a, const StateValue& b) {
 StateValue copy_into(const StateValue& src, const StateValue& dst, ObjPath& path, bool non_blocking,
                      bool apply) {
   auto fail = [&](const std::string& why) {
-    throw ValueError("copy_state_dict: at '" + path_text(path) + "': " + why);
+    throw ValueError(msg("copy_state_dict: at ", quote(path_text(path)), ": ", why));
   };
   const bool src_tensor = src.is_tensor() || src.is_sharded_tensor();
   if ((src_tensor || src.is_dict() || src.is_list()) && src.kind() != dst.kind()) {
-    fail(std::string("the source holds ") + to_string(src.kind()) + ", the companion " +
-         to_string(dst.kind()));
+    fail(
+        msg("the source holds ", to_string(src.kind()), ", the companion ", to_string(dst.kind())));
   }
   if (src.is_dict()) {
     if (!same_keys(src.dict(), dst.dict())) fail("the dicts have different keys");
@@ -200,9 +204,8 @@ StateValue copy_into(const StateValue& src, const StateValue& dst, ObjPath& path
   }
   for (auto& [to, from] : pairs) {
     if (to.sizes() != from.sizes() || to.scalar_type() != from.scalar_type()) {
-      fail("shape or dtype differs: " + std::string(c10::toString(from.scalar_type())) + " of " +
-           std::to_string(from.numel()) + " elements into " + c10::toString(to.scalar_type()) +
-           " of " + std::to_string(to.numel()));
+      fail(msg("shape or dtype differs: ", from.scalar_type(), " of ", from.numel(),
+               " elements into ", to.scalar_type(), " of ", to.numel()));
     }
   }
   if (apply) {
@@ -227,7 +230,7 @@ std::pair<StateDict, FlattenMapping> flatten_state_dict(const StateDict& sd) {
   traverse(sd, [&](const ObjPath& path, const StateValue& v) {
     const std::string key = path_text(path);
     if (flat.contains(key))
-      throw ValueError("flatten_state_dict: duplicated flatten key '" + key + "'");
+      throw ValueError(msg("flatten_state_dict: duplicated flatten key ", quote(key)));
     flat.insert_or_assign(key, v);
     mapping[key] = path;
   });
@@ -239,7 +242,7 @@ StateDict unflatten_state_dict(const StateDict& flat, const FlattenMapping& mapp
   for (const auto& [k, v] : flat) {
     auto it = mapping.find(k);
     if (it == mapping.end() || it->second.empty()) {
-      throw ValueError("unflatten_state_dict: no path for key '" + k + "' in the mapping");
+      throw ValueError(msg("unflatten_state_dict: no path for key ", quote(k), " in the mapping"));
     }
     set_element(nested, it->second, v);
   }
@@ -288,7 +291,7 @@ StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
     if (!v.is_sharded_tensor()) return;
     const ShardedTensor& t = v.sharded_tensor();
     detail::RangeRequest q;
-    q.name = "'" + path_text(path) + "'";
+    q.name = msg(quote(path_text(path)));
     q.shape = t.size();
     q.n = target ? t.numel() : 0;
     q.pieces = &t;
@@ -296,7 +299,7 @@ StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
   });
   std::string error;
   const std::vector<at::Tensor> got = detail::exchange_ranges(pg, reqs, error);
-  if (!error.empty()) throw ValueError("gather_state_dict: " + error);
+  if (!error.empty()) throw ValueError(msg("gather_state_dict: ", error));
   if (!target) return StateDict();
   size_t next = 0;
   return map_values(sd, [&](const StateValue& v) -> StateValue {
@@ -326,9 +329,9 @@ void distribute_state_dict(const StateDict& full, StateDict& local) {
     if (!v.is_tensor() || v.tensor().dim() == 0 || !flat_local.contains(key)) continue;
     const StateValue& dst = flat_local.at(key);
     if ((dst.is_tensor() || dst.is_sharded_tensor()) && shape_of(dst) != v.tensor().sizes().vec()) {
-      throw ValueError("distribute_state_dict: '" + key + "' has shape " +
-                       detail::shape_str(v.tensor().sizes()) + " in the full dict, " +
-                       detail::shape_str(shape_of(dst)) + " in the local one");
+      throw ValueError(msg("distribute_state_dict: ", quote(key), " has shape ",
+                           shape(v.tensor().sizes()), " in the full dict, ", shape(shape_of(dst)),
+                           " in the local one"));
     }
   }
   at::NoGradGuard no_grad;

@@ -8,16 +8,14 @@
 
 #include "fsdp/errors.h"
 #include "util/huge_pages.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace detail {
 
-/// "[2, 3]" ("[]" for a 0-d shape), as PyTorch prints a size in its messages.
-inline std::string shape_str(at::IntArrayRef s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
+/// "[2, 3]" ("[]" for a 0-d shape), as PyTorch prints a size: msg(shape(s)) on its own, for text
+/// that is not an error message.
+inline std::string shape_str(at::IntArrayRef s) { return msg(shape(s)); }
 
 // The first dim in which the box at `offsets` of `sizes` leaves a tensor of `shape`, or -1 (all
 // three of the same rank). Written so that no sum can overflow: offsets and sizes come from
@@ -53,8 +51,8 @@ inline void alloc_storage(const at::Tensor& t) {
   const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (st->nbytes() == nbytes) return;
   if (st->nbytes() != 0) {
-    throw InternalError("alloc_storage: storage already holds " + std::to_string(st->nbytes()) +
-                        " bytes, expected 0 or " + std::to_string(nbytes));
+    throw InternalError(msg("alloc_storage: storage already holds ", st->nbytes(),
+                            " bytes, expected 0 or ", nbytes));
   }
   st->set_data_ptr_noswap(st->allocator()->allocate(nbytes));
   st->set_nbytes(nbytes);
@@ -75,8 +73,8 @@ inline at::Tensor tensor_on_memory(at::DataPtr memory, size_t nbytes, int64_t nu
                                    const at::TensorOptions& options) {
   if (nbytes <
       static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()))) {
-    throw InternalError("tensor_on_memory: " + std::to_string(nbytes) + " bytes hold fewer than " +
-                        std::to_string(numel) + " elements");
+    throw InternalError(
+        msg("tensor_on_memory: ", nbytes, " bytes hold fewer than ", numel, " elements"));
   }
   at::Tensor t = at::empty({0}, options);
   c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
