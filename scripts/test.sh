@@ -5,7 +5,8 @@
 #      build-trixie/ (created on first use, then reused from /var/cache/fsdp-cpp). That build also
 #      runs the Python FSDP oracle test (PyTorch 2.6's own FSDP as the reference).
 # Each installs what it needs. Multi-rank tests fork real processes talking Gloo over loopback;
-# they run one at a time. Extra arguments go to both ctest runs.
+# they run one at a time. ctest runs one entry per GoogleTest suite (cmake/FsdpTestSuites.cmake);
+# the summary adds up the cases from their JSON reports. Extra arguments go to both ctest runs.
 #
 #   FSDP_TEST_TORCH2=0   skip the LibTorch 2.x run (e.g. on a machine that cannot chroot)
 #   FSDP_TORCH2_RELEASE  chroot release for the second run (default trixie; sid = 2.14)
@@ -27,8 +28,19 @@ record() {
   total=$(sed -E 's/.*out of ([0-9]+).*/\1/' <<<"$line")
   local nfail; nfail=$(sed -E 's/.*tests passed, ([0-9]+) tests failed.*/\1/' <<<"$line")
   passed=$((total - nfail))
-  summary+=("$label: $passed passed, $nfail failed")
+  summary+=("$label: $passed passed, $nfail failed$(case_counts "$3")")
   ((nfail == 0)) || failed=1
+}
+
+# case_counts RESULTS_DIR: ctest runs one entry per GoogleTest suite (cmake/FsdpTestSuites.cmake);
+# each writes a JSON report there. Prints " (N cases: P passed, S skipped, F failed)".
+case_counts() {
+  local dir="$1" run skipped failed_cases
+  compgen -G "$dir/*.json" > /dev/null || return 0
+  run=$(cat "$dir"/*.json | grep -c '"status": "RUN"' || true)
+  skipped=$(cat "$dir"/*.json | grep -c '"result": "SKIPPED"' || true)
+  failed_cases=$(cat "$dir"/*.json | grep -c '"failures": \[' || true)
+  echo " ($run cases: $((run - skipped - failed_cases)) passed, $skipped skipped, $failed_cases failed)"
 }
 
 # A full disk shows up late and far from its cause (a failed install test, a truncated object):
@@ -42,10 +54,11 @@ fi
 # 1. Host LibTorch.
 ./scripts/setup.sh
 host_log=$(mktemp)
+rm -rf "${BUILD_DIR:-build}/test-results"
 (cd "${BUILD_DIR:-build}" && ctest --output-on-failure --timeout 300 "$@") 2>&1 | tee "$host_log" || true
 host_version=$(grep -oE 'LibTorch [0-9.]+' "${BUILD_DIR:-build}/fsdp_torch_version.txt" 2>/dev/null ||
   echo "LibTorch (host)")
-record "$host_version (host)" "$host_log"
+record "$host_version (host)" "$host_log" "${BUILD_DIR:-build}/test-results"
 
 # 2. LibTorch 2.x in a Debian chroot.
 if [ "${FSDP_TEST_TORCH2:-1}" != "0" ]; then
@@ -53,11 +66,12 @@ if [ "${FSDP_TEST_TORCH2:-1}" != "0" ]; then
   t2_log=$(mktemp)
   if scripts/torch2-env.sh --release "$release" -- true; then
     scripts/torch2-env.sh --release "$release" -- /bin/bash -c \
-      'BUILD_DIR=build-'"$release"' ./scripts/setup.sh && cd build-'"$release"' && ctest --output-on-failure --timeout 600 "$@"' \
+      'BUILD_DIR=build-'"$release"' ./scripts/setup.sh && cd build-'"$release"' &&
+       rm -rf test-results && ctest --output-on-failure --timeout 600 "$@"' \
       ctest-in-chroot "$@" 2>&1 | tee "$t2_log" || true
     t2_version=$(grep -oE 'LibTorch [0-9.]+' "build-$release/fsdp_torch_version.txt" 2>/dev/null ||
       echo "LibTorch 2.x")
-    record "$t2_version ($release chroot)" "$t2_log"
+    record "$t2_version ($release chroot)" "$t2_log" "build-$release/test-results"
   else
     summary+=("LibTorch 2.x ($release chroot): could not create the chroot")
     failed=1
@@ -67,12 +81,14 @@ fi
 echo
 echo "== fsdp-cpp test summary =="
 for s in "${summary[@]}"; do echo "$s"; done
-total_passed=0 total_failed=0
+total_passed=0 total_failed=0 total_cases=0
 for s in "${summary[@]}"; do
   if [[ $s =~ ([0-9]+)\ passed,\ ([0-9]+)\ failed ]]; then
     total_passed=$((total_passed + BASH_REMATCH[1]))
     total_failed=$((total_failed + BASH_REMATCH[2]))
   fi
+  if [[ $s =~ \(([0-9]+)\ cases ]]; then total_cases=$((total_cases + BASH_REMATCH[1])); fi
 done
-echo "all: $total_passed passed, $total_failed failed"
+echo "all: $total_passed passed, $total_failed failed (ctest entries: one per GoogleTest suite," \
+  "$total_cases cases in all)"
 exit "$failed"

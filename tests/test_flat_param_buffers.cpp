@@ -57,7 +57,7 @@ int64_t anon_huge_kb_in(const at::Tensor& t) {
 // held a scratch copy of the whole unit (received into, then copied out of), alive on its worker
 // thread while a prefetch was in flight: the fourth unit at the peak of FULL_SHARD's backward
 // (bench_scaling, 50M parameters, W=4: 1.106 of the analytic bound; 1.05 without it).
-TEST(FlatParamHandle, UnshardAllocatesTheUnshardedBufferAndNothingElse) {
+TEST(FlatParamHandleBuffers, UnshardAllocatesTheUnshardedBufferAndNothingElse) {
   for (int W : {2, 3, 4}) {
     run_ranks(W, [](ProcessGroup& pg) {
       auto m = std::make_shared<torch::nn::Module>();
@@ -89,7 +89,7 @@ TEST(FlatParamHandle, UnshardAllocatesTheUnshardedBufferAndNothingElse) {
 // would gather: the padded local shard, in the original dtype under mixed precision, with
 // parameters replaced since the last unshard written back. It refuses, naming the unit, where the
 // shard may not hold the newest values (unsharded) and under NO_SHARD.
-TEST(FlatParamHandle, ShardToGatherIsWhatUnshardGathers) {
+TEST(FlatParamHandleBuffers, ShardToGatherIsWhatUnshardGathers) {
   run_ranks(2, [](ProcessGroup& pg) {
     auto make = [] {
       auto m = std::make_shared<torch::nn::Module>();
@@ -132,7 +132,7 @@ TEST(FlatParamHandle, ShardToGatherIsWhatUnshardGathers) {
 // Unit-sized buffers allocated anew on every step get huge pages (util/huge_pages.h): 4 KiB
 // faults made a 64-256 MB unshard 0.65-0.82 of the raw all-gather's speed. The control, a plain
 // tensor written whole, shows that the check sees the difference where THP is "madvise".
-TEST(FlatParamHandle, UnitSizedBuffersGetHugePages) {
+TEST(FlatParamHandleBuffers, UnitSizedBuffersGetHugePages) {
   const std::string mode = thp_mode();
   if (mode != "madvise" && mode != "always") GTEST_SKIP() << "no transparent huge pages here";
   run_ranks(2, [mode](ProcessGroup& pg) {
