@@ -7,11 +7,16 @@
 #include "checkpoint/files.h"
 #include "checkpoint/pickle.h"
 #include "fsdp/errors.h"
+#include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace checkpoint {
 namespace dcp {
+
+using detail::msg;
+using detail::quote;
+
 namespace {
 
 using pickle::Node;
@@ -39,7 +44,9 @@ const std::vector<std::pair<at::ScalarType, const char*>>& dtype_table() {
   return t;
 }
 
-const std::set<std::pair<std::string, std::string>>& allowed_globals() {
+}  // namespace
+
+const std::set<std::pair<std::string, std::string>>& metadata_globals() {
   static const std::set<std::pair<std::string, std::string>> g = [] {
     std::set<std::pair<std::string, std::string>> s;
     for (const char* c :
@@ -63,12 +70,15 @@ const std::set<std::pair<std::string, std::string>>& allowed_globals() {
   return g;
 }
 
+namespace {
+
 class Parser {
  public:
   explicit Parser(std::string what) : what_(std::move(what)) {}
 
-  [[noreturn]] void fail(const std::string& where, const std::string& msg) const {
-    throw CorruptionError(what_ + ": " + (where.empty() ? "" : where + ": ") + msg);
+  [[noreturn]] void fail(const std::string& where, const std::string& problem) const {
+    throw CorruptionError(
+        msg(what_, ": ", where.empty() ? std::string() : msg(where, ": "), problem));
   }
 
   // The attributes of a dataclass instance of one of `classes`: BUILD's dict, or the slots dict
@@ -82,7 +92,7 @@ class Parser {
       ok = false;
       for (const auto& c : classes) ok = ok || obj->class_name() == c;
     }
-    if (!ok) fail(where, "expected " + classes.front() + ", found " + got);
+    if (!ok) fail(where, msg("expected ", classes.front(), ", found ", got));
     const NodePtr& st = obj->state;
     if (!st) return Node::dict({});
     if (st->is(Kind::DICT)) return st;
@@ -92,13 +102,13 @@ class Parser {
       all.insert(all.end(), st->items[1]->entries.begin(), st->items[1]->entries.end());
       return Node::dict(std::move(all));
     }
-    fail(where, "unexpected state of " + got);
+    fail(where, msg("unexpected state of ", got));
   }
 
   NodePtr field(const NodePtr& attrs, const std::string& name, const std::string& where,
                 bool required = true) const {
     NodePtr v = attrs->get(name);
-    if (!v && required) fail(where, "missing field '" + name + "'");
+    if (!v && required) fail(where, msg("missing field ", quote(name)));
     return v;
   }
 
@@ -131,14 +141,14 @@ class Parser {
       for (const auto& [t, name] : dtype_table())
         if (n->name == name) return t;
     }
-    fail(where, "unknown dtype " + (n ? n->class_name() : std::string("null")));
+    fail(where, msg("unknown dtype ", n ? n->class_name() : std::string("null")));
   }
 
   TensorMeta tensor(const NodePtr& obj, const std::string& key) const {
     const NodePtr a = attrs(obj, {std::string(kMeta) + ".TensorStorageMetadata"}, key);
     TensorMeta t;
     const NodePtr props = field(a, "properties", key);
-    const std::string pw = key + " (properties)";
+    const std::string pw = msg(key, " (properties)");
     const std::vector<std::string> prop_classes{std::string(kMeta) + ".TensorProperties",
                                                 std::string(kOldMeta) + ".TensorProperties"};
     if (props->is(Kind::OBJECT) && props->state && props->state->is(Kind::TUPLE) &&
@@ -147,7 +157,7 @@ class Parser {
       // (dtype, layout, requires_grad, memory_format, pin_memory).
       const std::string c = props->class_name();
       if (c != prop_classes[0] && c != prop_classes[1])
-        fail(pw, "expected TensorProperties, found " + c);
+        fail(pw, msg("expected TensorProperties, found ", c));
       const auto& items = props->state->items;
       t.dtype = dtype(items[0], pw);
       if (!items[2]->is(Kind::BOOL)) fail(pw, "requires_grad must be a bool");
@@ -158,21 +168,20 @@ class Parser {
       const NodePtr rg = pa->get("requires_grad");
       t.requires_grad = rg && rg->is(Kind::BOOL) && rg->b;
     }
-    t.size = ints(field(a, "size", key), key + " (size)");
+    t.size = ints(field(a, "size", key), msg(key, " (size)"));
     for (int64_t s : t.size)
       if (s < 0) fail(key, "negative size");
     const NodePtr chunks = field(a, "chunks", key);
     if (!chunks->is(Kind::LIST)) fail(key, "chunks must be a list");
     for (size_t i = 0; i < chunks->items.size(); ++i) {
-      const std::string cw = key + " (chunk " + std::to_string(i) + ")";
+      const std::string cw = msg(key, " (chunk ", i, ")");
       const NodePtr ca =
           attrs(chunks->items[i], {std::string(kMeta) + ".ChunkStorageMetadata"}, cw);
       ChunkMeta c{ints(field(ca, "offsets", cw), cw), ints(field(ca, "sizes", cw), cw)};
       if (c.offsets.size() != t.size.size() || c.sizes.size() != t.size.size())
-        fail(cw, "has " + std::to_string(c.offsets.size()) + " dims, the tensor " +
-                     std::to_string(t.size.size()));
+        fail(cw, msg("has ", c.offsets.size(), " dims, the tensor ", t.size.size()));
       if (const int d = detail::dim_outside(c.offsets, c.sizes, t.size); d >= 0)
-        fail(cw, "leaves the tensor in dim " + std::to_string(d));
+        fail(cw, msg("leaves the tensor in dim ", d));
       t.chunks.push_back(std::move(c));
     }
     return t;
@@ -191,8 +200,8 @@ class Parser {
     }
     // A single file name: nothing may point outside the checkpoint directory.
     if (!files::plain_file_name(p))
-      fail(where, "relative_path '" + files::printable(p) +
-                      "' is not a plain file name in the checkpoint directory");
+      fail(where, msg("relative_path ", quote(files::printable(p)),
+                      " is not a plain file name in the checkpoint directory"));
     return p;
   }
 
@@ -208,7 +217,7 @@ class Parser {
           v->class_name() == std::string(kMeta) + ".BytesStorageMetadata") {
         item.bytes = true;
       } else {
-        item.tensor = tensor(v, "'" + key + "'");
+        item.tensor = tensor(v, msg(quote(key)));
       }
       m.state_dict_metadata.emplace_back(key, std::move(item));
     }
@@ -217,12 +226,12 @@ class Parser {
         const std::string key = str(k, "planner_data key");
         std::vector<PathElement> path;
         if (!v->is(Kind::TUPLE) && !v->is(Kind::LIST))
-          fail("planner_data '" + key + "'", "must be a tuple");
+          fail(msg("planner_data ", quote(key)), "must be a tuple");
         for (const auto& e : v->items) {
           if (e->is(Kind::STR)) {
             path.emplace_back(e->s);
           } else {
-            path.emplace_back(integer(e, "planner_data '" + key + "'"));
+            path.emplace_back(integer(e, msg("planner_data ", quote(key))));
           }
         }
         m.planner_data.emplace_back(key, std::move(path));
@@ -233,20 +242,20 @@ class Parser {
     std::set<std::string> seen;
     for (size_t i = 0; i < sd->entries.size(); ++i) {
       const auto& [k, v] = sd->entries[i];
-      const std::string w = "storage_data entry " + std::to_string(i);
+      const std::string w = msg("storage_data entry ", i);
       const NodePtr ka = attrs(k, {std::string(kMeta) + ".MetadataIndex"}, w);
       Index idx;
-      idx.fqn = str(field(ka, "fqn", w), w + " (fqn)");
+      idx.fqn = str(field(ka, "fqn", w), msg(w, " (fqn)"));
       if (const NodePtr off = ka->get("offset"); off && !off->is(Kind::NONE))
-        idx.offset = ints(off, w + " (offset)");
+        idx.offset = ints(off, msg(w, " (offset)"));
       if (const NodePtr ix = ka->get("index"); ix && !ix->is(Kind::NONE))
-        idx.index = integer(ix, w + " (index)");
-      const std::string vw = "storage_data '" + idx.fqn + "'";
+        idx.index = integer(ix, msg(w, " (index)"));
+      const std::string vw = msg("storage_data ", quote(idx.fqn));
       const NodePtr va = attrs(v, {std::string(kFs) + "._StorageInfo"}, vw);
       StorageInfo info;
       info.relative_path = relative_path(field(va, "relative_path", vw), vw);
-      info.offset = integer(field(va, "offset", vw), vw + " (offset)");
-      info.length = integer(field(va, "length", vw), vw + " (length)");
+      info.offset = integer(field(va, "offset", vw), msg(vw, " (offset)"));
+      info.length = integer(field(va, "length", vw), msg(vw, " (length)"));
       if (info.offset < 0 || info.length < 0) fail(vw, "negative offset or length");
       if (const NodePtr td = va->get("transform_descriptors");
           td && !td->is(Kind::NONE) && !(td->is(Kind::LIST) && td->items.empty()) &&
@@ -287,15 +296,15 @@ NodePtr key(const std::string& s) { return Node::str(s); }
 std::string dtype_name(at::ScalarType t) {
   for (const auto& [d, name] : dtype_table())
     if (d == t) return name;
-  throw ValueError(std::string("DCP checkpoints cannot store dtype ") + c10::toString(t));
+  throw ValueError(msg("DCP checkpoints cannot store dtype ", t));
 }
 
 Metadata parse_metadata(const std::string& bytes, const std::string& what) {
   pickle::NodePtr root;
   try {
-    root = pickle::read(bytes, allowed_globals());
+    root = pickle::read(bytes, metadata_globals());
   } catch (const pickle::PickleError& e) {
-    throw ValueError(what + ": " + e.what());
+    throw ValueError(msg(what, ": ", e.what()));
   }
   return Parser(what).run(root);
 }
@@ -389,9 +398,8 @@ class WireWriter {
 class WireReader {
  public:
   WireReader(const std::string& b, const std::string& what) : b_(b), what_(what) {}
-  [[noreturn]] void fail(const std::string& msg) const {
-    throw CorruptionError(what_ + ": " + msg + " (at byte " + std::to_string(pos_) + " of " +
-                          std::to_string(b_.size()) + ")");
+  [[noreturn]] void fail(const std::string& problem) const {
+    throw CorruptionError(msg(what_, ": ", problem, " (at byte ", pos_, " of ", b_.size(), ")"));
   }
   uint8_t u8() {
     need(1);
@@ -410,7 +418,7 @@ class WireReader {
   size_t count(size_t min_bytes) {
     const int64_t n = i64();
     if (n < 0 || static_cast<uint64_t>(n) > (b_.size() - pos_) / min_bytes)
-      fail("count " + std::to_string(n) + " exceeds the message");
+      fail(msg("count ", n, " exceeds the message"));
     return static_cast<size_t>(n);
   }
   std::string str() {
@@ -491,25 +499,25 @@ Metadata decode_wire(const std::string& bytes, const std::string& what) {
     std::string key = r.str();
     ItemMeta item;
     const uint8_t kind = r.u8();
-    if (kind > 1) r.fail("item '" + key + "' has kind " + std::to_string(kind));
+    if (kind > 1) r.fail(msg("item ", quote(key), " has kind ", kind));
     item.bytes = kind == 1;
     if (!item.bytes) {
       TensorMeta& t = item.tensor;
       const int64_t dt = r.i64();
       bool known = false;
       for (const auto& [d, name] : dtype_table()) known |= static_cast<int64_t>(d) == dt;
-      if (!known) r.fail("item '" + key + "' has dtype code " + std::to_string(dt));
+      if (!known) r.fail(msg("item ", quote(key), " has dtype code ", dt));
       t.dtype = static_cast<at::ScalarType>(dt);
       t.requires_grad = r.u8() != 0;
       t.size = r.ints();
       for (int64_t s : t.size)
-        if (s < 0) r.fail("item '" + key + "' has a negative size");
+        if (s < 0) r.fail(msg("item ", quote(key), " has a negative size"));
       for (size_t nc = r.count(16), c = 0; c < nc; ++c) {
         ChunkMeta ch{r.ints(), r.ints()};
         if (ch.offsets.size() != t.size.size() || ch.sizes.size() != t.size.size())
-          r.fail("item '" + key + "' has a chunk of another rank than the tensor");
+          r.fail(msg("item ", quote(key), " has a chunk of another rank than the tensor"));
         if (const int d = detail::dim_outside(ch.offsets, ch.sizes, t.size); d >= 0)
-          r.fail("item '" + key + "' has a chunk leaving the tensor in dim " + std::to_string(d));
+          r.fail(msg("item ", quote(key), " has a chunk leaving the tensor in dim ", d));
         t.chunks.push_back(std::move(ch));
       }
     }
@@ -525,7 +533,7 @@ Metadata decode_wire(const std::string& bytes, const std::string& what) {
       } else if (tag == 1) {
         path.emplace_back(r.i64());
       } else {
-        r.fail("planner path of '" + key + "' has tag " + std::to_string(tag));
+        r.fail(msg("planner path of ", quote(key), " has tag ", tag));
       }
     }
     m.planner_data.emplace_back(std::move(key), std::move(path));
@@ -538,11 +546,12 @@ Metadata decode_wire(const std::string& bytes, const std::string& what) {
     StorageInfo info;
     info.relative_path = r.str();
     if (!files::plain_file_name(info.relative_path))
-      r.fail("storage of '" + idx.fqn + "' is not a plain file name in the checkpoint directory");
+      r.fail(msg("storage of ", quote(idx.fqn),
+                 " is not a plain file name in the checkpoint directory"));
     info.offset = r.i64();
     info.length = r.i64();
     if (info.offset < 0 || info.length < 0)
-      r.fail("storage of '" + idx.fqn + "' has a negative offset or length");
+      r.fail(msg("storage of ", quote(idx.fqn), " has a negative offset or length"));
     m.storage_data.emplace_back(std::move(idx), std::move(info));
   }
   if (!r.done()) r.fail("trailing bytes");

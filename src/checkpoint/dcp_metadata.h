@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <variant>
@@ -96,6 +97,10 @@ Metadata decode_wire(const std::string& bytes, const std::string& what);
 /// PyTorch's name of a dtype ("float32", "bfloat16", ...); throws ValueError for a dtype DCP
 /// cannot store.
 std::string dtype_name(at::ScalarType t);
+
+/// The globals a `.metadata` pickle may name ({module, name}): DCP's classes, torch.Size, dtypes
+/// and pathlib's paths. Nothing else is ever constructed or called.
+const std::set<std::pair<std::string, std::string>>& metadata_globals();
 
 }  // namespace dcp
 }  // namespace checkpoint

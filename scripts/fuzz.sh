@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Coverage-guided fuzzing of fsdp-cpp's readers (issue 39; tests/fuzz/targets.h lists them).
+#
+#   scripts/fuzz.sh [--seconds N] [--runs N] [--keep DIR] [TARGET...]
+#
+# Builds build-fuzz/ with clang 16, libFuzzer, AddressSanitizer and UndefinedBehaviorSanitizer
+# (installing Debian's clang-16 and libfuzzer-16-dev if missing; LibTorch stays uninstrumented),
+# then runs each TARGET (default: all) for N seconds (default 60) or N executions, starting from
+# tests/fuzz/corpus/<target>/ and the target's dictionary. The limits that make an input a finding:
+# over 1 s (-timeout), a single allocation over 1 GiB (-malloc_limit_mb) or 2 GiB resident
+# (-rss_limit_mb), a crash, a sanitizer report, an escaped foreign exception. Findings are written
+# to build-fuzz/findings/; the corpus grown by the run stays in build-fuzz/corpus/<target>/ (or
+# --keep DIR) for the next run. Prints executions and findings per target; exits 1 on a finding.
+#   FUZZ_JOBS   parallel compile jobs (default 2)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=60 runs="" targets=() keep=""
+while (($#)); do
+  case "$1" in
+    --seconds) seconds="$2"; shift 2 ;;
+    --runs) runs="$2"; shift 2 ;;
+    --keep) keep="$2"; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -*) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
+    *) targets+=("$1"); shift ;;
+  esac
+done
+all=(pickle dcp_metadata torch_archive manifest safetensors load_pt checkpoint)
+((${#targets[@]})) || targets=("${all[@]}")
+
+need=()
+for p in clang-16 libfuzzer-16-dev libclang-rt-16-dev; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+if ((${#need[@]})); then
+  echo "fuzz.sh: installing ${need[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
+export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+build=build-fuzz
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  # -O1 as libFuzzer's documentation recommends: fast enough, and reports stay readable.
+  cmake -S . -B "$build" -DCMAKE_CXX_COMPILER=clang++-16 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DFSDP_FUZZ=ON -DFSDP_SANITIZE=address,undefined \
+    -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_BUILD_EXAMPLES=OFF > /dev/null
+fi
+cmake --build "$build" -j "${FUZZ_JOBS:-2}" --target "${targets[@]/#/fuzz_}"
+
+dict_of() {
+  case "$1" in
+    pickle|dcp_metadata) echo pickle ;;
+    torch_archive|load_pt|checkpoint) echo torch ;;
+    manifest|safetensors) echo json ;;
+  esac
+}
+mkdir -p "$build/findings" "$build/dict"
+cat tests/fuzz/dict/pickle.dict tests/fuzz/dict/zip.dict > "$build/dict/torch.dict"
+cp tests/fuzz/dict/pickle.dict tests/fuzz/dict/json.dict "$build/dict/"
+
+# LeakSanitizer on: a leak in our code is a finding. ASan's allocator may return null instead of
+# aborting on a huge request, as the real one would throw; libFuzzer's own malloc limit catches it.
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1}"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+failed=0
+printf '%-14s %12s %10s %8s %s\n' target executions exec/s findings corpus
+for t in "${targets[@]}"; do
+  work="${keep:-$build/corpus}/$t"
+  mkdir -p "$work"
+  limit=(-max_total_time="$seconds")
+  [ -z "$runs" ] || limit=(-runs="$runs")
+  log="$build/findings/$t.log"
+  set +e
+  "$build/tests/fuzz/fuzz_$t" "${limit[@]}" -timeout=1 -malloc_limit_mb=1024 -rss_limit_mb=2048 \
+    -dict="$build/dict/$(dict_of "$t").dict" -artifact_prefix="$build/findings/$t-" \
+    -print_final_stats=1 -close_fd_mask=1 "$work" "tests/fuzz/corpus/$t" > "$log" 2>&1
+  rc=$?
+  set -e
+  execs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo 0)
+  rate=$(grep -oE 'stat::average_exec_per_sec: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo 0)
+  found=$(find "$build/findings" -maxdepth 1 -name "$t-*" -type f | wc -l)
+  printf '%-14s %12s %10s %8s %s\n' "$t" "$execs" "$rate" "$found" "$(find "$work" -type f | wc -l)"
+  if ((rc != 0 || found != 0)); then
+    failed=1
+    echo "fuzz.sh: $t found something (exit $rc); see $log and $build/findings/$t-*" >&2
+    grep -E "ERROR|SUMMARY|runtime error|fuzz target" "$log" | head -5 >&2 || true
+  fi
+done
+exit "$failed"

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Lays out the fuzz targets' seed corpora (tests/fuzz/corpus/<target>/) from real files.
+
+The seeds are files written by fsdp-cpp and by Python's PyTorch, cut to what each target reads.
+To remake them (they are committed; this is only needed when a format changes):
+
+    # ours: the disabled test writes a DCP checkpoint, a .pt and a safetensors file
+    FSDP_FUZZ_SEEDS_OUT=/tmp/seeds build/tests/test_fuzz_replay \\
+        --gtest_also_run_disabled_tests --gtest_filter=FuzzSeeds.*
+    # Python's: in the trixie chroot (PyTorch 2.6, safetensors)
+    scripts/torch2-env.sh -- python3 tests/fuzz/python_seeds.py /src/build-trixie/py-seeds
+    python3 tests/fuzz/make_seeds.py --in /tmp/seeds --in build-trixie/py-seeds \\
+        --out tests/fuzz/corpus
+
+Only the standard library is used here. Each seed is named after where it came from.
+"""
+import argparse
+import os
+import shutil
+import struct
+import zipfile
+
+SEPARATOR = b"\n#FSDP-FUZZ-FILE#\n"  # tests/fuzz/targets.h, kFileSeparator
+MANIFEST = ".fsdp_manifest.json"
+MAX_SEED = 64 << 10
+
+
+def zip_items(data):
+    """Splits a file of concatenated zip archives (a .distcp) at each end-of-directory record."""
+    items, start, at = [], 0, 0
+    while True:
+        at = data.find(b"PK\x05\x06", at)
+        if at < 0 or at + 22 > len(data):
+            return items
+        (comment,) = struct.unpack_from("<H", data, at + 20)
+        end = at + 22 + comment
+        items.append(data[start:end])
+        start = at = end
+
+
+def data_pkl(archive_bytes, path):
+    import io
+    with zipfile.ZipFile(io.BytesIO(archive_bytes)) as z:
+        for name in z.namelist():
+            if name.endswith("/data.pkl"):
+                return z.read(name)
+    raise ValueError(f"{path}: no data.pkl")
+
+
+class Corpus:
+    def __init__(self, out):
+        self.out = out
+
+    def add(self, target, name, data):
+        if len(data) > MAX_SEED:
+            return
+        d = os.path.join(self.out, target)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def add_dcp(corpus, tag, d):
+    meta = read(os.path.join(d, ".metadata"))
+    corpus.add("dcp_metadata", f"{tag}_metadata", meta)
+    corpus.add("pickle", f"{tag}_metadata", meta)
+    manifest = os.path.join(d, MANIFEST)
+    if os.path.exists(manifest):
+        corpus.add("manifest", f"{tag}_manifest.json", read(manifest))
+    data_files = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))
+    for f in data_files:
+        for i, item in enumerate(zip_items(read(os.path.join(d, f)))):
+            corpus.add("torch_archive", f"{tag}_{f}_item{i}", item)
+            corpus.add("pickle", f"{tag}_{f}_item{i}_data.pkl", data_pkl(item, f))
+    if data_files:
+        parts = [meta, read(os.path.join(d, data_files[0]))]
+        if os.path.exists(manifest):
+            parts.append(read(manifest))
+        corpus.add("checkpoint", tag, SEPARATOR.join(parts))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--in", dest="inputs", action="append", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    for t in ("pickle", "dcp_metadata", "torch_archive", "manifest", "safetensors", "load_pt",
+              "checkpoint"):
+        shutil.rmtree(os.path.join(args.out, t), ignore_errors=True)
+    corpus = Corpus(args.out)
+    for root in args.inputs:
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name)
+            tag = os.path.splitext(name)[0]
+            if os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata")):
+                add_dcp(corpus, tag, path)
+            elif name.endswith(".pt"):
+                data = read(path)
+                corpus.add("load_pt", name, data)
+                corpus.add("torch_archive", name, data)
+                corpus.add("pickle", f"{tag}_data.pkl", data_pkl(data, path))
+            elif name.endswith(".safetensors"):
+                corpus.add("safetensors", name, read(path))
+            elif os.path.isdir(path) and name == "pickles":
+                for p in sorted(os.listdir(path)):
+                    corpus.add("pickle", p, read(os.path.join(path, p)))
+            elif os.path.isdir(path):
+                for f in sorted(os.listdir(path)):
+                    if f.endswith(".safetensors"):
+                        corpus.add("safetensors", f"{tag}_{f}", read(os.path.join(path, f)))
+    for t in sorted(os.listdir(args.out)):
+        n = len(os.listdir(os.path.join(args.out, t)))
+        print(f"{t}: {n} seeds")
+
+
+if __name__ == "__main__":
+    main()

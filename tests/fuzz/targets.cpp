@@ -1,0 +1,302 @@
+// The fuzz targets (see targets.h). Each reads from memory: the file-based readers get a
+// read-only in-memory file system (MemFS) through the FileIO every reader accepts, so a run
+// touches no disk and a campaign reaches thousands of executions a second.
+#include "targets.h"
+
+#include <fcntl.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/manifest.h"
+#include "checkpoint/pickle.h"
+#include "checkpoint/torch_archive.h"
+#include "fsdp/checkpoint/checkpoint.h"
+#include "fsdp/checkpoint/export.h"
+#include "fsdp/checkpoint/file_io.h"
+#include "fsdp/errors.h"
+
+namespace fsdp {
+namespace fuzz {
+namespace {
+
+namespace ck = fsdp::checkpoint;
+
+// A read-only file system of whole files held in memory. Writes fail with EROFS: no reader may
+// write, and one that tried would be a finding of its own (its error says so).
+class MemFS : public ck::FileIO {
+ public:
+  void add(const std::string& path, std::string bytes) { files_[path] = std::move(bytes); }
+
+  int open(const std::string& path, int flags, int) override {
+    if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_CREAT)) return fail(EROFS);
+    auto it = files_.find(path);
+    if (it == files_.end()) return fail(is_dir(path) == 1 ? EISDIR : ENOENT);
+    open_.push_back(&it->second);
+    return static_cast<int>(open_.size()) + 2;  // past stdin/stdout/stderr, never negative
+  }
+  int64_t write(int, const void*, size_t) override { return fail(EBADF); }
+  int64_t pread(int fd, void* data, size_t n, int64_t offset) override {
+    const std::string* f = file(fd);
+    if (!f || offset < 0) return fail(EINVAL);
+    if (static_cast<uint64_t>(offset) >= f->size()) return 0;
+    const size_t k = std::min(n, f->size() - static_cast<size_t>(offset));
+    std::memcpy(data, f->data() + offset, k);
+    return static_cast<int64_t>(k);
+  }
+  int fsync(int fd) override { return file(fd) ? 0 : fail(EBADF); }
+  int close(int fd) override {
+    if (!file(fd)) return fail(EBADF);
+    open_[static_cast<size_t>(fd - 3)] = nullptr;
+    return 0;
+  }
+  int64_t file_size(const std::string& path) override {
+    auto it = files_.find(path);
+    return it == files_.end() ? fail(ENOENT) : static_cast<int64_t>(it->second.size());
+  }
+  int is_dir(const std::string& path) override {
+    const std::string prefix = path + "/";
+    auto it = files_.lower_bound(prefix);
+    return it != files_.end() && it->first.compare(0, prefix.size(), prefix) == 0 ? 1 : 0;
+  }
+  int mkdir(const std::string&, int) override { return fail(EROFS); }
+  int rename(const std::string&, const std::string&) override { return fail(EROFS); }
+  int exchange(const std::string&, const std::string&) override { return fail(EROFS); }
+  int remove(const std::string&) override { return fail(EROFS); }
+  int list_dir(const std::string& path, std::vector<std::string>& names) override {
+    if (is_dir(path) != 1) return fail(ENOENT);
+    names.clear();
+    const std::string prefix = path + "/";
+    for (auto it = files_.lower_bound(prefix);
+         it != files_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+      const std::string rest = it->first.substr(prefix.size());
+      const std::string name = rest.substr(0, rest.find('/'));
+      if (names.empty() || names.back() != name) names.push_back(name);
+    }
+    return 0;
+  }
+
+ private:
+  static int fail(int err) {
+    errno = err;
+    return -1;
+  }
+  const std::string* file(int fd) const {
+    const size_t i = static_cast<size_t>(fd - 3);
+    return fd >= 3 && i < open_.size() ? open_[i] : nullptr;
+  }
+  std::map<std::string, std::string> files_;
+  std::vector<const std::string*> open_;
+};
+
+std::string bytes_of(const uint8_t* data, size_t size) {
+  return std::string(reinterpret_cast<const char*>(data), size);
+}
+
+// A broken invariant that no input may break (a round trip that changes what was read): abort,
+// which both libFuzzer and the replay test report as a finding, with the reason.
+[[noreturn]] void finding(const char* target, const std::string& what) {
+  std::fprintf(stderr, "fuzz target %s: %s\n", target, what.c_str());
+  std::abort();
+}
+
+// A reader refused the input, as it should refuse anything malformed. With FSDP_FUZZ_VERBOSE
+// set, says why (to see where a seed or a finding stops).
+bool refused(const Error& e) {
+  if (std::getenv("FSDP_FUZZ_VERBOSE")) std::fprintf(stderr, "refused: %s\n", e.what());
+  return false;
+}
+
+// The globals of every reader together: torch.save's and DCP `.metadata`'s.
+const std::set<std::pair<std::string, std::string>>& all_globals() {
+  static const auto all = [] {
+    auto s = ck::archive::pickle_globals();
+    s.insert(ck::dcp::metadata_globals().begin(), ck::dcp::metadata_globals().end());
+    return s;
+  }();
+  return all;
+}
+
+// The restricted unpickler, with every reader's globals and persistent ids allowed (wider than
+// any one reader). What it accepts must survive the writer and read back.
+bool run_pickle(const uint8_t* data, size_t size) {
+  ck::pickle::ReadLimits limits;
+  limits.persistent_ids = true;
+  ck::pickle::NodePtr root;
+  try {
+    root = ck::pickle::read(bytes_of(data, size), all_globals(), limits);
+  } catch (const Error& e) {
+    return refused(e);
+  }
+  std::string again;
+  try {
+    again = ck::pickle::write(root);
+  } catch (const Error&) {
+    return true;  // the writer refuses bytes (protocol 2) and very deep trees: reading was safe
+  }
+  try {
+    ck::pickle::read(again, all_globals(), limits);
+  } catch (const Error& e) {
+    finding("pickle", std::string("what the writer wrote does not read back: ") + e.what());
+  }
+  return true;
+}
+
+// DCP's `.metadata` (and the same model's wire form, exchanged between ranks): what parses must
+// serialize and parse back to the same bytes.
+bool run_dcp_metadata(const uint8_t* data, size_t size) {
+  const std::string bytes = bytes_of(data, size);
+  try {
+    ck::dcp::decode_wire(bytes, "fuzz wire metadata");
+  } catch (const Error&) {
+  }
+  ck::dcp::Metadata m;
+  try {
+    m = ck::dcp::parse_metadata(bytes, "fuzz/.metadata");
+  } catch (const Error& e) {
+    return refused(e);
+  }
+  std::string once;
+  try {
+    once = ck::dcp::serialize_metadata(m);
+  } catch (const Error&) {
+    return true;  // e.g. a structure the writer refuses to nest; reading it was still safe
+  }
+  try {
+    const std::string twice = ck::dcp::serialize_metadata(ck::dcp::parse_metadata(once, "again"));
+    if (twice != once) finding("dcp_metadata", "serialize(parse(serialize(m))) differs");
+  } catch (const Error& e) {
+    finding("dcp_metadata", std::string("serialized metadata does not parse: ") + e.what());
+  }
+  return true;
+}
+
+// The zip reader under `.distcp` items and `.pt` files: the directory, every record's CRC, and
+// data.pkl unpickled (CRCs checked).
+bool run_torch_archive(const uint8_t* data, size_t size) {
+  const auto read = [&](int64_t offset, size_t n, char* dst) {
+    if (offset < 0 || static_cast<uint64_t>(offset) > size || n > size - offset) {
+      throw ValueError("fuzz archive: read past the end");
+    }
+    std::memcpy(dst, data + offset, n);
+  };
+  try {
+    ck::archive::Directory dir(static_cast<int64_t>(size), read, "fuzz archive");
+    for (const auto& [name, record] : dir.records()) {
+      if (record.offset < 0 || record.size < 0 || record.offset > static_cast<int64_t>(size) ||
+          record.size > static_cast<int64_t>(size) - record.offset) {
+        finding("torch_archive", "record '" + name + "' lies outside the archive");
+      }
+      ck::archive::crc32(reinterpret_cast<const char*>(data) + record.offset,
+                         static_cast<size_t>(record.size));
+    }
+    ck::archive::read_data_pkl(dir, read, true);
+  } catch (const Error& e) {
+    return refused(e);
+  }
+  return true;
+}
+
+bool run_manifest(const uint8_t* data, size_t size) {
+  ck::manifest::Manifest m;
+  try {
+    m = ck::manifest::parse(bytes_of(data, size), "fuzz/.fsdp_manifest.json");
+  } catch (const Error& e) {
+    return refused(e);
+  }
+  try {
+    ck::manifest::parse(ck::manifest::to_json(m), "again");
+  } catch (const Error& e) {
+    finding("manifest", std::string("to_json of a parsed manifest does not parse: ") + e.what());
+  }
+  return true;
+}
+
+bool run_safetensors(const uint8_t* data, size_t size) {
+  MemFS fs;
+  fs.add("/fuzz/model.safetensors", bytes_of(data, size));
+  try {
+    ck::load_safetensors("/fuzz/model.safetensors", &fs);
+  } catch (const Error& e) {
+    return refused(e);
+  }
+  return true;
+}
+
+bool run_load_pt(const uint8_t* data, size_t size) {
+  MemFS fs;
+  fs.add("/fuzz/model.pt", bytes_of(data, size));
+  try {
+    ck::load_pt("/fuzz/model.pt", &fs);
+  } catch (const Error& e) {
+    return refused(e);
+  }
+  return true;
+}
+
+// A whole checkpoint directory, its files cut out of the input (kFileSeparator), through
+// verify, inspect, full_template and load, as `fsdp-ckpt verify` and `fsdp-train --resume` do.
+// Accepted only if verify finds no problem and the load succeeds.
+bool run_checkpoint(const uint8_t* data, size_t size) {
+  static const char* const kNames[] = {".metadata", "__0_0.distcp", ck::manifest::kFileName};
+  const std::string_view in(reinterpret_cast<const char*>(data), size);
+  const std::string_view sep(kFileSeparator);
+  MemFS fs;
+  size_t at = 0;
+  for (const char* name : kNames) {
+    if (at > in.size()) break;
+    const size_t end = std::min(in.find(sep, at), in.size());
+    fs.add(std::string("/fuzz/ckpt/") + name, std::string(in.substr(at, end - at)));
+    at = end + sep.size();
+  }
+  bool verified = false;
+  try {
+    const ck::VerifyReport report = ck::verify("/fuzz/ckpt", &fs);
+    verified = report.ok();
+    if (!verified && std::getenv("FSDP_FUZZ_VERBOSE")) {
+      for (const auto& p : report.problems) std::fprintf(stderr, "verify: %s\n", p.c_str());
+    }
+  } catch (const Error& e) {
+    refused(e);
+  }
+  try {
+    StateDict sd = ck::full_template(ck::inspect("/fuzz/ckpt", &fs));
+    ck::load(sd, "/fuzz/ckpt", ck::LoadOptions().io(&fs));
+  } catch (const Error& e) {
+    return refused(e);
+  }
+  return verified;
+}
+
+}  // namespace
+
+const std::vector<Target>& targets() {
+  static const std::vector<Target> all = {
+      {"pickle", "the restricted unpickler (torch.save globals, persistent ids)", run_pickle},
+      {"dcp_metadata", "DCP .metadata and its wire form, with a round trip", run_dcp_metadata},
+      {"torch_archive", "the zip/torch archive reader (.distcp items, .pt files)",
+       run_torch_archive},
+      {"manifest", "the checkpoint manifest (JSON), with a round trip", run_manifest},
+      {"safetensors", "load_safetensors on one file", run_safetensors},
+      {"load_pt", "load_pt on one file", run_load_pt},
+      {"checkpoint", "a checkpoint directory through verify, inspect and load", run_checkpoint},
+  };
+  return all;
+}
+
+const Target* find_target(const std::string& name) {
+  for (const Target& t : targets()) {
+    if (name == t.name) return &t;
+  }
+  return nullptr;
+}
+
+}  // namespace fuzz
+}  // namespace fsdp
