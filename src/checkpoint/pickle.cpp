@@ -2,6 +2,7 @@
 // pickletools documentation; only those stock DCP metadata uses (protocols 2 to 5) are read.
 #include "checkpoint/pickle.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <unordered_map>
@@ -185,7 +186,76 @@ class Reader {
     return stack_.back();
   }
 
+  // Python's pickles may contain themselves (`l = []; l.append(l)`, through the memo); no value
+  // fsdp-cpp reads can, and a cycle of shared pointers would never be freed. Only APPEND(S),
+  // SETITEM(S) and BUILD add a child to a node that already exists, so without them there is
+  // none; with them, every node made is searched (those dropped from the stack too).
+  void check_acyclic() {
+    if (!mutated_) return;
+    std::unordered_map<const Node*, uint8_t> state;  // absent: unseen; 1: on the path; 2: done
+    struct Frame {
+      const Node* node;
+      std::vector<const Node*> children;
+      size_t next = 0;
+    };
+    for (const auto& weak : created_) {
+      const NodePtr start = weak.lock();
+      if (!start || state.count(start.get())) continue;
+      std::vector<Frame> path;
+      path.push_back({start.get(), children_of(*start)});
+      state[start.get()] = 1;
+      while (!path.empty()) {
+        Frame& f = path.back();
+        if (f.next == f.children.size()) {
+          state[f.node] = 2;
+          path.pop_back();
+          continue;
+        }
+        const Node* c = f.children[f.next++];
+        auto it = state.find(c);
+        if (it == state.end()) {
+          state[c] = 1;
+          path.push_back({c, children_of(*c)});
+        } else if (it->second == 1) {
+          fail_at(pos_, "a value contains itself (through the memo); fsdp-cpp reads no such value");
+        }
+      }
+    }
+  }
+
+  // After a failure: takes every node made apart, so that a cycle among them cannot outlive the
+  // reader (nothing else holds them: the value is not returned).
+  void break_cycles() {
+    if (!mutated_) return;
+    std::vector<NodePtr> graveyard;
+    for (const auto& weak : created_) {
+      if (const NodePtr n = weak.lock()) {
+        for (auto& c : n->items) graveyard.push_back(std::move(c));
+        for (auto& [k, v] : n->entries) {
+          graveyard.push_back(std::move(k));
+          graveyard.push_back(std::move(v));
+        }
+        graveyard.push_back(std::move(n->callee));
+        graveyard.push_back(std::move(n->state));
+        n->items.clear();
+        n->entries.clear();
+      }
+    }
+  }
+
  private:
+  static std::vector<const Node*> children_of(const Node& n) {
+    std::vector<const Node*> out;
+    for (const auto& c : n.items) out.push_back(c.get());
+    for (const auto& [k, v] : n.entries) {
+      out.push_back(k.get());
+      out.push_back(v.get());
+    }
+    if (n.callee) out.push_back(n.callee.get());
+    if (n.state) out.push_back(n.state.get());
+    out.erase(std::remove(out.begin(), out.end(), nullptr), out.end());
+    return out;
+  }
   [[noreturn]] void fail_at(size_t at, const std::string& what) const {
     throw PickleError(msg("pickle: ", what, " (offset ", at, ")"));
   }
@@ -255,6 +325,7 @@ class Reader {
   }
   NodePtr counted(NodePtr n) {
     if (++nodes_ > limits_.max_nodes) fail(msg("more than ", limits_.max_nodes, " values"));
+    created_.push_back(n);
     return n;
   }
   void push(NodePtr n) {
@@ -292,6 +363,7 @@ class Reader {
                  k->kind == Node::Kind::STR ? msg(quote(k->s)) : std::to_string(k->i)));
       }
     }
+    mutated_ = true;
     dict.entries.emplace_back(std::move(k), std::move(v));
   }
   void put_memo(uint64_t idx) {
@@ -414,11 +486,13 @@ class Reader {
         return;
       case 'a': {  // APPEND
         NodePtr v = pop();
+        mutated_ = true;
         expect(top(), Node::Kind::LIST, "APPEND's target").get()->items.push_back(std::move(v));
         return;
       }
       case 'e': {  // APPENDS
         std::vector<NodePtr> items = pop_mark();
+        mutated_ = true;
         auto& l = expect(top(), Node::Kind::LIST, "APPENDS' target")->items;
         l.insert(l.end(), items.begin(), items.end());
         return;
@@ -472,6 +546,7 @@ class Reader {
         if (top()->kind != Node::Kind::DICT) expect(top(), Node::Kind::OBJECT, "BUILD's target");
         Node& obj = *top();
         if (obj.state) fail("BUILD applied twice to one object");
+        mutated_ = true;
         obj.state = std::move(state);
         return;
       }
@@ -509,6 +584,8 @@ class Reader {
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, NodePtr> memo_;
   std::unordered_map<const Node*, std::unordered_set<std::string>> keys_;  // per dict
+  std::vector<std::weak_ptr<Node>> created_;  // every node made (check_acyclic, break_cycles)
+  bool mutated_ = false;                      // a node got a child after it was made
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -670,7 +747,15 @@ class Writer {
 
 NodePtr read(const std::string& data, const std::set<std::pair<std::string, std::string>>& allowed,
              const ReadLimits& limits) {
-  return Reader(data, allowed, limits).run();
+  Reader reader(data, allowed, limits);
+  try {
+    NodePtr root = reader.run();
+    reader.check_acyclic();
+    return root;
+  } catch (...) {
+    reader.break_cycles();
+    throw;
+  }
 }
 
 std::string write(const NodePtr& root) { return Writer().run(root); }

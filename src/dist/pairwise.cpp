@@ -35,6 +35,9 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 namespace fsdp {
 namespace dist {
@@ -235,9 +238,14 @@ struct Pairwise : PointToPoint {
 
 // After a failed or timed-out wait, Gloo may still write into a receive buffer or read a sent
 // piece, and its unbound buffers hold raw pointers to them. The state is kept alive for the rest
-// of the process (the group is unusable anyway: State::failed makes later collectives refuse).
+// of the process (the group is unusable anyway: State::failed makes later collectives refuse),
+// in a list that is never destroyed, not even at exit, when Gloo's threads may still use it.
+// Reachable from a global, it is not a leak to LeakSanitizer (scripts/sanitize.sh).
 void keep_alive_for_good(const std::shared_ptr<PointToPoint>& p) {
-  new std::shared_ptr<PointToPoint>(p);  // deliberately leaked, see above
+  static std::mutex mu;
+  static auto* kept = new std::vector<std::shared_ptr<PointToPoint>>();
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(p);
 }
 
 // After a failure of our own (a send or receive that could not be posted, a throw in the sum)
