@@ -5,7 +5,8 @@ Run where PyTorch >= 2 and safetensors are installed (the trixie chroot of scrip
     python3 tests/fuzz/python_seeds.py OUT_DIR
 It writes OUT_DIR/py_dcp/ (torch.distributed.checkpoint.save of a small state dict),
 OUT_DIR/py.pt and py_nested.pt (torch.save), OUT_DIR/py.safetensors (safetensors.torch), and
-OUT_DIR/pickles/*.pkl (pickle.dumps of plain structures at protocols 2 to 5).
+OUT_DIR/pickles/*.pkl (pickle.dumps of plain structures at protocols 2 to 5). Every file is one
+fsdp-cpp reads whole (string keys, integers within 64 bits): a seed must not start on an error.
 """
 import collections
 import os
@@ -30,8 +31,8 @@ def main(out):
     }
     torch.save(tensors, os.path.join(out, "py.pt"))
     nested = collections.OrderedDict(
-        model=tensors, optim={"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [
-            {"lr": 0.1, "params": [0]}]}, epoch=2, name="run")
+        model=tensors, optim={"state": {"fc.weight": {"step": torch.tensor(3.0)}}, "param_groups": [
+            {"lr": 0.1, "params": ["fc.weight"]}]}, epoch=2, name="run")
     torch.save(nested, os.path.join(out, "py_nested.pt"))
     save_file({k: v for k, v in tensors.items()}, os.path.join(out, "py.safetensors"),
               metadata={"format": "pt"})
@@ -41,7 +42,7 @@ def main(out):
     pickles = os.path.join(out, "pickles")
     os.makedirs(pickles, exist_ok=True)
     values = {
-        "scalars": [None, True, False, 0, 1, -1, 255, 65535, 2**31, -2**31, 2**63 - 1, 2**100,
+        "scalars": [None, True, False, 0, 1, -1, 255, 65535, 2**31, -2**31, 2**63 - 1, -2**63,
                     0.5, -0.0, float("inf"), "text", "ünïcode", b"bytes", bytearray(b"ba")],
         "nested": {"a": [1, (2, 3), {"b": [4, [5, [6]]]}], "c": (), "d": {}, "e": []},
         "shared": [[1, 2]] * 3,
