@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing of fsdp-cpp's readers (issue 39; tests/fuzz/targets.h lists them).
 #
-#   scripts/fuzz.sh [--seconds N] [--runs N] [--keep DIR] [TARGET...]
+#   scripts/fuzz.sh [--seconds N] [--runs N] [--keep DIR] [--configure-only] [TARGET...]
+#   scripts/fuzz.sh --coverage [TARGET...]
 #
-# Builds build-fuzz/ with clang 16, libFuzzer, AddressSanitizer and UndefinedBehaviorSanitizer
-# (installing Debian's clang-16 and libfuzzer-16-dev if missing; LibTorch stays uninstrumented),
+# Builds build-asan/ with clang 16, libFuzzer, AddressSanitizer and UndefinedBehaviorSanitizer
+# (installing Debian's clang-16 and libfuzzer-16-dev if missing; LibTorch stays uninstrumented;
+# scripts/sanitize.sh runs the test suite from the same build directory),
 # then runs each TARGET (default: all) for N seconds (default 60) or N executions, starting from
 # tests/fuzz/corpus/<target>/ and the target's dictionary. The limits that make an input a finding:
 # over 1 s (-timeout), a single allocation over 1 GiB (-malloc_limit_mb) or 2 GiB resident
 # (-rss_limit_mb), a crash, a sanitizer report, an escaped foreign exception. Findings are written
-# to build-fuzz/findings/; the corpus grown by the run stays in build-fuzz/corpus/<target>/ (or
+# to build-asan/findings/; the corpus grown by the run stays in build-asan/corpus/<target>/ (or
 # --keep DIR) for the next run. Prints executions and findings per target; exits 1 on a finding.
+# --coverage replays the seeds and the grown corpora through a build with clang's source-based
+# coverage (build-fuzz-cov/) and prints llvm-cov's line coverage of each reader's files.
 #   FUZZ_JOBS   parallel compile jobs (default 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-seconds=60 runs="" targets=() keep=""
+seconds=60 runs="" targets=() keep="" configure_only=0 coverage=0
 while (($#)); do
   case "$1" in
+    --coverage) coverage=1; shift ;;
+    --configure-only) configure_only=1; shift ;;
     --seconds) seconds="$2"; shift 2 ;;
     --runs) runs="$2"; shift 2 ;;
     --keep) keep="$2"; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     -*) echo "fuzz.sh: unknown option $1" >&2; exit 2 ;;
     *) targets+=("$1"); shift ;;
   esac
@@ -42,13 +48,45 @@ fi
 
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
-build=build-fuzz
+# Line coverage of the readers by what the campaigns found (and the seeds): no sanitizers, so
+# that the counts are the code's own.
+if ((coverage)); then
+  cov=build-fuzz-cov
+  if [ ! -f "$cov/CMakeCache.txt" ]; then
+    cmake -S . -B "$cov" -DCMAKE_CXX_COMPILER=clang++-16 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DFSDP_FUZZ=ON \
+      -DCMAKE_CXX_FLAGS="-fprofile-instr-generate -fcoverage-mapping" \
+      -DCMAKE_EXE_LINKER_FLAGS="-fprofile-instr-generate" \
+      -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_BUILD_EXAMPLES=OFF > /dev/null
+  fi
+  cmake --build "$cov" -j "${FUZZ_JOBS:-2}" --target "${targets[@]/#/fuzz_}"
+  rm -rf "$cov/prof"; mkdir -p "$cov/prof"
+  objects=()
+  for t in "${targets[@]}"; do
+    dirs=("tests/fuzz/corpus/$t")
+    [ ! -d "build-asan/corpus/$t" ] || dirs+=("build-asan/corpus/$t")
+    LLVM_PROFILE_FILE="$cov/prof/$t.profraw" "$cov/tests/fuzz/fuzz_$t" -runs=0 "${dirs[@]}" \
+      > "$cov/prof/$t.log" 2>&1
+    objects+=(-object "$cov/tests/fuzz/fuzz_$t")
+  done
+  llvm-profdata-16 merge -sparse -o "$cov/prof/all.profdata" "$cov"/prof/*.profraw
+  readers=(src/checkpoint/pickle.cpp src/checkpoint/dcp_metadata.cpp
+           src/checkpoint/torch_archive.cpp src/checkpoint/manifest.cpp src/checkpoint/import.cpp
+           src/checkpoint/dcp_load.cpp src/checkpoint/dcp_verify.cpp src/checkpoint/dcp_items.cpp
+           src/checkpoint/files.cpp src/checkpoint/json_text.h src/checkpoint/tensor_formats.h)
+  llvm-cov-16 report "${objects[@]:1}" -instr-profile="$cov/prof/all.profdata" "${readers[@]}"
+  exit 0
+fi
+
+build=build-asan
 if [ ! -f "$build/CMakeCache.txt" ]; then
-  # -O1 as libFuzzer's documentation recommends: fast enough, and reports stay readable.
+  # -O1 as libFuzzer's documentation recommends: fast enough, and reports stay readable. The
+  # tests are configured too (scripts/sanitize.sh builds them here); only what is asked is built.
   cmake -S . -B "$build" -DCMAKE_CXX_COMPILER=clang++-16 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DFSDP_FUZZ=ON -DFSDP_SANITIZE=address,undefined \
-    -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_BUILD_EXAMPLES=OFF > /dev/null
+    -DFSDP_BUILD_BENCHMARKS=OFF > /dev/null
 fi
+((configure_only == 0)) || exit 0
 cmake --build "$build" -j "${FUZZ_JOBS:-2}" --target "${targets[@]/#/fuzz_}"
 
 dict_of() {
@@ -66,7 +104,7 @@ cp tests/fuzz/dict/pickle.dict tests/fuzz/dict/json.dict "$build/dict/"
 # aborting on a huge request, as the real one would throw; libFuzzer's own malloc limit catches it.
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
-failed=0
+failed=0 total_execs=0 total_found=0
 printf '%-14s %12s %10s %8s %s\n' target executions exec/s findings corpus
 for t in "${targets[@]}"; do
   work="${keep:-$build/corpus}/$t"
@@ -84,10 +122,12 @@ for t in "${targets[@]}"; do
   rate=$(grep -oE 'stat::average_exec_per_sec: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo 0)
   found=$(find "$build/findings" -maxdepth 1 -name "$t-*" -type f | wc -l)
   printf '%-14s %12s %10s %8s %s\n' "$t" "$execs" "$rate" "$found" "$(find "$work" -type f | wc -l)"
+  total_execs=$((total_execs + execs)) total_found=$((total_found + found))
   if ((rc != 0 || found != 0)); then
     failed=1
     echo "fuzz.sh: $t found something (exit $rc); see $log and $build/findings/$t-*" >&2
     grep -E "ERROR|SUMMARY|runtime error|fuzz target" "$log" | head -5 >&2 || true
   fi
 done
+echo "fuzz.sh: ${#targets[@]} targets, $total_execs executions, $total_found findings"
 exit "$failed"

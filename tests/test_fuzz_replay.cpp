@@ -17,6 +17,19 @@
 #include <string>
 #include <vector>
 
+// Built with AddressSanitizer (scripts/sanitize.sh), a child checks for leaks before it leaves:
+// _Exit skips LeakSanitizer's own check at exit.
+#if defined(__SANITIZE_ADDRESS__)
+#define FSDP_REPLAY_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FSDP_REPLAY_ASAN 1
+#endif
+#endif
+#ifdef FSDP_REPLAY_ASAN
+#include <sanitizer/lsan_interface.h>
+#endif
+
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/state_value.h"
@@ -51,7 +64,14 @@ struct Result {
   std::string problem;  // for BROKE: what went wrong
 };
 
-constexpr int kExitAccepted = 0, kExitRefused = 5, kExitForeign = 3;
+constexpr int kExitAccepted = 0, kExitRefused = 5, kExitForeign = 3, kExitLeaked = 6;
+
+[[noreturn]] void leave(int code) {
+#ifdef FSDP_REPLAY_ASAN
+  if (__lsan_do_recoverable_leak_check() != 0) std::_Exit(kExitLeaked);
+#endif
+  std::_Exit(code);
+}
 
 // Runs fn(data, size) in a child under a `seconds` alarm.
 Result run_isolated(fsdp::fuzz::TargetFn fn, const std::string& bytes, unsigned seconds) {
@@ -61,7 +81,7 @@ Result run_isolated(fsdp::fuzz::TargetFn fn, const std::string& bytes, unsigned 
     ::alarm(seconds);
     try {
       const bool ok = fn(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-      std::_Exit(ok ? kExitAccepted : kExitRefused);
+      leave(ok ? kExitAccepted : kExitRefused);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "escaped exception: %s\n", e.what());
       std::_Exit(kExitForeign);
@@ -78,9 +98,10 @@ Result run_isolated(fsdp::fuzz::TargetFn fn, const std::string& bytes, unsigned 
                                 ? "took over " + std::to_string(seconds) + " s"
                                 : "killed by signal " + std::to_string(WTERMSIG(status))};
   }
-  return {Outcome::BROKE, WEXITSTATUS(status) == kExitForeign
-                              ? "an exception other than fsdp::Error escaped"
-                              : "exit status " + std::to_string(WEXITSTATUS(status))};
+  const int code = WEXITSTATUS(status);
+  return {Outcome::BROKE, code == kExitForeign  ? "an exception other than fsdp::Error escaped"
+                          : code == kExitLeaked ? "it leaked memory (LeakSanitizer's report above)"
+                                                : "exit status " + std::to_string(code)};
 }
 
 // Generous: the fuzzers' own limit is 1 s, but this machine may be running the rest of the suite.

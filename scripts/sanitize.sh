@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The suite under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer, and a bounded
+# fuzzing run (issue 39; docs/reliability.md).
+#
+#   scripts/sanitize.sh [--all] [--fuzz-seconds N] [ctest arguments...]
+#
+# Builds build-asan/ with clang 16 and -fsanitize=address,undefined for everything of ours
+# (LibTorch and Gloo stay as Debian built them; tests/sanitizers.supp lists what of theirs is
+# suppressed, and why), runs the checkpoint, state-dict and distributed suites under it (--all:
+# every suite), then each fuzz target for N seconds (default 20; 0 skips) from the same build.
+# Any sanitizer report fails the test that caused it. scripts/test.sh runs this as its third part.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+all=0 fuzz_seconds=20 ctest_args=()
+while (($#)); do
+  case "$1" in
+    --all) all=1; shift ;;
+    --fuzz-seconds) fuzz_seconds="$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) ctest_args+=("$1"); shift ;;
+  esac
+done
+
+# The suites CI runs instrumented: everything that reads or writes checkpoints and state dicts,
+# and the collectives under them. --all adds the runtime, flat-parameter and program suites.
+suites=(test_dist test_state_dict test_state_dict_edges test_state_dict_utils test_state_dict_api
+        test_optim_state_dict test_checkpoint_state_dict test_sd_matrix test_dcp_metadata
+        test_dcp_checkpoint test_checkpoint_safety test_checkpoint_export test_async_save
+        test_fuzz_replay sanitizer_canary)
+targets=("${suites[@]}")
+if ((all)); then targets=(all); fi
+
+scripts/fuzz.sh --configure-only
+build=build-asan
+cmake --build "$build" -j "${JOBS:-2}" --target "${targets[@]}"
+
+label_regex=$(IFS='|'; echo "^(${suites[*]})\$")
+filter=(-L "$label_regex")
+if ((all)); then filter=(); fi
+rm -rf "$build/test-results"
+# halt_on_error: the first report ends the process, so its suite fails; detect_leaks: LeakSanitizer
+# at exit of every process (the forked ranks included); the suppressions are for LibTorch's and
+# Gloo's own never-freed singletons only.
+export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:${ASAN_OPTIONS:-}"
+export LSAN_OPTIONS="suppressions=$PWD/tests/sanitizers.supp:print_suppressions=0:${LSAN_OPTIONS:-}"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:${UBSAN_OPTIONS:-}"
+(cd "$build" && ctest --output-on-failure --timeout 900 "${filter[@]}" "${ctest_args[@]}")
+
+if ((fuzz_seconds > 0)); then
+  scripts/fuzz.sh --seconds "$fuzz_seconds"
+fi
