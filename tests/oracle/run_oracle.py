@@ -52,7 +52,8 @@ def launch(what, cmd, world, timeout, log_dir, finished=None):
     and every rank has passed the last barrier. A rank that exits with an error after writing it
     failed in its own teardown, not in what is compared: that is reported and returned (a list
     of lines), not raised. Only the Python peer gets this leniency (PyTorch 2.6's Gloo group
-    has been seen to abort in `std::terminate` at exit, one run in many); fsdp-cpp's own ranks
+    has been seen to abort in `std::terminate` at exit, or to hang there, one run in many; a rank
+    still running 20 s after every rank finished is killed); fsdp-cpp's own ranks
     must exit cleanly."""
     os.makedirs(log_dir, exist_ok=True)
     port = free_port()
@@ -65,13 +66,21 @@ def launch(what, cmd, world, timeout, log_dir, finished=None):
         with open(logs[-1], "w") as out:
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
-    first_failure, why = None, ""
+    first_failure, all_finished, why = None, None, ""
     while any(p.poll() is None for p in procs):
         now = time.monotonic()
         if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
             first_failure = now
-        if now > deadline or (first_failure is not None and now > first_failure + 10):
-            why = f" (killed: {'timeout' if now > deadline else 'a peer failed'})"
+        # Every rank has written all its results: one still running after 20 s hangs in its
+        # teardown (PyTorch 2.6's Gloo group, seen once in a fresh-machine run: 4 minutes in a
+        # futex after its last write). It is killed and counts as torn down, as a crash there does.
+        if (all_finished is None and finished is not None
+                and all(os.path.exists(finished(r)) for r in range(world))):
+            all_finished = now
+        hung = all_finished is not None and now > all_finished + 20
+        if now > deadline or hung or (first_failure is not None and now > first_failure + 10):
+            cause = "timeout" if now > deadline else "hung in teardown" if hung else "a peer failed"
+            why = f" (killed: {cause})"
             for p in procs:
                 if p.poll() is None:
                     p.kill()
@@ -91,7 +100,7 @@ def launch(what, cmd, world, timeout, log_dir, finished=None):
     for r in torn:
         last = (open(logs[r]).read().strip().splitlines() or ["(no output)"])[-1]
         notes.append(f"{what} rank {r} exited {procs[r].returncode} after finishing its work, "
-                     f"a crash in the peer's teardown, not a difference ({logs[r]}: {last})")
+                     f"a crash or hang in the peer's teardown, not a difference ({logs[r]}: {last})")
     return notes
 
 
