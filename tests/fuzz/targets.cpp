@@ -219,26 +219,25 @@ bool run_manifest(const uint8_t* data, size_t size) {
   return true;
 }
 
-bool run_safetensors(const uint8_t* data, size_t size) {
+// A reader of one file (load_safetensors, load_pt), given the input as that file.
+bool run_file_reader(StateDict (*reader)(const std::string&, ck::FileIO*), const char* path,
+                     const uint8_t* data, size_t size) {
   MemFS fs;
-  fs.add("/fuzz/model.safetensors", bytes_of(data, size));
+  fs.add(path, bytes_of(data, size));
   try {
-    ck::load_safetensors("/fuzz/model.safetensors", &fs);
+    reader(path, &fs);
   } catch (const Error& e) {
     return refused(e);
   }
   return true;
 }
 
+bool run_safetensors(const uint8_t* data, size_t size) {
+  return run_file_reader(ck::load_safetensors, "/fuzz/model.safetensors", data, size);
+}
+
 bool run_load_pt(const uint8_t* data, size_t size) {
-  MemFS fs;
-  fs.add("/fuzz/model.pt", bytes_of(data, size));
-  try {
-    ck::load_pt("/fuzz/model.pt", &fs);
-  } catch (const Error& e) {
-    return refused(e);
-  }
-  return true;
+  return run_file_reader(ck::load_pt, "/fuzz/model.pt", data, size);
 }
 
 // A whole checkpoint directory, its files cut out of the input (kFileSeparator), through
