@@ -262,7 +262,14 @@ void make_dirs(FileIO& io, const std::string& path, const char* what) {
   if (io.is_dir(p) == 1) return;
   const std::string parent = parent_of(p);
   if (parent != p) make_dirs(io, parent, what);
-  if (io.mkdir(p, 0755) != 0 && errno != EEXIST) io_error(what, "creating directory", p, errno);
+  if (io.mkdir(p, 0755) == 0) {
+    // The new name reaches the disk with its parent's fsync: without it a checkpoint or export
+    // saved into a new directory (and synced there) could vanish whole in a power cut after the
+    // save returned (crash points, tests/test_crash_points.cpp).
+    sync_dir(io, parent, what);
+  } else if (errno != EEXIST) {
+    io_error(what, "creating directory", p, errno);
+  }
   if (io.is_dir(p) != 1) io_error(what, "creating directory", p, ENOTDIR);
 }
 

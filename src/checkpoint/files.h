@@ -80,7 +80,7 @@ std::vector<char> read_bytes(FileIO& io, const std::string& path, int64_t offset
 std::string read_file(FileIO& io, const std::string& path, int64_t limit, const char* what);
 /// fsync of a directory, so that names created or renamed in it survive a power cut.
 void sync_dir(FileIO& io, const std::string& path, const char* what);
-/// mkdir -p.
+/// mkdir -p, each directory it creates made durable (its parent fsynced).
 void make_dirs(FileIO& io, const std::string& path, const char* what);
 /// rm -r of a tree this library made (depth-limited); a missing path is no error.
 void remove_tree(FileIO& io, const std::string& path, const char* what);
