@@ -10,6 +10,9 @@
 //      checkpoint is already there, so the name always points at a complete one), fsync the
 //      parent, remove the old one; its verdict is broadcast.
 // A crash anywhere before the swap leaves only the partial directory, which nothing reads.
+// Where the file system cannot swap (NFS, older kernels), the old checkpoint is first renamed to
+// `.<name>.aside`, then the new one in: a crash between the two leaves the old one complete at
+// `.aside`, which latest_checkpoint returns and the next save into `<name>` renames back.
 #include <torch/version.h>
 
 #include <algorithm>
@@ -187,6 +190,73 @@ std::string torch_version() {
          std::to_string(TORCH_VERSION_PATCH);
 }
 
+// Where a save without an atomic swap keeps the old checkpoint while the new one moves in.
+std::string aside_of(const std::string& dir) {
+  return files::join(files::parent_of(dir), "." + files::base_of(dir) + ".aside");
+}
+
+// Undoes a save that died between its two renames (file systems without RENAME_EXCHANGE): the
+// old checkpoint at `.aside` goes back to `dir` if nothing took its place, else it is garbage.
+void restore_aside(FileIO& io, const std::string& dir) {
+  const std::string aside = aside_of(dir);
+  if (io.is_dir(aside) != 1) return;
+  if (io.is_dir(dir) == 1) {
+    files::remove_tree(io, aside, kWhat);
+    return;
+  }
+  if (io.rename(aside, dir) != 0) {
+    const int err = errno;  // before the message allocates
+    files::io_error(kWhat, "restoring", detail::msg(aside, " to ", dir), err);
+  }
+  files::sync_dir(io, files::parent_of(dir), kWhat);
+}
+
+// Moves the complete checkpoint at `partial` to `dir` for good (the parent fsynced). Returns what
+// is left to remove: the replaced checkpoint, moved to `partial + ".old"` (or, where that rename
+// failed, wherever it is), or "" if nothing was replaced.
+std::string move_into_place(FileIO& io, const std::string& partial, const std::string& dir) {
+  const std::string parent = files::parent_of(dir), old = partial + ".old";
+  const int existing = io.is_dir(dir);
+  if (existing < 0) {
+    const int err = errno;  // before the message allocates
+    files::io_error(kWhat, "checking", dir, err);
+  }
+  if (existing == 0) {
+    if (io.file_size(dir) >= 0)
+      throw ValueError(detail::msg(kWhat, ": ", dir, " exists and is not a directory"));
+    if (io.rename(partial, dir) != 0) {
+      const int err = errno;  // before the message allocates
+      files::io_error(kWhat, "renaming", detail::msg(partial, " to ", dir), err);
+    }
+    files::sync_dir(io, parent, kWhat);
+    return "";
+  }
+  if (io.exchange(partial, dir) == 0) {
+    // `partial` now holds the replaced checkpoint.
+    const std::string garbage = io.rename(partial, old) == 0 ? old : partial;
+    files::sync_dir(io, parent, kWhat);
+    return garbage;
+  }
+  if (errno != EINVAL && errno != ENOSYS) {
+    const int err = errno;  // before the message allocates
+    files::io_error(kWhat, "swapping", detail::msg(partial, " with the checkpoint at ", dir), err);
+  }
+  // No atomic swap here: move the old one aside first, under the name readers and the next save
+  // look for (restore_aside), and put it back if the new one cannot take its place.
+  const std::string aside = aside_of(dir);
+  if (io.rename(dir, aside) != 0) {
+    const int err = errno;  // before the message allocates
+    files::io_error(kWhat, "replacing the checkpoint at", dir, err);
+  }
+  if (io.rename(partial, dir) != 0) {
+    const int err = errno;  // before the message allocates
+    io.rename(aside, dir);
+    files::io_error(kWhat, "replacing the checkpoint at", dir, err);
+  }
+  files::sync_dir(io, parent, kWhat);
+  return io.rename(aside, old) == 0 ? old : aside;  // garbage once the new one is durable
+}
+
 // Rank 0's commit: metadata and manifest into `partial`, then the swap into `dir`.
 void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& partial,
             const std::string& dir, const Annotations& annotations) {
@@ -217,44 +287,15 @@ void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& p
   files::write_file(io, files::join(partial, manifest::kFileName), manifest::to_json(mf), kWhat);
   files::sync_dir(io, partial, kWhat);
 
-  const int existing = io.is_dir(dir);
-  if (existing < 0) {
-    const int err = errno;  // before the message allocates
-    files::io_error(kWhat, "checking", dir, err);
-  }
-  if (existing == 0 && io.file_size(dir) >= 0)
-    throw ValueError(detail::msg(kWhat, ": ", dir, " exists and is not a directory"));
-  // A replaced checkpoint ends up at `old`, to be unlinked in the background (tens of
-  // milliseconds for a large checkpoint, which no rank waits for; the next save waits for it and
-  // removes a leftover of a process that died first).
-  const std::string old = partial + ".old";
-  bool replaced = false;
-  if (existing == 0) {
-    if (io.rename(partial, dir) != 0) {
-      const int err = errno;  // before the message allocates
-      files::io_error(kWhat, "renaming", detail::msg(partial, " to ", dir), err);
-    }
-  } else if (io.exchange(partial, dir) == 0) {
-    replaced = io.rename(partial, old) == 0;  // `partial` now holds the replaced checkpoint
-  } else {
-    if (errno != EINVAL && errno != ENOSYS) {
-      const int err = errno;  // before the message allocates
-      files::io_error(kWhat, "swapping", detail::msg(partial, " with the checkpoint at ", dir),
-                      err);
-    }
-    // No atomic swap here: move the old one aside first (a crash in between leaves it there).
-    if (io.rename(dir, old) != 0 || io.rename(partial, dir) != 0) {
-      const int err = errno;  // before the message allocates
-      files::io_error(kWhat, "replacing the checkpoint at", dir, err);
-    }
-    replaced = true;
-  }
-  files::sync_dir(io, files::parent_of(dir), kWhat);
+  const std::string garbage = move_into_place(io, partial, dir);
   try {
-    if (replaced)
-      files::remove_tree_in_background(io, {old}, kWhat);
-    else
-      files::remove_tree(io, partial, kWhat);  // after an exchange whose copy could not move
+    // The replaced checkpoint is unlinked in the background (tens of milliseconds for a large
+    // one, which no rank waits for; the next save waits for it and removes a leftover of a
+    // process that died first).
+    if (garbage == partial + ".old")
+      files::remove_tree_in_background(io, {garbage}, kWhat);
+    else if (!garbage.empty())
+      files::remove_tree(io, garbage, kWhat);  // it could not be renamed out of the way
   } catch (const std::exception& e) {
     TORCH_WARN("fsdp checkpoint: committed ", dir,
                " but could not remove the old copy: ", e.what());
@@ -298,6 +339,7 @@ class SaveRun {
         files::wait_for_background_removal();
         if (before_prepare) before_prepare();
         files::make_dirs(io_, files::parent_of(dir_), kWhat);
+        restore_aside(io_, dir_);
         files::remove_tree(io_, partial_, kWhat);
         files::remove_tree(io_, partial_ + ".old", kWhat);
         if (io_.mkdir(partial_, 0755) != 0) {
@@ -472,12 +514,16 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
     for (const auto& n : names) {
       int64_t s = 0;
       // ".step_N.partial": a save that died; ".step_N.partial.old": a replaced or dropped step
-      // whose removal did not finish.
-      for (const std::string suffix : {".partial", ".partial.old"}) {
+      // whose removal did not finish; ".step_N.aside": step N, if a save replacing it without
+      // an atomic swap died half way (restored, or removed if the new one made it).
+      for (const std::string suffix : {".partial", ".partial.old", ".aside"}) {
         if (n.size() > 1 + suffix.size() && n[0] == '.' &&
             n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0 &&
             parse_step(n.substr(1, n.size() - 1 - suffix.size()), s)) {
-          files::remove_tree(io, files::join(root, n), kWhat);
+          if (suffix == ".aside")
+            restore_aside(io, step_dir(root, s));
+          else
+            files::remove_tree(io, files::join(root, n), kWhat);
           break;
         }
       }
@@ -508,7 +554,12 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
         TORCH_WARN("fsdp checkpoint: keep_last could not remove ", old, ": ", std::strerror(errno));
       }
     }
-    if (!dropped.empty()) files::remove_tree_in_background(io, dropped, kWhat);
+    if (dropped.empty()) return;
+    // The renames reach the disk before any unlink inside them: else a power cut could keep an
+    // unlink and lose the rename, and a half-removed step would be listed again (crash points,
+    // tests/test_crash_points.cpp).
+    files::sync_dir(io, root, kWhat);
+    files::remove_tree_in_background(io, dropped, kWhat);
   };
   save_impl(state_dict, dir, options, clean_stale, point_latest);
   return dir;
@@ -522,8 +573,12 @@ std::optional<std::string> latest_checkpoint(const std::string& root_in, FileIO*
     std::string name = files::read_file(io, pointer, 4096, "checkpoint latest");
     while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
     int64_t s = 0;
-    if (parse_step(name, s) && io.file_size(files::join(files::join(root, name), ".metadata")) >= 0)
-      return files::join(root, name);
+    if (parse_step(name, s)) {
+      const std::string dir = files::join(root, name);
+      if (io.file_size(files::join(dir, ".metadata")) >= 0) return dir;
+      // A save replacing this step without an atomic swap died between its two renames.
+      if (io.file_size(files::join(aside_of(dir), ".metadata")) >= 0) return aside_of(dir);
+    }
     TORCH_WARN("fsdp checkpoint: ", pointer, " names '", name,
                "', which is not a committed checkpoint; taking the newest step instead");
   }

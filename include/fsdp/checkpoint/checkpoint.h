@@ -151,7 +151,8 @@ std::string step_dir(const std::string& root, int64_t step);
 
 /// Saves into step_dir(root, step) as `save` does, then points `root/latest` at it (written
 /// atomically) and applies `keep_last`. Stale `.step_*.partial` leftovers of killed saves in
-/// `root` are removed first. Returns the directory.
+/// `root` are removed first (and a `.step_N.aside` put back; see latest_checkpoint). Returns the
+/// directory.
 std::string save_step(const StateDict& state_dict, const std::string& root, int64_t step,
                       const SaveOptions& options = {});
 
@@ -160,7 +161,10 @@ std::vector<int64_t> list_steps(const std::string& root, FileIO* io = nullptr);
 
 /// The directory `root/latest` names, if it holds a committed checkpoint; otherwise the newest
 /// committed step (with a warning when `latest` exists but names no committed checkpoint);
-/// nullopt if there is none.
+/// nullopt if there is none. One exception: on a file system without an atomic directory swap
+/// (NFS, kernels before 3.15), a save replacing step N moves the old step N to `.step_N.aside`
+/// before renaming the new one in; if it died in between, `latest` still names step N and the
+/// old copy's path (`root/.step_N.aside`) is returned. The next save_step renames it back.
 std::optional<std::string> latest_checkpoint(const std::string& root, FileIO* io = nullptr);
 
 }  // namespace checkpoint
