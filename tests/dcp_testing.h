@@ -1,6 +1,7 @@
-// Shared by the DCP checkpoint tests: a sample state dict with every kind of value, blank
-// templates of it, DCP's flat keys, and the text tests/dcp/dcp_python.py "values" prints, so that
-// C++ and Python states compare as strings.
+// Shared by the DCP checkpoint tests: a sample state dict with every kind of value (and a variant
+// with a row-sharded tensor whose values tell saves apart), blank templates of it, DCP's flat keys,
+// and the text tests/dcp/dcp_python.py "values" prints, so that C++ and Python states compare as
+// strings.
 #pragma once
 
 #include <algorithm>
@@ -119,6 +120,34 @@ inline StateDict sample() {
   sd.insert_or_assign("epoch", int64_t{7});
   sd.insert_or_assign("name", "run");
   return sd;
+}
+
+// A state dict whose "model.w" (6 x 5) is split by rows over `world` ranks, plus the sample's
+// plain tensors and values; `scale` tells saves apart.
+inline StateDict sharded_sample(int rank, int world, double scale) {
+  StateDict sd = sample();
+  const at::Tensor full = at::arange(30, at::kFloat).reshape({6, 5}) * scale;
+  const int64_t rows = 6 / world + (rank < 6 % world ? 1 : 0);
+  int64_t start = 0;
+  for (int r = 0; r < rank; ++r) start += 6 / world + (r < 6 % world ? 1 : 0);
+  std::vector<Shard> shards;
+  if (rows > 0)
+    shards.push_back(
+        {full.narrow(0, start, rows).clone(), ShardMetadata{{start, 0}, {rows, 5}, rank}});
+  sd.at("model").dict().insert_or_assign("sharded",
+                                         ShardedTensor({6, 5}, at::kFloat, std::move(shards)));
+  sd.at("model").dict().at("w").tensor().mul_(scale);
+  return sd;
+}
+
+// The full value of "model.sharded" saved with `scale`, read back from `dir` into one tensor.
+inline at::Tensor load_full_sharded(const std::string& dir) {
+  return load_tensor(dir, "model.sharded", {6, 5});
+}
+
+inline double saved_scale(const std::string& dir) {
+  const at::Tensor t = load_full_sharded(dir);
+  return t[1][0].item<double>() / 5.0;
 }
 
 // A template of `sd`'s structure: tensors of the same shape filled with -1, values replaced.

@@ -55,34 +55,6 @@ bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
 }
 
-// A state dict whose "model.w" (6 x 5) is split by rows over `world` ranks, plus the sample's
-// plain tensors and values; `scale` tells saves apart.
-StateDict sharded_sample(int rank, int world, double scale) {
-  StateDict sd = sample();
-  const at::Tensor full = at::arange(30, at::kFloat).reshape({6, 5}) * scale;
-  const int64_t rows = 6 / world + (rank < 6 % world ? 1 : 0);
-  int64_t start = 0;
-  for (int r = 0; r < rank; ++r) start += 6 / world + (r < 6 % world ? 1 : 0);
-  std::vector<fsdp::Shard> shards;
-  if (rows > 0)
-    shards.push_back(
-        {full.narrow(0, start, rows).clone(), ShardMetadata{{start, 0}, {rows, 5}, rank}});
-  sd.at("model").dict().insert_or_assign("sharded",
-                                         ShardedTensor({6, 5}, at::kFloat, std::move(shards)));
-  sd.at("model").dict().at("w").tensor().mul_(scale);
-  return sd;
-}
-
-// The full value of "model.sharded" saved with `scale`, read back from `dir` into one tensor.
-at::Tensor load_full_sharded(const std::string& dir) {
-  return load_tensor(dir, "model.sharded", {6, 5});
-}
-
-double saved_scale(const std::string& dir) {
-  const at::Tensor t = load_full_sharded(dir);
-  return t[1][0].item<double>() / 5.0;
-}
-
 // ---- the manifest and checksums ----
 
 // The manifest's checksums are XXH3-64 as xxHash defines it, whichever build computes them (the
