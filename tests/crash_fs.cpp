@@ -492,8 +492,7 @@ void remove_all(const std::string& path) {
 
 CrashCounts CrashEnumerator::for_each_state(
     const std::string& out,
-    const std::function<void(const std::string& what, bool after_return)>& check,
-    size_t stride) const {
+    const std::function<void(const std::string& what, bool after_return)>& check) const {
   CrashCounts counts;
   counts.operations = steps_.size();
   counts.points = steps_.size() + 1;
@@ -529,12 +528,8 @@ CrashCounts CrashEnumerator::for_each_state(
     // Loss patterns: none, all, and each single pending change.
     std::vector<std::pair<std::string, std::vector<size_t>>> patterns = {{"none lost", {}}};
     if (!pend.empty()) patterns.push_back({"all " + std::to_string(pend.size()) + " lost", pend});
-    if (pend.size() > 1) {
-      for (size_t j = 0; j < pend.size(); ++j) {
-        if ((j + point) % std::max<size_t>(stride, 1) != 0) continue;
-        patterns.push_back({"lost: " + describe(steps_[pend[j]].op), {pend[j]}});
-      }
-    }
+    if (pend.size() > 1)
+      for (size_t i : pend) patterns.push_back({"lost: " + describe(steps_[i].op), {i}});
     for (const auto& [label, lose] : patterns) {
       ++counts.states;
       std::vector<bool> lost(steps_.size(), false);

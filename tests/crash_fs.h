@@ -105,14 +105,10 @@ class CrashEnumerator {
   /// into `out` (replaced each time) and calls check(what, after_return): `what` describes the
   /// point and pattern for messages; `after_return` is true at the last point, where the
   /// operation had returned (and whatever it promised durable must be there). Distinct trees are
-  /// checked once. `stride` > 1 samples the single-loss patterns: at point p the change at
-  /// position i of the pending list is lost alone only where (i + p) % stride == 0, so that a
-  /// change pending over several points is still lost at some of them (the none-lost and
-  /// all-lost patterns are always built).
+  /// checked once.
   CrashCounts for_each_state(
       const std::string& out,
-      const std::function<void(const std::string& what, bool after_return)>& check,
-      size_t stride = 1) const;
+      const std::function<void(const std::string& what, bool after_return)>& check) const;
 
  private:
   struct Node {

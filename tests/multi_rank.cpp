@@ -273,9 +273,14 @@ std::vector<RankResult> run_ranks(int world_size, const RankBody& body, const Ru
   return results;
 }
 
-TempDir::TempDir() : owner_pid_(static_cast<int>(::getpid())) {
-  const char* base = std::getenv("TMPDIR");
-  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/fsdp_test_XXXXXX";
+TempDir::TempDir()
+    : TempDir([] {
+        const char* base = std::getenv("TMPDIR");
+        return std::string(base && *base ? base : "/tmp");
+      }()) {}
+
+TempDir::TempDir(const std::string& base) : owner_pid_(static_cast<int>(::getpid())) {
+  std::string tmpl = base + "/fsdp_test_XXXXXX";
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   if (::mkdtemp(buf.data()) == nullptr) {

@@ -63,6 +63,8 @@ std::vector<RankResult> run_ranks(int world_size, const RankBody& body,
 class TempDir {
  public:
   TempDir();
+  /// In `base` rather than $TMPDIR or /tmp.
+  explicit TempDir(const std::string& base);
   ~TempDir();
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
