@@ -13,6 +13,7 @@
 #include <cmath>
 #include <functional>
 
+#include "dist/fault_point.h"
 #include "dist/state.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
@@ -28,6 +29,21 @@ std::string detail::describe(const char* op, const ProcessGroup& g) {
   return msg(op, " on group ", quote(g.name()), " (", fsdp::detail::rank(g.rank()), " of ",
              g.size(), ", global ", fsdp::detail::rank(g.global_ranks()[g.rank()]), ")");
 }
+
+namespace {
+
+std::atomic<detail::FaultHook> g_fault_hook{nullptr};
+
+// The test hook of fault_point.h, at the start of every collective.
+void at_fault_point(const char* op, const ProcessGroup& g) {
+  if (const detail::FaultHook hook = g_fault_hook.load(std::memory_order_relaxed))
+    hook(detail::describe(op, g).c_str());
+}
+
+}  // namespace
+
+void detail::set_fault_hook(FaultHook hook) { g_fault_hook.store(hook); }
+detail::FaultHook detail::fault_hook() { return g_fault_hook.load(); }
 
 namespace {
 
@@ -128,6 +144,8 @@ void pairwise_needs_gloo(const char* op, const ProcessGroup& g, const std::strin
 }  // namespace
 
 detail::PointToPointCall ProcessGroup::State::next_point_to_point(std::string what) {
+  if (const detail::FaultHook hook = g_fault_hook.load(std::memory_order_relaxed))
+    hook(what.c_str());
   detail::PointToPointCall call;
   call.backend = backend;
   call.rank = rank;
@@ -153,6 +171,7 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
 // Starting a collective can itself throw (a backend that lacks the op, a closed connection).
 #define FSDP_START(op, expr)                                                       \
   [&]() -> compat::WorkPtr {                                                       \
+    at_fault_point(op, *this);                                                     \
     try {                                                                          \
       return (expr);                                                               \
     } catch (const c10::Error& e) {                                                \
