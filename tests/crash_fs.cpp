@@ -227,44 +227,36 @@ int JournalIO::mkdir(const std::string& path, int mode) {
   return rc;
 }
 
-int JournalIO::rename(const std::string& from, const std::string& to) {
+// A rename or a swap: what each name named, read before the call (a rename moves one inode; a
+// swap two).
+int JournalIO::move(OpKind kind, const std::string& a, const std::string& b) {
   Locked lock(*this);
-  struct stat st {};
-  const bool found = ::lstat(from.c_str(), &st) == 0;
-  const int rc = FileIO::rename(from, to);
+  const bool swap = kind == OpKind::EXCHANGE;
+  struct stat sa {};
+  struct stat sb {};
+  const bool found = ::lstat(a.c_str(), &sa) == 0 && (!swap || ::lstat(b.c_str(), &sb) == 0);
+  const int rc = swap ? FileIO::exchange(a, b) : FileIO::rename(a, b);
   if (rc == 0 && found) {
     Op op;
-    op.kind = OpKind::RENAME;
-    op.ino = st.st_ino;
-    op.dir1 = inode_of(files::parent_of(from));
-    op.dir2 = inode_of(files::parent_of(to));
-    op.name1 = files::base_of(from);
-    op.name2 = files::base_of(to);
-    op.path = from + " -> " + to;
+    op.kind = kind;
+    op.ino = sa.st_ino;
+    op.ino2 = swap ? sb.st_ino : 0;
+    op.dir1 = inode_of(files::parent_of(a));
+    op.dir2 = inode_of(files::parent_of(b));
+    op.name1 = files::base_of(a);
+    op.name2 = files::base_of(b);
+    op.path = a + (swap ? " <-> " : " -> ") + b;
     append(std::move(op));
   }
   return rc;
 }
 
+int JournalIO::rename(const std::string& from, const std::string& to) {
+  return move(OpKind::RENAME, from, to);
+}
+
 int JournalIO::exchange(const std::string& a, const std::string& b) {
-  Locked lock(*this);
-  struct stat sa {
-  }, sb{};
-  const bool found = ::lstat(a.c_str(), &sa) == 0 && ::lstat(b.c_str(), &sb) == 0;
-  const int rc = FileIO::exchange(a, b);
-  if (rc == 0 && found) {
-    Op op;
-    op.kind = OpKind::EXCHANGE;
-    op.ino = sa.st_ino;
-    op.ino2 = sb.st_ino;
-    op.dir1 = inode_of(files::parent_of(a));
-    op.dir2 = inode_of(files::parent_of(b));
-    op.name1 = files::base_of(a);
-    op.name2 = files::base_of(b);
-    op.path = a + " <-> " + b;
-    append(std::move(op));
-  }
-  return rc;
+  return move(OpKind::EXCHANGE, a, b);
 }
 
 int JournalIO::remove(const std::string& path) {

@@ -73,6 +73,7 @@ class JournalIO : public checkpoint::FileIO {
  private:
   class Locked;
   void append(Op op);
+  int move(OpKind kind, const std::string& a, const std::string& b);
 
   int journal_fd_ = -1;
   int rank_ = 0;
