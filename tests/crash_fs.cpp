@@ -56,10 +56,12 @@ uint64_t inode_of(const std::string& path) {
 
 // Records: a u32 length, then the fields in order (integers little-endian as in memory, strings
 // as a u32 length and bytes).
-void put_u64(std::string& b, uint64_t v) { b.append(reinterpret_cast<const char*>(&v), 8); }
+template <typename T>
+void put(std::string& b, T v) {
+  b.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
 void put_str(std::string& b, const std::string& s) {
-  const auto n = static_cast<uint32_t>(s.size());
-  b.append(reinterpret_cast<const char*>(&n), 4);
+  put(b, static_cast<uint32_t>(s.size()));
   b += s;
 }
 struct Reader {
@@ -68,22 +70,17 @@ struct Reader {
   void need(size_t n) const {
     if (n > b.size() - at) throw std::runtime_error("crash journal: truncated record");
   }
-  uint64_t u64() {
-    need(8);
-    uint64_t v = 0;
-    std::memcpy(&v, b.data() + at, 8);
-    at += 8;
+  template <typename T>
+  T get() {
+    need(sizeof(T));
+    T v{};
+    std::memcpy(&v, b.data() + at, sizeof v);
+    at += sizeof v;
     return v;
   }
-  uint32_t u32() {
-    need(4);
-    uint32_t v = 0;
-    std::memcpy(&v, b.data() + at, 4);
-    at += 4;
-    return v;
-  }
+  uint64_t u64() { return get<uint64_t>(); }
   std::string str() {
-    const uint32_t n = u32();
+    const uint32_t n = get<uint32_t>();
     need(n);
     std::string s = b.substr(at, n);
     at += n;
@@ -133,12 +130,12 @@ void JournalIO::append(Op op) {
   const int err = errno;
   std::string b;
   b.push_back(static_cast<char>(op.kind));
-  put_u64(b, static_cast<uint64_t>(rank_));
-  put_u64(b, op.ino);
-  put_u64(b, op.ino2);
-  put_u64(b, op.dir1);
-  put_u64(b, op.dir2);
-  put_u64(b, static_cast<uint64_t>(op.offset));
+  put<uint64_t>(b, static_cast<uint64_t>(rank_));
+  put<uint64_t>(b, op.ino);
+  put<uint64_t>(b, op.ino2);
+  put<uint64_t>(b, op.dir1);
+  put<uint64_t>(b, op.dir2);
+  put<uint64_t>(b, static_cast<uint64_t>(op.offset));
   put_str(b, op.name1);
   put_str(b, op.name2);
   put_str(b, op.data);
