@@ -54,6 +54,14 @@ void progress(int64_t done, int64_t total) {
   if (done == total) std::fprintf(stderr, "\n");
 }
 
+// A double with all the digits that tell it apart (std::to_string would print 1e-7 as 0.000000).
+std::string shortest(double x) {
+  std::ostringstream out;
+  out.precision(9);
+  out << x;
+  return out.str();
+}
+
 // PyTorch's names ("float32"), which is what Python users read in their own tools.
 std::string dtype_name(at::ScalarType t) {
   const at::ScalarType known[] = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong,
@@ -189,6 +197,8 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, double rtol, 
   const fsdp::StateDict a = strip(tensors_of(a_path), strip_a);
   const fsdp::StateDict b = strip(tensors_of(b_path), strip_b);
   int differences = 0;
+  double largest = 0;
+  std::string largest_key;
   auto report = [&](const std::string& line) {
     std::cout << line << "\n";
     ++differences;
@@ -208,12 +218,15 @@ int cmd_diff(const std::string& a_path, const std::string& b_path, double rtol, 
     const at::Tensor xd = x.to(at::kDouble), yd = y.to(at::kDouble);
     const at::Tensor bad = ((xd - yd).abs() > atol + rtol * yd.abs()) | (xd.isnan() != yd.isnan());
     const int64_t n = bad.sum().item<int64_t>();
-    if (n > 0) {
-      const double worst = (xd - yd).abs().nan_to_num(0).max().item<double>();
+    const double worst = x.numel() ? (xd - yd).abs().nan_to_num(0).max().item<double>() : 0.0;
+    if (largest_key.empty() || worst > largest) largest = worst, largest_key = k;
+    if (n > 0)
       report(k + ": " + std::to_string(n) + " of " + std::to_string(x.numel()) +
-             " elements differ (max abs difference " + std::to_string(worst) + ")");
-    }
+             " elements differ (max abs difference " + shortest(worst) + ")");
   }
+  // One figure for scripts that compare runs (scripts/chaos.py): the largest difference anywhere.
+  if (!largest_key.empty())
+    std::cout << "largest abs difference: " << shortest(largest) << " (" << largest_key << ")\n";
   if (differences == 0)
     std::cout << "same: " << a.size() << " tensors equal within rtol " << rtol << ", atol " << atol
               << "\n";

@@ -83,9 +83,15 @@ std::string read_corpus(const std::string& path) {
   return text;
 }
 
-// Rows [lo, hi) of the global batch of `step`: inputs and next-byte targets, [rows, T] each.
-std::pair<torch::Tensor, torch::Tensor> batch(const torch::Tensor& corpus, const Flags& f,
-                                              int64_t step, int64_t lo, int64_t hi) {
+// Rows [lo, hi) of the global batch of a step: inputs and next-byte targets, [rows, T] each,
+// and where in the corpus the global batch's first row starts (its data position, logged so
+// that a resumed run can be shown to read the batches an uninterrupted one reads).
+struct Batch {
+  torch::Tensor x, y;
+  int64_t first_offset;
+};
+
+Batch batch(const torch::Tensor& corpus, const Flags& f, int64_t step, int64_t lo, int64_t hi) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(f.seed * 1000003ULL + step);
   const int64_t span = corpus.numel() - f.seq_len - 1;  // > 0, checked at start
   const auto starts = torch::randint(span + 1, {f.global_batch}, gen, torch::kLong);
@@ -95,7 +101,7 @@ std::pair<torch::Tensor, torch::Tensor> batch(const torch::Tensor& corpus, const
     x.push_back(corpus.narrow(0, s, f.seq_len));
     y.push_back(corpus.narrow(0, s + 1, f.seq_len));
   }
-  return {torch::stack(x), torch::stack(y)};
+  return {torch::stack(x), torch::stack(y), starts[0].item<int64_t>()};
 }
 
 double max_rss_mb() {
@@ -286,8 +292,10 @@ class Trainer {
       const at::Tensor loss = train_step();
       const bool save_now = !f_.save_dir.empty() && f_.save_every > 0 &&
                             (step_ % f_.save_every == 0 || step_ == f_.steps);
-      if (save_now) save(step_);
+      // Logged before it is saved: every step a checkpoint holds is in the log, even when the
+      // run dies right after the save (scripts/chaos.py stitches the logs of interrupted runs).
       if (step_ % f_.log_every == 0 || step_ == f_.steps) log(loss);
+      if (save_now) save(step_);
     }
     // Without --save-every, --save-dir still gets the final state.
     if (!f_.save_dir.empty() && saved_at_ != step_) save(step_);
@@ -367,7 +375,8 @@ class Trainer {
     const auto t0 = Clock::now();
     ++step_;
     const int64_t rows = f_.global_batch / world_;
-    auto [x, y] = batch(corpus_, f_, step_, rank_ * rows, (rank_ + 1) * rows);
+    auto [x, y, offset] = batch(corpus_, f_, step_, rank_ * rows, (rank_ + 1) * rows);
+    data_offset_ = offset;
     opt_->zero_grad();
     auto logits = model_->forward(x);
     auto loss = torch::nn::functional::cross_entropy(
@@ -423,8 +432,10 @@ class Trainer {
       char buf[256];
       std::snprintf(buf, sizeof buf,
                     "{\"step\": %lld, \"loss\": %.9g, \"tokens_per_s\": %.1f, "
-                    "\"max_rss_mb\": %.1f, \"world_size\": %d, \"rss_mb_per_rank\": ",
-                    static_cast<long long>(step_), stats[0].item<double>(), tps, max_rss, world_);
+                    "\"max_rss_mb\": %.1f, \"world_size\": %d, \"data_offset\": %lld, "
+                    "\"rss_mb_per_rank\": ",
+                    static_cast<long long>(step_), stats[0].item<double>(), tps, max_rss, world_,
+                    static_cast<long long>(data_offset_));
       std::fprintf(metrics_, "%s%s}\n", buf, json.str().c_str());
       std::fflush(metrics_);
     }
@@ -471,7 +482,8 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::optional<ckpt::AsyncSaver> saver_;
   int64_t step_ = 0;
-  int64_t saved_at_ = 0;  // the step of the newest checkpoint (or where we resumed)
+  int64_t saved_at_ = 0;     // the step of the newest checkpoint (or where we resumed)
+  int64_t data_offset_ = 0;  // the last step's data position (Batch::first_offset)
   std::FILE* metrics_ = nullptr;
   Clock::time_point last_log_;
   int64_t tokens_since_ = 0;
