@@ -77,19 +77,30 @@ inline c10::intrusive_ptr<c10d::TCPStore> make_tcp_store(const std::string& host
 }
 
 #ifdef USE_C10D_GLOO
-/// Creates a Gloo backend over `store`. `hostname` picks the network interface (an address of this
-/// host); empty means Gloo's default device for this host's name.
+/// Creates a Gloo backend over `store` with one device per network interface named in
+/// `interfaces` ("eth0", as GLOO_SOCKET_IFNAME lists them; Gloo spreads its connections over
+/// them), or, when that is empty, on `hostname` (an address of this host), or Gloo's default
+/// device for this host's name when that is empty too.
+inline BackendPtr make_gloo_backend(const StorePtr& store, int rank, int size,
+                                    std::chrono::milliseconds timeout,
+                                    const std::vector<std::string>& interfaces,
+                                    const std::string& hostname, int threads) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  for (const auto& name : interfaces)
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+  if (interfaces.empty() && hostname.empty())
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  if (interfaces.empty() && !hostname.empty())
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+  opts->threads = threads;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+}
+
+/// The same on one address (`hostname`; empty: Gloo's default device for this host's name).
 inline BackendPtr make_gloo_backend(const StorePtr& store, int rank, int size,
                                     std::chrono::milliseconds timeout, const std::string& hostname,
                                     int threads) {
-  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-  if (hostname.empty()) {
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  } else {
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
-  }
-  opts->threads = threads;
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  return make_gloo_backend(store, rank, size, timeout, {}, hostname, threads);
 }
 #endif
 

@@ -5,12 +5,14 @@
 
 #include <signal.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <set>
 
 #include <torch/cuda.h>
 
+#include "dist/gloo_device.h"
 #include "fsdp/compat_backends.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
@@ -40,10 +42,6 @@ int env_int(const char* name, int fallback) {
   } catch (const std::exception&) {
     throw ValueError(msg("environment variable ", name, "=", quote(*v), " is not an integer"));
   }
-}
-
-bool is_loopback(const std::string& addr) {
-  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
 }
 
 std::mutex g_default_mu;
@@ -162,18 +160,19 @@ void ignore_sigpipe_if_default() {
 
 compat::BackendPtr make_backend(const std::string& kind, const compat::StorePtr& store, int rank,
                                 int size, std::chrono::milliseconds timeout,
-                                const std::string& gloo_hostname, int gloo_threads) {
+                                const detail::GlooDevice& gloo, int gloo_threads) {
   if (kind == "gloo") {
 #ifdef USE_C10D_GLOO
     ignore_sigpipe_if_default();
-    return compat::make_gloo_backend(store, rank, size, timeout, gloo_hostname, gloo_threads);
+    return compat::make_gloo_backend(store, rank, size, timeout, gloo.interfaces, gloo.address,
+                                     gloo_threads);
 #else
     throw ValueError("backend 'gloo' requested but fsdp-cpp was built without USE_C10D_GLOO");
 #endif
   }
   if (kind == "nccl") {
 #ifdef USE_C10D_NCCL
-    (void)gloo_hostname;
+    (void)gloo;
     (void)gloo_threads;
     return compat::make_nccl_backend(store, rank, size, timeout);
 #else
@@ -225,15 +224,17 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
   compat::BackendPtr backend;
   try {
     backend = make_backend(s.backend_name, store, my_index, static_cast<int>(ranks.size()),
-                           s.timeout, s.gloo_hostname, s.gloo_threads);
+                           s.timeout, s.gloo_device, s.gloo_threads);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistError(msg("new_group ", quote(name), ": ", fsdp::detail::rank(s.rank),
-                        " could not connect to its peers: ", e.what()));
+    throw DistError(msg(
+        "new_group ", quote(name), ": ", fsdp::detail::rank(s.rank),
+        " could not connect to its peers: ", e.what(),
+        s.backend_name == "gloo" ? "; " + detail::gloo_device_hint(s.gloo_device) : std::string()));
   }
   ProcessGroup g = from_backend(std::move(backend), name, s.timeout, s.store, std::move(global));
-  g.state_->gloo_hostname = s.gloo_hostname;
+  g.state_->gloo_device = s.gloo_device;
   g.state_->gloo_threads = s.gloo_threads;
   connect_eagerly(g);
   return g;
@@ -260,8 +261,11 @@ ProcessGroup init_process_group(const InitOptions& opts) {
     kind = "gloo";
 #endif
   }
-  std::string hostname = opts.gloo_hostname().value_or(
-      get_env("FSDP_GLOO_HOSTNAME").value_or(is_loopback(addr) ? "127.0.0.1" : ""));
+  const detail::GlooDevice gloo = detail::choose_gloo_device(opts.gloo_hostname(), addr, port);
+  // One line per host (its first local rank) when the job may span hosts: which address the
+  // others must reach, and what chose it.
+  if (kind == "gloo" && !detail::is_loopback(addr) && env.local_rank == 0)
+    std::fprintf(stderr, "fsdp: rank %d: Gloo transport on %s\n", rank, gloo.describe().c_str());
 
   compat::StorePtr store = opts.store();
   const std::string where =
@@ -275,15 +279,16 @@ ProcessGroup init_process_group(const InitOptions& opts) {
     // A prefix keeps our keys apart from anything else the caller keeps in the same store.
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
     store = prefixed;
-    backend = make_backend(kind, store, rank, world, opts.timeout(), hostname, opts.gloo_threads());
+    backend = make_backend(kind, store, rank, world, opts.timeout(), gloo, opts.gloo_threads());
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
     throw DistError(msg("init_process_group: ", fsdp::detail::rank(rank), " of ", world,
-                        " failed to rendezvous via ", where, " (", kind, "): ", e.what()));
+                        " failed to rendezvous via ", where, " (", kind, "): ", e.what(),
+                        kind == "gloo" ? "; " + detail::gloo_device_hint(gloo) : std::string()));
   }
   ProcessGroup g = ProcessGroup::from_backend(std::move(backend), "default", opts.timeout(), store);
-  g.state_->gloo_hostname = hostname;
+  g.state_->gloo_device = gloo;
   g.state_->gloo_threads = opts.gloo_threads();
   connect_eagerly(g);
   {

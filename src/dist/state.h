@@ -4,6 +4,7 @@
 #include <atomic>
 #include <memory>
 
+#include "dist/gloo_device.h"
 #include "fsdp/dist.h"
 
 namespace fsdp {
@@ -39,7 +40,7 @@ struct ProcessGroup::State {
   uint32_t next_pairwise_tag = 0;
   // The next pairwise collective's call, under the next tag (collectives.cpp).
   detail::PointToPointCall next_point_to_point(std::string what);
-  std::string gloo_hostname = "127.0.0.1";
+  detail::GlooDevice gloo_device{{}, "127.0.0.1", "the default"};
   int gloo_threads = 2;
   // Set once a collective of this group failed to start or to finish (shared with its pending
   // Works). The backend is then left to its own destructor (NCCL: abort) rather than shut down

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Emulated hosts (issue 40): N Linux network namespaces on a bridge, a command run on each.
+
+  scripts/emulated_hosts.py [--hosts 2] [--subnet 10.77.7] [--node-dir /tmp/fsdp-node]
+                            [--rate 1gbit] [--delay 1ms] [--timeout 600] -- COMMAND
+
+Host i is a network namespace with one link, addressed SUBNET.(i+1)/24, plugged into a bridge
+that lives in a namespace of its own: nothing is added to, and no address is used in, this
+machine's own network. Each host sees its own empty directory at --node-dir (a bind mount in the
+host's private mount namespace), so no filesystem path under it is shared between hosts, as on
+separate machines. With --rate/--delay, each host's link is shaped (tc tbf/netem) where the
+kernel allows it. The namespaces are removed whatever happens (an error, Ctrl-C, a timeout).
+
+COMMAND runs through `sh -c` on every host at once, with FSDP_HOST_INDEX, FSDP_HOST_COUNT,
+FSDP_HOST_ADDR (this host's address), FSDP_MASTER_HOST (host 0's) and FSDP_HOST_IFNAME (the
+link's name) set; its output is prefixed with [hI]. Exit status: 0 when every host's command
+exited 0, else the first failing host's status (124 on --timeout). Once a host's command fails,
+the others get --linger seconds to end on their own, then are killed (and named). With --counters, the bytes
+each host's link sent and received are printed at the end (one JSON line per host).
+
+Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2; exits 77 (skipped) without them.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def sh(*cmd, check=True):
+    r = subprocess.run(list(cmd), capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError("%s: %s" % (" ".join(cmd), (r.stderr or r.stdout).strip()))
+    return r
+
+
+class Hosts:
+    def __init__(self, count, subnet, tag):
+        self.count, self.subnet = count, subnet
+        self.switch = "%s-sw" % tag
+        self.ns = ["%s-h%d" % (tag, i) for i in range(count)]
+        self.ifname = "eth0"
+
+    def addr(self, i):
+        return "%s.%d" % (self.subnet, i + 1)
+
+    def create(self):
+        sh("ip", "netns", "add", self.switch)
+        sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.ns):
+            sh("ip", "netns", "add", ns)
+            port = "p%d" % i
+            # Both ends are created inside the namespaces, so no link ever appears in ours.
+            sh("ip", "-n", ns, "link", "add", self.ifname, "type", "veth", "peer", "name", port,
+               "netns", self.switch)
+            sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            sh("ip", "-n", self.switch, "link", "set", port, "up")
+            sh("ip", "-n", ns, "addr", "add", self.addr(i) + "/24", "dev", self.ifname)
+            sh("ip", "-n", ns, "link", "set", self.ifname, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def shape(self, rate, delay):
+        """Shapes each host's outgoing traffic; returns what could not be done (or None)."""
+        for ns in self.ns:
+            args = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.ifname, "root"]
+            if delay:
+                args += ["netem", "delay", delay] + (["rate", rate] if rate else [])
+            else:
+                args += ["tbf", "rate", rate, "burst", "64kb", "latency", "50ms"]
+            r = sh(*args, check=False)
+            if r.returncode != 0:
+                return "tc: " + (r.stderr or r.stdout).strip()
+        return None
+
+    def counters(self, i):
+        out = {}
+        for what in ("tx_bytes", "rx_bytes"):
+            r = sh("ip", "netns", "exec", self.ns[i], "cat",
+                   "/sys/class/net/%s/statistics/%s" % (self.ifname, what), check=False)
+            out[what] = int(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
+        return out
+
+    def destroy(self):
+        for ns in self.ns + [self.switch]:
+            sh("ip", "netns", "del", ns, check=False)
+
+
+def pump(stream, prefix):
+    for line in iter(stream.readline, b""):
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.flush()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 2)[2])
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--subnet", default="10.77.7", help="first three octets of the addresses")
+    ap.add_argument("--node-dir", default="/tmp/fsdp-node", help="each host's own directory")
+    ap.add_argument("--rate", default=None, help="shape each link to this rate (tc), e.g. 1gbit")
+    ap.add_argument("--delay", default=None, help="and this one-way delay (tc netem), e.g. 1ms")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--linger", type=float, default=30,
+                    help="seconds the other hosts may go on after one host's command failed")
+    ap.add_argument("--counters", action="store_true", help="print each link's byte counters")
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not cmd or not 1 <= a.hosts <= 250:
+        ap.error("give a COMMAND after --, and 1 to 250 hosts")
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        print("emulated_hosts: needs root, iproute2 and unshare: skipped", file=sys.stderr)
+        return 77
+    hosts = Hosts(a.hosts, a.subnet, "fsdpemu%d" % os.getpid())
+    work = tempfile.mkdtemp(prefix="fsdp-hosts-")
+    procs, rc = [], 0
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        try:
+            hosts.create()
+        except RuntimeError as e:
+            print("emulated_hosts: cannot create the namespaces (%s): skipped" % e, file=sys.stderr)
+            return 77
+        if a.rate or a.delay:
+            why = hosts.shape(a.rate, a.delay)
+            if why:
+                print("emulated_hosts: links not shaped (%s)" % why, file=sys.stderr)
+        before = [hosts.counters(i) for i in range(a.hosts)]
+        for i, ns in enumerate(hosts.ns):
+            own = os.path.join(work, "h%d" % i)
+            os.makedirs(own)
+            env = dict(os.environ, FSDP_HOST_INDEX=str(i), FSDP_HOST_COUNT=str(a.hosts),
+                       FSDP_HOST_ADDR=hosts.addr(i), FSDP_MASTER_HOST=hosts.addr(0),
+                       FSDP_HOST_IFNAME=hosts.ifname, FSDP_NODE_DIR=a.node_dir)
+            # A private mount namespace per host: its own directory at --node-dir.
+            inner = 'mkdir -p "$FSDP_NODE_DIR" && mount --bind "%s" "$FSDP_NODE_DIR" && exec sh -c "$0"' % own
+            p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount",
+                                  "--propagation", "private", "sh", "-c", inner, " ".join(cmd)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            t = threading.Thread(target=pump, args=(p.stdout, b"[h%d] " % i), daemon=True)
+            t.start()
+            procs.append((p, t))
+        deadline = time.monotonic() + a.timeout
+        first = None
+        while any(p.poll() is None for p, _ in procs):
+            if time.monotonic() > deadline:
+                left = [i for i, (p, _) in enumerate(procs) if p.poll() is None]
+                why = ("timed out after %.0f s" % a.timeout if first is None else
+                       "host %d failed (exit %d), %.0f s ago" % (first[0], first[1], a.linger))
+                print("emulated_hosts: %s; hosts %s still running: killed" % (why, left),
+                      file=sys.stderr)
+                first = first or (left[0], 124)
+                break
+            for i, (p, _) in enumerate(procs):
+                if p.poll() not in (None, 0) and first is None:
+                    first = (i, p.returncode)
+                    deadline = min(deadline, time.monotonic() + a.linger)
+            time.sleep(0.05)
+        for i, (p, _) in enumerate(procs):  # those that ended between two looks
+            if first is None and p.poll() not in (None, 0):
+                first = (i, p.returncode)
+        rc = first[1] if first else 0
+        if a.counters:
+            for i in range(a.hosts):
+                now = hosts.counters(i)
+                print(json.dumps({"host": i, "addr": hosts.addr(i), **{
+                    k: (now[k] - before[i][k]) if now[k] is not None else None for k in now}}))
+        return rc
+    finally:
+        for p, t in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            t.join(timeout=5)
+        hosts.destroy()
+        shutil.rmtree(work, ignore_errors=True)
+        signal.signal(signal.SIGTERM, old)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
