@@ -4,7 +4,8 @@
 On a stock Debian /etc/hosts the host's name resolves to loopback, so Gloo's default device
 cannot be reached from another host. Checked:
   1. with no variable set, the job runs: each host logs the address it chose (the route to the
-     master) and the W=2 losses equal a W=1 run's within the data-parallel tolerance;
+     master) and the W=2 losses equal a W=1 run's within the data-parallel tolerance; so do
+     2 hosts x 2 ranks under every strategy (the bytes host 0 sent are printed);
   2. GLOO_SOCKET_IFNAME=eth0 (what PyTorch users set) runs too, and says so;
   3. negative control: FSDP_GLOO_HOSTNAME=127.0.0.1 (Gloo's old default here) fails within the
      timeout, with an error naming that address and the variables that choose another.
@@ -21,14 +22,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTS = os.path.join(HERE, "..", "..", "scripts", "emulated_hosts.py")
 
 
-def job(run, train, env_line, work, tag, timeout=120):
-    cmd = ("%s cd %s && %s --nnodes 2 --node-rank $FSDP_HOST_INDEX --nproc-per-node 1 "
+def job(run, train, env_line, work, tag, timeout=120, nproc=1, args=""):
+    cmd = ("%s cd %s && %s --nnodes 2 --node-rank $FSDP_HOST_INDEX --nproc-per-node %d "
            "--master-addr $FSDP_MASTER_HOST --master-port 29631 %s --steps 3 --log-every 1 "
-           "--timeout 8 --metrics %s/%s.jsonl" % (env_line, work, run, train, work, tag))
-    r = subprocess.run([sys.executable, HOSTS, "--hosts", "2", "--linger", "15",
+           "--timeout 8 --metrics %s/%s.jsonl %s" % (env_line, work, run, nproc, train, work, tag,
+                                                     args))
+    r = subprocess.run([sys.executable, HOSTS, "--hosts", "2", "--linger", "15", "--counters",
                         "--timeout", str(timeout), "--", cmd],
                        capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr
+
+
+def sent_by_host0(out):
+    """Bytes host 0's link sent during the job (emulated_hosts.py --counters)."""
+    for line in out.splitlines():
+        if line.startswith('{"host": 0'):
+            return json.loads(line)["tx_bytes"]
+    return None
 
 
 def losses(path):
@@ -64,6 +74,19 @@ def main():
         a, b = losses(os.path.join(work, "auto.jsonl")), losses(os.path.join(work, "w1.jsonl"))
         check(sorted(a) == [1, 2, 3] and all(abs(a[s] - b[s]) <= 1e-4 * abs(b[s]) for s in b),
               "W=2 across hosts logs W=1's losses (%s vs %s)" % (a, b))
+
+    # Every strategy on 2 hosts x 2 ranks (HYBRID_SHARD: one shard group per host) logs W=1's
+    # losses; the bytes host 0 sent across the boundary are printed (docs/dist.md).
+    for strategy in ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard"):
+        rc, out = job(run, train, "unset GLOO_SOCKET_IFNAME FSDP_GLOO_HOSTNAME;", work, strategy,
+                      240, 2, "--sharding " + strategy)
+        check(rc == 0, "%s on 2 hosts x 2 ranks runs" % strategy, out)
+        if rc == 0:
+            a = losses(os.path.join(work, strategy + ".jsonl"))
+            b = losses(os.path.join(work, "w1.jsonl"))
+            check(sorted(a) == [1, 2, 3] and all(abs(a[s] - b[s]) <= 1e-4 * abs(b[s]) for s in b),
+                  "%s: W=4 across hosts logs W=1's losses" % strategy, out)
+            print("      %s: host 0 sent %s bytes in 3 steps" % (strategy, sent_by_host0(out)))
 
     rc, out = job(run, train, "export GLOO_SOCKET_IFNAME=eth0;", work, "ifname")
     check(rc == 0, "GLOO_SOCKET_IFNAME=eth0: the job runs", out)
