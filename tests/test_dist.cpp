@@ -1,7 +1,10 @@
 // fsdp::dist over real Gloo processes: every collective at world sizes 1-4 and 6 with element
 // counts 0, 1 and sizes not divisible by anything convenient, sub-groups, and failure behaviour;
 // and the pairwise reduce-scatter's sum kernel on its own.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <functional>
@@ -714,6 +717,49 @@ TEST(Dist, DeadPeerBecomesDistErrorNotHang) {
   EXPECT_TRUE(results[1].ok) << results[1].message;
   EXPECT_FALSE(results[2].ok);
   EXPECT_NE(results[2].message.find("signal 9"), std::string::npos) << results[2].message;
+}
+
+// Rank 0 stopped (SIGSTOP, a hung host) after its TCPStore began to listen: the kernel still
+// completes the others' connections from the backlog, but nothing ever answers. LibTorch 2.6's
+// store client waited for its ping's reply with no limit (found by scripts/chaos.py); the
+// rendezvous must end in a DistError within the timeout instead.
+TEST(Dist, StoreThatNeverAnswersIsAnErrorNotAHang) {
+  fsdp::testing::RunOptions opts;
+  opts.init_group = false;
+  run_ranks(
+      1,
+      [](ProcessGroup&) {
+        const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+        ASSERT_GE(fd, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        socklen_t len = sizeof a;
+        ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+        ASSERT_EQ(::listen(fd, 16), 0);  // never accept()ed, never answered
+        ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          fsdp::dist::init_process_group(fsdp::dist::InitOptions()
+                                             .rank(1)
+                                             .world_size(2)
+                                             .master_addr("127.0.0.1")
+                                             .master_port(ntohs(a.sin_port))
+                                             .timeout(std::chrono::milliseconds(1500)));
+          ADD_FAILURE() << "the rendezvous succeeded with a store that never answers";
+        } catch (const fsdp::DistError& e) {
+          EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("127.0.0.1:" + std::to_string(ntohs(a.sin_port))),
+                    std::string::npos)
+              << e.what();
+        }
+        // The timeout, the 2 s the store's own retries get, and slack for a loaded machine.
+        EXPECT_LT(std::chrono::steady_clock::now() - t0,
+                  std::chrono::milliseconds(1500 + 2000 + 3000));
+        // Leave at once: the abandoned connect thread may still hold the socket.
+        ::close(fd);
+      },
+      opts);
 }
 
 TEST(Dist, InitFromTorchrunEnvironment) {

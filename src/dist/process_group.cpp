@@ -5,10 +5,13 @@
 
 #include <signal.h>
 
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include <torch/cuda.h>
 
@@ -182,6 +185,47 @@ compat::BackendPtr make_backend(const std::string& kind, const compat::StorePtr&
   throw ValueError(msg("unknown backend ", quote(kind), " (expected gloo, nccl or auto)"));
 }
 
+// Connects to (or, on rank 0, hosts) the TCPStore, giving up after `timeout`. LibTorch 2.6's
+// client checks a new connection with a ping whose reply it waits for without a time limit: when
+// the store's host is stopped (SIGSTOP, a hung machine) after it began to listen, a rank hung
+// there for good (found by scripts/chaos.py). The constructor runs on a thread of its own that is
+// abandoned when the time is up; it holds nothing but the socket, which the process's exit closes.
+compat::StorePtr connect_store(const std::string& addr, int port, int rank, int world,
+                               std::chrono::milliseconds timeout) {
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    compat::StorePtr store;
+    std::exception_ptr error;
+  };
+  auto shared = std::make_shared<Shared>();
+  std::thread([shared, addr, port, rank, world, timeout] {
+    compat::StorePtr store;
+    std::exception_ptr error;
+    try {
+      store =
+          compat::make_tcp_store(addr, static_cast<std::uint16_t>(port), rank == 0, world, timeout);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(shared->mu);
+    shared->store = std::move(store);
+    shared->error = error;
+    shared->done = true;
+    shared->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  // The constructor's own connect retries end at `timeout`; a little more lets them say why.
+  if (!shared->cv.wait_for(lock, timeout + std::chrono::seconds(2), [&] { return shared->done; }))
+    throw DistError(msg("init_process_group: ", fsdp::detail::rank(rank), " of ", world,
+                        ": the TCPStore at ", addr, ":", port, " accepted the connection but did ",
+                        "not answer within the timeout (", timeout.count(),
+                        " ms); is rank 0's process stopped or its host hung?"));
+  if (shared->error) std::rethrow_exception(shared->error);
+  return shared->store;
+}
+
 // NCCL builds its communicator at a group's first collective, and building it waits for every
 // peer with no time limit. Doing it while creating the group, when every rank is there, keeps
 // later collectives under the group's timeout (c10d's watchdog, or wait() with
@@ -273,8 +317,7 @@ ProcessGroup init_process_group(const InitOptions& opts) {
   compat::BackendPtr backend;
   try {
     if (!store) {
-      store = compat::make_tcp_store(addr, static_cast<std::uint16_t>(port), rank == 0, world,
-                                     opts.timeout());
+      store = connect_store(addr, port, rank, world, opts.timeout());
     }
     // A prefix keeps our keys apart from anything else the caller keeps in the same store.
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
