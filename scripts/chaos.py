@@ -21,7 +21,7 @@ over as in tests/test_fsdp_train.cpp. Negative controls: the W=1 weights one ste
 log read one step out of place, must both fail those checks.
 
   scripts/chaos.py [--build build] [--failures 200] [--min-in-save 50] [--seed S] [--json FILE]
-  scripts/chaos.py --short      what CI runs: 12 failures, at least 3 inside saves
+  scripts/chaos.py --short      what CI runs: 16 failures, at least 3 inside saves
 
 Needs only Python's standard library and the built fsdp-run, fsdp-train and fsdp-ckpt. Prints a
 summary (and writes it as JSON with --json); exits 1 when any check fails, keeping the work
@@ -62,11 +62,13 @@ def parse_args():
                     "earlier chaos run made it")
     ap.add_argument("--keep", action="store_true", help="keep the work directory on success too")
     ap.add_argument("--json", default=None, help="write the summary here")
-    ap.add_argument("--short", action="store_true", help="CI: 12 failures, 3 inside saves")
+    ap.add_argument("--short", action="store_true", help="CI: 16 failures, 3 inside saves")
     ap.add_argument("--verbose", action="store_true", help="one line per round")
     a = ap.parse_args()
     if a.short:
-        a.failures, a.min_in_save = 12, 3
+        # 8 aimed at a save; with the campaigns' hit rates (81-99%) fewer than 3 hits is rarer
+        # than 1 in 500.
+        a.failures, a.min_in_save = 16, 3
     if a.seed is None:
         a.seed = random.SystemRandom().randrange(1 << 31)
     return a
@@ -222,7 +224,7 @@ class Chaos:
             if timed:
                 st["timed_for_save"] += 1
                 self.wait_for(p, lambda: self.staging() - leftovers, 30)
-                time.sleep(rng.uniform(0, 0.01))
+                time.sleep(rng.uniform(0, 0.005))
             else:
                 self.wait_for(p, lambda: False, rng.uniform(0.1, 3.0))
             ranks = {}
