@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <utility>
 
 #include "util/message.h"
 
@@ -78,8 +79,8 @@ GlooDevice choose_gloo_device(const std::optional<std::string>& option,
   } else if (auto h = env("FSDP_GLOO_HOSTNAME")) {
     d.address = *h;
     d.chosen_by = "FSDP_GLOO_HOSTNAME";
-  } else if (auto names = env("GLOO_SOCKET_IFNAME"); names && !split_names(*names).empty()) {
-    d.interfaces = split_names(*names);
+  } else if (auto names = split_names(env("GLOO_SOCKET_IFNAME").value_or("")); !names.empty()) {
+    d.interfaces = std::move(names);
     d.chosen_by = "GLOO_SOCKET_IFNAME";
   } else if (is_loopback(master_addr)) {
     d.address = "127.0.0.1";
