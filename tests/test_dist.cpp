@@ -17,6 +17,7 @@
 
 #include "dist/state.h"  // sum_then_divide
 #include "fsdp/compat.h"
+#include "fsdp/compat_backends.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
@@ -760,6 +761,60 @@ TEST(Dist, StoreThatNeverAnswersIsAnErrorNotAHang) {
         ::close(fd);
       },
       opts);
+}
+
+// Under a launcher that hosts the job's store (fsdp-run across hosts, torchrun), every rank is a
+// client: here the test process hosts it on the port MASTER_PORT names, so a rank 0 that tried to
+// host it too would fail to bind. Negative control: without TORCHELASTIC_USE_AGENT_STORE, rank 0
+// does try, and fails.
+TEST(Dist, InitUnderALauncherThatHostsTheStore) {
+  auto store = fsdp::compat::make_tcp_store("127.0.0.1", 0, /*is_server=*/true, -1,
+                                            std::chrono::seconds(30));
+  const int port = store->getPort();
+  const int64_t keys_before = store->getNumKeys();
+  for (const bool agent : {true, false}) {
+    fsdp::testing::RunOptions opts;
+    opts.init_group = false;
+    opts.report = agent;
+    if (!agent) opts.grace = std::chrono::seconds(1);
+    auto results = fsdp::testing::run_ranks(
+        2,
+        [port, agent](ProcessGroup&) {
+          const char* r = std::getenv("FSDP_TEST_RANK");
+          ASSERT_NE(r, nullptr);
+          ::setenv("RANK", r, 1);
+          ::setenv("WORLD_SIZE", "2", 1);
+          ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+          ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+          ::setenv("TORCHELASTIC_USE_AGENT_STORE", agent ? "True" : "False", 1);
+          ::setenv("TORCHELASTIC_RESTART_COUNT", "3", 1);
+          const auto env = fsdp::dist::env_info();
+          EXPECT_EQ(env.agent_store, agent);
+          EXPECT_EQ(env.restart_count, 3);
+          auto pg = fsdp::dist::init_process_group(
+              fsdp::dist::InitOptions().backend("gloo").timeout(std::chrono::seconds(10)));
+          at::Tensor t = at::ones({3});
+          pg.all_reduce(t);
+          EXPECT_TRUE(at::equal(t, at::full({3}, 2.0f)));
+          fsdp::dist::destroy_process_group();
+        },
+        opts);
+    if (agent) {
+      EXPECT_GT(store->getNumKeys(), keys_before) << "the ranks rendezvoused elsewhere";
+    } else {
+      ASSERT_FALSE(results[0].ok) << "rank 0 hosted a second store on a port in use";
+      EXPECT_NE(results[0].message.find("TCPStore 127.0.0.1:" + std::to_string(port)),
+                std::string::npos)
+          << results[0].message;
+    }
+  }
+  // PyTorch's spelling only: "true" is not "True".
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "true", 1);
+  EXPECT_FALSE(fsdp::dist::env_info().agent_store);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "x", 1);
+  EXPECT_THROW(fsdp::dist::env_info(), fsdp::ValueError);
+  ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+  ::unsetenv("TORCHELASTIC_RESTART_COUNT");
 }
 
 TEST(Dist, InitFromTorchrunEnvironment) {

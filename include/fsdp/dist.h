@@ -124,6 +124,12 @@ struct EnvInfo {
   int master_port = 29500;
   /// Whose variables gave the layout: "torchrun" (also fsdp-run), "mpirun", "slurm" or "none".
   std::string launcher = "none";
+  /// TORCHELASTIC_USE_AGENT_STORE=True: the launcher (fsdp-run across hosts, torchrun) hosts the
+  /// TCPStore at MASTER_ADDR:MASTER_PORT, so every rank, rank 0 included, connects to it as a
+  /// client, and the ranks' keys live under "/worker/attempt_<restart_count>", as in PyTorch.
+  bool agent_store = false;
+  /// TORCHELASTIC_RESTART_COUNT: how many times the launcher has restarted the job (0 at first).
+  int restart_count = 0;
 };
 
 /// Reads the rank layout from the first launcher whose variables are set:
@@ -133,7 +139,8 @@ struct EnvInfo {
 ///  * Slurm's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and SLURM_NTASKS_PER_NODE (else
 ///    the first count of SLURM_TASKS_PER_NODE).
 /// MASTER_ADDR and MASTER_PORT come from the environment in every case (mpirun and srun set
-/// neither: export them, e.g. the first host of the allocation). Missing variables take the
+/// neither: export them, e.g. the first host of the allocation), and so do torchelastic's
+/// TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT. Missing variables take the
 /// defaults above (a single process); malformed ones throw ValueError naming the variable.
 EnvInfo env_info();
 
@@ -293,10 +300,12 @@ class ProcessGroup {
 };
 
 /// Creates the default (world) group: rendezvous over a TCPStore (or `opts.store`), then a Gloo or
-/// NCCL backend. Rank 0 hosts the store. Throws DistError if the rendezvous times out.
-/// Creating a Gloo group sets SIGPIPE to be ignored if the program left it at its default (as
-/// Python does at start-up): otherwise a peer dying mid-collective kills this process with
-/// SIGPIPE instead of failing the collective with a DistError.
+/// NCCL backend. Rank 0 hosts the store, unless the launcher does
+/// (TORCHELASTIC_USE_AGENT_STORE=True, set by fsdp-run across hosts and by torchrun: every rank is
+/// then a client, as in PyTorch). Throws DistError if the rendezvous times out. Creating a Gloo
+/// group sets SIGPIPE to be ignored if the program left it at its default (as Python does at
+/// start-up): otherwise a peer dying mid-collective kills this process with SIGPIPE instead of
+/// failing the collective with a DistError.
 ProcessGroup init_process_group(const InitOptions& opts = InitOptions());
 
 /// The group init_process_group created. Throws StateError if there is none.

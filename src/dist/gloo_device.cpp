@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <utility>
 
+#include "util/env.h"
 #include "util/message.h"
 
 namespace fsdp {
@@ -18,12 +19,6 @@ namespace detail {
 using fsdp::detail::msg;
 
 namespace {
-
-std::optional<std::string> env(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
-}
 
 // "eth0,eth1" -> {"eth0", "eth1"}, empty names dropped, as PyTorch splits GLOO_SOCKET_IFNAME.
 std::vector<std::string> split_names(const std::string& list) {
@@ -76,10 +71,11 @@ GlooDevice choose_gloo_device(const std::optional<std::string>& option,
   if (option) {
     d.address = *option;
     d.chosen_by = "InitOptions::gloo_hostname";
-  } else if (auto h = env("FSDP_GLOO_HOSTNAME")) {
+  } else if (auto h = fsdp::detail::get_env("FSDP_GLOO_HOSTNAME")) {
     d.address = *h;
     d.chosen_by = "FSDP_GLOO_HOSTNAME";
-  } else if (auto names = split_names(env("GLOO_SOCKET_IFNAME").value_or("")); !names.empty()) {
+  } else if (auto names = split_names(fsdp::detail::get_env("GLOO_SOCKET_IFNAME").value_or(""));
+             !names.empty()) {
     d.interfaces = std::move(names);
     d.chosen_by = "GLOO_SOCKET_IFNAME";
   } else if (is_loopback(master_addr)) {

@@ -18,34 +18,18 @@
 #include "dist/gloo_device.h"
 #include "fsdp/compat_backends.h"
 #include "fsdp/errors.h"
+#include "util/env.h"
 #include "util/message.h"
 
 namespace fsdp {
 namespace dist {
 
+using fsdp::detail::env_int;
+using fsdp::detail::get_env;
 using fsdp::detail::msg;
 using fsdp::detail::quote;
 
 namespace {
-
-std::optional<std::string> get_env(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  return std::string(v);
-}
-
-int env_int(const char* name, int fallback) {
-  auto v = get_env(name);
-  if (!v) return fallback;
-  try {
-    size_t used = 0;
-    int x = std::stoi(*v, &used);
-    if (used != v->size()) throw std::invalid_argument("trailing characters");
-    return x;
-  } catch (const std::exception&) {
-    throw ValueError(msg("environment variable ", name, "=", quote(*v), " is not an integer"));
-  }
-}
 
 std::mutex g_default_mu;
 ProcessGroup g_default;
@@ -84,6 +68,9 @@ EnvInfo env_info() {
   }
   e.master_addr = get_env("MASTER_ADDR").value_or("127.0.0.1");
   e.master_port = env_int("MASTER_PORT", 29500);
+  // PyTorch's spelling exactly: only the string "True" turns it on.
+  e.agent_store = get_env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+  e.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", 0);
   return e;
 }
 
@@ -185,12 +172,14 @@ compat::BackendPtr make_backend(const std::string& kind, const compat::StorePtr&
   throw ValueError(msg("unknown backend ", quote(kind), " (expected gloo, nccl or auto)"));
 }
 
-// Connects to (or, on rank 0, hosts) the TCPStore, giving up after `timeout`. LibTorch 2.6's
+// Connects to (or, with `hosts_store`, hosts) the TCPStore that `owner` hosts, giving up after
+// `timeout`. LibTorch 2.6's
 // client checks a new connection with a ping whose reply it waits for without a time limit: when
 // the store's host is stopped (SIGSTOP, a hung machine) after it began to listen, a rank hung
 // there for good (found by scripts/chaos.py). The constructor runs on a thread of its own that is
 // abandoned when the time is up; it holds nothing but the socket, which the process's exit closes.
 compat::StorePtr connect_store(const std::string& addr, int port, int rank, int world,
+                               bool hosts_store, const std::string& owner,
                                std::chrono::milliseconds timeout) {
   struct Shared {
     std::mutex mu;
@@ -200,12 +189,12 @@ compat::StorePtr connect_store(const std::string& addr, int port, int rank, int 
     std::exception_ptr error;
   };
   auto shared = std::make_shared<Shared>();
-  std::thread([shared, addr, port, rank, world, timeout] {
+  std::thread([shared, addr, port, world, hosts_store, timeout] {
     compat::StorePtr store;
     std::exception_ptr error;
     try {
-      store =
-          compat::make_tcp_store(addr, static_cast<std::uint16_t>(port), rank == 0, world, timeout);
+      store = compat::make_tcp_store(addr, static_cast<std::uint16_t>(port), hosts_store, world,
+                                     timeout);
     } catch (...) {
       error = std::current_exception();
     }
@@ -220,8 +209,8 @@ compat::StorePtr connect_store(const std::string& addr, int port, int rank, int 
   if (!shared->cv.wait_for(lock, timeout + std::chrono::seconds(2), [&] { return shared->done; }))
     throw DistError(msg("init_process_group: ", fsdp::detail::rank(rank), " of ", world,
                         ": the TCPStore at ", addr, ":", port, " accepted the connection but did ",
-                        "not answer within the timeout (", timeout.count(),
-                        " ms); is rank 0's process stopped or its host hung?"));
+                        "not answer within the timeout (", timeout.count(), " ms); is ", owner,
+                        "'s process stopped or its host hung?"));
   if (shared->error) std::rethrow_exception(shared->error);
   return shared->store;
 }
@@ -317,7 +306,15 @@ ProcessGroup init_process_group(const InitOptions& opts) {
   compat::BackendPtr backend;
   try {
     if (!store) {
-      store = connect_store(addr, port, rank, world, opts.timeout());
+      // Under a launcher that hosts the store (fsdp-run across hosts, torchrun), rank 0 is a client
+      // like the others, and each restart of the job has keys of its own, as in PyTorch.
+      const bool agent = env.agent_store;
+      store = connect_store(addr, port, rank, world, !agent && rank == 0,
+                            agent ? "the launcher" : "rank 0", opts.timeout());
+      if (agent) {
+        store = c10::make_intrusive<c10d::PrefixStore>(msg("/worker/attempt_", env.restart_count),
+                                                       store);
+      }
     }
     // A prefix keeps our keys apart from anything else the caller keeps in the same store.
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp", store);
