@@ -1,9 +1,12 @@
 // fsdp-run, the launcher (issue 12), run as a user runs it, with small shell programs as ranks:
 // torchrun's variables, rank-prefixed whole lines, a dying rank stopping the others (SIGTERM,
 // then SIGKILL after the grace period) with a non-zero exit naming it, SIGINT forwarded, and bad
-// usage answered with one line. fsdp-train's tests run real Gloo programs under it.
+// usage answered with one line. Across nodes (issue 40; two launchers on loopback): the job's
+// store hosted by node 0's launcher, a failure on any node stopping every node, the join's checks
+// and time limit, and a lost node. fsdp-train's tests run real Gloo programs under it.
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <set>
 
 #include "command_testing.h"
@@ -37,17 +40,160 @@ TEST(FsdpRun, GivesEachRankTorchrunsVariablesAndPrefixesItsLines) {
   }
   ASSERT_EQ(ports.size(), 1u) << "every rank must get the same MASTER_PORT\n" << r.out;
   EXPECT_GT(std::stoi(*ports.begin()), 0);
+}
 
-  // Node 1 of 2: global ranks 2 and 3, the given store address, no prefixes when asked.
-  const auto n =
-      run_shell(kRun +
-                " --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.7 "
-                "--master-port 1234 --no-prefix sh -c 'echo \"$RANK/$WORLD_SIZE "
-                "$LOCAL_RANK/$LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR:$MASTER_PORT\"'");
-  ASSERT_EQ(n.rc, 0) << n.out;
-  EXPECT_EQ(count_lines_with(n.out, "2/4 0/2 1 10.0.0.7:1234"), 1) << n.out;
-  EXPECT_EQ(count_lines_with(n.out, "3/4 1/2 1 10.0.0.7:1234"), 1) << n.out;
-  EXPECT_EQ(count_lines_with(n.out, "[r"), 0) << n.out;
+// Two launchers of one job on loopback, as on two hosts: node 0's hosts the job's store.
+struct TwoNodes {
+  fsdp::testing::TempDir dir;
+  std::string port = std::to_string(fsdp::testing::free_port());
+  std::unique_ptr<Background> node[2];
+
+  // `args` go to each fsdp-run before PROGRAM; `program[i]` is node i's.
+  void start(const std::string& args, const std::string (&program)[2]) {
+    for (int i = 0; i < 2; ++i) {
+      node[i] = std::make_unique<Background>(kRun + " --nnodes 2 --node-rank " + std::to_string(i) +
+                                                 " --master-addr 127.0.0.1 --master-port " + port +
+                                                 " " + args + " " + program[i],
+                                             dir.file("node" + std::to_string(i) + ".log"));
+    }
+  }
+  std::string output(int i) const { return node[i]->output(); }
+};
+
+// Node 1 of 2: global ranks 2 and 3; every rank gets the store that node 0's launcher hosts, as a
+// client (TORCHELASTIC_USE_AGENT_STORE=True), and the same run id; no prefixes when asked.
+TEST(FsdpRunNodes, RanksGetGlobalNumbersAndTheLaunchersStore) {
+  TwoNodes job;
+  const std::string vars =
+      "sh -c 'echo \"$RANK/$WORLD_SIZE $LOCAL_RANK/$LOCAL_WORLD_SIZE $GROUP_RANK "
+      "$MASTER_ADDR:$MASTER_PORT agent=$TORCHELASTIC_USE_AGENT_STORE "
+      "restarts=$TORCHELASTIC_RESTART_COUNT run=$TORCHELASTIC_RUN_ID\"'";
+  job.start("--nproc-per-node 2 --no-prefix", {vars, vars});
+  for (int i = 0; i < 2; ++i)
+    ASSERT_EQ(job.node[i]->wait(std::chrono::seconds(60)), 0) << job.output(i);
+  const std::string out0 = job.output(0), out1 = job.output(1);
+  const std::string where = " 127.0.0.1:" + job.port + " agent=True restarts=0 run=";
+  EXPECT_EQ(count_lines_with(out0, "0/4 0/2 0" + where), 1) << out0;
+  EXPECT_EQ(count_lines_with(out0, "1/4 1/2 0" + where), 1) << out0;
+  EXPECT_EQ(count_lines_with(out1, "2/4 0/2 1" + where), 1) << out1;
+  EXPECT_EQ(count_lines_with(out1, "3/4 1/2 1" + where), 1) << out1;
+  EXPECT_EQ(count_lines_with(out1, "[r"), 0) << out1;
+  const auto run_id = [](const std::string& out) {
+    const size_t at = out.find("run=");
+    return at == std::string::npos ? std::string()
+                                   : out.substr(at + 4, out.find('\n', at) - at - 4);
+  };
+  EXPECT_EQ(run_id(out0).size(), 16u) << out0;
+  EXPECT_EQ(run_id(out0), run_id(out1)) << "every node must hand its ranks node 0's run id";
+}
+
+// A rank failing on one node stops every node's ranks within seconds (the others sleep 60 s),
+// and both launchers exit with its code, naming its node and rank: node 1's rank 3 exits 3; then
+// node 0's rank 0 (the store's own host) dies of SIGKILL.
+TEST(FsdpRunNodes, AFailureOnAnyNodeStopsEveryNode) {
+  const std::string sleeper = "sh -c 'sleep 60'";
+  {
+    TwoNodes job;
+    job.start("--nproc-per-node 2 --grace-period 1",
+              {sleeper, "sh -c '[ $RANK = 3 ] && { sleep 1; exit 3; }; sleep 60'"});
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(job.node[i]->wait(std::chrono::seconds(20)), 3) << job.output(i);
+      EXPECT_NE(job.output(i).find("rank 3 (local rank 1) on node 1 ("), std::string::npos)
+          << job.output(i);
+      EXPECT_NE(job.output(i).find("exited with code 3"), std::string::npos) << job.output(i);
+    }
+    EXPECT_NE(job.output(0).find("; stopping this node's ranks"), std::string::npos)
+        << job.output(0);
+  }
+  {
+    TwoNodes job;
+    job.start("--nproc-per-node 1 --grace-period 1", {"sh -c 'sleep 1; kill -9 $$'", sleeper});
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(job.node[i]->wait(std::chrono::seconds(20)), 128 + 9) << job.output(i);
+      EXPECT_NE(job.output(i).find("rank 0 (local rank 0) on node 0 ("), std::string::npos)
+          << job.output(i);
+      EXPECT_NE(job.output(i).find("was killed by signal 9 (SIGKILL)"), std::string::npos)
+          << job.output(i);
+    }
+  }
+}
+
+// Launchers that disagree on the job's shape, or claim the same node rank, stop at once, before
+// any rank starts; a node that never comes ends the join after --join-timeout, naming it.
+TEST(FsdpRunNodes, TheJoinChecksTheJobsShapeAndWaitsBoundedly) {
+  const std::string echo = "sh -c 'echo started'";
+  {
+    TwoNodes job;
+    job.node[0] = std::make_unique<Background>(kRun + " --nnodes 2 --node-rank 0 --master-port " +
+                                                   job.port + " --nproc-per-node 2 " + echo,
+                                               job.dir.file("node0.log"));
+    job.node[1] = std::make_unique<Background>(kRun + " --nnodes 2 --node-rank 1 --master-port " +
+                                                   job.port + " --nproc-per-node 1 " + echo,
+                                               job.dir.file("node1.log"));
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(job.node[i]->wait(std::chrono::seconds(30)), 2) << job.output(i);
+      EXPECT_NE(job.output(i).find("node 1 was started with --nnodes 2 --nproc-per-node 1 but node "
+                                   "0 with --nnodes 2 --nproc-per-node 2"),
+                std::string::npos)
+          << job.output(i);
+      EXPECT_EQ(count_lines_with(job.output(i), "] started"), 0) << job.output(i);
+    }
+  }
+  {
+    TwoNodes job;
+    job.node[0] = std::make_unique<Background>(
+        kRun + " --nnodes 3 --node-rank 0 --master-port " + job.port + " --join-timeout 20 " + echo,
+        job.dir.file("node0.log"));
+    job.node[1] = std::make_unique<Background>(
+        kRun + " --nnodes 3 --node-rank 1 --master-port " + job.port + " " + echo,
+        job.dir.file("node1.log"));
+    Background again(kRun + " --nnodes 3 --node-rank 1 --master-port " + job.port + " " + echo,
+                     job.dir.file("node1b.log"));
+    EXPECT_EQ(job.node[0]->wait(std::chrono::seconds(30)), 2) << job.output(0);
+    EXPECT_NE(job.output(0).find("two launchers were started with --node-rank 1"),
+              std::string::npos)
+        << job.output(0);
+  }
+  {
+    TwoNodes job;
+    job.node[0] = std::make_unique<Background>(
+        kRun + " --nnodes 2 --node-rank 0 --master-port " + job.port + " --join-timeout 2 " + echo,
+        job.dir.file("node0.log"));
+    EXPECT_EQ(job.node[0]->wait(std::chrono::seconds(30)), 2) << job.output(0);
+    EXPECT_NE(job.output(0).find("node rank(s) 1 did not join within 2 s (--join-timeout)"),
+              std::string::npos)
+        << job.output(0);
+  }
+}
+
+// A launcher that stops answering (SIGSTOP: a hung host) is lost after --heartbeat-timeout, and
+// the job fails on node 0, naming it; a lost node 0 (its launcher killed, and so the store) is
+// noticed by node 1, which stops its ranks and names it.
+TEST(FsdpRunNodes, ALostNodeEndsTheJob) {
+  const std::string sleeper = "sh -c 'sleep 60'";
+  {
+    TwoNodes job;
+    job.start("--nproc-per-node 1 --grace-period 1 --heartbeat-timeout 2", {sleeper, sleeper});
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    ::kill(job.node[1]->pid(), SIGSTOP);
+    EXPECT_EQ(job.node[0]->wait(std::chrono::seconds(30)), 1) << job.output(0);
+    EXPECT_NE(job.output(0).find("node 1 ("), std::string::npos) << job.output(0);
+    EXPECT_NE(job.output(0).find(") stopped answering: its launcher sent no heartbeat for "),
+              std::string::npos)
+        << job.output(0);
+    ::kill(job.node[1]->pid(), SIGKILL);
+    ::kill(job.node[1]->pid(), SIGCONT);
+  }
+  {
+    TwoNodes job;
+    job.start("--nproc-per-node 1 --grace-period 1", {sleeper, sleeper});
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    ::kill(job.node[0]->pid(), SIGKILL);
+    EXPECT_EQ(job.node[1]->wait(std::chrono::seconds(30)), 1) << job.output(1);
+    EXPECT_NE(job.output(1).find("lost the job's store at 127.0.0.1:" + job.port),
+              std::string::npos)
+        << job.output(1);
+  }
 }
 
 // Rank 1 dies of SIGKILL; rank 0 ignores SIGTERM (so it takes SIGKILL after the grace period),

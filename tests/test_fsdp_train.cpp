@@ -6,11 +6,17 @@
 //  - Python's own model loads both exports and computes the C++ model's logits;
 //  - killing a rank stops the run within seconds, and a resume continues from the last
 //    complete checkpoint (written asynchronously);
-//  - bad flags and data give one line and a non-zero exit on every rank, never a hang.
+//  - bad flags and data give one line and a non-zero exit on every rank, never a hang;
+//  - across nodes (two launchers on loopback), a rank killed or failing at start-up on either
+//    node ends both within seconds, and nothing busy-waits while the job forms.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <fstream>
+#include <iterator>
 #include <map>
+#include <memory>
 #include <sstream>
 
 #include "command_testing.h"
@@ -219,6 +225,123 @@ TEST(FsdpTrain, BadFlagsAndDataAreOneLinePerRank) {
     EXPECT_LE(lines, 2) << args << "\n" << r.out;
     EXPECT_EQ(count_lines_with(r.out, message), lines) << args << "\n" << r.out;
   }
+}
+
+// Across nodes (issue 40): two fsdp-run launchers on loopback, as on two hosts, one rank each.
+class FsdpTrainNodes : public ::testing::Test {
+ protected:
+  // Starts node i's launcher with `program` (fsdp-train's arguments, or a whole command when it
+  // starts with "sh ").
+  void start(int i, const std::string& program, const std::string& launcher_args = "") {
+    const std::string cmd =
+        program.rfind("sh ", 0) == 0 ? program : std::string(FSDP_TRAIN_BIN) + " " + program;
+    node_[i] = std::make_unique<Background>(
+        "sh -c \"cd '" + dir_.path() + "' && exec " + FSDP_RUN_BIN + " --nnodes 2 --node-rank " +
+            std::to_string(i) + " --master-port " + port_ + " --grace-period 2 " + launcher_args +
+            " " + cmd + "\"",
+        dir_.file("node" + std::to_string(i) + ".log"));
+  }
+  // Waits for both launchers; each must exit with `rc` within `limit` seconds of `t0`, naming
+  // `what` (the first failure in the job).
+  void expect_both_end(int rc, const std::string& what, std::chrono::steady_clock::time_point t0,
+                       double limit) {
+    for (int i = 0; i < 2; ++i) {
+      const int got = node_[i]->wait(std::chrono::seconds(120));
+      const double took =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      EXPECT_EQ(got, rc) << "node " << i << "\n" << node_[i]->output();
+      EXPECT_LT(took, limit) << "node " << i << "\n" << node_[i]->output();
+      EXPECT_NE(node_[i]->output().find(what), std::string::npos) << "node " << i << "\n"
+                                                                  << node_[i]->output();
+    }
+  }
+  // CPU seconds (user + system) `pid` has used.
+  static double cpu_seconds(pid_t pid) {
+    std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    std::istringstream rest(stat.substr(stat.rfind(')') + 2));
+    std::string field;
+    double ticks = 0;
+    for (int k = 3; k <= 15 && rest >> field; ++k)
+      if (k == 14 || k == 15) ticks += std::stod(field);
+    return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
+  }
+
+  TempDir dir_;
+  std::string port_ = std::to_string(fsdp::testing::free_port());
+  std::unique_ptr<Background> node_[2];
+};
+
+// A rank SIGKILLed mid-run on node 1 ends both launchers within 10 s, both naming it.
+TEST_F(FsdpTrainNodes, ARankKilledOnOneNodeEndsEveryNode) {
+  const std::string args = "--steps 1000000 --log-every 1 --timeout 60";
+  start(0, args);
+  start(1, args);
+  for (int i = 0; i < 600 && count_lines_with(node_[0]->output(), "step 3/") == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_GE(count_lines_with(node_[0]->output(), "step 3/"), 1) << node_[0]->output();
+  std::vector<pid_t> ranks = node_[1]->children();
+  ASSERT_EQ(ranks.size(), 1u) << node_[1]->output();
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(ranks[0], SIGKILL);
+  expect_both_end(128 + 9, "rank 1 (local rank 0) on node 1 (", t0, 10);
+  for (int i = 0; i < 2; ++i)
+    EXPECT_NE(node_[i]->output().find("was killed by signal 9 (SIGKILL)"), std::string::npos)
+        << node_[i]->output();
+}
+
+// A node whose rank fails at start-up (a bad flag) ends the other node's launcher within 10 s,
+// though that one's ranks would wait for it for the whole collective timeout (600 s); whether the
+// failing node hosts the job's store (node 0) or not.
+TEST_F(FsdpTrainNodes, ANodeFailingAtStartUpEndsEveryNode) {
+  for (int bad = 0; bad < 2; ++bad) {
+    port_ = std::to_string(fsdp::testing::free_port());
+    const auto t0 = std::chrono::steady_clock::now();
+    start(bad, "--steps 5 --no-such-flag");
+    start(1 - bad, "--steps 5 --timeout 600");
+    expect_both_end(
+        2, "rank " + std::to_string(bad) + " (local rank 0) on node " + std::to_string(bad) + " (",
+        t0, 10);
+  }
+}
+
+// Nothing busy-waits while the job forms: node 1's launcher waiting for node 0's to host the
+// store, then node 1's rank waiting in the rendezvous for node 0's rank (which sleeps first), use
+// under 5% of a core (a rank spinning on a connection, as Gloo's did, uses about 40%).
+TEST_F(FsdpTrainNodes, WaitingForAnotherNodeUsesNoCpu) {
+  start(1, "--steps 2 --timeout 60");
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  double c0 = cpu_seconds(node_[1]->pid());
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  const double joining = cpu_seconds(node_[1]->pid()) - c0;
+  EXPECT_TRUE(node_[1]->children().empty()) << "ranks started before every node joined";
+  EXPECT_LT(joining, 0.05 * 3) << "node 1's launcher used " << joining
+                               << " CPU s in 3 s waiting for node 0's\n"
+                               << node_[1]->output();
+
+  start(0, "sh -c 'sleep 9; exec " + std::string(FSDP_TRAIN_BIN) + " --steps 2 --timeout 60'");
+  std::vector<pid_t> ranks;
+  for (int i = 0; i < 100 && ranks.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ranks = node_[1]->children();
+  }
+  ASSERT_EQ(ranks.size(), 1u) << node_[1]->output();
+  std::this_thread::sleep_for(std::chrono::seconds(4));  // its start-up, up to the rendezvous
+  c0 = cpu_seconds(ranks[0]);
+  const double l0 = cpu_seconds(node_[1]->pid());
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  const double rank_cpu = cpu_seconds(ranks[0]) - c0;
+  const double launcher_cpu = cpu_seconds(node_[1]->pid()) - l0;
+  EXPECT_LT(rank_cpu, 0.05 * 3) << "node 1's rank used " << rank_cpu
+                                << " CPU s in 3 s waiting for node 0's rank\n"
+                                << node_[1]->output();
+  EXPECT_LT(launcher_cpu, 0.05 * 3) << node_[1]->output();
+  std::printf(
+      "CPU while waiting: launcher %.3f s in 3 s (join); rank %.3f s and launcher %.3f s "
+      "in 3 s (rendezvous)\n",
+      joining, rank_cpu, launcher_cpu);
+  for (int i = 0; i < 2; ++i)
+    EXPECT_EQ(node_[i]->wait(std::chrono::seconds(120)), 0) << node_[i]->output();
 }
 
 }  // namespace

@@ -16,7 +16,16 @@
 // forwarded to every process. If fsdp-run itself is killed, the kernel kills its processes
 // (PR_SET_PDEATHSIG), so no rank is left waiting on a collective that will never complete.
 //
-// Deliberately free of LibTorch: it starts in milliseconds and builds in seconds.
+// Across hosts (--nnodes > 1), the launchers meet in the job's TCPStore, which the launcher of node
+// rank 0 hosts at --master-addr:--master-port (run_agent.h), as torchrun's agents do: they check
+// that they agree on the job's shape, start their ranks only once all have joined (within
+// --join-timeout), and tell each other of the first failure, so that a rank failing or dying on
+// any host stops every host's ranks within a second or so, and every launcher exits non-zero
+// naming the node, host and rank that failed first. A launcher that stops answering (its host
+// gone) is noticed by its heartbeat (--heartbeat-timeout). The ranks connect to the same store as
+// clients (TORCHELASTIC_USE_AGENT_STORE=True, PyTorch's convention), under keys of their own.
+//
+// It links c10d's TCPStore only (no torch/torch.h): it starts in a fraction of a second.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -29,11 +38,15 @@
 
 #include <CLI/CLI.hpp>
 
+#include "run_agent.h"
+
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -41,6 +54,9 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using fsdp_run::AgentConfig;
+using fsdp_run::Failure;
+using fsdp_run::JobAgent;
 
 int g_signal_pipe[2] = {-1, -1};
 
@@ -136,6 +152,7 @@ struct Options {
   int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0;
   std::string master_addr = "127.0.0.1";
   double grace = 5.0;
+  double join_timeout = 600, heartbeat_timeout = 30;  // across hosts (run_agent.h)
   bool no_prefix = false;
   std::vector<std::string> command;  // PROGRAM [ARGS...]
   bool set_omp = false;              // OMP_NUM_THREADS=1 for each rank, as torchrun does
@@ -163,6 +180,13 @@ int parse_options(int argc, char** argv, Options& o) {
   app.add_option("--grace-period", o.grace,
                  "Seconds between SIGTERM and SIGKILL when stopping the other ranks")
       ->check(CLI::Range(0.0, 3600.0));
+  app.add_option("--join-timeout", o.join_timeout,
+                 "Across hosts: seconds to wait for every node's fsdp-run to join (default 600)")
+      ->check(CLI::Range(0.1, 86400.0));
+  app.add_option("--heartbeat-timeout", o.heartbeat_timeout,
+                 "Across hosts: seconds after which a node whose fsdp-run is silent is lost "
+                 "(default 30)")
+      ->check(CLI::Range(1.0, 86400.0));
   app.add_flag("--no-prefix", o.no_prefix, "Pass output through without \"[rN] \" prefixes");
   app.prefix_command();  // everything from PROGRAM on belongs to PROGRAM
   try {
@@ -257,6 +281,10 @@ bool install_signal_handlers() {
   set("MASTER_ADDR", o.master_addr);
   set("MASTER_PORT", std::to_string(o.master_port));
   set("TORCHELASTIC_RUN_ID", o.run_id);
+  set("TORCHELASTIC_RESTART_COUNT", "0");
+  set("TORCHELASTIC_MAX_RESTARTS", "0");
+  // Across hosts the launcher of node 0 hosts the store, and every rank is a client of it.
+  set("TORCHELASTIC_USE_AGENT_STORE", o.nnodes > 1 ? "True" : "False");
   if (o.set_omp) set("OMP_NUM_THREADS", "1");
   std::vector<std::string> command = o.command;
   std::vector<char*> args;
@@ -305,9 +333,12 @@ bool start_ranks(const Options& o, std::vector<Rank>& ranks) {
 
 // Watches the running ranks until every one has exited and its output is drained: passes their
 // lines on, stops the others when one fails or a signal arrives, and says how the job ended.
+// Across hosts it also reports this node's first failure to the job's agent and stops this node's
+// ranks when the agent hears of a failure elsewhere (or loses the store).
 class Supervisor {
  public:
-  Supervisor(std::vector<Rank>& ranks, double grace) : ranks_(ranks), grace_(grace) {}
+  Supervisor(std::vector<Rank>& ranks, const Options& o, JobAgent* agent)
+      : ranks_(ranks), o_(o), agent_(agent) {}
 
   // The launcher's exit code.
   int run() {
@@ -323,22 +354,41 @@ class Supervisor {
         signal_all(ranks_, SIGKILL);
         kill_at_ = Clock::now() + std::chrono::hours(1);
       }
+      if (agent_ && !job_failure_ && agent_->silent_for() > o_.heartbeat_timeout) {
+        on_job_failure(Failure{0, 1,
+                               "the job's store at " + o_.master_addr + ":" +
+                                   std::to_string(o_.master_port) + " has not answered for " +
+                                   std::to_string(static_cast<int>(agent_->silent_for())) +
+                                   " s (node 0's host hung or unreachable?)"});
+      }
       if (!pump(any_running)) {
         signal_all(ranks_, SIGKILL);
         return 2;
       }
     }
+    if (agent_) settle_with_other_nodes();
     return outcome();
   }
 
  private:
+  // "rank 3 (local rank 1)" (with its pid: "rank 3 (local rank 1, pid 812)"), and
+  // " on node 1 (host)" across hosts.
+  std::string name(const Rank& r, bool with_pid) const {
+    std::string s = "rank " + std::to_string(r.rank) + " (local rank " +
+                    std::to_string(r.local_rank) +
+                    (with_pid ? ", pid " + std::to_string(r.pid) : std::string()) + ")";
+    if (agent_)
+      s += " on node " + std::to_string(o_.node_rank) + " (" + JobAgent::host_name() + ")";
+    return s;
+  }
+
   // Sends `sig` to every rank still running; the first time, starts the grace period after which
   // the ones still running get SIGKILL.
   void stop_all(int sig) {
     signal_all(ranks_, sig);
     if (stopping_) return;
     stopping_ = true;
-    kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_ * 1000));
+    kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace * 1000));
   }
 
   // Reaps whatever has exited; the first rank to fail stops the others.
@@ -355,18 +405,37 @@ class Supervisor {
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
         if (!ok && first_failed_ < 0 && !stopping_) {
           first_failed_ = static_cast<int>(i);
-          std::fprintf(stderr,
-                       "fsdp-run: rank %d (local rank %d, pid %d) %s; stopping the others\n",
-                       r.rank, r.local_rank, static_cast<int>(pid), describe(status).c_str());
+          std::fprintf(stderr, "fsdp-run: %s %s; stopping the others\n", name(r, true).c_str(),
+                       describe(status).c_str());
+          if (agent_)
+            agent_->report_failure(exit_code_of(status), name(r, false) + " " + describe(status));
           stop_all(SIGTERM);
         }
       }
     }
   }
 
-  // One poll over the signal pipe and the ranks' streams. False if poll itself fails.
+  // A failure elsewhere in the job (or the store lost): this node's ranks stop too.
+  void on_job_failure(const Failure& f) {
+    if (job_failure_) return;
+    job_failure_ = f;
+    const bool ours = f.node == o_.node_rank && first_failed_ >= 0;
+    if (ours || stopping_) return;
+    std::fprintf(stderr, "fsdp-run: %s; stopping this node's ranks\n", f.what.c_str());
+    stop_all(SIGTERM);
+  }
+
+  void read_agent() {
+    const fsdp_run::AgentState st = agent_->state();
+    if (st.failure) on_job_failure(*st.failure);
+    left_ = st.left;
+    all_left_ = st.all_left;
+  }
+
+  // One poll over the signal pipe, the agent and the ranks' streams. False if poll itself fails.
   bool pump(bool any_running) {
     std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}};
+    fds.push_back({agent_ ? agent_->fd() : -1, POLLIN, 0});  // a negative fd is ignored
     std::vector<Stream*> of;
     for (Rank& r : ranks_)
       for (Stream& s : r.streams)
@@ -390,17 +459,20 @@ class Supervisor {
       return true;
     }
     if (n <= 0) return true;
-    if (fds[0].revents & POLLIN) {
-      unsigned char sig = 0;
-      while (::read(g_signal_pipe[0], &sig, 1) == 1) {
-        if (sig == SIGCHLD) continue;  // reaped at the top of the loop
-        forwarded_ = sig;
-        stop_all(sig);  // a rank that ignores it is killed after the grace period
-      }
-    }
-    for (size_t k = 1; k < fds.size(); ++k)
-      if (fds[k].revents & (POLLIN | POLLHUP | POLLERR)) drain(*of[k - 1]);
+    if (fds[0].revents & POLLIN) read_signals();
+    if (fds[1].revents & POLLIN) read_agent();
+    for (size_t k = 2; k < fds.size(); ++k)
+      if (fds[k].revents & (POLLIN | POLLHUP | POLLERR)) drain(*of[k - 2]);
     return true;
+  }
+
+  void read_signals() {
+    unsigned char sig = 0;
+    while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+      if (sig == SIGCHLD) continue;  // reaped at the top of the loop
+      forwarded_ = sig;
+      stop_all(sig);  // a rank that ignores it is killed after the grace period
+    }
   }
 
   // Reads what `s` has and passes its complete lines on; closes it at its end.
@@ -417,28 +489,130 @@ class Supervisor {
     flush_lines(s, false);
   }
 
+  // This node's ranks have all ended: tell the others. Node 0, whose process hosts the store,
+  // stays until every node has said so (torchrun's exit barrier), a short while once the job has
+  // failed, at most 300 s when it has not.
+  void settle_with_other_nodes() {
+    read_agent();
+    agent_->report_left();
+    const bool failed = first_failed_ >= 0 || job_failure_ || forwarded_;
+    auto deadline = Clock::now() + std::chrono::seconds(failed ? 5 : 300);
+    for (;;) {
+      read_agent();
+      if (o_.node_rank == 0 ? all_left_ : left_) return;
+      if (job_failure_ && !failed) {
+        deadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+      }
+      if (Clock::now() >= deadline) break;
+      pollfd fds[2] = {{g_signal_pipe[0], POLLIN, 0}, {agent_->fd(), POLLIN, 0}};
+      if (::poll(fds, 2, 200) > 0 && (fds[0].revents & POLLIN)) {
+        read_signals();
+        if (forwarded_) return;
+      }
+    }
+    if (o_.node_rank == 0 && !job_failure_ && !failed) {
+      std::fprintf(stderr,
+                   "fsdp-run: node 0's ranks are done, but not every other node's ranks ended "
+                   "within 300 s of them; stopping the job's store\n");
+      exit_barrier_timed_out_ = true;
+    }
+  }
+
   int outcome() const {
+    const bool elsewhere =
+        job_failure_ && !(job_failure_->node == o_.node_rank && first_failed_ >= 0);
     if (first_failed_ >= 0) {
       const Rank& r = ranks_[first_failed_];
-      std::fprintf(stderr, "fsdp-run: failed: rank %d (local rank %d) %s\n", r.rank, r.local_rank,
+      std::fprintf(stderr, "fsdp-run: failed: %s %s\n", name(r, false).c_str(),
                    describe(r.status).c_str());
-      return exit_code_of(r.status) != 0 ? exit_code_of(r.status) : 1;
+      if (elsewhere)
+        std::fprintf(stderr, "fsdp-run: the job's first failure: %s\n", job_failure_->what.c_str());
+      const int code = elsewhere ? job_failure_->code : exit_code_of(r.status);
+      return code != 0 ? code : 1;
+    }
+    if (job_failure_) {
+      std::fprintf(stderr, "fsdp-run: failed: %s\n", job_failure_->what.c_str());
+      return job_failure_->code != 0 ? job_failure_->code : 1;
     }
     if (forwarded_) {
       std::fprintf(stderr, "fsdp-run: stopped by signal %d\n", forwarded_);
       return 128 + forwarded_;
     }
-    return 0;
+    return exit_barrier_timed_out_ ? 1 : 0;
   }
 
   std::vector<Rank>& ranks_;
-  const double grace_;
-  int first_failed_ = -1;  // index into ranks_
-  int forwarded_ = 0;      // a signal fsdp-run was sent and passed on
+  const Options& o_;
+  JobAgent* agent_;                     // null on a single node
+  int first_failed_ = -1;               // index into ranks_
+  int forwarded_ = 0;                   // a signal fsdp-run was sent and passed on
+  std::optional<Failure> job_failure_;  // the job's first failure, from the agent
+  bool left_ = false, all_left_ = false, exit_barrier_timed_out_ = false;
   bool stopping_ = false;
   Clock::time_point kill_at_{};
   char buf_[65536];
 };
+
+// Across hosts: starts the agent and waits, still answering signals, until every node's launcher
+// has joined. Returns -1 to go on, else the exit code.
+int join_job(Options& o, std::unique_ptr<JobAgent>& agent) {
+  AgentConfig c;
+  c.nnodes = o.nnodes;
+  c.node_rank = o.node_rank;
+  c.nproc_per_node = o.nproc;
+  c.master_addr = o.master_addr;
+  c.master_port = o.master_port;
+  c.join_timeout = o.join_timeout;
+  c.heartbeat_timeout = o.heartbeat_timeout;
+  try {
+    agent = std::make_unique<JobAgent>(c);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-run: %s\n", e.what());
+    return 2;
+  }
+  // The agent's own waits end at the join timeout; this bounds a store call that never returns
+  // (a store host stopped after it began to listen).
+  const auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>((o.join_timeout + 10) * 1000));
+  for (;;) {
+    if (Clock::now() >= deadline) {
+      std::fprintf(stderr,
+                   "fsdp-run: node %d: the job cannot start: the job's store at %s:%d did not "
+                   "answer within --join-timeout (%g s)\n",
+                   o.node_rank, o.master_addr.c_str(), o.master_port, o.join_timeout);
+      return 2;
+    }
+    pollfd fds[2] = {{g_signal_pipe[0], POLLIN, 0}, {agent->fd(), POLLIN, 0}};
+    if (::poll(fds, 2, 1000) < 0 && errno != EINTR) {
+      std::fprintf(stderr, "fsdp-run: poll: %s\n", std::strerror(errno));
+      return 2;
+    }
+    unsigned char sig = 0;
+    while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+      if (sig == SIGCHLD) continue;
+      std::fprintf(stderr, "fsdp-run: stopped by signal %d while waiting for the other nodes\n",
+                   sig);
+      return 128 + sig;
+    }
+    const fsdp_run::AgentState st = agent->state();
+    if (st.join_error) {
+      std::fprintf(stderr, "fsdp-run: node %d: the job cannot start: %s\n", o.node_rank,
+                   st.join_error->c_str());
+      return 2;
+    }
+    if (st.joined) {
+      o.run_id = st.run_id;  // every node hands its ranks node 0's
+      return -1;
+    }
+  }
+}
+
+// Across hosts the agent's thread may be inside a store call when the launcher is done: leave
+// without running static destructors under it.
+[[noreturn]] void leave(int code) {
+  std::fflush(nullptr);
+  std::_Exit(code);
+}
 
 }  // namespace
 
@@ -447,7 +621,13 @@ int main(int argc, char** argv) {
   if (int code = parse_options(argc, argv, o); code >= 0) return code;
   if (int code = complete_options(o); code >= 0) return code;
   if (!install_signal_handlers()) return 2;
+  std::unique_ptr<JobAgent> agent;
+  if (o.nnodes > 1) {
+    if (int code = join_job(o, agent); code >= 0) leave(code);
+  }
   std::vector<Rank> ranks;
   if (!start_ranks(o, ranks)) return 2;
-  return Supervisor(ranks, o.grace).run();
+  const int code = Supervisor(ranks, o, agent.get()).run();
+  if (agent) leave(code);
+  return code;
 }

@@ -1,0 +1,396 @@
+// fsdp-run's multi-host agent: see run_agent.h.
+#include "run_agent.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "fsdp/compat_backends.h"
+
+namespace fsdp_run {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Seconds = std::chrono::duration<double>;
+
+// How often the agent looks at the store: the delay with which a failure elsewhere is noticed.
+constexpr std::chrono::milliseconds kTick{200};
+constexpr std::chrono::seconds kHeartbeat{1};
+// How long node 0 keeps the store up for the others to read a failure before it exits.
+constexpr std::chrono::seconds kFailureLinger{5};
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+std::string encode(const Failure& f) {
+  return std::to_string(f.node) + "\n" + std::to_string(f.code) + "\n" + f.what;
+}
+
+Failure decode(const std::string& s) {
+  Failure f;
+  const size_t a = s.find('\n'), b = a == std::string::npos ? a : s.find('\n', a + 1);
+  if (b == std::string::npos) {
+    f.what = s;
+    return f;
+  }
+  try {
+    f.node = std::stoi(s.substr(0, a));
+    f.code = std::stoi(s.substr(a + 1, b - a - 1));
+  } catch (const std::exception&) {
+    f.code = 1;
+  }
+  f.what = s.substr(b + 1);
+  return f;
+}
+
+std::string config_text(const AgentConfig& c) {
+  return "--nnodes " + std::to_string(c.nnodes) + " --nproc-per-node " +
+         std::to_string(c.nproc_per_node);
+}
+
+// A failure that ends the join: the message the launcher prints.
+struct JoinError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace
+
+struct JobAgent::Shared {
+  explicit Shared(const AgentConfig& c) : cfg(c) {}
+  ~Shared() {
+    for (int fd : pipe)
+      if (fd >= 0) ::close(fd);
+  }
+
+  const AgentConfig cfg;
+  int pipe[2] = {-1, -1};
+  std::mutex mu;
+  std::condition_variable cv;
+  // Asked by the launcher.
+  std::optional<Failure> to_post;
+  bool to_leave = false;
+  bool stop = false;
+  // Learnt by the thread.
+  AgentState state;
+  Clock::time_point last_heard{};  // epoch until the first successful round
+
+  // Wakes the launcher's poll (the pipe is non-blocking: a full pipe already says "news").
+  void notify() {
+    const char b = 1;
+    [[maybe_unused]] ssize_t n = ::write(pipe[1], &b, 1);
+  }
+};
+
+namespace {
+
+// The agent thread's work, one object per job. Every store call may throw (the store's host is
+// gone); run() turns that into the job's failure.
+class AgentLoop {
+ public:
+  explicit AgentLoop(std::shared_ptr<JobAgent::Shared> s) : s_(std::move(s)), cfg_(s_->cfg) {}
+
+  void run() {
+    try {
+      join();
+    } catch (const std::exception& e) {
+      linger_for_others(kFailureLinger);  // before saying so: the launcher exits on the news
+      learn([&](AgentState& st) { st.join_error = e.what(); });
+      return;
+    }
+    watch();
+  }
+
+ private:
+  c10d::Store& store() { return *store_; }
+  int64_t count(const std::string& key) { return store().add(key, 0); }
+
+  std::string where() const { return cfg_.master_addr + ":" + std::to_string(cfg_.master_port); }
+
+  // Node 0 hosts the store; the others connect, retrying until the join timeout.
+  void open_store() {
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg_.join_timeout * 1000));
+    const bool host = cfg_.node_rank == 0;
+    try {
+      auto tcp = fsdp::compat::make_tcp_store(
+          cfg_.master_addr, static_cast<std::uint16_t>(cfg_.master_port), host, -1, timeout);
+      store_ = c10::make_intrusive<c10d::PrefixStore>("/fsdp-run", tcp);
+    } catch (const std::exception& e) {
+      if (host)
+        throw JoinError("node 0 could not host the job's store on port " +
+                        std::to_string(cfg_.master_port) + ": " + e.what() +
+                        " (is the port in use? --master-port chooses another)");
+      throw JoinError("node " + std::to_string(cfg_.node_rank) +
+                      " could not reach the job's store at " + where() + " within " +
+                      std::to_string(static_cast<int>(cfg_.join_timeout)) + " s: " + e.what() +
+                      " (is fsdp-run running on node rank 0 with the same --master-addr and "
+                      "--master-port?)");
+    }
+    heard();
+  }
+
+  // Posts `f` as the job's failure unless one was posted before; true if it was ours.
+  bool post_failure(const Failure& f) {
+    if (store().add("failures", 1) != 1) return false;
+    store().set("failure", bytes(encode(f)));
+    return true;
+  }
+
+  std::optional<Failure> posted_failure() {
+    if (!store().check({"failure"})) return std::nullopt;
+    return decode(text(store().get("failure")));
+  }
+
+  // Fails the join for everyone with `what`, and for this launcher.
+  [[noreturn]] void fail_join(const std::string& what) {
+    post_failure(Failure{cfg_.node_rank, 2, what});
+    throw JoinError(what);
+  }
+
+  void join() {
+    open_store();
+    const std::string me = "node " + std::to_string(cfg_.node_rank);
+    std::string run_id;
+    if (cfg_.node_rank == 0) {
+      std::random_device rd;
+      char buf[17];
+      std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+      run_id = buf;
+      store().set("run_id", bytes(run_id));
+      store().set("config", bytes(config_text(cfg_)));
+    } else {
+      const std::string theirs = text(store().get("config"));  // waits until node 0 set it
+      if (theirs != config_text(cfg_))
+        fail_join(me + " was started with " + config_text(cfg_) + " but node 0 with " + theirs +
+                  "; every node must be given the same");
+      run_id = text(store().get("run_id"));
+    }
+    if (store().add("node/" + std::to_string(cfg_.node_rank), 1) != 1)
+      fail_join("two launchers were started with --node-rank " + std::to_string(cfg_.node_rank));
+    store().set("host/" + std::to_string(cfg_.node_rank), bytes(JobAgent::host_name()));
+    store().add("joined", 1);
+    joined_ = true;
+    wait_for_everyone();
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->state.joined = true;
+    s_->state.run_id = run_id;
+    s_->notify();
+  }
+
+  void wait_for_everyone() {
+    const auto deadline =
+        Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(cfg_.join_timeout * 1000));
+    for (;;) {
+      if (auto f = posted_failure()) throw JoinError(f->what);
+      if (count("joined") >= cfg_.nnodes) return;
+      heard();
+      if (Clock::now() >= deadline) break;
+      if (sleep_or_stop(kTick)) throw JoinError("stopped while waiting for the other nodes");
+    }
+    std::string missing;
+    for (int i = 0; i < cfg_.nnodes; ++i)
+      if (!store().check({"host/" + std::to_string(i)}))
+        missing += (missing.empty() ? "" : ", ") + std::to_string(i);
+    fail_join("node rank(s) " + missing + " did not join within " +
+              std::to_string(static_cast<int>(cfg_.join_timeout)) + " s (--join-timeout); is " +
+              "fsdp-run running there with --nnodes " + std::to_string(cfg_.nnodes) +
+              " and --master-addr " + cfg_.master_addr + " --master-port " +
+              std::to_string(cfg_.master_port) + "?");
+  }
+
+  // Sleeps up to `d`, or until the launcher asks for something. True if asked to stop.
+  bool sleep_or_stop(std::chrono::milliseconds d) {
+    std::unique_lock<std::mutex> lock(s_->mu);
+    s_->cv.wait_for(lock, d, [&] { return s_->stop; });
+    return s_->stop;
+  }
+
+  void heard() {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    s_->last_heard = Clock::now();
+  }
+
+  // After the join: posts what the launcher reports, bumps the heartbeat, watches for the job's
+  // failure and (node 0) for lost nodes and for everyone having left.
+  void watch() {
+    for (;;) {
+      std::optional<Failure> to_post;
+      bool to_leave = false;
+      {
+        std::unique_lock<std::mutex> lock(s_->mu);
+        s_->cv.wait_for(lock, kTick, [&] {
+          return s_->stop || (s_->to_post && !posted_) || (s_->to_leave && !left_);
+        });
+        if (s_->stop) return;
+        to_post = s_->to_post;
+        to_leave = s_->to_leave;
+      }
+      try {
+        if (!round(to_post, to_leave)) return;
+        heard();
+      } catch (const std::exception& e) {
+        lost_store(e.what());
+        return;
+      }
+    }
+  }
+
+  // One look at the store. False when there is nothing more to do.
+  bool round(const std::optional<Failure>& to_post, bool to_leave) {
+    if (to_post && !posted_) {
+      post_failure(*to_post);
+      posted_ = true;
+    }
+    if (!known_failure_) {
+      if (auto f = posted_failure()) {
+        known_failure_ = true;
+        learn([&](AgentState& st) { st.failure = *f; });
+      }
+    }
+    if (to_leave && !left_) {
+      store().set("left/" + std::to_string(cfg_.node_rank), bytes("1"));
+      store().add("left", 1);
+      left_ = true;
+      learn([](AgentState& st) { st.left = true; });
+      if (cfg_.node_rank != 0) return false;  // nothing more to say; node 0 waits for the rest
+    }
+    if (cfg_.node_rank != 0) {
+      if (Clock::now() - last_beat_ >= kHeartbeat) {
+        store().add("alive/" + std::to_string(cfg_.node_rank), 1);
+        last_beat_ = Clock::now();
+      }
+      return true;
+    }
+    if (count("left") >= cfg_.nnodes) {
+      learn([](AgentState& st) { st.all_left = true; });
+      return false;
+    }
+    if (!known_failure_) check_heartbeats();
+    return true;
+  }
+
+  // Node 0: a node whose heartbeat has not moved for heartbeat_timeout, and that has not left,
+  // is lost; that is the job's failure.
+  void check_heartbeats() {
+    if (Clock::now() - last_beat_ < kHeartbeat) return;
+    last_beat_ = Clock::now();
+    for (int i = 1; i < cfg_.nnodes; ++i) {
+      const std::string id = std::to_string(i);
+      const int64_t beat = count("alive/" + id);
+      auto it = beats_.find(i);
+      if (it == beats_.end() || it->second.first != beat) {
+        beats_[i] = {beat, Clock::now()};
+        continue;
+      }
+      const double silent = Seconds(Clock::now() - it->second.second).count();
+      if (silent < cfg_.heartbeat_timeout || store().check({"left/" + id})) continue;
+      const std::string host = text(store().get("host/" + id));
+      post_failure(Failure{i, 1,
+                           "node " + id + " (" + host + ") stopped answering: its launcher sent " +
+                               "no heartbeat for " + std::to_string(static_cast<int>(silent)) +
+                               " s (--heartbeat-timeout)"});
+      return;  // the next round reads the failure back
+    }
+  }
+
+  void lost_store(const std::string& why) {
+    learn([&](AgentState& st) {
+      if (!st.failure)
+        st.failure = Failure{0, 1,
+                             "lost the job's store at " + where() +
+                                 " (hosted by node 0's fsdp-run): " + why +
+                                 "; node 0's host or launcher is gone"};
+    });
+  }
+
+  // After a failed join, node 0 keeps the store up a little for the others to read why: until
+  // every launcher that had joined has given up too.
+  void linger_for_others(std::chrono::seconds most) {
+    if (!store_ || !joined_) return;
+    const auto until = Clock::now() + most;
+    try {
+      store().add("left", 1);
+      if (cfg_.node_rank != 0) return;
+      while (Clock::now() < until && count("left") < count("joined"))
+        if (sleep_or_stop(kTick)) return;
+    } catch (const std::exception&) {
+    }
+  }
+
+  template <typename F>
+  void learn(F change) {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    change(s_->state);
+    s_->notify();
+  }
+
+  std::shared_ptr<JobAgent::Shared> s_;
+  const AgentConfig& cfg_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  bool joined_ = false, posted_ = false, left_ = false, known_failure_ = false;
+  Clock::time_point last_beat_{};
+  std::map<int, std::pair<int64_t, Clock::time_point>> beats_;  // node -> (beat, when it moved)
+};
+
+}  // namespace
+
+JobAgent::JobAgent(const AgentConfig& config) : shared_(std::make_shared<Shared>(config)) {
+  if (::pipe2(shared_->pipe, O_CLOEXEC | O_NONBLOCK) != 0)
+    throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+  std::thread([s = shared_] { AgentLoop(s).run(); }).detach();
+}
+
+JobAgent::~JobAgent() {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  shared_->stop = true;
+  shared_->cv.notify_all();
+}
+
+int JobAgent::fd() const { return shared_->pipe[0]; }
+
+AgentState JobAgent::state() {
+  char buf[64];
+  while (::read(shared_->pipe[0], buf, sizeof buf) > 0) {
+  }
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  return shared_->state;
+}
+
+void JobAgent::report_failure(int code, const std::string& what) {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  if (!shared_->to_post) shared_->to_post = Failure{shared_->cfg.node_rank, code, what};
+  shared_->cv.notify_all();
+}
+
+void JobAgent::report_left() {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  shared_->to_leave = true;
+  shared_->cv.notify_all();
+}
+
+double JobAgent::silent_for() const {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  if (shared_->last_heard == Clock::time_point{}) return 0;
+  return Seconds(Clock::now() - shared_->last_heard).count();
+}
+
+std::string JobAgent::host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof buf - 1) != 0) return "unknown host";
+  return buf;
+}
+
+}  // namespace fsdp_run

@@ -1,0 +1,91 @@
+// fsdp-run's agent for jobs that span hosts (issue 40): the launchers of one job meet in the
+// job's TCPStore, hosted by the launcher of node rank 0 at --master-addr:--master-port, as
+// torchrun's agents do, and keep each other informed there.
+//
+// What they say to each other, under the store prefix "/fsdp-run/" (the ranks' own keys live
+// under "/worker/attempt_<n>/", PyTorch's prefix when the agent hosts the store):
+//   config            node 0's --nnodes and --nproc-per-node; every other node must match them
+//   run_id            node 0's TORCHELASTIC_RUN_ID, which every node hands its ranks
+//   node/<i>          how many launchers claim node rank i (more than one is an error)
+//   host/<i>          node i's host name, for messages
+//   joined            how many launchers have joined; the ranks start when all have
+//   failures, failure the first failure in the job (a counter decides who is first), as
+//                     "<node>\n<exit code>\n<sentence>"
+//   alive/<i>         node i's heartbeat, a counter it bumps every second; node 0 watches them
+//   left, left/<i>    the launchers whose ranks have all ended; node 0, which hosts the store,
+//                     waits for them before it exits, so nobody loses the store early
+//
+// All store traffic happens on the agent's own thread, so that a store that does not answer (its
+// host hung) never blocks the launcher's loop: the loop polls fd() next to its ranks' output, and
+// notices a silent store through silent_for().
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace fsdp_run {
+
+/// Settings of one launcher in a multi-host job.
+struct AgentConfig {
+  int nnodes = 2;
+  int node_rank = 0;
+  int nproc_per_node = 1;
+  std::string master_addr;
+  int master_port = 29500;
+  double join_timeout = 600;      // s: every launcher must have joined by then (torchrun's default)
+  double heartbeat_timeout = 30;  // s: a launcher silent for that long is lost
+  double exit_timeout = 300;      // s: node 0 waits that long for the others to end (torchrun's)
+};
+
+/// The first failure anywhere in the job.
+struct Failure {
+  int node = -1;     // node rank where it happened
+  int code = 1;      // exit code the launchers exit with
+  std::string what;  // one sentence naming the node, host and rank, e.g. "rank 3 (local rank 1,
+                     // pid 812) on node 1 (host-b) was killed by signal 9 (SIGKILL)"
+};
+
+/// What the agent has learnt, as of the last call to state().
+struct AgentState {
+  bool joined = false;                    // every launcher joined: start the ranks
+  std::optional<std::string> join_error;  // the job cannot start: why
+  std::string run_id;                     // the job's TORCHELASTIC_RUN_ID, once joined
+  std::optional<Failure> failure;         // the job's first failure, once known
+  bool left = false;                      // report_left() has reached the store
+  bool all_left = false;                  // every launcher's ranks have ended (node 0 only)
+};
+
+class JobAgent {
+ public:
+  /// Starts the agent thread, which hosts the store (node rank 0) or connects to it (retrying
+  /// until join_timeout), checks that every launcher agrees on the job's shape, and waits until all
+  /// have joined. Returns at once; fd() turns readable when there is news.
+  explicit JobAgent(const AgentConfig& config);
+  /// Asks the thread to stop; never waits for it (a thread stuck on a hung store is abandoned).
+  ~JobAgent();
+  JobAgent(const JobAgent&) = delete;
+  JobAgent& operator=(const JobAgent&) = delete;
+
+  /// Readable when the state changed; state() drains it.
+  int fd() const;
+  AgentState state();
+
+  /// This host's first failed rank: posted as the job's failure unless another came first.
+  void report_failure(int code, const std::string& what);
+  /// This host's ranks have all ended (successfully or not) and its launcher is about to exit.
+  void report_left();
+  /// Seconds since the agent last heard from the store (0 while it has not started talking).
+  double silent_for() const;
+
+  /// This host's name, as the messages use it.
+  static std::string host_name();
+
+  struct Shared;  // what the launcher and the agent thread share (run_agent.cpp)
+
+ private:
+  std::shared_ptr<Shared> shared_;
+};
+
+}  // namespace fsdp_run
