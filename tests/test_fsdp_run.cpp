@@ -132,8 +132,9 @@ TEST(FsdpRunNodes, TheJoinChecksTheJobsShapeAndWaitsBoundedly) {
                                                job.dir.file("node1.log"));
     for (int i = 0; i < 2; ++i) {
       EXPECT_EQ(job.node[i]->wait(std::chrono::seconds(30)), 2) << job.output(i);
-      EXPECT_NE(job.output(i).find("node 1 was started with --nnodes 2 --nproc-per-node 1 but node "
-                                   "0 with --nnodes 2 --nproc-per-node 2"),
+      EXPECT_NE(job.output(i).find("node 1 was started with --nnodes 2 --nproc-per-node 1 "
+                                   "--max-restarts 0 but node 0 with --nnodes 2 "
+                                   "--nproc-per-node 2 --max-restarts 0"),
                 std::string::npos)
           << job.output(i);
       EXPECT_EQ(count_lines_with(job.output(i), "] started"), 0) << job.output(i);
@@ -164,6 +165,25 @@ TEST(FsdpRunNodes, TheJoinChecksTheJobsShapeAndWaitsBoundedly) {
               std::string::npos)
         << job.output(0);
   }
+}
+
+// Across nodes every launcher agrees on a restart: node 1's rank fails in the first round only,
+// and both nodes' ranks run again, under the same run id, and succeed.
+TEST(FsdpRunNodes, EveryNodeRestartsTogether) {
+  TwoNodes job;
+  const std::string program =
+      "sh -c 'echo \"round $TORCHELASTIC_RESTART_COUNT run $TORCHELASTIC_RUN_ID\"; "
+      "[ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ] && { sleep 1; exit 3; }; sleep 1'";
+  job.start("--nproc-per-node 1 --max-restarts 2", {program, program});
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(job.node[i]->wait(std::chrono::seconds(60)), 0) << job.output(i);
+    EXPECT_EQ(count_lines_with(job.output(i), "] round 0 run "), 1) << job.output(i);
+    EXPECT_EQ(count_lines_with(job.output(i), "] round 1 run "), 1) << job.output(i);
+    EXPECT_EQ(count_lines_with(job.output(i), "fsdp-run: restart 1: every node has rejoined"), 1)
+        << job.output(i);
+  }
+  EXPECT_NE(job.output(0).find("rank 1 (local rank 0) on node 1 ("), std::string::npos)
+      << job.output(0);
 }
 
 // A launcher that stops answering (SIGSTOP: a hung host) is lost after --heartbeat-timeout, and
@@ -229,6 +249,38 @@ TEST(FsdpRun, ForwardsSigintToEveryRank) {
   ::kill(run.pid(), SIGINT);
   EXPECT_EQ(run.wait(std::chrono::seconds(30)), 128 + SIGINT) << run.output();
   EXPECT_EQ(count_lines_with(run.output(), "got INT"), 2) << run.output();
+}
+
+// --max-restarts (issue 41): every rank is started again after a failure, with
+// TORCHELASTIC_RESTART_COUNT counting; the last failure ends the job once the restarts are used
+// up; a signal to fsdp-run is never followed by a restart.
+TEST(FsdpRun, MaxRestartsStartsEveryRankAgain) {
+  const auto r =
+      run_shell(kRun +
+                " --nproc-per-node 2 --max-restarts 2 sh -c 'echo \"round "
+                "$TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; "
+                "[ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ] && exit 3; exit 0'");
+  EXPECT_EQ(r.rc, 0) << r.out;
+  for (int round = 0; round < 3; ++round)
+    EXPECT_EQ(count_lines_with(r.out, "round " + std::to_string(round) + " of 2"), 2) << r.out;
+  EXPECT_EQ(count_lines_with(r.out, "fsdp-run: restarting every rank: restart "), 2) << r.out;
+  EXPECT_EQ(
+      count_lines_with(r.out, "restart 2 of 2 (--max-restarts), TORCHELASTIC_RESTART_COUNT=2"), 1)
+      << r.out;
+
+  const auto e = run_shell(kRun + " --nproc-per-node 2 --max-restarts 1 sh -c 'exit 3'");
+  EXPECT_EQ(e.rc, 3) << e.out;
+  EXPECT_EQ(count_lines_with(e.out, "fsdp-run: restarting every rank"), 1) << e.out;
+  EXPECT_EQ(count_lines_with(e.out, "fsdp-run: no restarts left (--max-restarts 1)"), 1) << e.out;
+
+  fsdp::testing::TempDir dir;
+  Background run(kRun + " --nproc-per-node 2 --max-restarts 3 sh -c 'echo ready; sleep 60'",
+                 dir.file("log"));
+  for (int i = 0; i < 100 && count_lines_with(run.output(), "ready") < 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ::kill(run.pid(), SIGINT);
+  EXPECT_EQ(run.wait(std::chrono::seconds(30)), 128 + SIGINT) << run.output();
+  EXPECT_EQ(count_lines_with(run.output(), "restarting"), 0) << run.output();
 }
 
 TEST(FsdpRun, BadUsageIsOneLine) {

@@ -197,6 +197,48 @@ TEST(FsdpTrain, KilledRankStopsTheRunAndResumeContinues) {
   EXPECT_NE(out.find("step " + std::to_string(step + 2) + "/"), std::string::npos) << out;
 }
 
+// Waits until `root` holds a committed checkpoint of step >= `step`; false after a minute.
+bool wait_for_checkpoint(const std::string& root, int64_t step) {
+  for (int i = 0; i < 600; ++i) {
+    if (ckpt::latest_checkpoint(root) && ckpt::list_steps(root).back() >= step) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
+// Under --max-restarts (issue 41), a rank SIGKILLed mid-run stops every rank, fsdp-run starts them
+// all again, fsdp-train --resume continues from the latest checkpoint, and the run ends with the
+// weights of an uninterrupted run, bit for bit (the same world size: the steps since the
+// checkpoint are redone on the same batches); the log names the failure, the restart and the
+// resume.
+TEST(FsdpTrain, MaxRestartsRestartsAKilledJobWhichFinishesAsIfUninterrupted) {
+  TempDir dir;
+  const std::string d = dir.path();
+  const std::string args = "--steps 60 --save-every 4 --log-every 1 --export final.pt";
+  Background run("sh -c \"cd '" + d + "' && exec " + FSDP_RUN_BIN +
+                     " --nproc-per-node 2 --max-restarts 2 " + FSDP_TRAIN_BIN + " " + args +
+                     " --save-dir ck --resume\"",
+                 dir.file("log"));
+  ASSERT_TRUE(wait_for_checkpoint(dir.file("ck"), 8)) << run.output();
+  std::vector<pid_t> ranks = run.children();
+  ASSERT_EQ(ranks.size(), 2u) << run.output();
+  ::kill(ranks[1], SIGKILL);
+  ASSERT_EQ(run.wait(std::chrono::seconds(180)), 0) << run.output();
+  const std::string out = run.output();
+  EXPECT_NE(out.find("fsdp-run: failed: rank 1 (local rank 1) was killed by signal 9 (SIGKILL)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("fsdp-run: restarting every rank: restart 1 of 2 (--max-restarts)"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(count_lines_with(out, "[r0] resumed from ck/step_"), 1) << out;
+  EXPECT_EQ(count_lines_with(out, "fsdp-run: restarting"), 1) << out;
+
+  TempDir ref;
+  train(2, ref.path(), args + " --save-dir ck");
+  EXPECT_EQ(max_diff(dir.file("final.pt"), ref.file("final.pt")), 0.0);
+}
+
 TEST(FsdpTrain, BadFlagsAndDataAreOneLinePerRank) {
   TempDir dir;
   {
@@ -342,6 +384,30 @@ TEST_F(FsdpTrainNodes, WaitingForAnotherNodeUsesNoCpu) {
       joining, rank_cpu, launcher_cpu);
   for (int i = 0; i < 2; ++i)
     EXPECT_EQ(node_[i]->wait(std::chrono::seconds(120)), 0) << node_[i]->output();
+}
+
+// Across nodes, a restart is agreed by every launcher (issue 41): a rank SIGKILLed on node 1
+// mid-run restarts both nodes' ranks (TORCHELASTIC_RESTART_COUNT=1), which resume from the latest
+// checkpoint and end with an uninterrupted W=2 run's weights, bit for bit.
+TEST_F(FsdpTrainNodes, BothNodesRestartTogetherAndFinishAsIfUninterrupted) {
+  const std::string args = "--steps 60 --save-every 4 --log-every 1 --export final.pt";
+  start(0, args + " --save-dir ck --resume", "--max-restarts 1");
+  start(1, args + " --save-dir ck --resume", "--max-restarts 1");
+  ASSERT_TRUE(wait_for_checkpoint(dir_.file("ck"), 8)) << node_[0]->output();
+  std::vector<pid_t> ranks = node_[1]->children();
+  ASSERT_EQ(ranks.size(), 1u) << node_[1]->output();
+  ::kill(ranks[0], SIGKILL);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(node_[i]->wait(std::chrono::seconds(180)), 0) << node_[i]->output();
+    EXPECT_NE(node_[i]->output().find("fsdp-run: restart 1: every node has rejoined"),
+              std::string::npos)
+        << node_[i]->output();
+  }
+  EXPECT_EQ(count_lines_with(node_[0]->output(), "[r0] resumed from ck/step_"), 1)
+      << node_[0]->output();
+  TempDir ref;
+  train(2, ref.path(), args + " --save-dir ck");
+  EXPECT_EQ(max_diff(dir_.file("final.pt"), ref.file("final.pt")), 0.0);
 }
 
 }  // namespace

@@ -16,6 +16,10 @@
 // forwarded to every process. If fsdp-run itself is killed, the kernel kills its processes
 // (PR_SET_PDEATHSIG), so no rank is left waiting on a collective that will never complete.
 //
+// With --max-restarts N, a failed job is started again (every rank, on every node) at most N times,
+// with TORCHELASTIC_RESTART_COUNT counting the restarts, as with torchrun; the program resumes
+// from its latest checkpoint by itself.
+//
 // Across hosts (--nnodes > 1), the launchers meet in the job's TCPStore, which the launcher of node
 // rank 0 hosts at --master-addr:--master-port (run_agent.h), as torchrun's agents do: they check
 // that they agree on the job's shape, start their ranks only once all have joined (within
@@ -153,6 +157,9 @@ struct Options {
   std::string master_addr = "127.0.0.1";
   double grace = 5.0;
   double join_timeout = 600, heartbeat_timeout = 30;  // across hosts (run_agent.h)
+  int max_restarts = 0;                               // torchrun's --max-restarts
+  bool port_chosen = false;                           // --master-port given (else ours, per round)
+  int round = 0;                                      // TORCHELASTIC_RESTART_COUNT
   bool no_prefix = false;
   std::vector<std::string> command;  // PROGRAM [ARGS...]
   bool set_omp = false;              // OMP_NUM_THREADS=1 for each rank, as torchrun does
@@ -180,6 +187,9 @@ int parse_options(int argc, char** argv, Options& o) {
   app.add_option("--grace-period", o.grace,
                  "Seconds between SIGTERM and SIGKILL when stopping the other ranks")
       ->check(CLI::Range(0.0, 3600.0));
+  app.add_option("--max-restarts,--max_restarts", o.max_restarts,
+                 "Restart every rank (on every node) after a failure, at most this many times")
+      ->check(CLI::Range(0, 1000000));
   app.add_option("--join-timeout", o.join_timeout,
                  "Across hosts: seconds to wait for every node's fsdp-run to join (default 600)")
       ->check(CLI::Range(0.1, 86400.0));
@@ -223,6 +233,7 @@ int parse_options(int argc, char** argv, Options& o) {
 // The settings parse_options leaves open: the port, OMP_NUM_THREADS, the run id. Returns -1 to
 // go on, else the exit code.
 int complete_options(Options& o) {
+  o.port_chosen = o.master_port != 0;
   if (o.master_port == 0) {
     if (o.nnodes > 1) {
       o.master_port = 29500;  // every node must agree on it without talking: torchrun's default
@@ -260,13 +271,21 @@ bool install_signal_handlers() {
 
 // In the forked child: becomes rank `r` with torchrun's environment and runs the program. Never
 // returns.
-[[noreturn]] void exec_rank(const Options& o, const Rank& r, int (&fds)[2][2]) {
+// Signals arrive blocked (start_ranks): until the defaults are back, a SIGTERM meant for the rank
+// would run fsdp-run's handler, which writes to fsdp-run's own signal pipe (inherited), so that
+// fsdp-run took a stop of its ranks for a signal sent to itself and ended the job (found when
+// --max-restarts did not restart 1 time in 5). Blocked, it stays pending and kills the rank.
+[[noreturn]] void exec_rank(const Options& o, const Rank& r, int (&fds)[2][2],
+                            const sigset_t& old_mask) {
   ::setpgid(0, 0);  // its own group: fsdp-run forwards terminal signals and stops the rest
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() == 1) _exit(1);  // fsdp-run already gone
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
   for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::sigaction(sig, &dfl, nullptr);
+  ::close(g_signal_pipe[0]);
+  ::close(g_signal_pipe[1]);
+  ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
   ::dup2(fds[0][1], 1);
   ::dup2(fds[1][1], 2);
   auto set = [](const char* k, const std::string& v) { ::setenv(k, v.c_str(), 1); };
@@ -281,8 +300,8 @@ bool install_signal_handlers() {
   set("MASTER_ADDR", o.master_addr);
   set("MASTER_PORT", std::to_string(o.master_port));
   set("TORCHELASTIC_RUN_ID", o.run_id);
-  set("TORCHELASTIC_RESTART_COUNT", "0");
-  set("TORCHELASTIC_MAX_RESTARTS", "0");
+  set("TORCHELASTIC_RESTART_COUNT", std::to_string(o.round));
+  set("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
   // Across hosts the launcher of node 0 hosts the store, and every rank is a client of it.
   set("TORCHELASTIC_USE_AGENT_STORE", o.nnodes > 1 ? "True" : "False");
   if (o.set_omp) set("OMP_NUM_THREADS", "1");
@@ -311,13 +330,17 @@ bool start_ranks(const Options& o, std::vector<Rank>& ranks) {
         return false;
       }
     }
+    sigset_t all, old_mask;
+    sigfillset(&all);
+    ::sigprocmask(SIG_BLOCK, &all, &old_mask);  // until the child has its own handlers
     const pid_t pid = ::fork();
+    if (pid == 0) exec_rank(o, r, fds, old_mask);
+    ::sigprocmask(SIG_SETMASK, &old_mask, nullptr);
     if (pid < 0) {
       std::fprintf(stderr, "fsdp-run: fork: %s\n", std::strerror(errno));
       signal_all(ranks, SIGKILL);
       return false;
     }
-    if (pid == 0) exec_rank(o, r, fds);
     ::setpgid(pid, pid);  // also here, so that a signal sent right away finds the group
     r.pid = pid;
     r.running = true;
@@ -355,6 +378,7 @@ class Supervisor {
         kill_at_ = Clock::now() + std::chrono::hours(1);
       }
       if (agent_ && !job_failure_ && agent_->silent_for() > o_.heartbeat_timeout) {
+        store_lost_ = true;
         on_job_failure(Failure{0, 1,
                                "the job's store at " + o_.master_addr + ":" +
                                    std::to_string(o_.master_port) + " has not answered for " +
@@ -366,9 +390,17 @@ class Supervisor {
         return 2;
       }
     }
+    restart_ = (first_failed_ >= 0 || job_failure_) && forwarded_ == 0 && !store_lost_ &&
+               o_.round < o_.max_restarts;
     if (agent_) settle_with_other_nodes();
     return outcome();
   }
+
+  /// After run(): the job failed and may be restarted (--max-restarts not used up, no signal to
+  /// fsdp-run, the job's store still there).
+  bool restarting() const { return restart_; }
+  /// After run(): the round ended in a failure (not a signal to fsdp-run).
+  bool failed() const { return (first_failed_ >= 0 || job_failure_) && forwarded_ == 0; }
 
  private:
   // "rank 3 (local rank 1)" (with its pid: "rank 3 (local rank 1, pid 812)"), and
@@ -428,6 +460,7 @@ class Supervisor {
   void read_agent() {
     const fsdp_run::AgentState st = agent_->state();
     if (st.failure) on_job_failure(*st.failure);
+    store_lost_ |= st.store_lost;
     left_ = st.left;
     all_left_ = st.all_left;
   }
@@ -489,8 +522,9 @@ class Supervisor {
     flush_lines(s, false);
   }
 
-  // This node's ranks have all ended: tell the others. Node 0, whose process hosts the store,
-  // stays until every node has said so (torchrun's exit barrier), a short while once the job has
+  // This node's ranks have all ended: tell the others. Before a restart, that is all (the next
+  // round's join waits for everyone). Otherwise node 0, whose process hosts the store, stays
+  // until every node has said so (torchrun's exit barrier), a short while once the job has
   // failed, at most 300 s when it has not.
   void settle_with_other_nodes() {
     read_agent();
@@ -499,7 +533,7 @@ class Supervisor {
     auto deadline = Clock::now() + std::chrono::seconds(failed ? 5 : 300);
     for (;;) {
       read_agent();
-      if (o_.node_rank == 0 ? all_left_ : left_) return;
+      if (o_.node_rank == 0 && !restart_ ? all_left_ : left_) return;
       if (job_failure_ && !failed) {
         deadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
       }
@@ -548,28 +582,15 @@ class Supervisor {
   int forwarded_ = 0;                   // a signal fsdp-run was sent and passed on
   std::optional<Failure> job_failure_;  // the job's first failure, from the agent
   bool left_ = false, all_left_ = false, exit_barrier_timed_out_ = false;
+  bool store_lost_ = false, restart_ = false;
   bool stopping_ = false;
   Clock::time_point kill_at_{};
   char buf_[65536];
 };
 
-// Across hosts: starts the agent and waits, still answering signals, until every node's launcher
-// has joined. Returns -1 to go on, else the exit code.
-int join_job(Options& o, std::unique_ptr<JobAgent>& agent) {
-  AgentConfig c;
-  c.nnodes = o.nnodes;
-  c.node_rank = o.node_rank;
-  c.nproc_per_node = o.nproc;
-  c.master_addr = o.master_addr;
-  c.master_port = o.master_port;
-  c.join_timeout = o.join_timeout;
-  c.heartbeat_timeout = o.heartbeat_timeout;
-  try {
-    agent = std::make_unique<JobAgent>(c);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp-run: %s\n", e.what());
-    return 2;
-  }
+// Across hosts: waits, still answering signals, until every node's launcher has joined round
+// o.round. Returns -1 to go on, else the exit code.
+int await_round(Options& o, JobAgent& agent) {
   // The agent's own waits end at the join timeout; this bounds a store call that never returns
   // (a store host stopped after it began to listen).
   const auto deadline =
@@ -582,7 +603,7 @@ int join_job(Options& o, std::unique_ptr<JobAgent>& agent) {
                    o.node_rank, o.master_addr.c_str(), o.master_port, o.join_timeout);
       return 2;
     }
-    pollfd fds[2] = {{g_signal_pipe[0], POLLIN, 0}, {agent->fd(), POLLIN, 0}};
+    pollfd fds[2] = {{g_signal_pipe[0], POLLIN, 0}, {agent.fd(), POLLIN, 0}};
     if (::poll(fds, 2, 1000) < 0 && errno != EINTR) {
       std::fprintf(stderr, "fsdp-run: poll: %s\n", std::strerror(errno));
       return 2;
@@ -594,17 +615,41 @@ int join_job(Options& o, std::unique_ptr<JobAgent>& agent) {
                    sig);
       return 128 + sig;
     }
-    const fsdp_run::AgentState st = agent->state();
+    const fsdp_run::AgentState st = agent.state();
     if (st.join_error) {
-      std::fprintf(stderr, "fsdp-run: node %d: the job cannot start: %s\n", o.node_rank,
-                   st.join_error->c_str());
+      std::fprintf(stderr, "fsdp-run: node %d: the job cannot %s: %s\n", o.node_rank,
+                   o.round == 0 ? "start" : "restart", st.join_error->c_str());
       return 2;
     }
-    if (st.joined) {
+    if (st.joined && st.round == o.round) {
       o.run_id = st.run_id;  // every node hands its ranks node 0's
       return -1;
     }
   }
+}
+
+// Across hosts: starts the agent (round 0) or asks it for the next round, and waits for it.
+int join_job(Options& o, std::unique_ptr<JobAgent>& agent) {
+  if (agent) {
+    agent->next_round(o.round);
+    return await_round(o, *agent);
+  }
+  AgentConfig c;
+  c.nnodes = o.nnodes;
+  c.node_rank = o.node_rank;
+  c.nproc_per_node = o.nproc;
+  c.master_addr = o.master_addr;
+  c.master_port = o.master_port;
+  c.join_timeout = o.join_timeout;
+  c.heartbeat_timeout = o.heartbeat_timeout;
+  c.max_restarts = o.max_restarts;
+  try {
+    agent = std::make_unique<JobAgent>(c);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fsdp-run: %s\n", e.what());
+    return 2;
+  }
+  return await_round(o, *agent);
 }
 
 // Across hosts the agent's thread may be inside a store call when the launcher is done: leave
@@ -622,12 +667,30 @@ int main(int argc, char** argv) {
   if (int code = complete_options(o); code >= 0) return code;
   if (!install_signal_handlers()) return 2;
   std::unique_ptr<JobAgent> agent;
-  if (o.nnodes > 1) {
-    if (int code = join_job(o, agent); code >= 0) leave(code);
+  for (;; ++o.round) {
+    if (o.nnodes > 1) {
+      if (int code = join_job(o, agent); code >= 0) leave(code);
+    } else if (o.round > 0 && !o.port_chosen && (o.master_port = free_port()) < 0) {
+      std::fprintf(stderr, "fsdp-run: could not find a free port: %s\n", std::strerror(errno));
+      return 2;
+    }
+    if (o.round > 0 && agent)
+      std::fprintf(stderr, "fsdp-run: restart %d: every node has rejoined; starting the ranks\n",
+                   o.round);
+    std::vector<Rank> ranks;
+    if (!start_ranks(o, ranks)) return 2;
+    Supervisor supervisor(ranks, o, agent.get());
+    const int code = supervisor.run();
+    if (supervisor.restarting()) {
+      std::fprintf(stderr,
+                   "fsdp-run: restarting every rank: restart %d of %d (--max-restarts), "
+                   "TORCHELASTIC_RESTART_COUNT=%d\n",
+                   o.round + 1, o.max_restarts, o.round + 1);
+      continue;
+    }
+    if (supervisor.failed() && o.max_restarts > 0 && o.round == o.max_restarts)
+      std::fprintf(stderr, "fsdp-run: no restarts left (--max-restarts %d)\n", o.max_restarts);
+    if (agent) leave(code);
+    return code;
   }
-  std::vector<Rank> ranks;
-  if (!start_ranks(o, ranks)) return 2;
-  const int code = Supervisor(ranks, o, agent.get()).run();
-  if (agent) leave(code);
-  return code;
 }

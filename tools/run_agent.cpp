@@ -59,7 +59,7 @@ Failure decode(const std::string& s) {
 
 std::string config_text(const AgentConfig& c) {
   return "--nnodes " + std::to_string(c.nnodes) + " --nproc-per-node " +
-         std::to_string(c.nproc_per_node);
+         std::to_string(c.nproc_per_node) + " --max-restarts " + std::to_string(c.max_restarts);
 }
 
 // A failure that ends the join: the message the launcher prints.
@@ -83,6 +83,7 @@ struct JobAgent::Shared {
   // Asked by the launcher.
   std::optional<Failure> to_post;
   bool to_leave = false;
+  int next_round = 0;  // the round the launcher wants to join next
   bool stop = false;
   // Learnt by the thread.
   AgentState state;
@@ -98,25 +99,37 @@ struct JobAgent::Shared {
 namespace {
 
 // The agent thread's work, one object per job. Every store call may throw (the store's host is
-// gone); run() turns that into the job's failure.
+// gone); that ends the job. The job runs in rounds, one per (re)start of the ranks: the keys of
+// round k live under "round/<k>/", so that nothing of a failed round is read by the next.
 class AgentLoop {
  public:
   explicit AgentLoop(std::shared_ptr<JobAgent::Shared> s) : s_(std::move(s)), cfg_(s_->cfg) {}
 
   void run() {
     try {
-      join();
+      handshake();
     } catch (const std::exception& e) {
-      linger_for_others(kFailureLinger);  // before saying so: the launcher exits on the news
-      learn([&](AgentState& st) { st.join_error = e.what(); });
+      give_up_join(e.what());
       return;
     }
-    watch();
+    for (;;) {
+      try {
+        join_round();
+      } catch (const std::exception& e) {
+        give_up_join(e.what());
+        return;
+      }
+      if (!watch()) return;  // else the launcher asked for the next round
+    }
   }
 
  private:
   c10d::Store& store() { return *store_; }
   int64_t count(const std::string& key) { return store().add(key, 0); }
+  // A key of the current round.
+  std::string rk(const std::string& key) const {
+    return "round/" + std::to_string(round_) + "/" + key;
+  }
 
   std::string where() const { return cfg_.master_addr + ":" + std::to_string(cfg_.master_port); }
 
@@ -142,16 +155,16 @@ class AgentLoop {
     heard();
   }
 
-  // Posts `f` as the job's failure unless one was posted before; true if it was ours.
+  // Posts `f` as the round's failure unless one was posted before; true if it was ours.
   bool post_failure(const Failure& f) {
-    if (store().add("failures", 1) != 1) return false;
-    store().set("failure", bytes(encode(f)));
+    if (store().add(rk("failures"), 1) != 1) return false;
+    store().set(rk("failure"), bytes(encode(f)));
     return true;
   }
 
   std::optional<Failure> posted_failure() {
-    if (!store().check({"failure"})) return std::nullopt;
-    return decode(text(store().get("failure")));
+    if (!store().check({rk("failure")})) return std::nullopt;
+    return decode(text(store().get(rk("failure"))));
   }
 
   // Fails the join for everyone with `what`, and for this launcher.
@@ -160,34 +173,43 @@ class AgentLoop {
     throw JoinError(what);
   }
 
-  void join() {
+  // Once per job: the store, the job's shape checked against node 0's, this node's rank claimed.
+  void handshake() {
     open_store();
-    const std::string me = "node " + std::to_string(cfg_.node_rank);
-    std::string run_id;
     if (cfg_.node_rank == 0) {
       std::random_device rd;
       char buf[17];
       std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
-      run_id = buf;
-      store().set("run_id", bytes(run_id));
+      run_id_ = buf;
+      store().set("run_id", bytes(run_id_));
       store().set("config", bytes(config_text(cfg_)));
     } else {
       const std::string theirs = text(store().get("config"));  // waits until node 0 set it
       if (theirs != config_text(cfg_))
-        fail_join(me + " was started with " + config_text(cfg_) + " but node 0 with " + theirs +
+        fail_join("node " + std::to_string(cfg_.node_rank) + " was started with " +
+                  config_text(cfg_) + " but node 0 with " + theirs +
                   "; every node must be given the same");
-      run_id = text(store().get("run_id"));
+      run_id_ = text(store().get("run_id"));
     }
     if (store().add("node/" + std::to_string(cfg_.node_rank), 1) != 1)
       fail_join("two launchers were started with --node-rank " + std::to_string(cfg_.node_rank));
     store().set("host/" + std::to_string(cfg_.node_rank), bytes(JobAgent::host_name()));
-    store().add("joined", 1);
+  }
+
+  // Joins round_ and waits until every node has.
+  void join_round() {
+    store().set(rk("in/") + std::to_string(cfg_.node_rank), bytes("1"));
+    store().add(rk("joined"), 1);
     joined_ = true;
     wait_for_everyone();
-    std::lock_guard<std::mutex> lock(s_->mu);
-    s_->state.joined = true;
-    s_->state.run_id = run_id;
-    s_->notify();
+    posted_ = left_ = known_failure_ = false;
+    beats_.clear();  // heartbeats are judged afresh each round
+    learn([&](AgentState& st) {
+      st = AgentState{};
+      st.joined = true;
+      st.round = round_;
+      st.run_id = run_id_;
+    });
   }
 
   void wait_for_everyone() {
@@ -195,16 +217,17 @@ class AgentLoop {
         Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(cfg_.join_timeout * 1000));
     for (;;) {
       if (auto f = posted_failure()) throw JoinError(f->what);
-      if (count("joined") >= cfg_.nnodes) return;
+      if (count(rk("joined")) >= cfg_.nnodes) return;
       heard();
       if (Clock::now() >= deadline) break;
       if (sleep_or_stop(kTick)) throw JoinError("stopped while waiting for the other nodes");
     }
     std::string missing;
     for (int i = 0; i < cfg_.nnodes; ++i)
-      if (!store().check({"host/" + std::to_string(i)}))
+      if (!store().check({rk("in/") + std::to_string(i)}))
         missing += (missing.empty() ? "" : ", ") + std::to_string(i);
-    fail_join("node rank(s) " + missing + " did not join within " +
+    fail_join("node rank(s) " + missing + " did not join" +
+              (round_ > 0 ? " restart " + std::to_string(round_) : std::string()) + " within " +
               std::to_string(static_cast<int>(cfg_.join_timeout)) + " s (--join-timeout); is " +
               "fsdp-run running there with --nnodes " + std::to_string(cfg_.nnodes) +
               " and --master-addr " + cfg_.master_addr + " --master-port " +
@@ -223,33 +246,43 @@ class AgentLoop {
     s_->last_heard = Clock::now();
   }
 
-  // After the join: posts what the launcher reports, bumps the heartbeat, watches for the job's
-  // failure and (node 0) for lost nodes and for everyone having left.
-  void watch() {
+  // While a round runs: posts what the launcher reports, bumps the heartbeat, watches for the
+  // round's failure and (node 0) for lost nodes and for everyone having left. True when the
+  // launcher asks for the next round, false when there is nothing more to do.
+  bool watch() {
+    bool done = false;  // this round: nothing more to watch
     for (;;) {
       std::optional<Failure> to_post;
       bool to_leave = false;
       {
         std::unique_lock<std::mutex> lock(s_->mu);
         s_->cv.wait_for(lock, kTick, [&] {
-          return s_->stop || (s_->to_post && !posted_) || (s_->to_leave && !left_);
+          return s_->stop || (s_->next_round > round_ && left_) || (s_->to_post && !posted_) ||
+                 (s_->to_leave && !left_);
         });
-        if (s_->stop) return;
+        if (s_->stop) return false;
+        if (s_->next_round > round_ && left_) {
+          round_ = s_->next_round;
+          s_->to_post.reset();
+          s_->to_leave = false;
+          return true;
+        }
         to_post = s_->to_post;
         to_leave = s_->to_leave;
       }
+      if (done) continue;
       try {
-        if (!round(to_post, to_leave)) return;
+        done = !look(to_post, to_leave);
         heard();
       } catch (const std::exception& e) {
         lost_store(e.what());
-        return;
+        return false;
       }
     }
   }
 
-  // One look at the store. False when there is nothing more to do.
-  bool round(const std::optional<Failure>& to_post, bool to_leave) {
+  // One look at the store. False when this round needs no more looks.
+  bool look(const std::optional<Failure>& to_post, bool to_leave) {
     if (to_post && !posted_) {
       post_failure(*to_post);
       posted_ = true;
@@ -261,8 +294,8 @@ class AgentLoop {
       }
     }
     if (to_leave && !left_) {
-      store().set("left/" + std::to_string(cfg_.node_rank), bytes("1"));
-      store().add("left", 1);
+      store().set(rk("left/") + std::to_string(cfg_.node_rank), bytes("1"));
+      store().add(rk("left"), 1);
       left_ = true;
       learn([](AgentState& st) { st.left = true; });
       if (cfg_.node_rank != 0) return false;  // nothing more to say; node 0 waits for the rest
@@ -274,7 +307,7 @@ class AgentLoop {
       }
       return true;
     }
-    if (count("left") >= cfg_.nnodes) {
+    if (count(rk("left")) >= cfg_.nnodes) {
       learn([](AgentState& st) { st.all_left = true; });
       return false;
     }
@@ -282,8 +315,8 @@ class AgentLoop {
     return true;
   }
 
-  // Node 0: a node whose heartbeat has not moved for heartbeat_timeout, and that has not left,
-  // is lost; that is the job's failure.
+  // Node 0: a node whose heartbeat has not moved for heartbeat_timeout, and that has not left
+  // this round, is lost; that is the round's failure.
   void check_heartbeats() {
     if (Clock::now() - last_beat_ < kHeartbeat) return;
     last_beat_ = Clock::now();
@@ -296,18 +329,19 @@ class AgentLoop {
         continue;
       }
       const double silent = Seconds(Clock::now() - it->second.second).count();
-      if (silent < cfg_.heartbeat_timeout || store().check({"left/" + id})) continue;
+      if (silent < cfg_.heartbeat_timeout || store().check({rk("left/") + id})) continue;
       const std::string host = text(store().get("host/" + id));
       post_failure(Failure{i, 1,
                            "node " + id + " (" + host + ") stopped answering: its launcher sent " +
                                "no heartbeat for " + std::to_string(static_cast<int>(silent)) +
                                " s (--heartbeat-timeout)"});
-      return;  // the next round reads the failure back
+      return;  // the next look reads the failure back
     }
   }
 
   void lost_store(const std::string& why) {
     learn([&](AgentState& st) {
+      st.store_lost = true;
       if (!st.failure)
         st.failure = Failure{0, 1,
                              "lost the job's store at " + where() +
@@ -316,18 +350,20 @@ class AgentLoop {
     });
   }
 
-  // After a failed join, node 0 keeps the store up a little for the others to read why: until
-  // every launcher that had joined has given up too.
-  void linger_for_others(std::chrono::seconds most) {
-    if (!store_ || !joined_) return;
-    const auto until = Clock::now() + most;
-    try {
-      store().add("left", 1);
-      if (cfg_.node_rank != 0) return;
-      while (Clock::now() < until && count("left") < count("joined"))
-        if (sleep_or_stop(kTick)) return;
-    } catch (const std::exception&) {
+  // The join failed: node 0 keeps the store up a little for the others to read why (until every
+  // launcher that had joined this round has given up too), then the launcher hears of it.
+  void give_up_join(const std::string& why) {
+    if (store_ && joined_) {
+      const auto until = Clock::now() + kFailureLinger;
+      try {
+        store().add(rk("gave_up"), 1);
+        if (cfg_.node_rank == 0)
+          while (Clock::now() < until && count(rk("gave_up")) < count(rk("joined")))
+            if (sleep_or_stop(kTick)) break;
+      } catch (const std::exception&) {
+      }
     }
+    learn([&](AgentState& st) { st.join_error = why; });
   }
 
   template <typename F>
@@ -340,6 +376,8 @@ class AgentLoop {
   std::shared_ptr<JobAgent::Shared> s_;
   const AgentConfig& cfg_;
   c10::intrusive_ptr<c10d::Store> store_;
+  std::string run_id_;
+  int round_ = 0;
   bool joined_ = false, posted_ = false, left_ = false, known_failure_ = false;
   Clock::time_point last_beat_{};
   std::map<int, std::pair<int64_t, Clock::time_point>> beats_;  // node -> (beat, when it moved)
@@ -372,6 +410,13 @@ AgentState JobAgent::state() {
 void JobAgent::report_failure(int code, const std::string& what) {
   std::lock_guard<std::mutex> lock(shared_->mu);
   if (!shared_->to_post) shared_->to_post = Failure{shared_->cfg.node_rank, code, what};
+  shared_->cv.notify_all();
+}
+
+void JobAgent::next_round(int round) {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  shared_->next_round = round;
+  shared_->state.joined = false;
   shared_->cv.notify_all();
 }
 

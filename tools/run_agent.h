@@ -2,18 +2,22 @@
 // job's TCPStore, hosted by the launcher of node rank 0 at --master-addr:--master-port, as
 // torchrun's agents do, and keep each other informed there.
 //
-// What they say to each other, under the store prefix "/fsdp-run/" (the ranks' own keys live
-// under "/worker/attempt_<n>/", PyTorch's prefix when the agent hosts the store):
-//   config            node 0's --nnodes and --nproc-per-node; every other node must match them
+// The job runs in rounds: round 0, then one per restart (--max-restarts). What the launchers say
+// to each other, under the store prefix "/fsdp-run/" (the ranks' own keys live under
+// "/worker/attempt_<round>/", PyTorch's prefix when the agent hosts the store):
+//   config            node 0's --nnodes, --nproc-per-node and --max-restarts; every other node's
+//                     must match
 //   run_id            node 0's TORCHELASTIC_RUN_ID, which every node hands its ranks
 //   node/<i>          how many launchers claim node rank i (more than one is an error)
 //   host/<i>          node i's host name, for messages
-//   joined            how many launchers have joined; the ranks start when all have
-//   failures, failure the first failure in the job (a counter decides who is first), as
-//                     "<node>\n<exit code>\n<sentence>"
 //   alive/<i>         node i's heartbeat, a counter it bumps every second; node 0 watches them
+// and for each round k, under "round/<k>/":
+//   in/<i>, joined    who has joined round k; its ranks start when all have
+//   failures, failure the round's first failure (a counter decides who is first), as
+//                     "<node>\n<exit code>\n<sentence>"
 //   left, left/<i>    the launchers whose ranks have all ended; node 0, which hosts the store,
 //                     waits for them before it exits, so nobody loses the store early
+//   gave_up           the launchers that gave up a failed join (node 0 waits for them too)
 //
 // All store traffic happens on the agent's own thread, so that a store that does not answer (its
 // host hung) never blocks the launcher's loop: the loop polls fd() next to its ranks' output, and
@@ -36,7 +40,7 @@ struct AgentConfig {
   int master_port = 29500;
   double join_timeout = 600;      // s: every launcher must have joined by then (torchrun's default)
   double heartbeat_timeout = 30;  // s: a launcher silent for that long is lost
-  double exit_timeout = 300;      // s: node 0 waits that long for the others to end (torchrun's)
+  int max_restarts = 0;           // restarts of the job after a failure (torchrun's)
 };
 
 /// The first failure anywhere in the job.
@@ -49,12 +53,14 @@ struct Failure {
 
 /// What the agent has learnt, as of the last call to state().
 struct AgentState {
-  bool joined = false;                    // every launcher joined: start the ranks
+  bool joined = false;                    // every launcher joined `round`: start the ranks
+  int round = 0;                          // the round joined (0, then 1 per restart)
   std::optional<std::string> join_error;  // the job cannot start: why
   std::string run_id;                     // the job's TORCHELASTIC_RUN_ID, once joined
   std::optional<Failure> failure;         // the job's first failure, once known
   bool left = false;                      // report_left() has reached the store
   bool all_left = false;                  // every launcher's ranks have ended (node 0 only)
+  bool store_lost = false;                // the job's store is gone: no restart is possible
 };
 
 class JobAgent {
@@ -74,8 +80,11 @@ class JobAgent {
 
   /// This host's first failed rank: posted as the job's failure unless another came first.
   void report_failure(int code, const std::string& what);
-  /// This host's ranks have all ended (successfully or not) and its launcher is about to exit.
+  /// This host's ranks have all ended this round (successfully or not).
   void report_left();
+  /// After report_left(): join round `round` (a restart); state().joined turns true when every
+  /// launcher has, or join_error says why not.
+  void next_round(int round);
   /// Seconds since the agent last heard from the store (0 while it has not started talking).
   double silent_for() const;
 
