@@ -269,7 +269,9 @@ TEST(FsdpTrain, BadFlagsAndDataAreOneLinePerRank) {
   }
 }
 
-// Across nodes (issue 40): two fsdp-run launchers on loopback, as on two hosts, one rank each.
+// Across nodes (issue 40): two fsdp-run launchers on loopback, as on two hosts, one rank each,
+// with one thread each as fsdp-run gives two ranks on one node (LibTorch 2.6's kernels sum in
+// another order with two threads: 1e-4 apart after 60 steps).
 class FsdpTrainNodes : public ::testing::Test {
  protected:
   // Starts node i's launcher with `program` (fsdp-train's arguments, or a whole command when it
@@ -278,9 +280,9 @@ class FsdpTrainNodes : public ::testing::Test {
     const std::string cmd =
         program.rfind("sh ", 0) == 0 ? program : std::string(FSDP_TRAIN_BIN) + " " + program;
     node_[i] = std::make_unique<Background>(
-        "sh -c \"cd '" + dir_.path() + "' && exec " + FSDP_RUN_BIN + " --nnodes 2 --node-rank " +
-            std::to_string(i) + " --master-port " + port_ + " --grace-period 2 " + launcher_args +
-            " " + cmd + "\"",
+        "sh -c \"cd '" + dir_.path() + "' && export OMP_NUM_THREADS=1 && exec " + FSDP_RUN_BIN +
+            " --nnodes 2 --node-rank " + std::to_string(i) + " --master-port " + port_ +
+            " --grace-period 2 " + launcher_args + " " + cmd + "\"",
         dir_.file("node" + std::to_string(i) + ".log"));
   }
   // Waits for both launchers; each must exit with `rc` within `limit` seconds of `t0`, naming
