@@ -188,7 +188,7 @@ TEST(FsdpRunNodes, EveryNodeRestartsTogether) {
 
 // A launcher that stops answering (SIGSTOP: a hung host) is lost after --heartbeat-timeout, and
 // the job fails on node 0, naming it; a lost node 0 (its launcher killed, and so the store) is
-// noticed by node 1, which stops its ranks and names it.
+// noticed by node 1, which stops its ranks and names it; so is a hung node 0, by its silence.
 TEST(FsdpRunNodes, ALostNodeEndsTheJob) {
   const std::string sleeper = "sh -c 'sleep 60'";
   {
@@ -213,6 +213,22 @@ TEST(FsdpRunNodes, ALostNodeEndsTheJob) {
     EXPECT_NE(job.output(1).find("lost the job's store at 127.0.0.1:" + job.port),
               std::string::npos)
         << job.output(1);
+  }
+  {
+    // Node 0 hung (SIGSTOP): its store accepts and never answers; node 1 notices the silence.
+    TwoNodes job;
+    job.start("--nproc-per-node 1 --grace-period 1 --heartbeat-timeout 2", {sleeper, sleeper});
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    ::kill(job.node[0]->pid(), SIGSTOP);
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(job.node[1]->wait(std::chrono::seconds(30)), 1) << job.output(1);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(8)) << job.output(1);
+    EXPECT_NE(job.output(1).find("the job's store at 127.0.0.1:" + job.port +
+                                 " has not answered for 2 s"),
+              std::string::npos)
+        << job.output(1);
+    ::kill(job.node[0]->pid(), SIGKILL);
+    ::kill(job.node[0]->pid(), SIGCONT);
   }
 }
 

@@ -528,6 +528,7 @@ class Supervisor {
   // failed, at most 300 s when it has not.
   void settle_with_other_nodes() {
     read_agent();
+    if (store_lost_) return;  // nobody to tell
     agent_->report_left();
     const bool failed = first_failed_ >= 0 || job_failure_ || forwarded_;
     auto deadline = Clock::now() + std::chrono::seconds(failed ? 5 : 300);
