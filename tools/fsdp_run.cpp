@@ -180,7 +180,8 @@ int parse_options(int argc, char** argv, Options& o) {
   app.add_option("--node-rank,--node_rank", o.node_rank, "This node's index, 0 .. nnodes-1")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--master-addr,--master_addr", o.master_addr,
-                 "Host of rank 0 (runs the TCPStore)");
+                 "One node: rank 0's host (runs the TCPStore); several: node 0's host, whose "
+                 "fsdp-run hosts the job's TCPStore");
   app.add_option("--master-port,--master_port", o.master_port,
                  "Port of the TCPStore (default: a free one on a single node, else 29500)")
       ->check(CLI::Range(1, 65535));
@@ -390,9 +391,8 @@ class Supervisor {
         return 2;
       }
     }
-    restart_ = (first_failed_ >= 0 || job_failure_) && forwarded_ == 0 && !store_lost_ &&
-               o_.round < o_.max_restarts;
     if (agent_) settle_with_other_nodes();
+    restart_ = may_restart();
     return outcome();
   }
 
@@ -463,6 +463,7 @@ class Supervisor {
     store_lost_ |= st.store_lost;
     left_ = st.left;
     all_left_ = st.all_left;
+    all_done_ = st.all_done;
   }
 
   // One poll over the signal pipe, the agent and the ranks' streams. False if poll itself fails.
@@ -522,33 +523,44 @@ class Supervisor {
     flush_lines(s, false);
   }
 
-  // This node's ranks have all ended: tell the others. Before a restart, that is all (the next
-  // round's join waits for everyone). Otherwise node 0, whose process hosts the store, stays
-  // until every node has said so (torchrun's exit barrier), a short while once the job has
-  // failed, at most 300 s when it has not.
+  // The round failed: here, elsewhere, or by a signal to this launcher.
+  bool round_failed() const { return first_failed_ >= 0 || job_failure_ || forwarded_ != 0; }
+  bool may_restart() const {
+    return (first_failed_ >= 0 || job_failure_) && forwarded_ == 0 && !store_lost_ &&
+           o_.round < o_.max_restarts;
+  }
+
+  // This node's ranks have all ended: tell the others, and learn how the round ended everywhere
+  // (a node whose ranks all succeeded may still have to restart with the others). A failed round
+  // ends for this node once it said it left (node 0, with no restart coming, once everyone has,
+  // for at most 5 s); a successful one once every node's ranks have ended, and node 0, whose
+  // process hosts the store, goes last (torchrun's exit barrier, at most 300 s).
   void settle_with_other_nodes() {
     read_agent();
     if (store_lost_) return;  // nobody to tell
     agent_->report_left();
-    const bool failed = first_failed_ >= 0 || job_failure_ || forwarded_;
-    auto deadline = Clock::now() + std::chrono::seconds(failed ? 5 : 300);
+    auto deadline = Clock::now() + std::chrono::seconds(300);
+    bool short_wait = false;
     for (;;) {
       read_agent();
-      if (o_.node_rank == 0 && !restart_ ? all_left_ : left_) return;
-      if (job_failure_ && !failed) {
+      if (store_lost_) return;
+      const bool failed = round_failed();
+      if (failed && !short_wait) {
         deadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+        short_wait = true;
       }
+      if (failed ? left_ && (o_.node_rank != 0 || may_restart() || all_left_)
+                 : (o_.node_rank == 0 ? all_done_ : all_left_))
+        return;
       if (Clock::now() >= deadline) break;
       pollfd fds[2] = {{g_signal_pipe[0], POLLIN, 0}, {agent_->fd(), POLLIN, 0}};
-      if (::poll(fds, 2, 200) > 0 && (fds[0].revents & POLLIN)) {
-        read_signals();
-        if (forwarded_) return;
-      }
+      if (::poll(fds, 2, 200) > 0 && (fds[0].revents & POLLIN)) read_signals();
     }
-    if (o_.node_rank == 0 && !job_failure_ && !failed) {
+    if (!round_failed()) {
       std::fprintf(stderr,
-                   "fsdp-run: node 0's ranks are done, but not every other node's ranks ended "
-                   "within 300 s of them; stopping the job's store\n");
+                   "fsdp-run: node %d's ranks are done, but not every other node's ended within "
+                   "300 s of them\n",
+                   o_.node_rank);
       exit_barrier_timed_out_ = true;
     }
   }
@@ -582,7 +594,7 @@ class Supervisor {
   int first_failed_ = -1;               // index into ranks_
   int forwarded_ = 0;                   // a signal fsdp-run was sent and passed on
   std::optional<Failure> job_failure_;  // the job's first failure, from the agent
-  bool left_ = false, all_left_ = false, exit_barrier_timed_out_ = false;
+  bool left_ = false, all_left_ = false, all_done_ = false, exit_barrier_timed_out_ = false;
   bool store_lost_ = false, restart_ = false;
   bool stopping_ = false;
   Clock::time_point kill_at_{};

@@ -202,7 +202,7 @@ class AgentLoop {
     store().add(rk("joined"), 1);
     joined_ = true;
     wait_for_everyone();
-    posted_ = left_ = known_failure_ = false;
+    posted_ = left_ = all_left_ = known_failure_ = false;
     beats_.clear();  // heartbeats are judged afresh each round
     learn([&](AgentState& st) {
       st = AgentState{};
@@ -298,7 +298,21 @@ class AgentLoop {
       store().add(rk("left"), 1);
       left_ = true;
       learn([](AgentState& st) { st.left = true; });
-      if (cfg_.node_rank != 0) return false;  // nothing more to say; node 0 waits for the rest
+    }
+    // Everyone's ranks have ended: say so ("done") before the launcher hears it and exits, so
+    // that node 0, whose process holds the store, goes last.
+    if (left_ && !all_left_ && count(rk("left")) >= cfg_.nnodes) {
+      // Every node posts its failure before it leaves: read after the count, it is final.
+      if (!known_failure_) {
+        if (auto f = posted_failure()) {
+          known_failure_ = true;
+          learn([&](AgentState& st) { st.failure = *f; });
+        }
+      }
+      store().add(rk("done"), 1);
+      all_left_ = true;
+      learn([](AgentState& st) { st.all_left = true; });
+      if (cfg_.node_rank != 0) return false;
     }
     if (cfg_.node_rank != 0) {
       if (Clock::now() - last_beat_ >= kHeartbeat) {
@@ -307,8 +321,9 @@ class AgentLoop {
       }
       return true;
     }
-    if (count(rk("left")) >= cfg_.nnodes) {
-      learn([](AgentState& st) { st.all_left = true; });
+    if (all_left_) {
+      if (count(rk("done")) < cfg_.nnodes) return true;
+      learn([](AgentState& st) { st.all_done = true; });
       return false;
     }
     if (!known_failure_) check_heartbeats();
@@ -378,7 +393,7 @@ class AgentLoop {
   c10::intrusive_ptr<c10d::Store> store_;
   std::string run_id_;
   int round_ = 0;
-  bool joined_ = false, posted_ = false, left_ = false, known_failure_ = false;
+  bool joined_ = false, posted_ = false, left_ = false, all_left_ = false, known_failure_ = false;
   Clock::time_point last_beat_{};
   std::map<int, std::pair<int64_t, Clock::time_point>> beats_;  // node -> (beat, when it moved)
 };

@@ -15,8 +15,10 @@
 //   in/<i>, joined    who has joined round k; its ranks start when all have
 //   failures, failure the round's first failure (a counter decides who is first), as
 //                     "<node>\n<exit code>\n<sentence>"
-//   left, left/<i>    the launchers whose ranks have all ended; node 0, which hosts the store,
-//                     waits for them before it exits, so nobody loses the store early
+//   left, left/<i>    the launchers whose ranks have all ended (after posting their failure,
+//                     if any): once all have and no failure was posted, the job succeeded
+//   done              the launchers that saw everyone leave; node 0, which hosts the store,
+//                     exits last, so nobody loses the store early
 //   gave_up           the launchers that gave up a failed join (node 0 waits for them too)
 //
 // All store traffic happens on the agent's own thread, so that a store that does not answer (its
@@ -59,7 +61,8 @@ struct AgentState {
   std::string run_id;                     // the job's TORCHELASTIC_RUN_ID, once joined
   std::optional<Failure> failure;         // the job's first failure, once known
   bool left = false;                      // report_left() has reached the store
-  bool all_left = false;                  // every launcher's ranks have ended (node 0 only)
+  bool all_left = false;                  // after left: every launcher's ranks have ended
+  bool all_done = false;                  // node 0: every launcher has seen all_left
   bool store_lost = false;                // the job's store is gone: no restart is possible
 };
 
