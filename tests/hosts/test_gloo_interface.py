@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from checks import Checks
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTS = os.path.join(HERE, "..", "..", "scripts", "emulated_hosts.py")
 
@@ -48,13 +50,7 @@ def losses(path):
 
 def main():
     run, train = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-    failures = []
-
-    def check(ok, what, out=""):
-        print(("ok:   " if ok else "FAIL: ") + what, flush=True)
-        if not ok:
-            failures.append(what)
-            print(out[-3000:])
+    check = Checks(3000)
 
     # The work directory is shared by the two hosts' rank 0 (only host 0's rank 0 writes metrics);
     # --node-dir keeps /tmp/fsdp-node per host, which this test does not need.
@@ -98,7 +94,7 @@ def main():
     check("127.0.0.1 (FSDP_GLOO_HOSTNAME)" in out and "GLOO_SOCKET_IFNAME=<interface>" in out,
           "with an error naming the address, what chose it and how to choose another", out)
     subprocess.run(["rm", "-rf", work])
-    return 1 if failures else 0
+    return check.exit_code()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import tempfile
 import threading
 import time
 
+from checks import Checks
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTS = os.path.join(HERE, "..", "..", "scripts", "emulated_hosts.py")
 
@@ -62,13 +64,7 @@ def rank_pid(rank):
 
 def main():
     run, train = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-    failures = []
-
-    def check(ok, what, out=""):
-        print(("ok:   " if ok else "FAIL: ") + what, flush=True)
-        if not ok:
-            failures.append(what)
-            print(out[-4000:])
+    check = Checks(4000)
 
     work = tempfile.mkdtemp(prefix="fsdp-host-fail-")
 
@@ -122,7 +118,7 @@ def main():
                   "host %d's launcher names a rank on node %d that exited with code 2" % (h, bad),
                   out)
     subprocess.run(["rm", "-rf", work])
-    return 1 if failures else 0
+    return check.exit_code()
 
 
 if __name__ == "__main__":
