@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The benchmark suite: every headline figure a ratio against a baseline measured in the same run
 # (the raw c10d collective, raw disk I/O, one process, LibTorch's and Python's serializers, Python
-# FSDP and DDP). See docs/performance.md for what each part measures and the targets.
+# FSDP and DDP, the analytic minimum of bytes across hosts). See docs/performance.md for what each
+# part measures and the targets.
 #
 #   scripts/bench.sh [--quick] [--out DIR] [--no-torch2]
 #
@@ -112,6 +113,18 @@ done
 for w in $CKPT_WORLDS; do
   run checkpoint.log FSDP_BENCH_WORLD=$w FSDP_BENCH_ROUNDS=$CKPT_ROUNDS $B/bench_checkpoint
 done
+
+# 6. Bytes across the host boundary per step, each strategy on 2 emulated hosts x 2 ranks, against
+# the analytic minimum (scripts/host_traffic.py; network namespaces need root and iproute2).
+traffic_rc=0
+/usr/bin/python3 scripts/host_traffic.py --fsdp-run build/fsdp-run \
+  --fsdp-train build/examples/fsdp-train --out "$MEAS" 2>&1 | tee -a "$OUT/logs/host_traffic.log" ||
+  traffic_rc=${PIPESTATUS[0]}
+case $traffic_rc in
+  0) ;;
+  77) echo "bench.sh: host traffic skipped (no network namespaces here)" >&2 ;;
+  *) FAILED+=("scripts/host_traffic.py (logs/host_traffic.log)") ;;
+esac
 
 # LibTorch 2.6 (trixie chroot): the same training step against Python FSDP and DDP, the same
 # kernels on both sides, rounds alternating between the two; and the collectives with Gloo's

@@ -316,6 +316,16 @@ def scaling(m):
     return fits
 
 
+def host_traffic(m):
+    """Bytes a host sends across the host boundary per step, per strategy, against the analytic
+    minimum of scripts/host_traffic.py (issue 40: at most 1.1x)."""
+    for r in m.find(bench="host_traffic"):
+        name = "host traffic %s (%d hosts x %d ranks), bytes/step a host sends" % (
+            r["case"].upper(), r["hosts"], r["nproc_per_node"])
+        record(name, max(r["samples"]), "bytes", "analytic minimum", r["minimum"],
+               target="<= 1.1")
+
+
 def table():
     lines = ["| record | value | baseline | ratio | target | met |", "|---|---|---|---|---|---|"]
     for r in records:
@@ -478,6 +488,7 @@ def main():
     training(m)
     memory(m)
     checkpoints(m)
+    host_traffic(m)
     fits = scaling(m)
     with open(os.path.join(out, "records.json"), "w") as f:
         json.dump(records, f, indent=1)

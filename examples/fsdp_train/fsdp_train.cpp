@@ -284,6 +284,7 @@ class Trainer {
 
   // Trains to --steps (resuming first with --resume), saves the final state, exports.
   void run() {
+    if (rank_ == 0) describe_units();
     if (f_.resume) resume();
     open_metrics();
     saved_at_ = step_;
@@ -326,6 +327,28 @@ class Trainer {
     sd.insert_or_assign("optim", std::move(osd));
     sd.insert_or_assign("trainer", std::move(trainer));
     return sd;
+  }
+
+  // One line on the units: what each gathers per pass, and the root's share (the root unit stays
+  // gathered from forward to backward; scripts/host_traffic.py derives the least traffic from it).
+  void describe_units() {
+    int64_t elements = 0, bytes = 0, root_bytes = 0;
+    int units = 0;
+    const std::vector<fsdp::FlatParamHandle*> handles = model_->handles();
+    for (size_t i = 0; i < handles.size(); ++i) {
+      if (handles[i] == nullptr) continue;
+      const int64_t n = handles[i]->layout().padded_unsharded_numel;
+      const int64_t b = n * static_cast<int64_t>(handles[i]->flat_param().element_size());
+      elements += n;
+      bytes += b;
+      ++units;
+      if (i == 0) root_bytes = b;
+    }
+    std::printf(
+        "model: %d FSDP units of %lld parameter elements in all (padded), %lld bytes per "
+        "gather of every unit, the root's %lld\n",
+        units, static_cast<long long>(elements), static_cast<long long>(bytes),
+        static_cast<long long>(root_bytes));
   }
 
   void resume() {
