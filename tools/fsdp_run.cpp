@@ -51,7 +51,6 @@
 #include <cstring>
 #include <memory>
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -248,10 +247,7 @@ int complete_options(Options& o) {
     std::fprintf(stderr,
                  "fsdp-run: setting OMP_NUM_THREADS=1 for each process (as torchrun does); set it "
                  "yourself to override\n");
-  std::random_device rd;
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
-  o.run_id = buf;
+  o.run_id = fsdp_run::new_run_id();
   return -1;
 }
 

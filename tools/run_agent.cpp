@@ -177,10 +177,7 @@ class AgentLoop {
   void handshake() {
     open_store();
     if (cfg_.node_rank == 0) {
-      std::random_device rd;
-      char buf[17];
-      std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
-      run_id_ = buf;
+      run_id_ = new_run_id();
       store().set("run_id", bytes(run_id_));
       store().set("config", bytes(config_text(cfg_)));
     } else {
@@ -399,6 +396,13 @@ class AgentLoop {
 };
 
 }  // namespace
+
+std::string new_run_id() {
+  std::random_device rd;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+  return buf;
+}
 
 JobAgent::JobAgent(const AgentConfig& config) : shared_(std::make_shared<Shared>(config)) {
   if (::pipe2(shared_->pipe, O_CLOEXEC | O_NONBLOCK) != 0)

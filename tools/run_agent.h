@@ -33,6 +33,9 @@
 
 namespace fsdp_run {
 
+/// A fresh TORCHELASTIC_RUN_ID: 16 random hex digits (node 0's is handed to every node).
+std::string new_run_id();
+
 /// Settings of one launcher in a multi-host job.
 struct AgentConfig {
   int nnodes = 2;
