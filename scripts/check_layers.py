@@ -21,6 +21,7 @@ ORDER = ["util", "dist", "flat_param", "runtime", "state_dict", "checkpoint"]
 # Internal headers a folder offers to the folders above it: folder -> {header: importers}.
 # Everything else in a folder is its own business. util/ is the shared toolbox: open to all.
 EXPORTS = {
+    "flat_param": {"grad_bucket.h": {"runtime"}},
     "runtime": {"view.h": {"state_dict"}},
     "state_dict": {"interface.h": {"checkpoint"}},
 }

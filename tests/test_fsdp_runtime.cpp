@@ -521,8 +521,11 @@ void expect_overlapped_reductions(ProcessGroup& pg, ShardingStrategy strategy) {
   auto train = [&](std::optional<int> inflight) {
     HookedStack m;
     auto options =
-        FullyShardedOptions().process_group(pg).sharding_strategy(strategy).auto_wrap_policy(
-            fsdp::module_type_auto_wrap_policy<BlockImpl>());
+        FullyShardedOptions()
+            .process_group(pg)
+            .sharding_strategy(strategy)
+            .bucket_cap_mb(0)  // one reduction per unit: test_grad_buckets has the buckets
+            .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<BlockImpl>());
     if (strategy == ShardingStrategy::HYBRID_SHARD) options.hybrid_shard_size(2);
     if (inflight) options.max_inflight_grad_reductions(*inflight);
     FullyShardedDataParallel model(m, options);

@@ -33,6 +33,10 @@
 
 namespace fsdp {
 
+namespace detail {
+class GradBucket;  // src/flat_param/grad_bucket.h
+}  // namespace detail
+
 /// How parameters, gradients and optimizer state are split across ranks (PyTorch's names).
 enum class ShardingStrategy {
   /// Shard parameters, gradients and optimizer state; free full parameters after forward.
@@ -297,6 +301,13 @@ class FlatParamHandle {
   /// and is never landed: finishing it again throws StateError, as every later collective does.
   void reduce_grad_async();
   void finish_reduce_grad();
+  /// NO_SHARD, for the runtime's gradient buckets (FullyShardedOptions::bucket_cap_mb): like
+  /// reduce_grad_async(), but the flat gradient is written into a new slot of `bucket` (in the
+  /// handle's reduce dtype, on its device), whose one all-reduce reduces several units' gradients
+  /// together once the runtime launches it. finish_reduce_grad() launches the bucket if nobody
+  /// has yet (every rank does the same), waits for it and lands this handle's part, which stays a
+  /// view of the bucket's buffer. Internal: the bucket type is not part of the public API.
+  void reduce_grad_into(const std::shared_ptr<detail::GradBucket>& bucket);
   /// True between reduce_grad_async() and the finish_reduce_grad() that completes it.
   bool has_pending_reduce_grad() const { return static_cast<bool>(pending_reduce_); }
   /// Like reduce_grad() but for gradients the caller already flattened (padded unsharded numel,
@@ -333,6 +344,9 @@ class FlatParamHandle {
   /// again. Their storage is left freed as before: a view of it still held (autograd under
   /// retain_graph) sees no memory, never the gradient.
   at::Tensor take_orig_grads();
+  /// take_orig_grads() into `flat` (padded unsharded numel, reduce dtype, on the device): every
+  /// element is written, padding and missing gradients as zeros.
+  void take_orig_grads_into(const at::Tensor& flat);
 
   // ---------------------------------------------------------------------------------------
   // Write-back (use_orig_params)
@@ -413,7 +427,13 @@ class FlatParamHandle {
     at::Tensor output;  // the reduced shard (the whole gradient under NO_SHARD)
     dist::Work work;
     std::vector<double> divide_after;  // the divisions finish_reduce_grad still owes `output`
+    // Reduced in a bucket with other units' gradients (then `work` and `output` are unused): the
+    // result is the bucket's slot `slot`.
+    std::shared_ptr<detail::GradBucket> bucket;
+    size_t slot = 0;
   };
+  // Before any gradient is taken: an error leaves them all in place.
+  void check_orig_grad_shapes() const;
   // The pre- and post-division of a reduction in `dtype` (float16's predivide is applied before
   // it), split into those the reduce-scatter applies itself (first; dist::ProcessGroup's
   // divide_by) and those finish_reduce_grad owes (second). The collective takes them for a

@@ -117,6 +117,18 @@ struct FullyShardedOptions {
   /// the next unit's backward, the peak of FULL_SHARD training (on the CPU, somewhat more peak
   /// memory for somewhat shorter steps; the figures are in docs/performance.md).
   TORCH_ARG(std::optional<int>, max_inflight_grad_reductions);
+  /// NO_SHARD (DistributedDataParallel's bucket_cap_mb): the gradients of consecutive units, in
+  /// the order backward finishes them, are all-reduced together in buckets of at least this many
+  /// MiB (a bucket closes with the unit that reaches it), one collective per bucket instead of
+  /// one per unit. Each bucket starts as soon as it is full, while autograd goes on with the units
+  /// before it (max_inflight_grad_reductions counts buckets); as in DDP the first bucket of a
+  /// backward closes at 1 MiB already, so that communication starts early, and the last one at
+  /// the end of backward. Each unit's reduced gradient stays a view of its bucket, so buckets
+  /// cost no memory and, once their layout is known from the previous step, no copy. 0: one
+  /// all-reduce per unit, as Python FSDP's NO_SHARD. The sums are the same; over Gloo at W >= 3 a
+  /// different split of the buffer may round differently (as DDP's bucket sizes do). Ignored by
+  /// the sharded strategies (why: docs/performance.md). Default 25, DDP's.
+  TORCH_ARG(double, bucket_cap_mb) = 25;
   /// Broadcast parameters and buffers from rank 0 before sharding.
   TORCH_ARG(bool, sync_module_states) = false;
   /// Modules whose parameters and buffers FSDP leaves alone (not sharded, not reduced).

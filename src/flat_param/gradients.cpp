@@ -1,5 +1,6 @@
 // FlatParamHandle, gradients: flattening the original parameters' gradients, reducing them into
 // the sharded gradient, and the gradient views handed to optimizers (use_orig_params).
+#include "flat_param/grad_bucket.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
 #include "util/message.h"
@@ -137,22 +138,32 @@ void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
   }
 }
 
+void FlatParamHandle::check_orig_grad_shapes() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor g = params_[i].grad();
+    if (g.defined()) check_grad_shape(i, g);
+  }
+}
+
 // Moves the original parameters' gradients into one padded flat gradient in the reduce dtype.
 // Each is released as soon as it is copied, so that the flat gradient and autograd's per-parameter
 // gradients do not all coexist: at the peak of a unit's backward that would double its gradient
 // memory. Shapes are checked first, so that an error leaves every gradient in place.
 at::Tensor FlatParamHandle::take_orig_grads() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor g = params_[i].grad();
-    if (g.defined()) check_grad_shape(i, g);
-  }
-  at::NoGradGuard no_grad;
+  check_orig_grad_shapes();
   // In the unsharded parameters' memory if the reshard before kept it (keep_param_memory_for_grad).
   at::Tensor flat = grad_scratch_.defined()
                         ? std::exchange(grad_scratch_, at::Tensor())
                         : detail::empty_buffer(
                               layout_.padded_unsharded_numel,
                               at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
+  take_orig_grads_into(flat);
+  return flat;
+}
+
+void FlatParamHandle::take_orig_grads_into(const at::Tensor& flat) {
+  check_orig_grad_shapes();
+  at::NoGradGuard no_grad;
   // One walk over the layout's entries writes every element once: a gradient where there is one,
   // zero in alignment padding, the trailing padding and the ranges of parameters without a
   // gradient. (Zero-filling the whole buffer first would cost one more pass over the unit on
@@ -177,7 +188,6 @@ at::Tensor FlatParamHandle::take_orig_grads() {
     ++i;
   }
   if (offset < flat.numel()) flat.narrow(0, offset, flat.numel() - offset).zero_();
-  return flat;
 }
 
 void FlatParamHandle::reduce_grad() {
@@ -202,11 +212,40 @@ void FlatParamHandle::reduce_grad_async() {
     dist::Work w = group_.reduce_scatter_pieces_async(out, std::move(chunks), dist::ReduceOp::SUM,
                                                       dist::ReduceScatterAlgo::AUTO, by_collective);
     pending_reduce_.reset(
-        new PendingReduce{at::Tensor(), std::move(out), std::move(w), std::move(owed)});
+        new PendingReduce{at::Tensor(), std::move(out), std::move(w), std::move(owed), nullptr, 0});
     grads_unreduced_ = true;
     return;
   }
   start_reduce(take_orig_grads());  // freshly built: no copy needed
+}
+
+void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>& bucket) {
+  if (uses_sharded_strategy()) {
+    throw StateError(
+        msg("reduce_grad_into: gradient buckets are for NO_SHARD (", detail::rank(rank_), ")"));
+  }
+  if (!flat_param_.requires_grad()) {
+    throw StateError(msg("reduce_grad: no parameter of this handle requires grad (first: ",
+                         quote(layout_.fqns[0]), ")"));
+  }
+  if (bucket->dtype() != reduce_dtype_ || bucket->device() != options_.device() ||
+      bucket->launched()) {
+    throw InternalError("reduce_grad_into: a bucket of another dtype or device, or launched");
+  }
+  finish_reduce_grad();
+  check_flat_param_device("reduce_grad");
+  throw_if_comm_failed("reduce_grad");
+  check_orig_grad_shapes();  // before the slot: an error must not leave an unwritten one behind
+  const size_t k = bucket->add_slot(layout_.padded_unsharded_numel);
+  at::Tensor g = bucket->slot(k);
+  take_orig_grads_into(g);
+  grad_scratch_ = at::Tensor();  // the unsharded parameters' memory is not needed for it
+  at::NoGradGuard no_grad;
+  if (predivide_ > 1 && reduce_dtype_ == at::kHalf) g.div_(predivide_);  // as start_reduce
+  std::vector<double> owed = split_divisions(reduce_dtype_, /*scatter=*/false).second;
+  pending_reduce_.reset(
+      new PendingReduce{at::Tensor(), at::Tensor(), dist::Work(), std::move(owed), bucket, k});
+  grads_unreduced_ = true;
 }
 
 namespace {
@@ -325,10 +364,7 @@ std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces(
   bool any_large = false;
   for (int64_t numel : layout_.numels) any_large = any_large || numel * elem >= 2 * kPieceMinBytes;
   if (!any_large) return chunks;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor g = params_[i].grad();
-    if (g.defined()) check_grad_shape(i, g);  // before anything is taken: an error keeps them
-  }
+  check_orig_grad_shapes();  // before anything is taken: an error keeps them
   at::NoGradGuard no_grad;
   const std::vector<Run> runs = grad_runs(layout_, params_, reduce_dtype_, world_size_);
   chunks = pieces_of(runs, layout_.sharded_numel, world_size_, reduce_dtype_);
@@ -372,11 +408,11 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
     dist::Work w = group_.reduce_scatter_tensor_async(out, g, dist::ReduceOp::SUM,
                                                       dist::ReduceScatterAlgo::AUTO, by_collective);
     pending_reduce_.reset(
-        new PendingReduce{std::move(g), std::move(out), std::move(w), std::move(owed)});
+        new PendingReduce{std::move(g), std::move(out), std::move(w), std::move(owed), nullptr, 0});
   } else {
     std::vector<double> owed = split_divisions(g.scalar_type(), /*scatter=*/false).second;
     dist::Work w = group_.all_reduce_async(g, dist::ReduceOp::SUM);
-    pending_reduce_.reset(new PendingReduce{g, g, std::move(w), std::move(owed)});
+    pending_reduce_.reset(new PendingReduce{g, g, std::move(w), std::move(owed), nullptr, 0});
   }
   // Until the finish the gradients are neither in the original parameters (taken) nor in the
   // sharded gradient: a reshard must not take the empty original gradients for a zero_grad that
@@ -410,8 +446,14 @@ void FlatParamHandle::finish_reduce_grad() {
   at::NoGradGuard no_grad;
   at::Tensor out;
   try {
-    pending_reduce_->work.wait();
-    out = pending_reduce_->output;
+    if (pending_reduce_->bucket) {
+      pending_reduce_->bucket->launch();  // no-op once the runtime has
+      pending_reduce_->bucket->wait();
+      out = pending_reduce_->bucket->result(pending_reduce_->slot);
+    } else {
+      pending_reduce_->work.wait();
+      out = pending_reduce_->output;
+    }
     // HYBRID_SHARD: the replicas' shards are summed after the shard group's reduce-scatter.
     if (options_.replicate_group().is_member()) {
       options_.replicate_group().all_reduce(out, dist::ReduceOp::SUM);

@@ -303,6 +303,10 @@ FullyShardedDataParallelImpl::FullyShardedDataParallelImpl(
     FullyShardedOptions options)
     : any_(std::move(any)), module_(std::move(module)), options_(std::move(options)) {
   if (!module_) throw ValueError("FullyShardedDataParallel: null module");
+  if (!(options_.bucket_cap_mb() >= 0) || options_.bucket_cap_mb() > 1e6) {
+    throw ValueError(msg("FullyShardedDataParallel: bucket_cap_mb must be in [0, 1e6], got ",
+                         options_.bucket_cap_mb()));
+  }
   sequential_ = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_);
   state_ = std::make_shared<detail::FsdpState>();
   auto& st = *state_;

@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "flat_param/grad_bucket.h"
 #include "fsdp/errors.h"
 #include "runtime/state.h"
 
@@ -172,7 +173,10 @@ void FsdpState::cast_buffers(bool full_precision) {
 void FsdpState::reset_iteration() {
   // Reductions a backward left in flight (one that threw before its end): complete them, so that
   // the gradients they carry land and the ranks' collectives stay matched.
+  launch_bucket();  // left open only by a backward that threw before its end
   while (!reducing.empty()) finish_oldest_reduction();
+  if (!bucket_order.empty()) last_bucket_order = std::exchange(bucket_order, {});
+  buckets_launched = 0;
   for (auto& u : units) {
     if (u->handle) {
       if (u->handle->has_pending_unshard()) u->handle->abandon_unshard();
@@ -344,18 +348,11 @@ void FsdpState::post_backward(int idx) {
   // by the reduction, and freeing them before it lowers the peak of backward by a unit.
   u.handle->reshard(true);
   if (sync_gradients && u.handle->flat_param().requires_grad()) {
-    // The reduction runs on the backend's threads (or stream) while autograd goes on with the
-    // units before this one; at most `inflight` are in flight, each holding its unit's unsharded
-    // gradient, and finalize_backward (through reset_iteration) finishes the rest.
-    const int inflight =
-        options.max_inflight_grad_reductions().value_or(u.handle->uses_sharded_strategy() ? 0 : 1);
-    while (!reducing.empty() && static_cast<int>(reducing.size()) >= std::max(inflight, 1)) {
-      finish_oldest_reduction();
+    if (bucketed(*u.handle)) {
+      add_to_bucket(idx);
+    } else {
+      start_reduction({idx}, [&u]() { u.handle->reduce_grad_async(); });
     }
-    finish_prefetched_unshards_on_cpu();
-    u.handle->reduce_grad_async();
-    reducing.push_back(idx);
-    if (inflight <= 0) finish_oldest_reduction();
   }
   u.handle->set_training_state(HandleTrainingState::IDLE);
   if (options.backward_prefetch() == BackwardPrefetch::BACKWARD_POST) {
@@ -376,7 +373,7 @@ void FsdpState::finalize_backward() {
       post_backward(u->index);
   }
   // The optimizer step comes next: every gradient must be reduced before this returns
-  // (reset_iteration finishes the reductions still in flight).
+  // (reset_iteration launches the last bucket and finishes the reductions still in flight).
   order_recorded = true;
   reset_iteration();
 }
@@ -398,10 +395,89 @@ void FsdpState::finish_prefetched_unshards_on_cpu() {
   }
 }
 
+void FsdpState::start_reduction(std::vector<int> group, const std::function<void()>& start) {
+  // The reduction runs on the backend's threads (or stream) while autograd goes on with the
+  // units before this one; at most `inflight` are in flight, each holding its units' gradients
+  // (under the sharded strategies the unsharded ones), and finalize_backward (through
+  // reset_iteration) finishes the rest.
+  const FlatParamHandle& h = *units[group.front()]->handle;
+  const int inflight =
+      options.max_inflight_grad_reductions().value_or(h.uses_sharded_strategy() ? 0 : 1);
+  while (!reducing.empty() && static_cast<int>(reducing.size()) >= std::max(inflight, 1)) {
+    finish_oldest_reduction();
+  }
+  finish_prefetched_unshards_on_cpu();
+  start();
+  reducing.push_back(std::move(group));
+  if (inflight <= 0) finish_oldest_reduction();
+}
+
 void FsdpState::finish_oldest_reduction() {
-  Unit& u = *units[reducing.front()];
+  const std::vector<int> group = std::move(reducing.front());
   reducing.pop_front();  // first: a failed collective is not waited for again
-  u.handle->finish_reduce_grad();
+  // A bucket's first unit waits for its all-reduce; the others find it done. If it failed, each
+  // of them throws when finished (here, or when its handle is next used).
+  for (int i : group) units[i]->handle->finish_reduce_grad();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gradient buckets (NO_SHARD): DDP's Reducer, over units. A bucket fills with the units whose
+// post-backward comes next, and closes once it holds bucket_cap_bytes() (or at the end of
+// backward). Which units share a bucket thus follows from the order of post-backwards and the
+// units' sizes alone, the same on every rank, as the order of per-unit collectives already must.
+
+bool FsdpState::bucketed(const FlatParamHandle& h) const {
+  return !h.uses_sharded_strategy() && options.bucket_cap_mb() > 0;
+}
+
+int64_t FsdpState::bucket_cap_bytes() const {
+  const double cap = options.bucket_cap_mb() * 1024 * 1024;
+  // DDP's first bucket (kDefaultFirstBucketBytes): small, so that the first all-reduce starts
+  // early in backward rather than after a whole cap's worth of gradients.
+  return static_cast<int64_t>(buckets_launched == 0 ? std::min(cap, 1024.0 * 1024) : cap);
+}
+
+void FsdpState::add_to_bucket(int idx) {
+  FlatParamHandle& h = *units[idx]->handle;
+  // One collective carries one dtype on one device; a handle that finished its reduction early
+  // (a unit whose gradients came again) launched the bucket already.
+  if (open_bucket && (open_bucket->launched() || open_bucket->dtype() != h.reduce_dtype() ||
+                      open_bucket->device() != h.options().device())) {
+    launch_bucket();
+  }
+  if (!open_bucket) open_bucket = new_bucket(idx);
+  h.reduce_grad_into(open_bucket);
+  open_bucket_units.push_back(idx);
+  bucket_order.push_back(idx);
+  if (open_bucket->nbytes() >= bucket_cap_bytes()) launch_bucket();
+}
+
+// A bucket starting at unit `idx`, with a buffer for the units that followed it into the same
+// bucket in the last backward: in steady training the same ones follow, each unit's gradient is
+// written straight into its slice, and the all-reduce needs no copy.
+std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) const {
+  const FlatParamHandle& h = *units[idx]->handle;
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(h.reduce_dtype()));
+  const int64_t cap = bucket_cap_bytes();
+  int64_t planned = 0;
+  for (auto it = std::find(last_bucket_order.begin(), last_bucket_order.end(), idx);
+       it != last_bucket_order.end(); ++it) {
+    const FlatParamHandle& next = *units[*it]->handle;
+    if (next.reduce_dtype() != h.reduce_dtype() || next.options().device() != h.options().device())
+      break;
+    planned += next.layout().padded_unsharded_numel;
+    if (planned * elem >= cap) break;
+  }
+  return std::make_shared<GradBucket>(units[idx]->handle->process_group(), h.reduce_dtype(),
+                                      h.options().device(), planned);
+}
+
+void FsdpState::launch_bucket() {
+  if (!open_bucket) return;
+  std::shared_ptr<GradBucket> bucket = std::move(open_bucket);
+  open_bucket.reset();
+  ++buckets_launched;
+  start_reduction(std::exchange(open_bucket_units, {}), [&bucket]() { bucket->launch(); });
 }
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <deque>
+#include <functional>
 #include <map>
 #include <unordered_set>
 
@@ -70,8 +71,17 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   bool callback_queued = false;
   bool in_backward = false;  // from the first pre-backward hook to the end-of-backward callback
   bool in_summon = false;
-  // Units whose gradient reduction is in flight, oldest first (see post_backward).
-  std::deque<int> reducing;
+  // Units whose gradient reduction is in flight, one entry per collective (a bucket's units
+  // together), oldest first (see post_backward).
+  std::deque<std::vector<int>> reducing;
+  // NO_SHARD's gradient bucket being filled (FullyShardedOptions::bucket_cap_mb) and its units;
+  // the buckets this backward launched (the first one is smaller).
+  std::shared_ptr<GradBucket> open_bucket;
+  std::vector<int> open_bucket_units;
+  int buckets_launched = 0;
+  // Units in the order their gradients entered buckets, this backward and the last: a new
+  // bucket's buffer is sized from the last one (see new_bucket).
+  std::vector<int> bucket_order, last_bucket_order;
   bool buffers_cast = false;
   bool buffers_full_precision = false;  // buffers currently in their original dtypes
   std::shared_ptr<torch::nn::Module> root_module;
@@ -100,6 +110,14 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   void hook_grad_accumulators(Unit& unit);
   void prefetch(int u);
   void finish_oldest_reduction();
+  // Starts a unit's gradient reduction, or a bucket's, keeping at most
+  // max_inflight_grad_reductions collectives in flight.
+  void start_reduction(std::vector<int> group, const std::function<void()>& start);
+  bool bucketed(const FlatParamHandle& h) const;
+  int64_t bucket_cap_bytes() const;
+  void add_to_bucket(int u);
+  std::shared_ptr<GradBucket> new_bucket(int u) const;
+  void launch_bucket();
   void finish_prefetched_unshards_on_cpu();
   void cast_buffers(bool full_precision);
 };

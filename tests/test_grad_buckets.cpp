@@ -1,0 +1,301 @@
+// NO_SHARD's gradient buckets (FullyShardedOptions::bucket_cap_mb, DDP's Reducer over units):
+// training with buckets of any size gives the gradients and weights of one all-reduce per unit
+// (bit-identical where the arithmetic is: W <= 2, where each element's sum has one order), across
+// world sizes 1-4, mixed precision, CPU offload, use_orig_params, no_sync, a frozen unit, a unit
+// unused in some steps and a parameter that never gets a gradient; the sharded strategies ignore
+// the option. A negative control (one unit's gradient left out on one rank) must fail the same
+// comparison.
+#include <gtest/gtest.h>
+
+#include "flat_param/grad_bucket.h"
+#include "fsdp/errors.h"
+#include "fsdp/fully_sharded.h"
+#include "multi_rank.h"
+#include "tiny_lm.h"
+
+using fsdp::FullyShardedDataParallel;
+using fsdp::FullyShardedOptions;
+using fsdp::ShardingStrategy;
+using fsdp::dist::ProcessGroup;
+using fsdp::testing::full_params;
+using fsdp::testing::run_ranks;
+using fsdp::testing::seeded_randn;
+
+namespace {
+
+// A block with a parameter that forward never uses: its slice of the flat gradient is zeros.
+struct SpareBlockImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::Tensor spare;
+  SpareBlockImpl(int64_t d, int64_t h) {
+    fc1 = register_module("fc1", torch::nn::Linear(d, h));
+    fc2 = register_module("fc2", torch::nn::Linear(h, d));
+    spare = register_parameter("spare", torch::ones({3}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::tanh(fc1(x))); }
+};
+TORCH_MODULE(SpareBlock);
+
+// Root: an input projection. Units: six blocks of different (odd) widths, a frozen projection
+// between them, and a block used on odd steps only.
+struct BucketNetImpl : torch::nn::Module {
+  static constexpr int64_t kDim = 6;
+  torch::nn::Linear in{nullptr}, frozen{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  SpareBlock rare{nullptr};
+  BucketNetImpl() {
+    fsdp::testing::seed_cpu(3);
+    in = register_module("in", torch::nn::Linear(kDim, kDim));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int64_t h : {5, 9, 3, 17, 7, 11}) blocks->push_back(SpareBlock(kDim, h));
+    frozen = register_module("frozen", torch::nn::Linear(kDim, kDim));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    rare = register_module("rare", SpareBlock(kDim, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_rare) {
+    auto y = in(x);
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      auto block = blocks->ptr<SpareBlockImpl>(i);
+      y = fsdp::forward(block, y);
+      if (i == 2) y = fsdp::forward(frozen, y);
+    }
+    if (use_rare) y = fsdp::forward(rare, y);
+    return y;
+  }
+};
+TORCH_MODULE(BucketNet);
+
+struct Config {
+  std::string name;
+  ShardingStrategy strategy = ShardingStrategy::NO_SHARD;
+  bool orig = false, offload = false, no_sync = false, mixed = false;
+};
+
+// Gradients after each backward (by handle, flat; use_orig_params: by parameter) and the final
+// weights, for one bucket size.
+struct Trace {
+  std::vector<std::vector<at::Tensor>> grads;
+  std::map<std::string, at::Tensor> weights;
+};
+
+// A hook that replaces one block's fc1 weight gradient with zeros on rank 1: the gradient that
+// would be "left out of its bucket", for the negative control.
+Trace train(ProcessGroup& pg, const Config& c, double cap_mb, bool drop_one = false) {
+  BucketNet m;
+  auto options = FullyShardedOptions()
+                     .process_group(pg)
+                     .sharding_strategy(c.strategy)
+                     .use_orig_params(c.orig)
+                     .bucket_cap_mb(cap_mb)
+                     .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<SpareBlockImpl>())
+                     .units({m->frozen.ptr()});
+  if (c.strategy == ShardingStrategy::HYBRID_SHARD)
+    options.hybrid_shard_size(pg.size() % 2 == 0 ? 2 : 1);
+  if (c.offload) options.cpu_offload(fsdp::CPUOffload().offload_params(true));
+  if (c.mixed) {
+    // bfloat16 compute, float16 reduction (float16 takes PyTorch's predivide before the sum).
+    options.mixed_precision(
+        fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kHalf));
+  }
+  if (drop_one && pg.rank() == 1) {
+    m->blocks->ptr<SpareBlockImpl>(3)->fc1->weight.register_hook(
+        [](const at::Tensor& g) { return at::zeros_like(g); });
+  }
+  FullyShardedDataParallel model(m, options);
+  torch::optim::Adam opt(fsdp::testing::unique_params(model->parameters()), 1e-2);
+  Trace t;
+  auto loss = [&](int step, int micro) {
+    auto x = seeded_randn({4, BucketNetImpl::kDim}, 100 * step + 10 * micro + pg.rank());
+    return model->forward(x, step % 2 == 1).pow(2).mean();
+  };
+  for (int step = 0; step < 4; ++step) {
+    opt.zero_grad();
+    if (c.no_sync) {
+      fsdp::NoSyncGuard guard(model);
+      loss(step, 1).backward();
+    }
+    loss(step, 0).backward();
+    std::vector<at::Tensor> g;
+    if (c.orig) {
+      for (const auto& p : model->named_parameters()) {
+        if (p.value().grad().defined()) g.push_back(p.value().grad().clone());
+      }
+    } else {
+      for (auto* h : model->handles()) {
+        if (h && h->flat_param().grad().defined()) g.push_back(h->flat_param().grad().clone());
+      }
+    }
+    t.grads.push_back(std::move(g));
+    opt.step();
+  }
+  t.weights = full_params(model);
+  return t;
+}
+
+// Largest element-wise difference between two traces (infinity where their shapes differ).
+double max_diff(const Trace& a, const Trace& b) {
+  double worst = 0;
+  auto diff = [&](const at::Tensor& x, const at::Tensor& y) {
+    if (!x.sizes().equals(y.sizes())) return worst = INFINITY;
+    return worst =
+               std::max(worst, (x.to(at::kDouble) - y.to(at::kDouble)).abs().max().item<double>());
+  };
+  if (a.grads.size() != b.grads.size()) return INFINITY;
+  for (size_t s = 0; s < a.grads.size(); ++s) {
+    if (a.grads[s].size() != b.grads[s].size()) return INFINITY;
+    for (size_t i = 0; i < a.grads[s].size(); ++i) diff(a.grads[s][i], b.grads[s][i]);
+  }
+  for (const auto& [k, v] : a.weights) {
+    if (!b.weights.count(k)) return INFINITY;
+    diff(v, b.weights.at(k));
+  }
+  return worst;
+}
+
+// Bucket sizes: none (one all-reduce per unit), a few units per bucket (the model's units hold
+// 50-250 float32 elements: about 0.2-1 KB), and everything in one bucket.
+const std::vector<double> kCaps{0.0005, 0.002, 25};
+
+// Over Gloo at W >= 3, how a buffer is split among the ranks decides the order of each element's
+// sum, so a bucket may round differently from the unit alone: an ulp or a few of the reduce
+// dtype at the gradients' magnitude (up to about 0.1 here). Measured worst (W=3-4, 4 Adam steps,
+// gradients and weights): float32 1.2e-7, float16 reductions 6.1e-5 (one float16 ulp at 0.06).
+constexpr double kReorderTol = 1e-6, kReorderTolHalf = 5e-4;
+
+void expect_buckets_match(ProcessGroup& pg, const Config& c) {
+  const Trace base = train(pg, c, 0);
+  ASSERT_EQ(base.grads.size(), 4u);
+  for (double cap : kCaps) {
+    const double d = max_diff(train(pg, c, cap), base);
+    const bool exact = pg.size() <= 2 || c.strategy != ShardingStrategy::NO_SHARD;
+    if (exact) {
+      EXPECT_EQ(d, 0.0) << c.name << " W=" << pg.size() << " cap " << cap << " MB";
+    } else {
+      EXPECT_LE(d, c.mixed ? kReorderTolHalf : kReorderTol)
+          << c.name << " W=" << pg.size() << " cap " << cap << " MB";
+      if (pg.rank() == 0) {
+        std::printf("%s W=%d cap %g MB: max difference %.3g\n", c.name.c_str(), pg.size(), cap, d);
+      }
+    }
+  }
+}
+
+const std::vector<Config>& configs() {
+  static const std::vector<Config> all{
+      {"plain"},
+      {"use_orig_params", ShardingStrategy::NO_SHARD, true},
+      {"cpu offload", ShardingStrategy::NO_SHARD, false, true},
+      {"no_sync", ShardingStrategy::NO_SHARD, false, false, true},
+      {"mixed precision", ShardingStrategy::NO_SHARD, false, false, false, true},
+      {"orig + no_sync + offload", ShardingStrategy::NO_SHARD, true, true, true},
+      {"FULL_SHARD (ignores buckets)", ShardingStrategy::FULL_SHARD},
+      {"SHARD_GRAD_OP (ignores buckets)", ShardingStrategy::SHARD_GRAD_OP, true},
+      {"HYBRID_SHARD (ignores buckets)", ShardingStrategy::HYBRID_SHARD},
+  };
+  return all;
+}
+
+TEST(GradBuckets, BucketedTrainingEqualsOneAllReducePerUnit) {
+  for (int world : {1, 2, 3, 4}) {
+    run_ranks(world, [](ProcessGroup& pg) {
+      for (const Config& c : configs()) expect_buckets_match(pg, c);
+    });
+  }
+}
+
+// The comparison above can fail: one rank's gradient of one unit left out (zeros) moves the
+// result by far more than the bound, whatever the bucket size.
+TEST(GradBuckets, NegativeControlAGradientLeftOutIsCaught) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    const Config c{"plain"};
+    const Trace base = train(pg, c, 0);
+    for (double cap : kCaps) {
+      const double d = max_diff(train(pg, c, cap, /*drop_one=*/true), base);
+      EXPECT_GT(d, 100 * kReorderTol) << "cap " << cap;
+    }
+  });
+}
+
+// Gradient_as_bucket_view for the flat gradients: the units of one bucket hold views of its one
+// buffer (no copy back, no second allocation); with buckets off each unit has its own.
+TEST(GradBuckets, UnitsOfABucketShareItsBuffer) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    auto distinct_storages = [&](double cap) {
+      BucketNet m;
+      FullyShardedDataParallel model(
+          m, FullyShardedOptions()
+                 .process_group(pg)
+                 .sharding_strategy(ShardingStrategy::NO_SHARD)
+                 .bucket_cap_mb(cap)
+                 .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<SpareBlockImpl>())
+                 .units({m->frozen.ptr()}));
+      std::vector<size_t> per_step;
+      for (int step = 0; step < 3; ++step) {
+        for (auto* h : model->handles()) {
+          if (h) h->flat_param().mutable_grad().reset();
+        }
+        model->forward(seeded_randn({4, BucketNetImpl::kDim}, step), false).sum().backward();
+        std::set<const void*> storages;
+        for (auto* h : model->handles()) {
+          if (h && h->flat_param().grad().defined()) {
+            storages.insert(h->flat_param().grad().storage().data());
+          }
+        }
+        per_step.push_back(storages.size());
+      }
+      return per_step;
+    };
+    // 7 units with gradients (root + 6 blocks; `rare` unused): 7 buffers without buckets, one
+    // with a bucket big enough. (The first bucket of a backward closes at 1 MiB: far above.)
+    EXPECT_EQ(distinct_storages(0), std::vector<size_t>(3, 7));
+    EXPECT_EQ(distinct_storages(25), std::vector<size_t>(3, 1));
+    const std::vector<size_t> small = distinct_storages(0.001);
+    for (size_t n : small) {
+      EXPECT_GT(n, 1u);
+      EXPECT_LT(n, 7u);
+    }
+  });
+}
+
+// A GradBucket on its own: slots filled in the planned buffer and beyond it (its own buffers,
+// copied at launch), reduced as one, each result a slice of one buffer; a failed all-reduce is
+// reported to every unit that waits on it.
+TEST(GradBuckets, BucketSlotsReduceTogetherPlannedOrNot) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    for (int64_t planned : {0, 5, 9, 20}) {
+      fsdp::detail::GradBucket b(pg, at::kFloat, at::kCPU, planned);
+      const std::vector<int64_t> sizes{5, 4, 3};
+      for (int64_t n : sizes) {
+        const size_t k = b.add_slot(n);
+        b.slot(k).copy_(at::arange(n, at::kFloat) + 10 * static_cast<double>(k) + pg.rank());
+      }
+      EXPECT_EQ(b.numel(), 12);
+      EXPECT_EQ(b.nbytes(), 48);
+      b.launch();
+      b.launch();  // idempotent
+      EXPECT_THROW(b.add_slot(1), fsdp::InternalError);
+      b.wait();
+      b.wait();
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        const at::Tensor want =
+            2 * (at::arange(sizes[k], at::kFloat) + 10 * static_cast<double>(k)) + 1;
+        EXPECT_TRUE(at::equal(b.result(k), want)) << "planned " << planned << " slot " << k;
+        EXPECT_EQ(b.result(k).storage().data(), b.result(0).storage().data());
+      }
+    }
+  });
+}
+
+TEST(GradBuckets, NegativeBucketCapIsRejected) {
+  run_ranks(1, [](ProcessGroup& pg) {
+    BucketNet m;
+    try {
+      FullyShardedDataParallel model(m, FullyShardedOptions().process_group(pg).bucket_cap_mb(-1));
+      ADD_FAILURE() << "accepted bucket_cap_mb(-1)";
+    } catch (const fsdp::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("bucket_cap_mb"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace
