@@ -15,7 +15,11 @@
 //   FULL_SHARD: 4 x (param + grad + Adam's two moments) x (padded shard numel), summed over units
 //               + 2 x 4 x the largest unit's unsharded numel (its parameters and its gradient are
 //               both whole during its backward) + activations
-//   NO_SHARD:   4 x 4 x every parameter + activations
+//   NO_SHARD:   4 x 4 x every parameter + activations + the gradients of two buckets (the one
+//               whose all-reduce is in flight and the one filling; bucket_cap_mb, 25 MiB by
+//               default, 0 without buckets), which hold the new gradients until they are added to
+//               those kept from the last step (zero_grad without set_to_none; else they are the
+//               gradients, and the bound is loose by as much)
 //   activations: every unit's saved input and ReLU output (2 x B x d floats each) plus the model's
 //               input, output and its gradient.
 #include <sys/stat.h>
@@ -71,8 +75,10 @@ double bound_full_shard(int64_t d, int world) {
   return 4.0 * 4.0 * double(shard) * kLayers + 2.0 * 4.0 * double(unit) +
          analytic_activations(d, world);
 }
-double bound_no_shard(int64_t d, int world) {
-  return 4.0 * 4.0 * double(params_of(d)) + analytic_activations(d, world);
+double bound_no_shard(int64_t d, int world, double bucket_cap_mb) {
+  const double grads = 4.0 * double(params_of(d));
+  const double buckets = std::min(grads, 2 * bucket_cap_mb * 1024 * 1024);
+  return 4.0 * grads + buckets + analytic_activations(d, world);
 }
 
 // The model of the current size, wrapped FULL_SHARD, with Adam's state present; rebuilt when the
@@ -170,11 +176,13 @@ void BM_StepNoShard(benchmark::State& st) {
   auto& mem = fsdp_bench::TensorMemory::install();
   const int64_t before = mem.live();
   auto m = make_mlp(d);
-  fsdp::FullyShardedDataParallel model(
-      m, fsdp::FullyShardedOptions()
-             .process_group(pg)
-             .sharding_strategy(fsdp::ShardingStrategy::NO_SHARD)
-             .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<torch::nn::LinearImpl>()));
+  auto options = fsdp::FullyShardedOptions()
+                     .process_group(pg)
+                     .sharding_strategy(fsdp::ShardingStrategy::NO_SHARD)
+                     .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<torch::nn::LinearImpl>());
+  // $FSDP_BENCH_BUCKET_MB: bucket_cap_mb for A/B runs (unset: the library's default).
+  if (const char* b = std::getenv("FSDP_BENCH_BUCKET_MB")) options.bucket_cap_mb(std::atof(b));
+  fsdp::FullyShardedDataParallel model(m, options);
   torch::optim::Adam opt(model->parameters(), 1e-4);
   at::Tensor x = torch::randn({kBatch, d});
   fsdp_bench::warm_up([&] { train_step(model, opt, x); }, 2);
@@ -183,7 +191,8 @@ void BM_StepNoShard(benchmark::State& st) {
   pg.barrier();
   for (auto _ : st) train_step(model, opt, x);
   memory()[{"step_NO_SHARD", st.range(0)}] = {
-      double(mem.peak() - before), double(fsdp_bench::peak_rss()), bound_no_shard(d, pg.size())};
+      double(mem.peak() - before), double(fsdp_bench::peak_rss()),
+      bound_no_shard(d, pg.size(), options.bucket_cap_mb())};
 }
 
 // FSDP_BENCH_GATHER_WINDOW, for A/B runs of FULL consolidation: the gathers' window in bytes (0

@@ -15,8 +15,14 @@
 
 namespace {
 
-// Keep in step with bench/py_training.py.
+// Keep in step with bench/py_training.py. $FSDP_BENCH_MODEL picks the model (all map token ids
+// to logits over the same vocabulary, so the loss and batch are shared):
+//   transformer  4 encoder layers of d=128 (FF 512), each an FSDP unit (the default);
+//   blocks       48 residual MLP blocks of d=64 (hidden 256), each a unit: many small units, where
+//                one collective per unit pays its latency 48 times (issue 42);
+//   params       96 Linear(64, 64) layers under one unit (the root): many small parameters.
 constexpr int64_t kVocab = 256, kDim = 128, kHeads = 4, kFF = 512, kLayers = 4, kSeq = 32;
+constexpr int64_t kSmallDim = 64, kBlocks = 48, kLinears = 96;
 constexpr int64_t kGlobalBatch = 8;
 
 int64_t& iters() {
@@ -24,8 +30,37 @@ int64_t& iters() {
   return n;
 }
 
+const std::string& model_kind() {
+  static const std::string kind = [] {
+    std::string k = fsdp_bench::env_str("FSDP_BENCH_MODEL", "transformer");
+    if (k != "transformer" && k != "blocks" && k != "params") {
+      std::fprintf(stderr, "FSDP_BENCH_MODEL must be transformer, blocks or params, not %s\n",
+                   k.c_str());
+      std::exit(2);
+    }
+    return k;
+  }();
+  return kind;
+}
+
+std::string model_name() {
+  if (model_kind() == "blocks") return "blocks48x64";
+  if (model_kind() == "params") return "params96x64";
+  return "transformer4x128";
+}
+
 using fsdp_bench::device;
 using fsdp_bench::sync_device;
+
+struct MlpBlockImpl : torch::nn::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  MlpBlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(kSmallDim, 4 * kSmallDim));
+    fc2 = register_module("fc2", torch::nn::Linear(4 * kSmallDim, kSmallDim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::relu(fc1(x))); }
+};
+TORCH_MODULE(MlpBlock);
 
 struct TransformerImpl : torch::nn::Module {
   torch::nn::Embedding tok{nullptr};
@@ -33,21 +68,43 @@ struct TransformerImpl : torch::nn::Module {
   torch::nn::Linear head{nullptr};
   TransformerImpl() {
     torch::manual_seed(0);
-    tok = register_module("tok", torch::nn::Embedding(kVocab, kDim));
+    const int64_t dim = model_kind() == "transformer" ? kDim : kSmallDim;
+    tok = register_module("tok", torch::nn::Embedding(kVocab, dim));
     layers = register_module("layers", torch::nn::ModuleList());
-    for (int i = 0; i < kLayers; ++i) {
-      layers->push_back(torch::nn::TransformerEncoderLayer(
-          torch::nn::TransformerEncoderLayerOptions(kDim, kHeads).dim_feedforward(kFF).dropout(0)));
+    if (model_kind() == "transformer") {
+      for (int i = 0; i < kLayers; ++i) {
+        layers->push_back(torch::nn::TransformerEncoderLayer(
+            torch::nn::TransformerEncoderLayerOptions(kDim, kHeads)
+                .dim_feedforward(kFF)
+                .dropout(0)));
+      }
+    } else if (model_kind() == "blocks") {
+      for (int i = 0; i < kBlocks; ++i) layers->push_back(MlpBlock());
+    } else {
+      for (int i = 0; i < kLinears; ++i) layers->push_back(torch::nn::Linear(kSmallDim, kSmallDim));
     }
-    head = register_module("head", torch::nn::Linear(kDim, kVocab));
+    head = register_module("head", torch::nn::Linear(dim, kVocab));
   }
   torch::Tensor forward(const torch::Tensor& idx) {
-    auto x = tok(idx).transpose(0, 1);  // [seq, batch, dim]
-    for (size_t i = 0; i < layers->size(); ++i) {
-      auto layer = layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i);
-      x = fsdp::forward(layer, x);
+    auto x = tok(idx);
+    if (model_kind() == "transformer") {
+      x = x.transpose(0, 1);  // [seq, batch, dim]
+      for (size_t i = 0; i < layers->size(); ++i) {
+        auto layer = layers->ptr<torch::nn::TransformerEncoderLayerImpl>(i);
+        x = fsdp::forward(layer, x);
+      }
+      x = x.transpose(0, 1);
+    } else if (model_kind() == "blocks") {
+      for (size_t i = 0; i < layers->size(); ++i) {
+        auto block = layers->ptr<MlpBlockImpl>(i);
+        x = fsdp::forward(block, x);
+      }
+    } else {
+      for (size_t i = 0; i < layers->size(); ++i) {
+        x = torch::tanh(layers->ptr<torch::nn::LinearImpl>(i)->forward(x));
+      }
     }
-    return head(x.transpose(0, 1));
+    return head(x);
   }
 };
 TORCH_MODULE(Transformer);
@@ -112,6 +169,8 @@ void BM_ComputeOnly(benchmark::State& st) {
   pg.barrier();
 }
 
+constexpr int kSweep = 1000;  // kBucketMb: the size is the case's argument
+
 // kInflight: FullyShardedOptions::max_inflight_grad_reductions, -1 for its default (1 under
 // NO_SHARD: each unit's gradient reduction overlaps the backward of the next; 0 under the sharded
 // strategies: reduce and wait inside the post-backward hook). The "FULL_SHARD overlapped" and
@@ -119,79 +178,103 @@ void BM_ComputeOnly(benchmark::State& st) {
 // kForwardPrefetch: forward_prefetch(true) (PyTorch's default, kept here, is false): each unit's
 // pre-forward starts gathering the next, so the gather runs while this unit computes ("FULL_SHARD
 // forward_prefetch").
-template <fsdp::ShardingStrategy S, int kInflight = -1, bool kForwardPrefetch = false>
+// kBucketMb: FullyShardedOptions::bucket_cap_mb under NO_SHARD, -1 for its default (25, DDP's);
+// "NO_SHARD per_unit" (0) is one all-reduce per unit, Python FSDP's NO_SHARD. "NO_SHARD bucket"
+// takes the size from the case's argument (the FSDP_BENCH_BUCKETS_MB sweep).
+template <fsdp::ShardingStrategy S, int kInflight = -1, bool kForwardPrefetch = false,
+          int kBucketMb = -1>
 void BM_Fsdp(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
   Transformer m;
   auto options =
-      fsdp::FullyShardedOptions()
-          .sharding_strategy(S)
-          .process_group(pg)
-          .device_id(device())
-          .auto_wrap_policy(
-              fsdp::module_type_auto_wrap_policy<torch::nn::TransformerEncoderLayerImpl>());
+      fsdp::FullyShardedOptions().sharding_strategy(S).process_group(pg).device_id(device());
+  if (model_kind() == "transformer") {
+    options.auto_wrap_policy(
+        fsdp::module_type_auto_wrap_policy<torch::nn::TransformerEncoderLayerImpl>());
+  } else if (model_kind() == "blocks") {
+    options.auto_wrap_policy(fsdp::module_type_auto_wrap_policy<MlpBlockImpl>());
+  }
   if (kInflight >= 0) options.max_inflight_grad_reductions(kInflight);
   options.forward_prefetch(kForwardPrefetch);
+  std::string name = fsdp::to_string(S);
+  if (kBucketMb >= 0) options.bucket_cap_mb(kBucketMb);
+  if (kBucketMb == 0) name += " per_unit";
+  if (kBucketMb == kSweep) {
+    options.bucket_cap_mb(static_cast<double>(st.range(0)));
+    name += " bucket=" + std::to_string(st.range(0)) + "MB";
+  }
   fsdp::FullyShardedDataParallel model(m, options);
   auto idx = torch::randint(kVocab, {kGlobalBatch / pg.size(), kSeq}).to(device());
-  std::string name = fsdp::to_string(S);
   if (kInflight == 0) name += " reduce_in_hook";
   if (kInflight == 1) name += " overlapped";
   if (kForwardPrefetch) name += " forward_prefetch";
   timed_steps(st, name, model, idx);
 }
 
-const std::vector<std::string> kCases{"single_process",
-                                      "compute_only",
-                                      "FULL_SHARD",
-                                      "SHARD_GRAD_OP",
-                                      "NO_SHARD",
-                                      "FULL_SHARD overlapped",
-                                      "NO_SHARD reduce_in_hook",
-                                      "FULL_SHARD forward_prefetch"};
+// The cases of this run, in report order: (name, argument). The bucket sweep's sizes come from
+// $FSDP_BENCH_BUCKETS_MB (e.g. "1,5,25,100"; empty: no sweep).
+std::vector<std::pair<std::string, int64_t>>& cases() {
+  static std::vector<std::pair<std::string, int64_t>> c;
+  return c;
+}
 
 void register_all(int rounds) {
   using fsdp::ShardingStrategy;
   fsdp_bench::TensorMemory::install();
-  fsdp_bench::register_rounds(
-      {{"single_process", BM_SingleProcess, 0, iters()},
-       {"compute_only", BM_ComputeOnly, 0, iters()},
-       {"FULL_SHARD", BM_Fsdp<ShardingStrategy::FULL_SHARD>, 0, iters()},
-       {"SHARD_GRAD_OP", BM_Fsdp<ShardingStrategy::SHARD_GRAD_OP>, 0, iters()},
-       {"NO_SHARD", BM_Fsdp<ShardingStrategy::NO_SHARD>, 0, iters()},
-       {"FULL_SHARD overlapped", BM_Fsdp<ShardingStrategy::FULL_SHARD, 1>, 0, iters()},
-       {"NO_SHARD reduce_in_hook", BM_Fsdp<ShardingStrategy::NO_SHARD, 0>, 0, iters()},
-       {"FULL_SHARD forward_prefetch", BM_Fsdp<ShardingStrategy::FULL_SHARD, -1, true>, 0,
-        iters()}},
-      rounds);
+  std::vector<fsdp_bench::Case> all{
+      {"single_process", BM_SingleProcess, 0, iters()},
+      {"compute_only", BM_ComputeOnly, 0, iters()},
+      {"FULL_SHARD", BM_Fsdp<ShardingStrategy::FULL_SHARD>, 0, iters()},
+      {"SHARD_GRAD_OP", BM_Fsdp<ShardingStrategy::SHARD_GRAD_OP>, 0, iters()},
+      {"NO_SHARD", BM_Fsdp<ShardingStrategy::NO_SHARD>, 0, iters()},
+      {"NO_SHARD per_unit", BM_Fsdp<ShardingStrategy::NO_SHARD, -1, false, 0>, 0, iters()},
+      {"FULL_SHARD overlapped", BM_Fsdp<ShardingStrategy::FULL_SHARD, 1>, 0, iters()},
+      {"NO_SHARD reduce_in_hook", BM_Fsdp<ShardingStrategy::NO_SHARD, 0>, 0, iters()},
+      {"FULL_SHARD forward_prefetch", BM_Fsdp<ShardingStrategy::FULL_SHARD, -1, true>, 0, iters()}};
+  std::stringstream sweep(fsdp_bench::env_str("FSDP_BENCH_BUCKETS_MB", ""));
+  for (std::string mb; std::getline(sweep, mb, ',');) {
+    if (mb.empty()) continue;
+    all.push_back({"NO_SHARD bucket", BM_Fsdp<ShardingStrategy::NO_SHARD, -1, false, kSweep>,
+                   std::stoll(mb), iters()});
+  }
+  // $FSDP_BENCH_CASES (comma-separated names) keeps those cases and the sweep only.
+  const std::string only = "," + fsdp_bench::env_str("FSDP_BENCH_CASES", "") + ",";
+  if (only != ",,") {
+    std::vector<fsdp_bench::Case> kept;
+    for (const auto& c : all) {
+      if (c.arg || only.find("," + c.name + ",") != std::string::npos) kept.push_back(c);
+    }
+    all = kept;
+  }
+  for (const auto& c : all) cases().push_back({c.name, c.arg});
+  fsdp_bench::register_rounds(all, rounds);
 }
 
 void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
   const double base = rep.get("single_process"), compute = rep.get("compute_only");
   const double tokens = kGlobalBatch * kSeq;
   std::printf(
-      "\nstep of a %lld-layer transformer (d=%lld), global batch %lld x %lld tokens, world size "
-      "%d, LibTorch %s on %s;\nmedians of interleaved rounds; ratio = step time / one process on "
-      "the "
-      "whole batch (ideal: 1/W)\n",
-      static_cast<long long>(kLayers), static_cast<long long>(kDim),
-      static_cast<long long>(kGlobalBatch), static_cast<long long>(kSeq), world, TORCH_VERSION,
-      device().str().c_str());
-  std::printf("%-26s %10s %10s %7s %14s %12s\n", "", "ms/step", "tokens/s", "ratio",
+      "\nstep of %s, global batch %lld x %lld tokens, world size %d, LibTorch %s on %s;\n"
+      "medians of interleaved rounds; ratio = step time / one process on the whole batch (ideal: "
+      "1/W)\n",
+      model_name().c_str(), static_cast<long long>(kGlobalBatch), static_cast<long long>(kSeq),
+      world, TORCH_VERSION, device().str().c_str());
+  std::printf("%-28s %10s %10s %7s %14s %12s\n", "", "ms/step", "tokens/s", "ratio",
               "peak tensor MB", "peak RSS MB");
-  for (const std::string& c : kCases) {
-    const double t = rep.get(c);
-    const auto mem = memory().count(c) ? memory()[c] : std::pair<int64_t, int64_t>{0, 0};
-    std::printf("%-26s %10.1f %10.0f %7.2f %14.1f %12.1f\n", c.c_str(), t * 1e3,
+  for (const auto& [c, arg] : cases()) {
+    const double t = rep.get(c, arg);
+    const std::string label =
+        arg ? c + "=" + std::to_string(arg) + "MB" : c;  // as BM_Fsdp names it
+    const auto mem = memory().count(label) ? memory()[label] : std::pair<int64_t, int64_t>{0, 0};
+    std::printf("%-28s %10.1f %10.0f %7.2f %14.1f %12.1f\n", label.c_str(), t * 1e3,
                 t > 0 ? tokens / t : 0.0, base > 0 ? t / base : 0.0, mem.first / 1e6,
                 mem.second / 1e6);
-    nlohmann::json m{{"bench", "training"},     {"case", c},
-                     {"world", world},          {"unit", "s"},
-                     {"tokens", tokens},        {"model", "transformer4x128"},
-                     {"device", device().str()}};
+    nlohmann::json m{
+        {"bench", "training"}, {"case", label},         {"world", world},          {"unit", "s"},
+        {"tokens", tokens},    {"model", model_name()}, {"device", device().str()}};
     if (mem.first) m["peak_tensor_bytes"] = mem.first;
     if (mem.second) m["peak_rss_bytes"] = mem.second;
-    fsdp_bench::emit(m, rep.all(c));
+    fsdp_bench::emit(m, rep.all(c, arg));
   }
   if (compute > 0)
     std::printf(

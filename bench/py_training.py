@@ -22,41 +22,81 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, DIM, HEADS, FF, LAYERS, SEQ = 256, 128, 4, 512, 4, 32
+SMALL_DIM, BLOCKS, LINEARS = 64, 48, 96
 GLOBAL_BATCH = 8
+MODEL_NAMES = {"transformer": "transformer4x128", "blocks": "blocks48x64",
+               "params": "params96x64"}
+
+
+class MlpBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(SMALL_DIM, 4 * SMALL_DIM)
+        self.fc2 = nn.Linear(4 * SMALL_DIM, SMALL_DIM)
+
+    def forward(self, x):
+        return x + self.fc2(F.relu(self.fc1(x)))
 
 
 class Transformer(nn.Module):
-    def __init__(self):
+    """bench_training's models (FSDP_BENCH_MODEL there, --model here): token ids to logits."""
+
+    def __init__(self, kind):
         super().__init__()
         torch.manual_seed(0)
-        self.tok = nn.Embedding(VOCAB, DIM)
-        # LibTorch's TransformerEncoderLayer: post-norm, ReLU, sequence-first.
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(DIM, HEADS, dim_feedforward=FF, dropout=0.0)
-            for _ in range(LAYERS))
-        self.head = nn.Linear(DIM, VOCAB)
+        self.kind = kind
+        dim = DIM if kind == "transformer" else SMALL_DIM
+        self.tok = nn.Embedding(VOCAB, dim)
+        if kind == "transformer":
+            # LibTorch's TransformerEncoderLayer: post-norm, ReLU, sequence-first.
+            self.layers = nn.ModuleList(
+                nn.TransformerEncoderLayer(DIM, HEADS, dim_feedforward=FF, dropout=0.0)
+                for _ in range(LAYERS))
+        elif kind == "blocks":
+            self.layers = nn.ModuleList(MlpBlock() for _ in range(BLOCKS))
+        else:
+            self.layers = nn.ModuleList(nn.Linear(SMALL_DIM, SMALL_DIM) for _ in range(LINEARS))
+        self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, idx):
-        x = self.tok(idx).transpose(0, 1)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x.transpose(0, 1))
+        x = self.tok(idx)
+        if self.kind == "transformer":
+            x = x.transpose(0, 1)
+            for layer in self.layers:
+                x = layer(x)
+            x = x.transpose(0, 1)
+        elif self.kind == "blocks":
+            for layer in self.layers:
+                x = layer(x)
+        else:
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+        return self.head(x)
 
 
 def wrap(model, case, device):
-    if case == "DDP":
+    if case.startswith("DDP"):
         from torch.nn.parallel import DistributedDataParallel
+        # "DDP bucket=<N>MB": the bucket size swept; "DDP": its default (25 MB).
+        extra = {}
+        if "bucket=" in case:
+            extra["bucket_cap_mb"] = float(case.split("bucket=")[1].rstrip("MB"))
         return DistributedDataParallel(model.to(device),
-                                       device_ids=[device] if device.type == "cuda" else None)
+                                       device_ids=[device] if device.type == "cuda" else None,
+                                       **extra)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    policy = None
+    if model.kind == "transformer":
+        policy = ModuleWrapPolicy({nn.TransformerEncoderLayer})
+    elif model.kind == "blocks":
+        policy = ModuleWrapPolicy({MlpBlock})
     return FSDP(model, sharding_strategy=getattr(ShardingStrategy, case),
-                auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
-                device_id=device)
+                auto_wrap_policy=policy, device_id=device)
 
 
-def seconds_per_step(case, iters, world, device):
-    model = wrap(Transformer(), case, device)
+def seconds_per_step(case, iters, world, device, kind):
+    model = wrap(Transformer(kind), case, device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     idx = torch.randint(VOCAB, (GLOBAL_BATCH // world, SEQ)).to(device)
 
@@ -81,6 +121,9 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--cases", default="FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,DDP")
+    ap.add_argument("--model", default="transformer", choices=sorted(MODEL_NAMES))
+    ap.add_argument("--ddp-buckets-mb", default="",
+                    help="also DDP with these bucket_cap_mb values (e.g. 1,5,25,100)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cpu",
                     help="cpu (Gloo) or cuda (NCCL; ranks may share one GPU)")
@@ -96,20 +139,21 @@ def main():
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cases = args.cases.split(",")
+    cases = args.cases.split(",") + [
+        f"DDP bucket={mb}MB" for mb in args.ddp_buckets_mb.split(",") if mb]
     samples = {c: [] for c in cases}
     for r in range(args.rounds):
         for c in (cases if r % 2 == 0 else cases[::-1]):
-            samples[c].append(seconds_per_step(c, args.iters, world, device))
+            samples[c].append(seconds_per_step(c, args.iters, world, device, args.model))
     if rank == 0:
         for c in cases:
-            print(f"python {c:14s} {statistics.median(samples[c]) * 1e3:8.1f} ms/step", flush=True)
+            print(f"python {c:18s} {statistics.median(samples[c]) * 1e3:8.1f} ms/step", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 for c in cases:
                     f.write(json.dumps({
                         "bench": "training_python", "case": c, "world": world, "unit": "s",
-                        "tokens": GLOBAL_BATCH * SEQ, "model": "transformer4x128",
+                        "tokens": GLOBAL_BATCH * SEQ, "model": MODEL_NAMES[args.model],
                         "pytorch": torch.__version__, "backend": backend,
                         "device": str(device),
                         "run": os.environ.get("FSDP_BENCH_TAG", ""),

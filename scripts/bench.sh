@@ -84,6 +84,10 @@ else
   PEER_ROUNDS=3 FRESH_ROUNDS=5
 fi
 
+# The small models' cases (bench_training's FSDP_BENCH_CASES) and bucket sizes swept.
+SMALL_CASES="single_process,compute_only,FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,NO_SHARD per_unit"
+BUCKETS=$( ((QUICK)) && echo "1,25" || echo "1,5,25,100")
+
 echo "== fsdp-cpp benchmark suite ($( ((QUICK)) && echo quick || echo full)) -> $OUT"
 
 # 0. The machine's cost of writing fresh memory, right after freeing some and after a pause
@@ -102,6 +106,13 @@ run collectives.log FSDP_BENCH_TAG=host-heap MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRE
 # 2. Training against one process (the peers follow in the LibTorch 2.6 part).
 run training.log FSDP_BENCH_WORLD=2 FSDP_BENCH_ROUNDS=$TRAIN_ROUNDS FSDP_BENCH_ITERS=$TRAIN_ITERS \
   $B/bench_training
+# 2b. NO_SHARD's gradient buckets where per-unit collectives cost: many small units and many
+# small parameters under one unit (the peers, DDP with the same bucket sizes, in the 2.6 part).
+for model in blocks params; do
+  run training.log FSDP_BENCH_MODEL=$model FSDP_BENCH_CASES="$SMALL_CASES" \
+    FSDP_BENCH_BUCKETS_MB=$BUCKETS FSDP_BENCH_WORLD=2 FSDP_BENCH_ROUNDS=$TRAIN_ROUNDS \
+    FSDP_BENCH_ITERS=$TRAIN_ITERS $B/bench_training
+done
 # 3 and 5. Memory and scaling: sizes at W=2 (NO_SHARD too), then W=1..4 at one size.
 run scaling.log FSDP_BENCH_WORLD=2 FSDP_BENCH_PARAMS=$SCALE_SIZES FSDP_BENCH_NO_SHARD=1 \
   FSDP_BENCH_ROUNDS=$SCALE_ROUNDS $B/bench_scaling
@@ -139,6 +150,14 @@ if ((TORCH2)) && [ -n "$REL_OUT" ] && scripts/torch2-env.sh -- true; then
         FSDP_BENCH_ROUNDS=1 FSDP_BENCH_ITERS=$TRAIN_ITERS build-trixie/bench/bench_training
       in_torch2 peers.log env FSDP_BENCH_TAG=torch2 build-trixie/fsdp-run --nproc-per-node 2 -- \
         python3 bench/py_training.py --iters "$TRAIN_ITERS" --out "$M2"
+      for model in blocks params; do
+        in_torch2 peers.log env FSDP_BENCH_OUT="$M2" FSDP_BENCH_TAG=torch2 FSDP_BENCH_WORLD=2 \
+          FSDP_BENCH_MODEL=$model FSDP_BENCH_CASES="$SMALL_CASES" FSDP_BENCH_BUCKETS_MB=$BUCKETS \
+          FSDP_BENCH_ROUNDS=1 FSDP_BENCH_ITERS=$TRAIN_ITERS build-trixie/bench/bench_training
+        in_torch2 peers.log env FSDP_BENCH_TAG=torch2 build-trixie/fsdp-run --nproc-per-node 2 -- \
+          python3 bench/py_training.py --iters "$TRAIN_ITERS" --out "$M2" --model $model \
+          --ddp-buckets-mb "$BUCKETS"
+      done
     done
     # The checkpoint part again, for its peers on 2.6: LibTorch 2.6's torch::save and the
     # chroot's Python torch.save / torch.load (the host's python3 has no torch).

@@ -147,8 +147,8 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 def training(m):
     for run in ("host", "torch2"):
         sfx = suffix(m, run)
-        for w in m.values("world", bench="training", run=run):
-            key = dict(bench="training", run=run, world=w)
+        for w in m.values("world", bench="training", run=run, model="transformer4x128"):
+            key = dict(bench="training", run=run, world=w, model="transformer4x128")
             one = m.median(case="single_process", **key)
             compute = m.median(case="compute_only", **key)
             row = m.first(**key)
@@ -195,7 +195,7 @@ def training(m):
                        "ms/step", "fsdp-cpp NO_SHARD", ns * 1e3,
                        note="FULL_SHARD with forward_prefetch(true)")
             # The peers: Python FSDP and DDP in the same run, against the same LibTorch.
-            pkey = dict(bench="training_python", run=run, world=w)
+            pkey = dict(bench="training_python", run=run, world=w, model="transformer4x128")
             if not m.find(**pkey):
                 continue
             for s in STRATEGIES:
@@ -207,6 +207,44 @@ def training(m):
             if t and ddp:
                 record(f"training/NO_SHARD/step_vs_python_ddp/W{w}{sfx}", t * 1e3, "ms/step",
                        "PyTorch DistributedDataParallel", ddp * 1e3, "<= 1.0")
+
+
+def buckets(m):
+    """NO_SHARD's gradient buckets (issue 42) on the models where per-unit collectives cost: many
+    small units (blocks48x64) and many small parameters under one unit (params96x64), and the
+    transformer: the default (25 MB buckets) against one all-reduce per unit and against DDP, the
+    bucket size swept on both sides, and each strategy against Python FSDP."""
+    for run in ("host", "torch2"):
+        sfx = suffix(m, run)
+        for model in m.values("model", bench="training", run=run):
+            for w in m.values("world", bench="training", run=run, model=model):
+                key = dict(bench="training", run=run, world=w, model=model)
+                pkey = dict(bench="training_python", run=run, world=w, model=model)
+                ns = m.median(case="NO_SHARD", **key)
+                per_unit = m.median(case="NO_SHARD per_unit", **key)
+                if ns and per_unit:
+                    record(f"training/{model}/NO_SHARD/buckets_vs_per_unit/W{w}{sfx}", ns * 1e3,
+                           "ms/step", "fsdp-cpp NO_SHARD, one all-reduce per unit",
+                           per_unit * 1e3, note="bucket_cap_mb 25 (default) against 0")
+                if model == "transformer4x128":
+                    continue  # its headline records are training()'s
+                ddp = m.median(case="DDP", **pkey)
+                if ns and ddp:
+                    record(f"training/{model}/NO_SHARD/step_vs_python_ddp/W{w}{sfx}", ns * 1e3,
+                           "ms/step", "PyTorch DistributedDataParallel", ddp * 1e3, "<= 1.0")
+                for s in STRATEGIES:
+                    t, py = m.median(case=s, **key), m.median(case=s, **pkey)
+                    if t and py:
+                        record(f"training/{model}/{s}/step_vs_python_fsdp/W{w}{sfx}", t * 1e3,
+                               "ms/step", f"PyTorch FSDP {s}", py * 1e3)
+                for c in m.values("case", **key):
+                    if not c.startswith("NO_SHARD bucket="):
+                        continue
+                    size = c.split("=")[1]
+                    t, d = m.median(case=c, **key), m.median(case=f"DDP bucket={size}", **pkey)
+                    if t and d:
+                        record(f"training/{model}/NO_SHARD/bucket={size}_vs_ddp/W{w}{sfx}",
+                               t * 1e3, "ms/step", f"DDP, bucket_cap_mb {size}", d * 1e3)
 
 
 def memory(m):
@@ -486,6 +524,7 @@ def main():
     fresh_memory(m)
     collectives(m)
     training(m)
+    buckets(m)
     memory(m)
     checkpoints(m)
     host_traffic(m)

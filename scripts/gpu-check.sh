@@ -3,7 +3,8 @@
 # runs the CUDA tests over NCCL and Gloo, then chosen suites over NCCL. CI has no GPU: this is run
 # by hand on a machine that has one (docs/portability.md records the results).
 #
-#   scripts/gpu-check.sh [deps|build|cuda|nccl-suites|nccl-timeouts|gloo-suite|bench]...
+#   scripts/gpu-check.sh [deps|build|cuda|buckets|nccl-suites|nccl-timeouts|gloo-suite|bench|
+#                         bench-training]...
 #                                                                       (default: build cuda)
 #
 # Such a machine may have no package registry: first run `scripts/gpu-check.sh deps` on a Debian
@@ -104,17 +105,34 @@ for step in "${steps[@]}"; do
         nccl-timeouts-runtime --gtest_filter="$TIMEOUT_TESTS" &
       wait
       ;;
-    bench)
-      # bench_collectives and bench_training on the GPU (NCCL, both ranks on one GPU), and
-      # PyTorch's own FSDP and DDP on the same GPU as the peers.
+    buckets)
+      # NO_SHARD's gradient buckets over NCCL (CPU tensors staged through the GPU) and Gloo.
+      FSDP_TEST_BACKEND=nccl run_suite test_grad_buckets buckets-nccl
+      FSDP_TEST_BACKEND=gloo run_suite test_grad_buckets buckets-gloo
+      ;;
+    bench|bench-training)
+      # bench_collectives (bench only) and bench_training on the GPU (NCCL, both ranks on one
+      # GPU), and PyTorch's own FSDP and DDP on the same GPU as the peers. bench_training runs
+      # the transformer, then the many-small-units and many-small-parameters models with the
+      # bucket size swept on both sides (BUCKETS, default 1,5,25,100).
       export FSDP_BENCH_DEVICE=cuda FSDP_BENCH_OUT="$OUT/gpu-measurements.jsonl" FSDP_BENCH_TAG=gpu
-      FSDP_BENCH_ROUNDS=${FSDP_BENCH_ROUNDS:-3} timeout 200 "$BUILD_DIR/bench/bench_collectives" \
-        2>&1 | grep -v "^\[W\|^NCCL version\|Warning" | tee "$OUT/bench-collectives.log" | tail -9
-      FSDP_BENCH_ROUNDS=${FSDP_BENCH_ROUNDS:-3} timeout 200 "$BUILD_DIR/bench/bench_training" \
-        2>&1 | grep -v "^\[W\|^NCCL version\|Warning" | tee "$OUT/bench-training.log" | tail -10
-      (unset FSDP_BENCH_OUT; timeout 200 $PY -m torch.distributed.run --nproc-per-node 2 \
-        bench/py_training.py --device cuda --rounds "${FSDP_BENCH_ROUNDS:-3}" \
-        --out "$OUT/gpu-measurements.jsonl") 2>&1 | grep "^python" | tee "$OUT/bench-python.log"
+      rounds=${FSDP_BENCH_ROUNDS:-3} buckets=${BUCKETS:-1,5,25,100}
+      small="single_process,compute_only,FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,NO_SHARD per_unit"
+      if [ "$step" = bench ]; then
+        FSDP_BENCH_ROUNDS=$rounds timeout 200 "$BUILD_DIR/bench/bench_collectives" \
+          2>&1 | grep -v "^\[W\|^NCCL version\|Warning" | tee "$OUT/bench-collectives.log" | tail -9
+      fi
+      for model in transformer blocks params; do
+        cases=$([ $model = transformer ] || echo "$small")
+        sweep=$([ $model = transformer ] || echo "$buckets")
+        FSDP_BENCH_MODEL=$model FSDP_BENCH_CASES="$cases" FSDP_BENCH_BUCKETS_MB=$sweep \
+          FSDP_BENCH_ROUNDS=$rounds timeout 200 "$BUILD_DIR/bench/bench_training" 2>&1 |
+          grep -v "^\[W\|^NCCL version\|Warning" | tee -a "$OUT/bench-training.log" | tail -16
+        (unset FSDP_BENCH_OUT; timeout 200 $PY -m torch.distributed.run --nproc-per-node 2 \
+          bench/py_training.py --device cuda --rounds "$rounds" --model $model \
+          --ddp-buckets-mb "$sweep" --out "$OUT/gpu-measurements.jsonl") 2>&1 |
+          grep "^python" | tee -a "$OUT/bench-python.log"
+      done
       ;;
     gloo-suite)
       (cd "$BUILD_DIR" && timeout 540 ctest -j "$JOBS" --timeout 300 >"$OUT/ctest-gloo.log" 2>&1)
