@@ -258,12 +258,11 @@ TEST(GradBuckets, UnitsOfABucketShareItsBuffer) {
 }
 
 // A GradBucket on its own: slots filled in the planned buffer and beyond it (its own buffers,
-// copied at launch), reduced as one, each result a slice of one buffer; a failed all-reduce is
-// reported to every unit that waits on it.
+// copied at launch), reduced as one and divided once, each result a slice of one buffer.
 TEST(GradBuckets, BucketSlotsReduceTogetherPlannedOrNot) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (int64_t planned : {0, 5, 9, 20}) {
-      fsdp::detail::GradBucket b(pg, at::kFloat, at::kCPU, planned);
+      fsdp::detail::GradBucket b(pg, at::kFloat, at::kCPU, {2.0}, planned);
       const std::vector<int64_t> sizes{5, 4, 3};
       for (int64_t n : sizes) {
         const size_t k = b.add_slot(n);
@@ -278,7 +277,7 @@ TEST(GradBuckets, BucketSlotsReduceTogetherPlannedOrNot) {
       b.wait();
       for (size_t k = 0; k < sizes.size(); ++k) {
         const at::Tensor want =
-            2 * (at::arange(sizes[k], at::kFloat) + 10 * static_cast<double>(k)) + 1;
+            (2 * (at::arange(sizes[k], at::kFloat) + 10 * static_cast<double>(k)) + 1) / 2.0;
         EXPECT_TRUE(at::equal(b.result(k), want)) << "planned " << planned << " slot " << k;
         EXPECT_EQ(b.result(k).storage().data(), b.result(0).storage().data());
       }

@@ -308,6 +308,10 @@ class FlatParamHandle {
   /// has yet (every rank does the same), waits for it and lands this handle's part, which stays a
   /// view of the bucket's buffer. Internal: the bucket type is not part of the public API.
   void reduce_grad_into(const std::shared_ptr<detail::GradBucket>& bucket);
+  /// The divisions after the sum that a bucket of this handle's gradients applies (the averaging;
+  /// float16 keeps its predivide before the sum). Units share a bucket only where these,
+  /// reduce_dtype() and the device agree.
+  std::vector<double> grad_bucket_divisions() const;
   /// True between reduce_grad_async() and the finish_reduce_grad() that completes it.
   bool has_pending_reduce_grad() const { return static_cast<bool>(pending_reduce_); }
   /// Like reduce_grad() but for gradients the caller already flattened (padded unsharded numel,

@@ -9,8 +9,11 @@ namespace fsdp {
 namespace detail {
 
 GradBucket::GradBucket(dist::ProcessGroup group, at::ScalarType dtype, at::Device device,
-                       int64_t planned_numel)
-    : group_(std::move(group)), dtype_(dtype), device_(device) {
+                       std::vector<double> divide_after, int64_t planned_numel)
+    : group_(std::move(group)),
+      dtype_(dtype),
+      device_(device),
+      divide_after_(std::move(divide_after)) {
   if (planned_numel > 0) {
     planned_ = empty_buffer(planned_numel, at::TensorOptions().dtype(dtype).device(device));
   }
@@ -65,6 +68,9 @@ void GradBucket::wait() {
       failure_ = e.what();
       throw;
     }
+    // Element by element what each unit's own division would do, in the same order.
+    at::NoGradGuard no_grad;
+    for (double d : divide_after_) buffer_.div_(d);
   } else if (!failure_.empty()) {
     throw DistError(msg("a gradient bucket's all_reduce failed: ", failure_));
   }

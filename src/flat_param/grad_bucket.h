@@ -27,10 +27,12 @@ namespace detail {
 
 class GradBucket {
  public:
-  /// A bucket reduced over `group`, holding gradients of `dtype` on `device`. `planned_numel` > 0
-  /// allocates that many elements up front for the slots that follow in order.
+  /// A bucket reduced over `group`, holding gradients of `dtype` on `device`, whose sum wait()
+  /// divides by each of `divide_after` in turn (the averaging every unit of the bucket owes; one
+  /// pass over the bucket instead of one per unit). `planned_numel` > 0 allocates that many
+  /// elements up front for the slots that follow in order.
   GradBucket(dist::ProcessGroup group, at::ScalarType dtype, at::Device device,
-             int64_t planned_numel);
+             std::vector<double> divide_after, int64_t planned_numel);
 
   /// A slot of `numel` elements to write a flat gradient into before launch(); returns its index.
   /// Every element of it must be written (the buffer is not zeroed).
@@ -40,6 +42,7 @@ class GradBucket {
   int64_t numel() const { return numel_; }
   int64_t nbytes() const;
   at::ScalarType dtype() const { return dtype_; }
+  const std::vector<double>& divide_after() const { return divide_after_; }
   at::Device device() const { return device_; }
   size_t size() const { return slots_.size(); }
 
@@ -48,8 +51,9 @@ class GradBucket {
   /// rank: the ranks run the same program). No slot may be added after it.
   void launch();
   bool launched() const { return launched_; }
-  /// Waits for the all-reduce; then result(k) is slot k reduced. Idempotent. Throws DistError if
-  /// the collective failed, and again on every later call (each unit of the bucket learns of it).
+  /// Waits for the all-reduce and divides the sum; then result(k) is slot k reduced. Idempotent.
+  /// Throws DistError if the collective failed, and again on every later call (each unit of the
+  /// bucket learns of it).
   void wait();
   /// Slot k's reduced values, a view of the bucket's buffer. Valid after wait().
   at::Tensor result(size_t k) const;
@@ -58,6 +62,7 @@ class GradBucket {
   dist::ProcessGroup group_;
   at::ScalarType dtype_;
   at::Device device_;
+  std::vector<double> divide_after_;
   at::Tensor planned_;  // allocated up front; slots fill it from the start while they fit
   std::vector<at::Tensor> slots_;
   std::vector<int64_t> offsets_;  // each slot's offset in the reduced buffer

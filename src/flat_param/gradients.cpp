@@ -229,8 +229,9 @@ void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>
                          quote(layout_.fqns[0]), ")"));
   }
   if (bucket->dtype() != reduce_dtype_ || bucket->device() != options_.device() ||
-      bucket->launched()) {
-    throw InternalError("reduce_grad_into: a bucket of another dtype or device, or launched");
+      bucket->divide_after() != grad_bucket_divisions() || bucket->launched()) {
+    throw InternalError(
+        "reduce_grad_into: a bucket of another dtype, device or averaging, or launched");
   }
   finish_reduce_grad();
   check_flat_param_device("reduce_grad");
@@ -242,10 +243,13 @@ void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>
   grad_scratch_ = at::Tensor();  // the unsharded parameters' memory is not needed for it
   at::NoGradGuard no_grad;
   if (predivide_ > 1 && reduce_dtype_ == at::kHalf) g.div_(predivide_);  // as start_reduce
-  std::vector<double> owed = split_divisions(reduce_dtype_, /*scatter=*/false).second;
-  pending_reduce_.reset(
-      new PendingReduce{at::Tensor(), at::Tensor(), dist::Work(), std::move(owed), bucket, k});
+  // The divisions this reduction owes are the bucket's, done once for all of its units.
+  pending_reduce_.reset(new PendingReduce{at::Tensor(), at::Tensor(), dist::Work(), {}, bucket, k});
   grads_unreduced_ = true;
+}
+
+std::vector<double> FlatParamHandle::grad_bucket_divisions() const {
+  return split_divisions(reduce_dtype_, /*scatter=*/false).second;
 }
 
 namespace {

@@ -442,7 +442,8 @@ void FsdpState::add_to_bucket(int idx) {
   // One collective carries one dtype on one device; a handle that finished its reduction early
   // (a unit whose gradients came again) launched the bucket already.
   if (open_bucket && (open_bucket->launched() || open_bucket->dtype() != h.reduce_dtype() ||
-                      open_bucket->device() != h.options().device())) {
+                      open_bucket->device() != h.options().device() ||
+                      open_bucket->divide_after() != h.grad_bucket_divisions())) {
     launch_bucket();
   }
   if (!open_bucket) open_bucket = new_bucket(idx);
@@ -463,13 +464,16 @@ std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) const {
   for (auto it = std::find(last_bucket_order.begin(), last_bucket_order.end(), idx);
        it != last_bucket_order.end(); ++it) {
     const FlatParamHandle& next = *units[*it]->handle;
-    if (next.reduce_dtype() != h.reduce_dtype() || next.options().device() != h.options().device())
+    if (next.reduce_dtype() != h.reduce_dtype() ||
+        next.options().device() != h.options().device() ||
+        next.grad_bucket_divisions() != h.grad_bucket_divisions()) {
       break;
+    }
     planned += next.layout().padded_unsharded_numel;
     if (planned * elem >= cap) break;
   }
   return std::make_shared<GradBucket>(units[idx]->handle->process_group(), h.reduce_dtype(),
-                                      h.options().device(), planned);
+                                      h.options().device(), h.grad_bucket_divisions(), planned);
 }
 
 void FsdpState::launch_bucket() {
