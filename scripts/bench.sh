@@ -107,11 +107,22 @@ run collectives.log FSDP_BENCH_TAG=host-heap MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRE
 run training.log FSDP_BENCH_WORLD=2 FSDP_BENCH_ROUNDS=$TRAIN_ROUNDS FSDP_BENCH_ITERS=$TRAIN_ITERS \
   $B/bench_training
 # 2b. NO_SHARD's gradient buckets where per-unit collectives cost: many small units and many
-# small parameters under one unit (the peers, DDP with the same bucket sizes, in the 2.6 part).
-for model in blocks params; do
-  run training.log FSDP_BENCH_MODEL=$model FSDP_BENCH_CASES="$SMALL_CASES" \
-    FSDP_BENCH_BUCKETS_MB=$BUCKETS FSDP_BENCH_WORLD=2 FSDP_BENCH_ROUNDS=$TRAIN_ROUNDS \
-    FSDP_BENCH_ITERS=$TRAIN_ITERS $B/bench_training
+# small parameters under one unit. Where the host's Python has torch (Debian's python3-torch,
+# 1.13: DDP only, its FSDP lacks the wrap policy used), DDP with the same bucket sizes runs in
+# alternating rounds on the same LibTorch; the 2.6 part below has every peer.
+host_ddp=0
+/usr/bin/python3 -c 'import torch.distributed' 2>/dev/null && host_ddp=1
+for ((r = 0; r < (host_ddp ? TRAIN_ROUNDS : 1); r++)); do
+  for model in transformer blocks params; do
+    cases=$([ $model = transformer ] && echo "NO_SHARD,NO_SHARD per_unit" || echo "$SMALL_CASES")
+    sweep=$([ $model = transformer ] || echo "$BUCKETS")
+    run training.log FSDP_BENCH_MODEL=$model FSDP_BENCH_CASES="$cases" FSDP_BENCH_BUCKETS_MB=$sweep \
+      FSDP_BENCH_WORLD=2 FSDP_BENCH_ROUNDS=$((host_ddp ? 1 : TRAIN_ROUNDS)) \
+      FSDP_BENCH_ITERS=$TRAIN_ITERS $B/bench_training
+    ((host_ddp)) || continue
+    run training.log build/fsdp-run --nproc-per-node 2 -- /usr/bin/python3 bench/py_training.py \
+      --iters "$TRAIN_ITERS" --cases DDP --model $model --ddp-buckets-mb "$sweep" --out "$MEAS"
+  done
 done
 # 3 and 5. Memory and scaling: sizes at W=2 (NO_SHARD too), then W=1..4 at one size.
 run scaling.log FSDP_BENCH_WORLD=2 FSDP_BENCH_PARAMS=$SCALE_SIZES FSDP_BENCH_NO_SHARD=1 \
