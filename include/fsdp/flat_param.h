@@ -305,8 +305,9 @@ class FlatParamHandle {
   /// reduce_grad_async(), but the flat gradient is written into a new slot of `bucket` (in the
   /// handle's reduce dtype, on its device), whose one all-reduce reduces several units' gradients
   /// together once the runtime launches it. finish_reduce_grad() launches the bucket if nobody
-  /// has yet (every rank does the same), waits for it and lands this handle's part, which stays a
-  /// view of the bucket's buffer. Internal: the bucket type is not part of the public API.
+  /// has yet (every rank does the same), waits for it and lands this handle's part, which keeps
+  /// sharing the bucket's memory (not as an autograd view: zero_grad may detach_() it). Internal:
+  /// the bucket type is not part of the public API.
   void reduce_grad_into(const std::shared_ptr<detail::GradBucket>& bucket);
   /// The divisions after the sum that a bucket of this handle's gradients applies (the averaging;
   /// float16 keeps its predivide before the sum). Units share a bucket only where these,

@@ -123,9 +123,11 @@ struct FullyShardedOptions {
   /// one per unit. Each bucket starts as soon as it is full, while autograd goes on with the units
   /// before it (max_inflight_grad_reductions counts buckets); as in DDP the first bucket of a
   /// backward closes at 1 MiB already, so that communication starts early, and the last one at
-  /// the end of backward. Each unit's reduced gradient stays a view of its bucket, so buckets
-  /// cost no memory and, once their layout is known from the previous step, no copy. 0: one
-  /// all-reduce per unit, as Python FSDP's NO_SHARD. The sums are the same; over Gloo at W >= 3 a
+  /// the end of backward. Each unit's reduced gradient shares its bucket's memory (no copy back,
+  /// and, once the layout is known from the previous step, no copy in); where zero_grad keeps
+  /// gradients between steps (LibTorch 1.13's default), up to two buckets of new gradients live
+  /// beside them during backward (docs/performance.md, Memory). 0: one all-reduce per unit, as
+  /// Python FSDP's NO_SHARD. The sums are the same; over Gloo at W >= 3 a
   /// different split of the buffer may round differently (as DDP's bucket sizes do). Ignored by
   /// the sharded strategies (why: docs/performance.md). Default 25, DDP's.
   TORCH_ARG(double, bucket_cap_mb) = 25;

@@ -3,8 +3,8 @@
 // many small units pays a collective's latency a few times rather than once per unit.
 //
 // Each unit's flat gradient gets a slot (add_slot), written by FlatParamHandle::reduce_grad_into
-// and reduced when the bucket is launched; afterwards each slot's result is a view of the one
-// reduced buffer, which becomes the unit's gradient (DDP's gradient_as_bucket_view, for the flat
+// and reduced when the bucket is launched; afterwards each slot's result shares the one reduced
+// buffer's storage and becomes the unit's gradient (DDP's gradient_as_bucket_view, for the flat
 // gradients: the bucket is freed with the last of them). The runtime sizes a bucket from the
 // previous iteration's order of units ("planned"): when it is right, as it is in steady training,
 // every slot is a slice of one buffer allocated up front and the bucket costs no copy over the
@@ -55,7 +55,8 @@ class GradBucket {
   /// Throws DistError if the collective failed, and again on every later call (each unit of the
   /// bucket learns of it).
   void wait();
-  /// Slot k's reduced values, a view of the bucket's buffer. Valid after wait().
+  /// Slot k's reduced values, in the bucket's storage (not an autograd view of it: an optimizer
+  /// may detach_() a gradient in place). Valid after wait().
   at::Tensor result(size_t k) const;
 
  private:
