@@ -6,6 +6,9 @@
 // the option. A negative control (one unit's gradient left out on one rank) must fail the same
 // comparison.
 #include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
 
 #include "flat_param/grad_bucket.h"
 #include "fsdp/errors.h"
@@ -283,6 +286,54 @@ TEST(GradBuckets, BucketSlotsReduceTogetherPlannedOrNot) {
       }
     }
   });
+}
+
+// A rank killed inside backward, with gradients in buckets: every survivor's step fails with a
+// DistError naming its rank within the timeout, whichever unit of the failed bucket finishes
+// first, and nothing hangs.
+TEST(GradBuckets, RankDyingInBackwardFailsTheBucketsOnEveryOtherRank) {
+  const auto timeout = std::chrono::milliseconds(10000);
+  fsdp::testing::RunOptions opts;
+  opts.collective_timeout = timeout;
+  opts.grace = 4 * timeout;  // a Gloo group whose peer died may wait out the timeout per queued op
+  opts.report = false;
+  for (double cap : {0.002, 25.0}) {
+    auto results = run_ranks(
+        3,
+        [timeout, cap](ProcessGroup& pg) {
+          BucketNet m;
+          int calls = 0;
+          if (pg.rank() == 2) {
+            m->blocks->ptr<SpareBlockImpl>(1)->fc1->weight.register_hook([&](const at::Tensor& g) {
+              if (++calls == 2) ::raise(SIGKILL);  // the second step's backward
+              return g;
+            });
+          }
+          FullyShardedDataParallel model(
+              m, FullyShardedOptions()
+                     .process_group(pg)
+                     .sharding_strategy(ShardingStrategy::NO_SHARD)
+                     .bucket_cap_mb(cap)
+                     .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<SpareBlockImpl>())
+                     .units({m->frozen.ptr()}));
+          const auto t0 = std::chrono::steady_clock::now();
+          try {
+            for (int step = 0; step < 3; ++step) {
+              model->forward(seeded_randn({4, BucketNetImpl::kDim}, step), false).sum().backward();
+            }
+            ADD_FAILURE() << "training went on without rank 2 (cap " << cap << ")";
+          } catch (const fsdp::DistError& e) {
+            EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(pg.rank())),
+                      std::string::npos)
+                << e.what();
+          }
+          EXPECT_LT(std::chrono::steady_clock::now() - t0, 2 * timeout + std::chrono::seconds(2));
+        },
+        opts);
+    EXPECT_TRUE(results[0].ok) << "cap " << cap << ": " << results[0].message;
+    EXPECT_TRUE(results[1].ok) << "cap " << cap << ": " << results[1].message;
+    EXPECT_FALSE(results[2].ok);
+  }
 }
 
 TEST(GradBuckets, NegativeBucketCapIsRejected) {
