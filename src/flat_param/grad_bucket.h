@@ -44,7 +44,6 @@ class GradBucket {
   at::ScalarType dtype() const { return dtype_; }
   const std::vector<double>& divide_after() const { return divide_after_; }
   at::Device device() const { return device_; }
-  size_t size() const { return slots_.size(); }
 
   /// Starts the all-reduce (SUM) of every slot, as one collective. Idempotent: a handle that must
   /// finish its reduction before the runtime launched the bucket launches it (the same on every

@@ -138,6 +138,47 @@ void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
   }
 }
 
+namespace {
+
+// take_orig_grads_into without its shape check, for callers that have made it already.
+void move_grads_into(const FlatParamLayout& layout, std::vector<at::Tensor>& params,
+                     const at::Tensor& flat) {
+  at::NoGradGuard no_grad;
+  // One walk over the layout's entries writes every element once: a gradient where there is one,
+  // zero in alignment padding, the trailing padding and the ranges of parameters without a
+  // gradient. (Zero-filling the whole buffer first would cost one more pass over the unit on
+  // every backward.)
+  int64_t offset = 0;
+  size_t i = 0;
+  for (size_t k = 0; k < layout.numels_with_padding.size(); ++k) {
+    const int64_t numel = layout.numels_with_padding[k];
+    at::Tensor dst = flat.narrow(0, offset, numel);
+    offset += numel;
+    if (layout.is_padding_mask[k]) {
+      dst.zero_();
+      continue;
+    }
+    const at::Tensor g = params[i].grad();
+    if (g.defined()) {
+      dst.copy_(g.reshape({-1}));
+      params[i].mutable_grad().reset();
+    } else {
+      dst.zero_();
+    }
+    ++i;
+  }
+  if (offset < flat.numel()) flat.narrow(0, offset, flat.numel() - offset).zero_();
+}
+
+void throw_if_nothing_to_reduce(const FlatParamHandle& h) {
+  if (!h.flat_param().requires_grad()) {
+    throw StateError(msg("reduce_grad: no parameter of this handle requires grad (first: ",
+                         quote(h.layout().fqns[0]), ")"));
+  }
+}
+
+}  // namespace
+
 void FlatParamHandle::check_orig_grad_shapes() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor g = params_[i].grad();
@@ -157,37 +198,13 @@ at::Tensor FlatParamHandle::take_orig_grads() {
                         : detail::empty_buffer(
                               layout_.padded_unsharded_numel,
                               at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
-  take_orig_grads_into(flat);
+  move_grads_into(layout_, params_, flat);
   return flat;
 }
 
 void FlatParamHandle::take_orig_grads_into(const at::Tensor& flat) {
   check_orig_grad_shapes();
-  at::NoGradGuard no_grad;
-  // One walk over the layout's entries writes every element once: a gradient where there is one,
-  // zero in alignment padding, the trailing padding and the ranges of parameters without a
-  // gradient. (Zero-filling the whole buffer first would cost one more pass over the unit on
-  // every backward.)
-  int64_t offset = 0;
-  size_t i = 0;
-  for (size_t k = 0; k < layout_.numels_with_padding.size(); ++k) {
-    const int64_t numel = layout_.numels_with_padding[k];
-    at::Tensor dst = flat.narrow(0, offset, numel);
-    offset += numel;
-    if (layout_.is_padding_mask[k]) {
-      dst.zero_();
-      continue;
-    }
-    const at::Tensor g = params_[i].grad();
-    if (g.defined()) {
-      dst.copy_(g.reshape({-1}));
-      params_[i].mutable_grad().reset();
-    } else {
-      dst.zero_();
-    }
-    ++i;
-  }
-  if (offset < flat.numel()) flat.narrow(0, offset, flat.numel() - offset).zero_();
+  move_grads_into(layout_, params_, flat);
 }
 
 void FlatParamHandle::reduce_grad() {
@@ -196,10 +213,7 @@ void FlatParamHandle::reduce_grad() {
 }
 
 void FlatParamHandle::reduce_grad_async() {
-  if (!flat_param_.requires_grad()) {
-    throw StateError(msg("reduce_grad: no parameter of this handle requires grad (first: ",
-                         quote(layout_.fqns[0]), ")"));
-  }
+  throw_if_nothing_to_reduce(*this);
   finish_reduce_grad();  // a reduction still in flight adds to the gradient this one adds to
   check_flat_param_device("reduce_grad");  // before the gradients are taken: an error keeps them
   throw_if_comm_failed("reduce_grad");
@@ -224,10 +238,7 @@ void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>
     throw StateError(
         msg("reduce_grad_into: gradient buckets are for NO_SHARD (", detail::rank(rank_), ")"));
   }
-  if (!flat_param_.requires_grad()) {
-    throw StateError(msg("reduce_grad: no parameter of this handle requires grad (first: ",
-                         quote(layout_.fqns[0]), ")"));
-  }
+  throw_if_nothing_to_reduce(*this);
   if (bucket->dtype() != reduce_dtype_ || bucket->device() != options_.device() ||
       bucket->divide_after() != grad_bucket_divisions() || bucket->launched()) {
     throw InternalError(
@@ -239,7 +250,7 @@ void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>
   check_orig_grad_shapes();  // before the slot: an error must not leave an unwritten one behind
   const size_t k = bucket->add_slot(layout_.padded_unsharded_numel);
   at::Tensor g = bucket->slot(k);
-  take_orig_grads_into(g);
+  move_grads_into(layout_, params_, g);
   grad_scratch_ = at::Tensor();  // the unsharded parameters' memory is not needed for it
   at::NoGradGuard no_grad;
   if (predivide_ > 1 && reduce_dtype_ == at::kHalf) g.div_(predivide_);  // as start_reduce

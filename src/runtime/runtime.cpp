@@ -460,20 +460,21 @@ std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) const {
   const FlatParamHandle& h = *units[idx]->handle;
   const int64_t elem = static_cast<int64_t>(c10::elementSize(h.reduce_dtype()));
   const int64_t cap = bucket_cap_bytes();
+  std::vector<double> divisions = h.grad_bucket_divisions();
   int64_t planned = 0;
   for (auto it = std::find(last_bucket_order.begin(), last_bucket_order.end(), idx);
        it != last_bucket_order.end(); ++it) {
     const FlatParamHandle& next = *units[*it]->handle;
     if (next.reduce_dtype() != h.reduce_dtype() ||
         next.options().device() != h.options().device() ||
-        next.grad_bucket_divisions() != h.grad_bucket_divisions()) {
+        next.grad_bucket_divisions() != divisions) {
       break;
     }
     planned += next.layout().padded_unsharded_numel;
     if (planned * elem >= cap) break;
   }
   return std::make_shared<GradBucket>(units[idx]->handle->process_group(), h.reduce_dtype(),
-                                      h.options().device(), h.grad_bucket_divisions(), planned);
+                                      h.options().device(), std::move(divisions), planned);
 }
 
 void FsdpState::launch_bucket() {
