@@ -68,6 +68,17 @@ struct BucketNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(BucketNet);
 
+// BucketNet's wrapping: every block a unit, `frozen` a unit of its own, the root the rest.
+FullyShardedOptions bucket_net_options(ProcessGroup& pg, BucketNet& m, ShardingStrategy s,
+                                       double cap_mb) {
+  return FullyShardedOptions()
+      .process_group(pg)
+      .sharding_strategy(s)
+      .bucket_cap_mb(cap_mb)
+      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<SpareBlockImpl>())
+      .units({m->frozen.ptr()});
+}
+
 struct Config {
   std::string name;
   ShardingStrategy strategy = ShardingStrategy::NO_SHARD;
@@ -85,13 +96,7 @@ struct Trace {
 // would be "left out of its bucket", for the negative control.
 Trace train(ProcessGroup& pg, const Config& c, double cap_mb, bool drop_one = false) {
   BucketNet m;
-  auto options = FullyShardedOptions()
-                     .process_group(pg)
-                     .sharding_strategy(c.strategy)
-                     .use_orig_params(c.orig)
-                     .bucket_cap_mb(cap_mb)
-                     .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<SpareBlockImpl>())
-                     .units({m->frozen.ptr()});
+  auto options = bucket_net_options(pg, m, c.strategy, cap_mb).use_orig_params(c.orig);
   if (c.strategy == ShardingStrategy::HYBRID_SHARD)
     options.hybrid_shard_size(pg.size() % 2 == 0 ? 2 : 1);
   if (c.offload) options.cpu_offload(fsdp::CPUOffload().offload_params(true));
@@ -225,13 +230,7 @@ TEST(GradBuckets, UnitsOfABucketShareItsBuffer) {
   run_ranks(2, [](ProcessGroup& pg) {
     auto distinct_storages = [&](double cap) {
       BucketNet m;
-      FullyShardedDataParallel model(
-          m, FullyShardedOptions()
-                 .process_group(pg)
-                 .sharding_strategy(ShardingStrategy::NO_SHARD)
-                 .bucket_cap_mb(cap)
-                 .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<SpareBlockImpl>())
-                 .units({m->frozen.ptr()}));
+      FullyShardedDataParallel model(m, bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, cap));
       std::vector<size_t> per_step;
       for (int step = 0; step < 3; ++step) {
         for (auto* h : model->handles()) {
@@ -310,12 +309,7 @@ TEST(GradBuckets, RankDyingInBackwardFailsTheBucketsOnEveryOtherRank) {
             });
           }
           FullyShardedDataParallel model(
-              m, FullyShardedOptions()
-                     .process_group(pg)
-                     .sharding_strategy(ShardingStrategy::NO_SHARD)
-                     .bucket_cap_mb(cap)
-                     .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<SpareBlockImpl>())
-                     .units({m->frozen.ptr()}));
+              m, bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, cap));
           const auto t0 = std::chrono::steady_clock::now();
           try {
             for (int step = 0; step < 3; ++step) {
