@@ -272,11 +272,14 @@ TEST(FsdpRun, ForwardsSigintToEveryRank) {
 // TORCHELASTIC_RESTART_COUNT counting; the last failure ends the job once the restarts are used
 // up; a signal to fsdp-run is never followed by a restart.
 TEST(FsdpRun, MaxRestartsStartsEveryRankAgain) {
-  const auto r =
-      run_shell(kRun +
-                " --nproc-per-node 2 --max-restarts 2 sh -c 'echo \"round "
-                "$TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS\"; "
-                "[ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt 2 ] && exit 3; exit 0'");
+  // Rank 1 fails only after rank 0 has printed its line (a marker file says so): otherwise
+  // fsdp-run may stop rank 0 before its shell has echoed, and the count below would be a race.
+  fsdp::testing::TempDir marks;
+  const auto r = run_shell(
+      kRun + " --nproc-per-node 2 --max-restarts 2 sh -c 'c=$TORCHELASTIC_RESTART_COUNT; " +
+      "echo \"round $c of $TORCHELASTIC_MAX_RESTARTS\"; touch " + marks.file("r") +
+      "$RANK-$c; [ $RANK = 1 ] && [ $c -lt 2 ] || exit 0; " + "for i in $(seq 600); do [ -e " +
+      marks.file("r") + "0-$c ] && exit 3; sleep 0.05; done; exit 4'");
   EXPECT_EQ(r.rc, 0) << r.out;
   for (int round = 0; round < 3; ++round)
     EXPECT_EQ(count_lines_with(r.out, "round " + std::to_string(round) + " of 2"), 2) << r.out;
