@@ -40,12 +40,14 @@
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/errors.h"
 #include "multi_rank.h"
+#include "point_sampler.h"
 
 namespace ckpt = fsdp::checkpoint;
 namespace crash = fsdp::testing::crash;
 using fsdp::StateDict;
 using fsdp::dist::ProcessGroup;
 using fsdp::testing::load_full_sharded;
+using fsdp::testing::PointSampler;
 using fsdp::testing::run_ranks;
 using fsdp::testing::RunOptions;
 using fsdp::testing::sharded_sample;
@@ -525,9 +527,12 @@ void fail_everywhere(const Operation& op) {
             }
           }
         }
+        PointSampler sampler;
         for (int target = 0; target < pg.size(); ++target) {
           for (size_t n = 0; n < calls[target].size(); ++n) {
             for (const Injection& inj : injections_for(calls[target][n])) {
+              if (!sampler.take(std::to_string(target) + "|" + calls[target][n] + "|" + inj.name))
+                continue;
               const std::string top = top_for(index++);
               FailingIO io;
               if (pg.rank() == target) {
@@ -576,9 +581,10 @@ void fail_everywhere(const Operation& op) {
           for (const auto& c : calls) total += c.size();
           std::printf(
               "%s: %zu FileIO calls on %d rank(s), %lld error points: %lld failed on every "
-              "rank, %lld succeeded without the call\n",
+              "rank, %lld succeeded without the call%s\n",
               op.name, total, pg.size(), static_cast<long long>(points),
-              static_cast<long long>(failed_ops), static_cast<long long>(succeeded));
+              static_cast<long long>(failed_ops), static_cast<long long>(succeeded),
+              sampler.note().c_str());
         }
       },
       opts);

@@ -70,18 +70,18 @@ double max_diff(const std::string& a, const std::string& b) {
 
 TEST(FsdpTrain, LossesAgreeAcrossWorldSizesUnderEveryStrategy) {
   TempDir dir;
+  // One W=1 reference: at one rank every strategy computes the same thing (each one's W=1 path
+  // is covered by the library's own equivalence tests).
+  train(1, dir.path(), "--steps 4 --log-every 1 --metrics m_full_shard1.jsonl");
+  const auto ref = losses(dir.file("m_full_shard1.jsonl"));
+  ASSERT_EQ(ref.size(), 4u);
+  EXPECT_LT(ref.at(4), ref.at(1)) << "the model should learn";
   for (const std::string s : {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}) {
-    std::map<int64_t, double> ref;
-    for (int w : {1, 2, 3}) {
+    for (int w : {2, 3}) {
       const std::string m = "m_" + s + std::to_string(w) + ".jsonl";
       train(w, dir.path(), "--steps 4 --log-every 1 --sharding " + s + " --metrics " + m);
       const auto got = losses(dir.file(m));
       ASSERT_EQ(got.size(), 4u) << s << " W=" << w;
-      if (w == 1) {
-        ref = got;
-        EXPECT_LT(got.at(4), got.at(1)) << "the model should learn";
-        continue;
-      }
       for (const auto& [step, loss] : got)
         EXPECT_NEAR(loss, ref.at(step), 1e-4 * std::abs(ref.at(step)))
             << s << " W=" << w << " step " << step;
