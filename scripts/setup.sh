@@ -6,6 +6,8 @@
 #   FSDP_BUILD_TARGETS  build only these targets (default: everything; demo.sh builds its three)
 #   FSDP_EXTRA_PACKAGES  more Debian packages to install with ours, in the same apt-get run
 #   FSDP_RELWITHDEBINFO_FLAGS  compiler flags of a new build directory (default: -O2 -g1 -DNDEBUG)
+# --packages-only: install the packages, then stop (test.sh, before it makes the chroot beside
+# the build: two apt-get runs at once would fight over dpkg's lock).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +29,7 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+[ "${1:-}" != "--packages-only" ] || exit 0
 
 # ccache: hit across clones (CI builds a fresh clone each time) and with the precompiled header.
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
