@@ -353,8 +353,31 @@ std::string scratch_base() {
   return base && *base ? base : "/tmp";
 }
 
+// The first `n` space-separated words of `s` from `at`.
+std::string first_words(const std::string& s, size_t at, int n) {
+  size_t end = at;
+  for (int i = 0; i < n && end != std::string::npos; ++i) end = s.find(' ', end + (i ? 1 : 0));
+  return s.substr(at, end == std::string::npos ? std::string::npos : end - at);
+}
+
+// The code path a crash state exercises, for PointSampler: the last operation to land and, for a
+// single lost change, the lost one (their rank and kind, not their paths or sizes), the loss
+// pattern, and whether the operation had returned. `what` is CrashEnumerator's
+// "crash after P of N operations (the last: rank R KIND ...), LOSS".
+std::string crash_label(const std::string& what, bool after_return) {
+  std::string label = after_return ? "returned|" : "|";
+  const size_t last = what.find("(the last: ");
+  if (last != std::string::npos) label += first_words(what, last + 11, 3);
+  const size_t loss = what.rfind(", ");
+  if (loss != std::string::npos) {
+    const bool single = what.compare(loss + 2, 5, "lost:") == 0;
+    label += "|" + first_words(what, loss + 2, single ? 4 : 1);
+  }
+  return label;
+}
+
 // Runs `op` once under the journal and checks the restart after every crash point and loss
-// pattern; prints the counts.
+// pattern (or a sample: point_sampler.h); prints the counts.
 void crash_everywhere(const Operation& op) {
   TempDir tmp(scratch_base());
   const std::string top = tmp.file("top");
@@ -372,13 +395,15 @@ void crash_everywhere(const Operation& op) {
   run_ranks(
       1,
       [&](ProcessGroup& pg) {
+        PointSampler sampler;
         const crash::CrashCounts c = model.for_each_state(
             tmp.file("restart"), [&](const std::string& what, bool after_return) {
-              op.check(pg, tmp.file("restart"), after_return, what);
+              if (sampler.take(crash_label(what, after_return)))
+                op.check(pg, tmp.file("restart"), after_return, what);
             });
         std::printf(
-            "%s: %zu operations, %zu crash points, %zu crash states, %zu distinct checked\n",
-            op.name, c.operations, c.points, c.states, c.checked);
+            "%s: %zu operations, %zu crash points, %zu crash states, %zu distinct checked%s\n",
+            op.name, c.operations, c.points, c.states, c.checked, sampler.note().c_str());
         EXPECT_GT(c.operations, 5u);
         EXPECT_GT(c.checked, 2u);
       },
