@@ -5,6 +5,7 @@
 // store hosted by node 0's launcher, a failure on any node stopping every node, the join's checks
 // and time limit, and a lost node. fsdp-train's tests run real Gloo programs under it.
 #include <gtest/gtest.h>
+#include <fstream>
 
 #include <memory>
 #include <set>
@@ -233,6 +234,72 @@ TEST(FsdpRunNodes, ALostNodeEndsTheJob) {
   }
 }
 
+// --nnodes MIN:MAX (issue 41): three launchers of a 2:3 job. Round 0 has all three; node 2's
+// launcher killed (a lost host) is noticed by its silence, and the next round forms with nodes 0
+// and 1, numbered densely (world size 2); a launcher started again on node rank 2 waits for the
+// next round, and node 0 ends the running one to take it back (a membership change, which the
+// used-up --max-restarts 1 does not count): the third round has all three again.
+TEST(FsdpRunNodes, ElasticRoundsShrinkAndGrowBack) {
+  fsdp::testing::TempDir dir;
+  const std::string port = std::to_string(fsdp::testing::free_port());
+  const std::string finish = dir.file("finish");
+  const std::string program =
+      "sh -c 'echo \"start $TORCHELASTIC_RESTART_COUNT world $WORLD_SIZE rank $RANK group "
+      "$GROUP_RANK of $GROUP_WORLD_SIZE\"; while [ ! -e " +
+      finish + " ]; do sleep 0.1; done'";
+  std::unique_ptr<Background> node[3];
+  auto launch = [&](int i, const std::string& log) {
+    node[i] = std::make_unique<Background>(
+        kRun + " --nnodes 2:3 --node-rank " + std::to_string(i) +
+            " --master-addr 127.0.0.1 --master-port " + port +
+            " --nproc-per-node 1 --max-restarts 1 --heartbeat-timeout 2 --last-call-timeout 1 "
+            "--grace-period 1 " +
+            program,
+        dir.file(log));
+  };
+  auto wait_for = [&](int i, const std::string& text, int times = 1) {
+    for (int k = 0; k < 300 && count_lines_with(node[i]->output(), text) < times; ++k)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return count_lines_with(node[i]->output(), text) >= times;
+  };
+  for (int i = 0; i < 3; ++i) launch(i, "node" + std::to_string(i) + ".log");
+  for (int i = 0; i < 3; ++i)
+    ASSERT_TRUE(wait_for(
+        i, "] start 0 world 3 rank " + std::to_string(i) + " group " + std::to_string(i) + " of 3"))
+        << node[i]->output();
+
+  ::kill(node[2]->pid(), SIGKILL);  // the host is gone: its rank dies with its launcher
+  ASSERT_TRUE(wait_for(1, "] start 1 world 2 rank 1 group 1 of 2")) << node[1]->output();
+  ASSERT_TRUE(wait_for(0, "] start 1 world 2 rank 0 group 0 of 2")) << node[0]->output();
+  EXPECT_NE(node[0]->output().find("node 2 ("), std::string::npos) << node[0]->output();
+  EXPECT_NE(node[0]->output().find(") stopped answering"), std::string::npos) << node[0]->output();
+  EXPECT_EQ(count_lines_with(node[1]->output(),
+                             "fsdp-run: round 1 formed with nodes 0,1 (2 of --nnodes 2:3): node 1 "
+                             "is group rank 1, ranks 1-1 of 2"),
+            1)
+      << node[1]->output();
+
+  launch(2, "node2-again.log");  // node rank 2 is free again: node 0 gave it up
+  for (int i = 0; i < 3; ++i)
+    ASSERT_TRUE(wait_for(
+        i, "] start 2 world 3 rank " + std::to_string(i) + " group " + std::to_string(i) + " of 3"))
+        << node[i]->output();
+  EXPECT_NE(node[0]->output().find("node 2 ("), std::string::npos);
+  for (int i = 0; i < 2; ++i)
+    EXPECT_EQ(count_lines_with(node[i]->output(),
+                               "restarting every rank for the membership change (--max-restarts "
+                               "does not count it), TORCHELASTIC_RESTART_COUNT=2"),
+              1)
+        << node[i]->output();
+  EXPECT_NE(node[0]->output().find(" waiting to join: every node stops its ranks"),
+            std::string::npos)
+      << node[0]->output();
+
+  std::ofstream(finish) << "";
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(node[i]->wait(std::chrono::seconds(30)), 0) << node[i]->output();
+}
+
 // Rank 1 dies of SIGKILL; rank 0 ignores SIGTERM (so it takes SIGKILL after the grace period),
 // rank 2 stops on SIGTERM. fsdp-run names rank 1 and exits 128 + 9 within seconds, not after the
 // 60 s the others would sleep.
@@ -311,6 +378,10 @@ TEST(FsdpRun, BadUsageIsOneLine) {
       {"", "no PROGRAM given", 2},
       {"--bogus true", "unknown option --bogus", 2},
       {"--nnodes 2 --node-rank 2 true", "--node-rank 2 is not below --nnodes 2", 2},
+      {"--nnodes 3:2 true", "--nnodes 3:2: expected N or MIN:MAX with 1 <= MIN <= MAX", 2},
+      {"--nnodes 0 true", "--nnodes 0: expected N or MIN:MAX", 2},
+      {"--nnodes 2:x true", "--nnodes 2:x: expected N or MIN:MAX", 2},
+      {"--nnodes 1:3 --node-rank 3 true", "--node-rank 3 is not below MAX of --nnodes 1:3", 2},
       {"--nproc-per-node 0 true", "--nproc-per-node", 2},
       {"/nonexistent/program", "cannot run /nonexistent/program", 127},
   };

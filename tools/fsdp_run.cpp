@@ -20,6 +20,15 @@
 // with TORCHELASTIC_RESTART_COUNT counting the restarts, as with torchrun; the program resumes
 // from its latest checkpoint by itself.
 //
+// With --nnodes MIN:MAX the job is elastic, as with torchrun: a round starts once MAX launchers
+// have joined, or MIN have and --last-call-timeout has passed; its nodes are numbered densely in
+// the order of their --node-rank (GROUP_RANK, RANK and WORLD_SIZE follow). A lost node (its
+// launcher silent past --heartbeat-timeout) fails the round like a failed rank; the next round
+// forms without it if at least MIN remain. A launcher started on a node rank that was lost, or
+// one that was never there (up to MAX), waits for the next round, and node 0 ends the running
+// round so that it starts with it (a membership change, which --max-restarts does not count;
+// TORCHELASTIC_RESTART_COUNT counts every start, as the ranks' store keys are kept per start).
+//
 // Across hosts (--nnodes > 1), the launchers meet in the job's TCPStore, which the launcher of node
 // rank 0 hosts at --master-addr:--master-port (run_agent.h), as torchrun's agents do: they check
 // that they agree on the job's shape, start their ranks only once all have joined (within
@@ -30,19 +39,15 @@
 // clients (TORCHELASTIC_USE_AGENT_STORE=True, PyTorch's convention), under keys of their own.
 //
 // It links c10d's TCPStore only (no torch/torch.h): it starts in a fraction of a second.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <CLI/CLI.hpp>
-
 #include "run_agent.h"
+#include "run_options.h"
 
 #include <cerrno>
 #include <chrono>
@@ -59,7 +64,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using fsdp_run::AgentConfig;
 using fsdp_run::Failure;
+using fsdp_run::free_port;
 using fsdp_run::JobAgent;
+using fsdp_run::Options;
 
 int g_signal_pipe[2] = {-1, -1};
 
@@ -68,23 +75,6 @@ void on_signal(int sig) {
   const unsigned char b = static_cast<unsigned char>(sig);
   [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &b, 1);
   errno = saved;
-}
-
-// A TCP port nothing listens on now (the kernel's pick), for a single-node run's store.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
-    port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
 }
 
 // Writes all of `s` to `fd` (one write per line keeps lines from different ranks whole).
@@ -150,107 +140,6 @@ void signal_all(std::vector<Rank>& ranks, int sig) {
     if (r.running) ::kill(-r.pid, sig);  // its process group: the program and what it started
 }
 
-// What the command line asks for.
-struct Options {
-  int nproc = 1, nnodes = 1, node_rank = 0, master_port = 0;
-  std::string master_addr = "127.0.0.1";
-  double grace = 5.0;
-  double join_timeout = 600, heartbeat_timeout = 30;  // across hosts (run_agent.h)
-  int max_restarts = 0;                               // torchrun's --max-restarts
-  bool port_chosen = false;                           // --master-port given (else ours, per round)
-  int round = 0;                                      // TORCHELASTIC_RESTART_COUNT
-  bool no_prefix = false;
-  std::vector<std::string> command;  // PROGRAM [ARGS...]
-  bool set_omp = false;              // OMP_NUM_THREADS=1 for each rank, as torchrun does
-  std::string run_id;                // TORCHELASTIC_RUN_ID
-  int world() const { return nproc * nnodes; }
-};
-
-// Parses the command line into `o`. Returns -1 to go on, else the exit code (--help, bad usage).
-int parse_options(int argc, char** argv, Options& o) {
-  CLI::App app{
-      "fsdp-run: start one process per rank on this node, as torchrun does.\n"
-      "Usage: fsdp-run [OPTIONS] PROGRAM [ARGS...]",
-      "fsdp-run"};
-  app.add_option("--nproc-per-node,--nproc_per_node", o.nproc, "Processes on this node")
-      ->check(CLI::Range(1, 4096));
-  app.add_option("--nnodes", o.nnodes, "Nodes taking part (each runs fsdp-run)")
-      ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--node-rank,--node_rank", o.node_rank, "This node's index, 0 .. nnodes-1")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--master-addr,--master_addr", o.master_addr,
-                 "One node: rank 0's host (runs the TCPStore); several: node 0's host, whose "
-                 "fsdp-run hosts the job's TCPStore");
-  app.add_option("--master-port,--master_port", o.master_port,
-                 "Port of the TCPStore (default: a free one on a single node, else 29500)")
-      ->check(CLI::Range(1, 65535));
-  app.add_option("--grace-period", o.grace,
-                 "Seconds between SIGTERM and SIGKILL when stopping the other ranks")
-      ->check(CLI::Range(0.0, 3600.0));
-  app.add_option("--max-restarts,--max_restarts", o.max_restarts,
-                 "Restart every rank (on every node) after a failure, at most this many times")
-      ->check(CLI::Range(0, 1000000));
-  app.add_option("--join-timeout", o.join_timeout,
-                 "Across hosts: seconds to wait for every node's fsdp-run to join (default 600)")
-      ->check(CLI::Range(0.1, 86400.0));
-  app.add_option("--heartbeat-timeout", o.heartbeat_timeout,
-                 "Across hosts: seconds after which a node whose fsdp-run is silent is lost "
-                 "(default 30)")
-      ->check(CLI::Range(1.0, 86400.0));
-  app.add_flag("--no-prefix", o.no_prefix, "Pass output through without \"[rN] \" prefixes");
-  app.prefix_command();  // everything from PROGRAM on belongs to PROGRAM
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    std::fprintf(stderr, "fsdp-run: %s (see fsdp-run --help)\n", e.what());
-    return 2;
-  }
-  o.command = app.remaining();
-  if (o.command.empty()) {
-    std::fprintf(stderr, "fsdp-run: no PROGRAM given (see fsdp-run --help)\n");
-    return 2;
-  }
-  if (o.command[0] == "--") {
-    o.command.erase(o.command.begin());
-  } else if (o.command[0].size() > 1 && o.command[0][0] == '-') {
-    std::fprintf(stderr, "fsdp-run: unknown option %s (see fsdp-run --help)\n",
-                 o.command[0].c_str());
-    return 2;
-  }
-  if (o.command.empty()) {
-    std::fprintf(stderr, "fsdp-run: no PROGRAM given after --\n");
-    return 2;
-  }
-  if (o.node_rank >= o.nnodes) {
-    std::fprintf(stderr, "fsdp-run: --node-rank %d is not below --nnodes %d\n", o.node_rank,
-                 o.nnodes);
-    return 2;
-  }
-  return -1;
-}
-
-// The settings parse_options leaves open: the port, OMP_NUM_THREADS, the run id. Returns -1 to
-// go on, else the exit code.
-int complete_options(Options& o) {
-  o.port_chosen = o.master_port != 0;
-  if (o.master_port == 0) {
-    if (o.nnodes > 1) {
-      o.master_port = 29500;  // every node must agree on it without talking: torchrun's default
-    } else if ((o.master_port = free_port()) < 0) {
-      std::fprintf(stderr, "fsdp-run: could not find a free port: %s\n", std::strerror(errno));
-      return 2;
-    }
-  }
-  o.set_omp = o.nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
-  if (o.set_omp)
-    std::fprintf(stderr,
-                 "fsdp-run: setting OMP_NUM_THREADS=1 for each process (as torchrun does); set it "
-                 "yourself to override\n");
-  o.run_id = fsdp_run::new_run_id();
-  return -1;
-}
-
 // Signals arrive on g_signal_pipe (on_signal), so that the poll loop sees them.
 bool install_signal_handlers() {
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -290,8 +179,8 @@ bool install_signal_handlers() {
   set("LOCAL_RANK", std::to_string(r.local_rank));
   set("WORLD_SIZE", std::to_string(o.world()));
   set("LOCAL_WORLD_SIZE", std::to_string(o.nproc));
-  set("GROUP_RANK", std::to_string(o.node_rank));
-  set("GROUP_WORLD_SIZE", std::to_string(o.nnodes));
+  set("GROUP_RANK", std::to_string(o.group_rank));
+  set("GROUP_WORLD_SIZE", std::to_string(o.group_world));
   set("ROLE_RANK", std::to_string(r.rank));
   set("ROLE_WORLD_SIZE", std::to_string(o.world()));
   set("MASTER_ADDR", o.master_addr);
@@ -300,7 +189,7 @@ bool install_signal_handlers() {
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(o.round));
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
   // Across hosts the launcher of node 0 hosts the store, and every rank is a client of it.
-  set("TORCHELASTIC_USE_AGENT_STORE", o.nnodes > 1 ? "True" : "False");
+  set("TORCHELASTIC_USE_AGENT_STORE", o.multi_node() ? "True" : "False");
   if (o.set_omp) set("OMP_NUM_THREADS", "1");
   std::vector<std::string> command = o.command;
   std::vector<char*> args;
@@ -318,7 +207,7 @@ bool start_ranks(const Options& o, std::vector<Rank>& ranks) {
   for (int local = 0; local < o.nproc; ++local) {
     Rank& r = ranks[local];
     r.local_rank = local;
-    r.rank = o.node_rank * o.nproc + local;
+    r.rank = o.group_rank * o.nproc + local;
     int fds[2][2];
     for (auto& p : fds) {
       if (::pipe2(p, O_CLOEXEC) != 0) {
@@ -395,8 +284,15 @@ class Supervisor {
   /// After run(): the job failed and may be restarted (--max-restarts not used up, no signal to
   /// fsdp-run, the job's store still there).
   bool restarting() const { return restart_; }
-  /// After run(): the round ended in a failure (not a signal to fsdp-run).
-  bool failed() const { return (first_failed_ >= 0 || job_failure_) && forwarded_ == 0; }
+  /// After run(): the round ended in a failure (not a signal to fsdp-run, nor a membership
+  /// change).
+  bool failed() const {
+    return (first_failed_ >= 0 || job_failure_) && forwarded_ == 0 && !membership_change();
+  }
+  /// After run(): the round was ended for a node waiting to join (elastic), not by a failure.
+  bool membership_change() const {
+    return first_failed_ < 0 && job_failure_ && job_failure_->membership_change;
+  }
 
  private:
   // "rank 3 (local rank 1)" (with its pid: "rank 3 (local rank 1, pid 812)"), and
@@ -522,8 +418,9 @@ class Supervisor {
   // The round failed: here, elsewhere, or by a signal to this launcher.
   bool round_failed() const { return first_failed_ >= 0 || job_failure_ || forwarded_ != 0; }
   bool may_restart() const {
-    return (first_failed_ >= 0 || job_failure_) && forwarded_ == 0 && !store_lost_ &&
-           o_.round < o_.max_restarts;
+    if (forwarded_ != 0 || store_lost_) return false;
+    return membership_change() ||
+           ((first_failed_ >= 0 || job_failure_) && o_.restarts < o_.max_restarts);
   }
 
   // This node's ranks have all ended: tell the others, and learn how the round ended everywhere
@@ -573,6 +470,7 @@ class Supervisor {
       const int code = elsewhere ? job_failure_->code : exit_code_of(r.status);
       return code != 0 ? code : 1;
     }
+    if (membership_change()) return 1;  // the next round follows (said by main)
     if (job_failure_) {
       std::fprintf(stderr, "fsdp-run: failed: %s\n", job_failure_->what.c_str());
       return job_failure_->code != 0 ? job_failure_->code : 1;
@@ -630,8 +528,18 @@ int await_round(Options& o, JobAgent& agent) {
                    o.round == 0 ? "start" : "restart", st.join_error->c_str());
       return 2;
     }
-    if (st.joined && st.round == o.round) {
+    if (st.joined && st.round >= o.round) {
       o.run_id = st.run_id;  // every node hands its ranks node 0's
+      o.round = st.round;    // later than asked where this node came too late for a round
+      o.group_rank = st.group_rank;
+      o.group_world = st.group_world;
+      if (o.elastic())
+        std::fprintf(stderr,
+                     "fsdp-run: round %d formed with nodes %s (%d of --nnodes %s): node %d is "
+                     "group rank %d, ranks %d-%d of %d\n",
+                     o.round, st.members.c_str(), o.group_world, o.nnodes.c_str(), o.node_rank,
+                     o.group_rank, o.group_rank * o.nproc, (o.group_rank + 1) * o.nproc - 1,
+                     o.world());
       return -1;
     }
   }
@@ -644,7 +552,9 @@ int join_job(Options& o, std::unique_ptr<JobAgent>& agent) {
     return await_round(o, *agent);
   }
   AgentConfig c;
-  c.nnodes = o.nnodes;
+  c.min_nodes = o.min_nodes;
+  c.max_nodes = o.max_nodes;
+  c.last_call_timeout = o.last_call_timeout;
   c.node_rank = o.node_rank;
   c.nproc_per_node = o.nproc;
   c.master_addr = o.master_addr;
@@ -677,27 +587,35 @@ int main(int argc, char** argv) {
   if (!install_signal_handlers()) return 2;
   std::unique_ptr<JobAgent> agent;
   for (;; ++o.round) {
-    if (o.nnodes > 1) {
+    if (o.multi_node()) {
       if (int code = join_job(o, agent); code >= 0) leave(code);
     } else if (o.round > 0 && !o.port_chosen && (o.master_port = free_port()) < 0) {
       std::fprintf(stderr, "fsdp-run: could not find a free port: %s\n", std::strerror(errno));
       return 2;
     }
-    if (o.round > 0 && agent)
+    if (o.round > 0 && agent && !o.elastic())
       std::fprintf(stderr, "fsdp-run: restart %d: every node has rejoined; starting the ranks\n",
                    o.round);
     std::vector<Rank> ranks;
     if (!start_ranks(o, ranks)) return 2;
     Supervisor supervisor(ranks, o, agent.get());
     const int code = supervisor.run();
+    if (supervisor.restarting() && supervisor.membership_change()) {
+      std::fprintf(stderr,
+                   "fsdp-run: restarting every rank for the membership change (--max-restarts "
+                   "does not count it), TORCHELASTIC_RESTART_COUNT=%d\n",
+                   o.round + 1);
+      continue;
+    }
     if (supervisor.restarting()) {
+      ++o.restarts;
       std::fprintf(stderr,
                    "fsdp-run: restarting every rank: restart %d of %d (--max-restarts), "
                    "TORCHELASTIC_RESTART_COUNT=%d\n",
-                   o.round + 1, o.max_restarts, o.round + 1);
+                   o.restarts, o.max_restarts, o.round + 1);
       continue;
     }
-    if (supervisor.failed() && o.max_restarts > 0 && o.round == o.max_restarts)
+    if (supervisor.failed() && o.max_restarts > 0 && o.restarts == o.max_restarts)
       std::fprintf(stderr, "fsdp-run: no restarts left (--max-restarts %d)\n", o.max_restarts);
     if (agent) leave(code);
     return code;

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdio>
@@ -37,29 +38,56 @@ std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; 
 std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
 std::string encode(const Failure& f) {
-  return std::to_string(f.node) + "\n" + std::to_string(f.code) + "\n" + f.what;
+  return std::to_string(f.node) + "\n" + std::to_string(f.code) + "\n" +
+         (f.membership_change ? "membership" : "failure") + "\n" + f.what;
 }
 
 Failure decode(const std::string& s) {
   Failure f;
-  const size_t a = s.find('\n'), b = a == std::string::npos ? a : s.find('\n', a + 1);
-  if (b == std::string::npos) {
-    f.what = s;
-    return f;
+  size_t at[3];
+  for (int i = 0; i < 3; ++i) {
+    at[i] = s.find('\n', i == 0 ? 0 : at[i - 1] + 1);
+    if (at[i] == std::string::npos) {
+      f.what = s;
+      return f;
+    }
   }
   try {
-    f.node = std::stoi(s.substr(0, a));
-    f.code = std::stoi(s.substr(a + 1, b - a - 1));
+    f.node = std::stoi(s.substr(0, at[0]));
+    f.code = std::stoi(s.substr(at[0] + 1, at[1] - at[0] - 1));
   } catch (const std::exception&) {
     f.code = 1;
   }
-  f.what = s.substr(b + 1);
+  f.membership_change = s.compare(at[1] + 1, at[2] - at[1] - 1, "membership") == 0;
+  f.what = s.substr(at[2] + 1);
   return f;
 }
 
+std::string nnodes_text(const AgentConfig& c) {
+  return c.elastic() ? std::to_string(c.min_nodes) + ":" + std::to_string(c.max_nodes)
+                     : std::to_string(c.max_nodes);
+}
+
 std::string config_text(const AgentConfig& c) {
-  return "--nnodes " + std::to_string(c.nnodes) + " --nproc-per-node " +
-         std::to_string(c.nproc_per_node) + " --max-restarts " + std::to_string(c.max_restarts);
+  return "--nnodes " + nnodes_text(c) + " --nproc-per-node " + std::to_string(c.nproc_per_node) +
+         " --max-restarts " + std::to_string(c.max_restarts);
+}
+
+std::string join_list(const std::vector<int>& v) {
+  std::string s;
+  for (int i : v) s += (s.empty() ? "" : ",") + std::to_string(i);
+  return s;
+}
+
+std::vector<int> split_list(const std::string& s) {
+  std::vector<int> v;
+  for (size_t at = 0; at < s.size();) {
+    size_t comma = s.find(',', at);
+    if (comma == std::string::npos) comma = s.size();
+    v.push_back(std::stoi(s.substr(at, comma - at)));
+    at = comma + 1;
+  }
+  return v;
 }
 
 // A failure that ends the join: the message the launcher prints.
@@ -167,15 +195,22 @@ class AgentLoop {
     return decode(text(store().get(rk("failure"))));
   }
 
-  // Fails the join for everyone with `what`, and for this launcher.
+  // Fails the join for everyone with `what`, and for this launcher. A launcher that came to a
+  // running job fails alone: the job goes on without it.
   [[noreturn]] void fail_join(const std::string& what) {
-    post_failure(Failure{cfg_.node_rank, 2, what});
+    if (!late_) post_failure(Failure{cfg_.node_rank, 2, what});
     throw JoinError(what);
   }
 
   // Once per job: the store, the job's shape checked against node 0's, this node's rank claimed.
+  // A launcher that comes to a running job (a host back after it was lost, or one more, up to
+  // MAX) joins the round after the last one that formed.
   void handshake() {
     open_store();
+    if (cfg_.node_rank != 0 && store().check({"formed"})) {
+      late_ = true;
+      round_ = std::stoi(text(store().get("formed"))) + 1;
+    }
     if (cfg_.node_rank == 0) {
       run_id_ = new_run_id();
       store().set("run_id", bytes(run_id_));
@@ -188,25 +223,91 @@ class AgentLoop {
                   "; every node must be given the same");
       run_id_ = text(store().get("run_id"));
     }
-    if (store().add("node/" + std::to_string(cfg_.node_rank), 1) != 1)
-      fail_join("two launchers were started with --node-rank " + std::to_string(cfg_.node_rank));
-    store().set("host/" + std::to_string(cfg_.node_rank), bytes(JobAgent::host_name()));
+    // Node rank i is free once node 0 has given its launcher up as lost.
+    const std::string id = std::to_string(cfg_.node_rank);
+    if (store().add("node/" + id, 1) != count("lost/" + id) + 1)
+      fail_join("two launchers were started with --node-rank " + id);
+    store().set("host/" + id, bytes(JobAgent::host_name()));
   }
 
-  // Joins round_ and waits until every node has.
+  // Joins round_ and waits until it has formed with this node (elastic: a node too late for a
+  // round waits for the next one).
   void join_round() {
-    store().set(rk("in/") + std::to_string(cfg_.node_rank), bytes("1"));
-    store().add(rk("joined"), 1);
-    joined_ = true;
-    wait_for_everyone();
+    for (;; ++round_) {
+      store().set(rk("in/") + std::to_string(cfg_.node_rank), bytes("1"));
+      store().add(rk("joined"), 1);
+      joined_ = true;
+      members_ = cfg_.elastic() ? form_round() : everyone();
+      if (std::find(members_.begin(), members_.end(), cfg_.node_rank) != members_.end()) break;
+    }
     posted_ = left_ = all_left_ = known_failure_ = false;
     beats_.clear();  // heartbeats are judged afresh each round
+    const int group_rank = static_cast<int>(
+        std::find(members_.begin(), members_.end(), cfg_.node_rank) - members_.begin());
     learn([&](AgentState& st) {
       st = AgentState{};
       st.joined = true;
       st.round = round_;
       st.run_id = run_id_;
+      st.group_rank = group_rank;
+      st.group_world = static_cast<int>(members_.size());
+      st.members = join_list(members_);
     });
+  }
+
+  // A job of fixed size: every node, once all have joined.
+  std::vector<int> everyone() {
+    wait_for_everyone();
+    if (cfg_.node_rank == 0) store().set("formed", bytes(std::to_string(round_)));
+    std::vector<int> all(static_cast<size_t>(cfg_.max_nodes));
+    for (int i = 0; i < cfg_.max_nodes; ++i) all[static_cast<size_t>(i)] = i;
+    return all;
+  }
+
+  // Elastic: node 0 forms the round once MAX nodes have joined, or MIN have and
+  // last_call_timeout has passed since; the others wait for the list.
+  std::vector<int> form_round() {
+    const auto ms = [](double s) {
+      return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+    };
+    // The others wait longer than node 0, which says why a round could not form.
+    const auto deadline = Clock::now() + ms(cfg_.join_timeout) +
+                          (cfg_.node_rank == 0 ? ms(0) : ms(cfg_.last_call_timeout + 10));
+    std::optional<Clock::time_point> enough_since;
+    for (;;) {
+      if (auto f = posted_failure()) throw JoinError(f->what);
+      if (store().check({rk("members")})) return split_list(text(store().get(rk("members"))));
+      if (cfg_.node_rank == 0) {
+        const int64_t n = count(rk("joined"));
+        if (n >= cfg_.min_nodes && !enough_since) enough_since = Clock::now();
+        if (n >= cfg_.max_nodes ||
+            (enough_since && Clock::now() - *enough_since >= ms(cfg_.last_call_timeout)))
+          return close_round();
+      }
+      heard();
+      if (Clock::now() >= deadline) break;
+      if (sleep_or_stop(kTick)) throw JoinError("stopped while waiting for the other nodes");
+    }
+    if (cfg_.node_rank != 0)
+      fail_join((round_ > 0 ? "restart " + std::to_string(round_) : std::string("the job")) +
+                " did not form: node 0 named no members (is its fsdp-run running with --nnodes " +
+                nnodes_text(cfg_) + "?)");
+    fail_join("only " + std::to_string(count(rk("joined"))) + " node(s) joined" +
+              (round_ > 0 ? " restart " + std::to_string(round_) : std::string()) + " within " +
+              std::to_string(static_cast<int>(cfg_.join_timeout)) +
+              " s (--join-timeout); --nnodes " + nnodes_text(cfg_) + " needs at least " +
+              std::to_string(cfg_.min_nodes));
+  }
+
+  // Node 0, elastic: the round's members are the nodes that joined it so far; a node joining
+  // after this waits for the next round.
+  std::vector<int> close_round() {
+    std::vector<int> members;
+    for (int i = 0; i < cfg_.max_nodes; ++i)
+      if (store().check({rk("in/") + std::to_string(i)})) members.push_back(i);
+    store().set(rk("members"), bytes(join_list(members)));
+    store().set("formed", bytes(std::to_string(round_)));
+    return members;
   }
 
   void wait_for_everyone() {
@@ -214,21 +315,20 @@ class AgentLoop {
         Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(cfg_.join_timeout * 1000));
     for (;;) {
       if (auto f = posted_failure()) throw JoinError(f->what);
-      if (count(rk("joined")) >= cfg_.nnodes) return;
+      if (count(rk("joined")) >= cfg_.max_nodes) return;
       heard();
       if (Clock::now() >= deadline) break;
       if (sleep_or_stop(kTick)) throw JoinError("stopped while waiting for the other nodes");
     }
     std::string missing;
-    for (int i = 0; i < cfg_.nnodes; ++i)
+    for (int i = 0; i < cfg_.max_nodes; ++i)
       if (!store().check({rk("in/") + std::to_string(i)}))
         missing += (missing.empty() ? "" : ", ") + std::to_string(i);
     fail_join("node rank(s) " + missing + " did not join" +
               (round_ > 0 ? " restart " + std::to_string(round_) : std::string()) + " within " +
               std::to_string(static_cast<int>(cfg_.join_timeout)) + " s (--join-timeout); is " +
-              "fsdp-run running there with --nnodes " + std::to_string(cfg_.nnodes) +
-              " and --master-addr " + cfg_.master_addr + " --master-port " +
-              std::to_string(cfg_.master_port) + "?");
+              "fsdp-run running there with --nnodes " + nnodes_text(cfg_) + " and --master-addr " +
+              cfg_.master_addr + " --master-port " + std::to_string(cfg_.master_port) + "?");
   }
 
   // Sleeps up to `d`, or until the launcher asks for something. True if asked to stop.
@@ -298,7 +398,8 @@ class AgentLoop {
     }
     // Everyone's ranks have ended: say so ("done") before the launcher hears it and exits, so
     // that node 0, whose process holds the store, goes last.
-    if (left_ && !all_left_ && count(rk("left")) >= cfg_.nnodes) {
+    const auto members = static_cast<int64_t>(members_.size());
+    if (left_ && !all_left_ && count(rk("left")) >= members) {
       // Every node posts its failure before it leaves: read after the count, it is final.
       if (!known_failure_) {
         if (auto f = posted_failure()) {
@@ -319,12 +420,35 @@ class AgentLoop {
       return true;
     }
     if (all_left_) {
-      if (count(rk("done")) < cfg_.nnodes) return true;
+      if (count(rk("done")) < members) return true;
       learn([](AgentState& st) { st.all_done = true; });
       return false;
     }
     if (!known_failure_) check_heartbeats();
+    if (!known_failure_) check_waiting();
     return true;
+  }
+
+  // Node 0, elastic: a node waiting to join the next round (a host back, or one more up to MAX)
+  // ends this one, so that the next starts with it, as torchrun's agents do.
+  void check_waiting() {
+    if (!cfg_.elastic() || static_cast<int>(members_.size()) >= cfg_.max_nodes) return;
+    if (Clock::now() - last_waiting_check_ < kHeartbeat) return;
+    last_waiting_check_ = Clock::now();
+    const std::string next = "round/" + std::to_string(round_ + 1) + "/";
+    if (count(next + "joined") == 0) return;
+    std::string who;
+    for (int i = 0; i < cfg_.max_nodes; ++i) {
+      const std::string id = std::to_string(i);
+      if (!store().check({next + "in/" + id})) continue;
+      who +=
+          (who.empty() ? "node " : ", node ") + id + " (" + text(store().get("host/" + id)) + ")";
+    }
+    post_failure(Failure{-1, 1,
+                         who + " waiting to join: every node stops its ranks and starts them "
+                               "again with it (a membership change, which --max-restarts does "
+                               "not count)",
+                         true});
   }
 
   // Node 0: a node whose heartbeat has not moved for heartbeat_timeout, and that has not left
@@ -332,7 +456,8 @@ class AgentLoop {
   void check_heartbeats() {
     if (Clock::now() - last_beat_ < kHeartbeat) return;
     last_beat_ = Clock::now();
-    for (int i = 1; i < cfg_.nnodes; ++i) {
+    for (int i : members_) {
+      if (i == 0) continue;
       const std::string id = std::to_string(i);
       const int64_t beat = count("alive/" + id);
       auto it = beats_.find(i);
@@ -343,6 +468,7 @@ class AgentLoop {
       const double silent = Seconds(Clock::now() - it->second.second).count();
       if (silent < cfg_.heartbeat_timeout || store().check({rk("left/") + id})) continue;
       const std::string host = text(store().get("host/" + id));
+      store().add("lost/" + id, 1);  // a new launcher may take its place
       post_failure(Failure{i, 1,
                            "node " + id + " (" + host + ") stopped answering: its launcher sent " +
                                "no heartbeat for " + std::to_string(static_cast<int>(silent)) +
@@ -391,7 +517,9 @@ class AgentLoop {
   std::string run_id_;
   int round_ = 0;
   bool joined_ = false, posted_ = false, left_ = false, all_left_ = false, known_failure_ = false;
-  Clock::time_point last_beat_{};
+  bool late_ = false;         // came to a job whose first round had formed
+  std::vector<int> members_;  // the node ranks of round_
+  Clock::time_point last_beat_{}, last_waiting_check_{};
   std::map<int, std::pair<int64_t, Clock::time_point>> beats_;  // node -> (beat, when it moved)
 };
 

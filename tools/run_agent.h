@@ -11,10 +11,17 @@
 //   node/<i>          how many launchers claim node rank i (more than one is an error)
 //   host/<i>          node i's host name, for messages
 //   alive/<i>         node i's heartbeat, a counter it bumps every second; node 0 watches them
+//   lost/<i>          how often node 0 gave node i up (its launcher silent): a new launcher may
+//                     then claim node rank i again
+//   formed            the last round that formed (elastic: a new launcher joins the one after)
 // and for each round k, under "round/<k>/":
-//   in/<i>, joined    who has joined round k; its ranks start when all have
+//   in/<i>, joined    who has joined round k; its ranks start when all have (elastic, --nnodes
+//                     MIN:MAX: when MAX have, or MIN have and --last-call-timeout has passed)
+//   members           the nodes of round k, "0,1,3", set by node 0 when it formed; each node's
+//                     GROUP_RANK is its place in the list, and the ranks are numbered densely
 //   failures, failure the round's first failure (a counter decides who is first), as
-//                     "<node>\n<exit code>\n<sentence>"
+//                     "<node>\n<exit code>\n<kind>\n<sentence>" (kind: "failure", or
+//                     "membership" when node 0 saw a node waiting for the next round)
 //   left, left/<i>    the launchers whose ranks have all ended (after posting their failure,
 //                     if any): once all have and no failure was posted, the job succeeded
 //   done              the launchers that saw everyone leave; node 0, which hosts the store,
@@ -38,14 +45,17 @@ std::string new_run_id();
 
 /// Settings of one launcher in a multi-host job.
 struct AgentConfig {
-  int nnodes = 2;
-  int node_rank = 0;
+  int min_nodes = 2, max_nodes = 2;  // --nnodes N (both N) or MIN:MAX (elastic)
+  int node_rank = 0;                 // this launcher's node, 0 .. max_nodes-1; 0 hosts the store
   int nproc_per_node = 1;
   std::string master_addr;
   int master_port = 29500;
   double join_timeout = 600;      // s: every launcher must have joined by then (torchrun's default)
   double heartbeat_timeout = 30;  // s: a launcher silent for that long is lost
   int max_restarts = 0;           // restarts of the job after a failure (torchrun's)
+  double last_call_timeout = 30;  // s, elastic: once MIN nodes joined, how long a round waits
+                                  // for more before it starts (torchrun's last_call_timeout)
+  bool elastic() const { return min_nodes < max_nodes; }
 };
 
 /// The first failure anywhere in the job.
@@ -54,12 +64,18 @@ struct Failure {
   int code = 1;      // exit code the launchers exit with
   std::string what;  // one sentence naming the node, host and rank, e.g. "rank 3 (local rank 1,
                      // pid 812) on node 1 (host-b) was killed by signal 9 (SIGKILL)"
+  // Not a failure (elastic): a node waits to join, so every node stops its ranks and starts the
+  // next round with it, as torchrun does; --max-restarts does not count these.
+  bool membership_change = false;
 };
 
 /// What the agent has learnt, as of the last call to state().
 struct AgentState {
   bool joined = false;                    // every launcher joined `round`: start the ranks
   int round = 0;                          // the round joined (0, then 1 per restart)
+  int group_rank = 0;                     // this node's index among the round's nodes
+  int group_world = 0;                    // how many nodes the round has
+  std::string members;                    // the round's node ranks, "0,1,3"
   std::optional<std::string> join_error;  // the job cannot start: why
   std::string run_id;                     // the job's TORCHELASTIC_RUN_ID, once joined
   std::optional<Failure> failure;         // the job's first failure, once known
@@ -89,7 +105,8 @@ class JobAgent {
   /// This host's ranks have all ended this round (successfully or not).
   void report_left();
   /// After report_left(): join round `round` (a restart); state().joined turns true when every
-  /// launcher has, or join_error says why not.
+  /// launcher has (elastic: once the round has formed with this node, perhaps a later round than
+  /// `round` if this node came too late for it), or join_error says why not.
   void next_round(int round);
   /// Seconds since the agent last heard from the store (0 while it has not started talking).
   double silent_for() const;
