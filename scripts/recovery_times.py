@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""How long an elastic job takes to recover, and how many steps it loses (issue 41, item 5).
+
+Starts N fsdp-run launchers on loopback, as N hosts of one rank each (`--nnodes N-1:N`), running
+fsdp-train with disk checkpoints every --save-every steps, and injects one failure on the last
+node once node 0 has logged step --at-step:
+
+  rank   SIGKILL of its rank: every node restarts, at the same world size;
+  host   SIGKILL of its launcher and rank (a crashed host: the kernel resets its connections);
+  hang   SIGSTOP of its launcher and rank (a hung or unplugged host: nothing is reset; the others
+         notice by the launcher's heartbeat, or by a collective's timeout).
+
+From node 0's output, timed as it arrives, it reports: the time from the failure to the job's
+first step after it (recovery), split into detection (until node 0's launcher says it is
+stopping its ranks), the restart (until the round formed) and the resume (until the first step),
+and the steps lost (the steps logged before the failure that had to be redone). Each case is one
+run; the final step must be reached.
+
+    scripts/recovery_times.py [--build build] [--nodes 3] [--cases rank,host,hang] [--json F]
+
+Needs only Python's standard library and the built fsdp-run and fsdp-train.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid):
+    """The processes whose parent is `pid` (the launcher's ranks)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+class Node:
+    """One launcher; its output lines, each with the monotonic time it arrived."""
+
+    def __init__(self, index, cmd, cwd, env):
+        self.index, self.lines = index, []
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     start_new_session=True)
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def first(self, pattern, after=0.0):
+        for t, line in list(self.lines):
+            if t >= after and re.search(pattern, line):
+                return t, line
+        return None
+
+
+def run_case(a, case):
+    work = tempfile.mkdtemp(prefix="fsdp_recovery_")
+    port = str(free_port())
+    n = a.nodes
+    train = [os.path.join(a.build, "examples", "fsdp-train"), "--steps", str(a.steps),
+             "--save-every", str(a.save_every), "--log-every", "1", "--save-dir", "ck",
+             "--resume"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = []
+    for i in range(n):
+        cmd = [os.path.join(a.build, "fsdp-run"), "--nnodes", "%d:%d" % (n - 1, n),
+               "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", port,
+               "--max-restarts", "1", "--heartbeat-timeout", str(a.heartbeat_timeout),
+               "--last-call-timeout", str(a.last_call_timeout), "--grace-period", "2"] + train
+        nodes.append(Node(i, cmd, work, env))
+    n0, victim = nodes[0], nodes[-1]
+    deadline = time.monotonic() + 300
+    step_re = r"\] step (\d+)/"
+    while not n0.first(r"\] step %d/" % a.at_step) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    steps_before = [int(re.search(step_re, l).group(1)) for _, l in n0.lines
+                    if re.search(step_re, l)]
+    ranks = children(victim.proc.pid)
+    t_fail = time.monotonic()
+    if case == "rank":
+        for r in ranks:
+            os.kill(r, signal.SIGKILL)
+    elif case == "host":
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        for r in ranks:
+            os.kill(r, signal.SIGKILL)
+    else:  # hang
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        for r in ranks:
+            os.kill(r, signal.SIGSTOP)
+    last_before = max(steps_before) if steps_before else 0
+    survivors = nodes if case == "rank" else nodes[:-1]
+    for node in survivors:
+        try:
+            node.proc.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+    if case != "rank":
+        try:
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for r in ranks:
+            try:
+                os.kill(r, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    result = {"case": case, "nodes": n, "save_every": a.save_every,
+              "failed_after_step": last_before,
+              "exit_codes": [node.proc.returncode for node in survivors]}
+    detect = n0.first(r"^fsdp-run: .*stopping th", t_fail)
+    formed = n0.first(r"^fsdp-run: round 1 formed", t_fail)
+    resumed = n0.first(r"\] resumed from .* at step (\d+) \(world size (\d+)\)", t_fail)
+    if resumed:
+        m = re.search(r"at step (\d+) \(world size (\d+)\)", resumed[1])
+        at, world = int(m.group(1)), int(m.group(2))
+        first = n0.first(r"\] step %d/" % (at + 1), t_fail)
+        result.update({"resumed_at_step": at, "world_size_after": world,
+                       "steps_lost": last_before - at})
+        if first:
+            result["recovery_s"] = round(first[0] - t_fail, 2)
+            result["resume_s"] = round(first[0] - (formed or resumed)[0], 2)
+    if detect:
+        result["detection_s"] = round(detect[0] - t_fail, 2)
+    if detect and formed:
+        result["restart_s"] = round(formed[0] - detect[0], 2)
+    result["finished"] = bool(n0.first(r"\] step %d/%d" % (a.steps, a.steps)))
+    if not result["finished"] or "recovery_s" not in result:
+        result["log_tail"] = [l for _, l in n0.lines[-15:]]
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--cases", default="rank,host,hang")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--at-step", type=int, default=17)
+    ap.add_argument("--heartbeat-timeout", type=float, default=5)
+    ap.add_argument("--last-call-timeout", type=float, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    a.build = os.path.abspath(a.build)
+    results = []
+    for case in a.cases.split(","):
+        r = run_case(a, case)
+        r.update({"heartbeat_timeout_s": a.heartbeat_timeout,
+                  "last_call_timeout_s": a.last_call_timeout})
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    if a.json:
+        with open(a.json, "w") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return 0 if all(r["finished"] and "recovery_s" in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
