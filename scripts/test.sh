@@ -90,7 +90,8 @@ if [ "$torch2" != "0" ]; then
   t2_log=$(mktemp)
   if ((chroot_ok)); then
     scripts/torch2-env.sh --release "$release" -- /bin/bash -c \
-      'BUILD_DIR=build-'"$release"' ./scripts/setup.sh && cd build-'"$release"' &&
+      'BUILD_DIR=build-'"$release"' FSDP_RELWITHDEBINFO_FLAGS="'"${FSDP_RELWITHDEBINFO_FLAGS:-}"'" \
+       ./scripts/setup.sh && cd build-'"$release"' &&
        rm -rf test-results && FSDP_TEST_POINT_STRIDE=$0 ctest --output-on-failure --timeout 600 "$@"' \
       "${FSDP_TORCH2_POINT_STRIDE:-4}" "$@" 2>&1 | tee "$t2_log" || true
     t2_version=$(grep -oE 'LibTorch [0-9.]+' "build-$release/fsdp_torch_version.txt" 2>/dev/null ||

@@ -235,10 +235,11 @@ TEST(FsdpRunNodes, ALostNodeEndsTheJob) {
 }
 
 // --nnodes MIN:MAX (issue 41): three launchers of a 2:3 job. Round 0 has all three; node 2's
-// launcher killed (a lost host) is noticed by its silence, and the next round forms with nodes 0
+// launcher stopped (a hung host) is noticed by its silence, and the next round forms with nodes 0
 // and 1, numbered densely (world size 2); a launcher started again on node rank 2 waits for the
 // next round, and node 0 ends the running one to take it back (a membership change, which the
-// used-up --max-restarts 1 does not count): the third round has all three again.
+// used-up --max-restarts 1 does not count): the third round has all three again. The hung
+// launcher, when it wakes up, leaves without disturbing them.
 TEST(FsdpRunNodes, ElasticRoundsShrinkAndGrowBack) {
   fsdp::testing::TempDir dir;
   const std::string port = std::to_string(fsdp::testing::free_port());
@@ -268,7 +269,8 @@ TEST(FsdpRunNodes, ElasticRoundsShrinkAndGrowBack) {
         i, "] start 0 world 3 rank " + std::to_string(i) + " group " + std::to_string(i) + " of 3"))
         << node[i]->output();
 
-  ::kill(node[2]->pid(), SIGKILL);  // the host is gone: its rank dies with its launcher
+  ::kill(node[2]->pid(), SIGSTOP);  // the host hangs
+  std::unique_ptr<Background> hung = std::move(node[2]);
   ASSERT_TRUE(wait_for(1, "] start 1 world 2 rank 1 group 1 of 2")) << node[1]->output();
   ASSERT_TRUE(wait_for(0, "] start 1 world 2 rank 0 group 0 of 2")) << node[0]->output();
   EXPECT_NE(node[0]->output().find("node 2 ("), std::string::npos) << node[0]->output();
@@ -294,6 +296,12 @@ TEST(FsdpRunNodes, ElasticRoundsShrinkAndGrowBack) {
   EXPECT_NE(node[0]->output().find(" waiting to join: every node stops its ranks"),
             std::string::npos)
       << node[0]->output();
+
+  ::kill(hung->pid(), SIGCONT);
+  EXPECT_NE(hung->wait(std::chrono::seconds(30)), 0) << hung->output();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(count_lines_with(node[i]->output(), "] start 3 "), 0) << node[i]->output();
 
   std::ofstream(finish) << "";
   for (int i = 0; i < 3; ++i)

@@ -214,7 +214,7 @@ bool wait_for_checkpoint(const std::string& root, int64_t step) {
 TEST(FsdpTrain, MaxRestartsRestartsAKilledJobWhichFinishesAsIfUninterrupted) {
   TempDir dir;
   const std::string d = dir.path();
-  const std::string args = "--steps 60 --save-every 4 --log-every 1 --export final.pt";
+  const std::string args = "--steps 24 --save-every 4 --log-every 1 --export final.pt";
   Background run("sh -c \"cd '" + d + "' && exec " + FSDP_RUN_BIN +
                      " --nproc-per-node 2 --max-restarts 2 " + FSDP_TRAIN_BIN + " " + args +
                      " --save-dir ck --resume\"",
@@ -393,7 +393,7 @@ TEST_F(FsdpTrainNodes, WaitingForAnotherNodeUsesNoCpu) {
 // mid-run restarts both nodes' ranks (TORCHELASTIC_RESTART_COUNT=1), which resume from the latest
 // checkpoint and end with an uninterrupted W=2 run's weights, bit for bit.
 TEST_F(FsdpTrainNodes, BothNodesRestartTogetherAndFinishAsIfUninterrupted) {
-  const std::string args = "--steps 60 --save-every 4 --log-every 1 --export final.pt";
+  const std::string args = "--steps 24 --save-every 4 --log-every 1 --export final.pt";
   start(0, args + " --save-dir ck --resume", "--max-restarts 1");
   start(1, args + " --save-dir ck --resume", "--max-restarts 1");
   ASSERT_TRUE(wait_for_checkpoint(dir_.file("ck"), 8)) << node_[0]->output();

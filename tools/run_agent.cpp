@@ -225,7 +225,8 @@ class AgentLoop {
     }
     // Node rank i is free once node 0 has given its launcher up as lost.
     const std::string id = std::to_string(cfg_.node_rank);
-    if (store().add("node/" + id, 1) != count("lost/" + id) + 1)
+    lost_at_claim_ = count("lost/" + id);
+    if (store().add("node/" + id, 1) != lost_at_claim_ + 1)
       fail_join("two launchers were started with --node-rank " + id);
     store().set("host/" + id, bytes(JobAgent::host_name()));
   }
@@ -233,6 +234,18 @@ class AgentLoop {
   // Joins round_ and waits until it has formed with this node (elastic: a node too late for a
   // round waits for the next one).
   void join_round() {
+    // A launcher that node 0 gave up (it was silent: its host hung, then came back) claims its
+    // node rank again, as a new launcher there would: whichever comes first keeps it, and the
+    // other leaves rather than join twice.
+    const std::string id = std::to_string(cfg_.node_rank);
+    if (const int64_t lost = count("lost/" + id); lost != lost_at_claim_) {
+      if (store().add("node/" + id, 1) != lost + 1)
+        throw JoinError("node " + id + " was given up as lost (its launcher was silent for " +
+                        std::to_string(static_cast<int>(cfg_.heartbeat_timeout)) +
+                        " s, --heartbeat-timeout), and another fsdp-run has taken node rank " + id +
+                        " since");
+      lost_at_claim_ = lost;
+    }
     for (;; ++round_) {
       store().set(rk("in/") + std::to_string(cfg_.node_rank), bytes("1"));
       store().add(rk("joined"), 1);
@@ -517,8 +530,9 @@ class AgentLoop {
   std::string run_id_;
   int round_ = 0;
   bool joined_ = false, posted_ = false, left_ = false, all_left_ = false, known_failure_ = false;
-  bool late_ = false;         // came to a job whose first round had formed
-  std::vector<int> members_;  // the node ranks of round_
+  bool late_ = false;          // came to a job whose first round had formed
+  int64_t lost_at_claim_ = 0;  // lost/<node rank> when this launcher claimed it
+  std::vector<int> members_;   // the node ranks of round_
   Clock::time_point last_beat_{}, last_waiting_check_{};
   std::map<int, std::pair<int64_t, Clock::time_point>> beats_;  // node -> (beat, when it moved)
 };
