@@ -290,9 +290,9 @@ class Supervisor {
     return (first_failed_ >= 0 || job_failure_) && forwarded_ == 0 && !membership_change();
   }
   /// After run(): the round was ended for a node waiting to join (elastic), not by a failure.
-  bool membership_change() const {
-    return first_failed_ < 0 && job_failure_ && job_failure_->membership_change;
-  }
+  /// The job's first posted event decides, on every node alike: ranks that failed after it (a
+  /// peer stopped under them) do not make it a failure here.
+  bool membership_change() const { return job_failure_ && job_failure_->membership_change; }
 
  private:
   // "rank 3 (local rank 1)" (with its pid: "rank 3 (local rank 1, pid 812)"), and
@@ -459,6 +459,7 @@ class Supervisor {
   }
 
   int outcome() const {
+    if (membership_change()) return 1;  // the next round follows (said by main)
     const bool elsewhere =
         job_failure_ && !(job_failure_->node == o_.node_rank && first_failed_ >= 0);
     if (first_failed_ >= 0) {
@@ -470,7 +471,6 @@ class Supervisor {
       const int code = elsewhere ? job_failure_->code : exit_code_of(r.status);
       return code != 0 ? code : 1;
     }
-    if (membership_change()) return 1;  // the next round follows (said by main)
     if (job_failure_) {
       std::fprintf(stderr, "fsdp-run: failed: %s\n", job_failure_->what.c_str());
       return job_failure_->code != 0 ? job_failure_->code : 1;
@@ -498,10 +498,12 @@ class Supervisor {
 // Across hosts: waits, still answering signals, until every node's launcher has joined round
 // o.round. Returns -1 to go on, else the exit code.
 int await_round(Options& o, JobAgent& agent) {
-  // The agent's own waits end at the join timeout; this bounds a store call that never returns
-  // (a store host stopped after it began to listen).
+  // The agent's own waits end at the join timeout (plus the last call, and node 0's own settling
+  // before it forms a round); this bounds a store call that never returns (a store host stopped
+  // after it began to listen).
+  const double limit = o.join_timeout + (o.elastic() ? o.last_call_timeout : 0) + o.grace + 20;
   const auto deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>((o.join_timeout + 10) * 1000));
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(limit * 1000));
   for (;;) {
     if (Clock::now() >= deadline) {
       std::fprintf(stderr,

@@ -226,8 +226,14 @@ class AgentLoop {
     // Node rank i is free once node 0 has given its launcher up as lost.
     const std::string id = std::to_string(cfg_.node_rank);
     lost_at_claim_ = count("lost/" + id);
-    if (store().add("node/" + id, 1) != lost_at_claim_ + 1)
-      fail_join("two launchers were started with --node-rank " + id);
+    if (store().add("node/" + id, 1) != lost_at_claim_ + 1) {
+      store().add("node/" + id, -1);  // a claim refused does not stand
+      fail_join("two launchers were started with --node-rank " + id +
+                (late_ ? " (if this one replaces a launcher that is gone, node 0 frees its node "
+                         "rank once it has been silent for --heartbeat-timeout: start this one "
+                         "again after that)"
+                       : ""));
+    }
     store().set("host/" + id, bytes(JobAgent::host_name()));
   }
 
@@ -239,11 +245,13 @@ class AgentLoop {
     // other leaves rather than join twice.
     const std::string id = std::to_string(cfg_.node_rank);
     if (const int64_t lost = count("lost/" + id); lost != lost_at_claim_) {
-      if (store().add("node/" + id, 1) != lost + 1)
-        throw JoinError("node " + id + " was given up as lost (its launcher was silent for " +
-                        std::to_string(static_cast<int>(cfg_.heartbeat_timeout)) +
-                        " s, --heartbeat-timeout), and another fsdp-run has taken node rank " + id +
-                        " since");
+      if (store().add("node/" + id, 1) != lost + 1) {
+        store().add("node/" + id, -1);
+        throw JoinError("node " + id +
+                        " was given up as lost (its launcher silent past --heartbeat-timeout, or "
+                        "missing from a round), and another fsdp-run has taken node rank " +
+                        id + " since");
+      }
       lost_at_claim_ = lost;
     }
     for (;; ++round_) {
@@ -298,7 +306,11 @@ class AgentLoop {
           return close_round();
       }
       heard();
-      if (Clock::now() >= deadline) break;
+      if (Clock::now() >= deadline) {
+        // --join-timeout bounds the wait for MIN nodes, not the last call after them.
+        if (cfg_.node_rank == 0 && count(rk("joined")) >= cfg_.min_nodes) return close_round();
+        break;
+      }
       if (sleep_or_stop(kTick)) throw JoinError("stopped while waiting for the other nodes");
     }
     if (cfg_.node_rank != 0)
@@ -318,9 +330,20 @@ class AgentLoop {
     std::vector<int> members;
     for (int i = 0; i < cfg_.max_nodes; ++i)
       if (store().check({rk("in/") + std::to_string(i)})) members.push_back(i);
+    // A node of the last round that did not come back is given up, so that a new launcher may
+    // take its node rank (its old one, if it was only slow, claims it again: join_round).
+    for (int i : members_)
+      if (std::find(members.begin(), members.end(), i) == members.end()) give_up(i);
     store().set(rk("members"), bytes(join_list(members)));
     store().set("formed", bytes(std::to_string(round_)));
     return members;
+  }
+
+  // Node 0: node rank i's launcher is gone; its claim is released once (node/<i> counts the
+  // claims that stand, lost/<i> the ones given up).
+  void give_up(int i) {
+    const std::string id = std::to_string(i);
+    if (count("node/" + id) > count("lost/" + id)) store().add("lost/" + id, 1);
   }
 
   void wait_for_everyone() {
@@ -446,6 +469,9 @@ class AgentLoop {
   // ends this one, so that the next starts with it, as torchrun's agents do.
   void check_waiting() {
     if (!cfg_.elastic() || static_cast<int>(members_.size()) >= cfg_.max_nodes) return;
+    // Only while every node's ranks still run: once one has left, the round is ending anyway (a
+    // finished job is not started again for a newcomer; a failed one restarts with it).
+    if (left_ || count(rk("left")) > 0) return;
     if (Clock::now() - last_waiting_check_ < kHeartbeat) return;
     last_waiting_check_ = Clock::now();
     const std::string next = "round/" + std::to_string(round_ + 1) + "/";
@@ -481,7 +507,7 @@ class AgentLoop {
       const double silent = Seconds(Clock::now() - it->second.second).count();
       if (silent < cfg_.heartbeat_timeout || store().check({rk("left/") + id})) continue;
       const std::string host = text(store().get("host/" + id));
-      store().add("lost/" + id, 1);  // a new launcher may take its place
+      give_up(i);  // a new launcher may take its place
       post_failure(Failure{i, 1,
                            "node " + id + " (" + host + ") stopped answering: its launcher sent " +
                                "no heartbeat for " + std::to_string(static_cast<int>(silent)) +
