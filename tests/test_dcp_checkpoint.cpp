@@ -17,6 +17,7 @@
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/manifest.h"
+#include "dcp_model_testing.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/state_dict.h"
@@ -301,55 +302,6 @@ TEST(DcpCheckpoint, UncoveredElementsAreNamed) {
 // The acceptance scenario: a wrapped model and its optimizer saved at W=2 (FULL_SHARD, flat
 // parameters, each rank's flat shards as they lie) load at W=3 under SHARD_GRAD_OP with
 // use_orig_params, and into the unwrapped model at W=1, bit-exactly.
-// Two Adam steps of a wrapped TinyLM on rank-specific tokens; returns {"model", "optim"} as
-// get_state_dict gives them (SHARDED). `on_gather` watches get_state_dict's gathers.
-StateDict train_two_steps(FullyShardedDataParallel& model, torch::optim::Optimizer& opt, int rank,
-                          fsdp::GatherObserver on_gather = {}) {
-  for (int s = 0; s < 2; ++s) {
-    opt.zero_grad();
-    auto idx = fsdp::testing::lm_tokens(2, 1000 * s + rank);
-    fsdp::testing::lm_loss(model->forward(idx), idx).backward();
-    opt.step();
-  }
-  auto [msd, osd] =
-      ckpt::get_state_dict(model, opt, ckpt::StateDictOptions().on_gather(std::move(on_gather)));
-  StateDict sd;
-  sd.insert_or_assign("model", msd);
-  sd.insert_or_assign("optim", osd);
-  return sd;
-}
-
-// Loads checkpoint `dir` into `model` and `opt` through the unified API, as a resuming trainer
-// does: the model's own state dict (any wrapping, world size, layout) is the template.
-template <typename M>
-void load_checkpoint(M& model, torch::optim::Optimizer& opt, const std::string& dir) {
-  auto [msd, osd] = ckpt::get_state_dict(model, opt);
-  StateDict sd;
-  sd.insert_or_assign("model", msd);
-  sd.insert_or_assign("optim", osd);
-  ckpt::load(sd, dir);
-  ckpt::set_state_dict(model, opt, sd.at("model").dict(), sd.at("optim").dict());
-}
-
-// Rank 0 saves the model's and optimizer's full state into `ref` (collective).
-template <typename M>
-void save_reference_state(M& model, torch::optim::Optimizer& opt, const std::string& ref,
-                          int rank) {
-  auto [fm, fo] = ckpt::get_state_dict(model, opt, ckpt::StateDictOptions().full_state_dict(true));
-  if (rank != 0) return;
-  fsdp::testing::save_pieces(fm, 0, ref, "m_");
-  fsdp::testing::save_osd(fo, 0, ref);
-}
-
-// The model's and optimizer's full state equal the reference save_reference_state wrote.
-template <typename M>
-void expect_reference_state(M& model, torch::optim::Optimizer& opt, const std::string& ref,
-                            const std::string& what) {
-  auto [fm, fo] = ckpt::get_state_dict(model, opt, ckpt::StateDictOptions().full_state_dict(true));
-  fsdp::testing::expect_same(fm, fsdp::testing::load_pieces(1, ref, "m_"), what);
-  EXPECT_EQ(fsdp::testing::osd_diff(fo, fsdp::testing::load_osd(1, ref), 0, 0), "") << what;
-}
-
 // The pieces of `value` (a parameter's or its state's) are this rank's flat shard of parameter
 // `i` of `h`, as it lies: the boxes of its range, holding the shard's elements.
 void expect_as_stored(const StateValue& value, const fsdp::FlatParamHandle& h, size_t i,

@@ -351,15 +351,26 @@ class Trainer {
         static_cast<long long>(root_bytes));
   }
 
+  // The checkpoint every rank resumes from: the lowest rank's latest (on a shared file system all
+  // see the same; a rank whose disk has none still loads it, from the ranks that hold its files).
+  std::optional<std::string> agreed_latest() {
+    const auto mine = ckpt::latest_checkpoint(f_.save_dir);
+    for (const std::string& found : pg_.all_gather_bytes(mine ? *mine : std::string()))
+      if (!found.empty()) return found;
+    return std::nullopt;
+  }
+
   void resume() {
-    auto dir = ckpt::latest_checkpoint(f_.save_dir);
+    auto dir = agreed_latest();
     if (!dir) {
       if (rank_ == 0)
         std::printf("no checkpoint in %s yet: starting from step 0\n", f_.save_dir.c_str());
       return;
     }
     fsdp::StateDict sd = state(0);
-    ckpt::load(sd, *dir);
+    // Collective: each stored byte is read once across the job (HYBRID_SHARD's replicas share
+    // what they read) and sent to the ranks that need it.
+    ckpt::load(sd, *dir, ckpt::LoadOptions().group(&pg_));
     ckpt::set_state_dict(model_, *opt_, sd.at("model").dict(), sd.at("optim").dict());
     const fsdp::StateDict& t = sd.at("trainer").dict();
     step_ = t.at("step").to_int();

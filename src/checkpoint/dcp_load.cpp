@@ -12,6 +12,7 @@
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/files.h"
+#include "checkpoint/read_once.h"
 #include "checkpoint/torch_archive.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
@@ -99,11 +100,29 @@ CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in, bool v
   }
   const std::string meta_bytes = files::read_file(io, meta_path, kMaxMetadata, what);
   const std::string mf_path = files::join(dir_, manifest::kFileName);
-  if (io.file_size(mf_path) >= 0) {
-    mf_ = manifest::parse(files::read_file(io, mf_path, manifest::kMaxBytes, what), mf_path);
-    if (verify && files::xxh3_hex(meta_bytes) != mf_->metadata_xxh3)
+  std::optional<std::string> mf_bytes;
+  if (io.file_size(mf_path) >= 0)
+    mf_bytes = files::read_file(io, mf_path, manifest::kMaxBytes, what);
+  init(meta_path, meta_bytes, mf_bytes, mf_path);
+}
+
+CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in,
+                                   const std::string& metadata_bytes,
+                                   const std::optional<std::string>& manifest_bytes, bool verify,
+                                   const char* what)
+    : io_(io), dir_(files::normalize(dir_in)), verify_(verify), what_(what) {
+  init(files::join(dir_, ".metadata"), metadata_bytes, manifest_bytes,
+       files::join(dir_, manifest::kFileName));
+}
+
+void CheckpointReader::init(const std::string& meta_path, const std::string& meta_bytes,
+                            const std::optional<std::string>& manifest_bytes,
+                            const std::string& manifest_path) {
+  if (manifest_bytes) {
+    mf_ = manifest::parse(*manifest_bytes, manifest_path);
+    if (verify_ && files::xxh3_hex(meta_bytes) != mf_->metadata_xxh3)
       throw ValueError(
-          msg(what, ": ", meta_path,
+          msg(what_, ": ", meta_path,
               " does not match its checksum in the manifest: the file is corrupt or was "
               "replaced"));
   }
@@ -226,31 +245,23 @@ void CheckpointReader::fill(StateDict& state_dict) const {
   fill(state_dict, buf);
 }
 
-struct CheckpointReader::FillPlan {
-  struct Copy {
-    at::Tensor dst;                       // a view of the target
-    std::vector<int64_t> src_lo, extent;  // region of the chunk
-  };
-  struct Read {
-    std::string key;
-    std::vector<int64_t> sizes;  // of the chunk
-    at::ScalarType dtype = at::kFloat;
-    std::vector<Copy> copies;
-  };
-  std::map<const dcp::StorageInfo*, Read> reads;  // each chunk needed, read once
-  std::vector<std::tuple<StateValue*, const dcp::StorageInfo*, std::string>> values;  // non-tensors
-
-  Read& read_of(const dcp::StorageInfo* info, const std::string& key, const dcp::ChunkMeta& chunk,
-                at::ScalarType dtype) {
-    Read& r = reads[info];
-    r.key = key;
-    r.sizes = chunk.sizes;
-    r.dtype = dtype;
-    return r;
-  }
-};
+CheckpointReader::FillPlan::Read& CheckpointReader::FillPlan::read_of(const dcp::StorageInfo* info,
+                                                                      const std::string& key,
+                                                                      const dcp::ChunkMeta& chunk,
+                                                                      at::ScalarType dtype) {
+  Read& r = reads[info];
+  r.key = key;
+  r.sizes = chunk.sizes;
+  r.dtype = dtype;
+  return r;
+}
 
 void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
+  FillPlan plan = this->plan(state_dict);
+  apply(plan, buf);
+}
+
+CheckpointReader::FillPlan CheckpointReader::plan(StateDict& state_dict) const {
   FillPlan plan;
   for (const items::FlatItem& it : items::flatten(state_dict)) {
     StateValue& v = *it.value;
@@ -267,9 +278,9 @@ void CheckpointReader::fill(StateDict& state_dict, Buffer& buf) const {
     auto b = bytes_at_.find(it.key);
     if (b == bytes_at_.end())
       throw ValueError(msg(what_, ": no storage entry for ", quote(it.key), " in ", dir_));
-    plan.values.emplace_back(&v, b->second, it.key);
+    plan.values.push_back(FillPlan::Value{&v, b->second, it.key});
   }
-  apply(plan, buf);
+  return plan;
 }
 
 void CheckpointReader::plan_tensor(const std::string& key, const dcp::ItemMeta& item, StateValue& v,
@@ -351,27 +362,39 @@ void CheckpointReader::apply(FillPlan& plan, Buffer& buf) const {
         }
       }
     }
-    const std::string_view raw = read_item(job.key, *info, buf);
-    // A view of `buf`: copied into the destinations before the next item is read.
-    const at::Tensor chunk =
-        items::decode_tensor(raw.data(), raw.size(), msg(what_, ": ", place), check_crc());
-    dcp::check_chunk(chunk, job.dtype, job.sizes, place, what_);
-    for (auto& cp : job.copies) {
-      at::Tensor src = chunk;
-      for (size_t d = 0; d < cp.extent.size(); ++d)
-        src = src.narrow(static_cast<int64_t>(d), cp.src_lo[d], cp.extent[d]);
-      cp.dst.copy_(src);
-    }
+    apply_chunk(job, *info, read_item(job.key, *info, buf));
   }
-  for (auto& [v, info, key] : plan.values) {
-    const std::string_view raw = read_item(key, *info, buf);
-    *v = items::decode_value(raw.data(), raw.size(), msg(what_, ": ", where(key, *info)),
-                             check_crc());
+  for (const auto& v : plan.values) apply_value(v, read_item(v.key, *v.info, buf));
+}
+
+void CheckpointReader::apply_chunk(const FillPlan::Read& job, const dcp::StorageInfo& info,
+                                   std::string_view raw) const {
+  at::NoGradGuard no_grad;
+  const std::string place = where(job.key, info);
+  // A view of `raw`: copied into the destinations before its buffer is used again.
+  const at::Tensor chunk =
+      items::decode_tensor(raw.data(), raw.size(), msg(what_, ": ", place), check_crc());
+  dcp::check_chunk(chunk, job.dtype, job.sizes, place, what_);
+  for (const auto& cp : job.copies) {
+    at::Tensor src = chunk;
+    for (size_t d = 0; d < cp.extent.size(); ++d)
+      src = src.narrow(static_cast<int64_t>(d), cp.src_lo[d], cp.extent[d]);
+    at::Tensor dst = cp.dst;
+    dst.copy_(src);
   }
+}
+
+void CheckpointReader::apply_value(const FillPlan::Value& v, std::string_view raw) const {
+  *v.target = items::decode_value(raw.data(), raw.size(), msg(what_, ": ", where(v.key, *v.info)),
+                                  check_crc());
 }
 
 void load(StateDict& state_dict, const std::string& dir, const LoadOptions& options) {
   FileIO& io = options.io() ? *options.io() : default_file_io();
+  if (options.group()) {
+    read_once::load(state_dict, dir, io, options.verify(), *options.group());
+    return;
+  }
   const CheckpointReader reader(io, dir, options.verify(), kWhat);
   if (!reader.manifest())
     TORCH_WARN("fsdp checkpoint: ", reader.dir(), " has no ", manifest::kFileName,

@@ -64,6 +64,10 @@ class CheckpointReader {
   /// Throws ValueError naming the file for a missing or incomplete checkpoint, an unreadable
   /// `.metadata` or manifest, or (with `verify`) a `.metadata` that fails its checksum.
   CheckpointReader(FileIO& io, const std::string& dir, bool verify, const char* what);
+  /// The same from `.metadata`'s bytes and the manifest's (if there is one) as read elsewhere: a
+  /// collective load reads them on one rank and hands them to the others (read_once.cpp).
+  CheckpointReader(FileIO& io, const std::string& dir, const std::string& metadata_bytes,
+                   const std::optional<std::string>& manifest_bytes, bool verify, const char* what);
 
   const std::string& dir() const { return dir_; }
   const dcp::Metadata& metadata() const { return md_; }
@@ -102,6 +106,39 @@ class CheckpointReader {
   /// After a checksum or decoding error `dst` holds the item's unverified bytes.
   std::optional<at::Tensor> read_chunk_into(const std::string& key, const dcp::StorageInfo& info,
                                             char* dst, size_t dst_bytes, Buffer& buf) const;
+  /// fill's two phases: first which saved item fills which part of which target, every key,
+  /// shape and box checked before anything changes (plan); then each item read, checked and
+  /// copied (apply). A collective load splits the plan between the ranks (read_once.cpp).
+  struct FillPlan {
+    struct Copy {
+      at::Tensor dst;                       // a view of the target
+      std::vector<int64_t> src_lo, extent;  // region of the chunk
+    };
+    struct Read {
+      std::string key;
+      std::vector<int64_t> sizes;  // of the chunk
+      at::ScalarType dtype = at::kFloat;
+      std::vector<Copy> copies;
+    };
+    struct Value {
+      StateValue* target;
+      const dcp::StorageInfo* info;
+      std::string key;
+    };
+    std::map<const dcp::StorageInfo*, Read> reads;  // each chunk needed, read once
+    std::vector<Value> values;                      // non-tensors
+
+    Read& read_of(const dcp::StorageInfo* info, const std::string& key, const dcp::ChunkMeta& chunk,
+                  at::ScalarType dtype);
+  };
+  FillPlan plan(StateDict& sd) const;
+  void apply(FillPlan& plan, Buffer& buf) const;
+  /// Decodes one stored chunk (`raw`, its checked bytes) and copies it where `job` says.
+  void apply_chunk(const FillPlan::Read& job, const dcp::StorageInfo& info,
+                   std::string_view raw) const;
+  /// Decodes one stored non-tensor value into its target.
+  void apply_value(const FillPlan::Value& v, std::string_view raw) const;
+
   /// Whether decoding must check CRC-32s: verifying, with no manifest checksum to rely on.
   bool check_crc() const { return verify_ && !mf_; }
   /// "'key' in <file> at offset N", for messages.
@@ -116,12 +153,10 @@ class CheckpointReader {
   /// only when verifying with a manifest.
   void check_digest(const std::string& key, const dcp::StorageInfo& info,
                     const std::string& xxh3_hex) const;
-  /// fill's two phases: first which saved chunk fills which part of which target, every key,
-  /// shape and box checked before anything changes; then each chunk read, checked and copied.
-  struct FillPlan;
   void plan_tensor(const std::string& key, const dcp::ItemMeta& item, StateValue& v,
                    FillPlan& plan) const;
-  void apply(FillPlan& plan, Buffer& buf) const;
+  void init(const std::string& meta_path, const std::string& meta_bytes,
+            const std::optional<std::string>& manifest_bytes, const std::string& manifest_path);
 
   FileIO& io_;
   std::string dir_;

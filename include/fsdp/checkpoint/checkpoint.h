@@ -72,6 +72,10 @@ struct LoadOptions {
   TORCH_ARG(FileIOPtr, io) = nullptr;
   /// Check every item read against the manifest's checksum (and `.metadata`'s own).
   TORCH_ARG(bool, verify) = true;
+  /// Null: a local load, each rank reading what it needs (replicas read the same bytes). A group:
+  /// a collective load over it (every member calls load) that reads each stored item once, on one
+  /// rank, and sends it over the group to the other ranks that need it; see load().
+  TORCH_ARG(GroupPtr, group) = nullptr;
 };
 
 /// Writes `state_dict` to the directory `dir`, atomically (see above): this rank's chunks go to
@@ -92,6 +96,17 @@ void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGrou
 /// straight into its destination has left its unverified bytes there (items are read one at a
 /// time, so memory stays at about one chunk; run `verify` first to rule this out). Local: no
 /// communication.
+///
+/// With `options.group()` the load is collective and reads every stored byte once across the
+/// group, however many ranks need it (HYBRID_SHARD's replicas, values every rank holds), and `dir`
+/// may be a different directory on each rank: a node-local one holding only some of the data
+/// files. The ranks exchange what each needs and which data files each can read (stat only);
+/// every needed item is then read by one rank that can read it (one that needs it if possible,
+/// balancing bytes), checked against the manifest, and sent to the others in rounds of at most
+/// 64 MiB per rank. `.metadata` and the manifest are read once, by the lowest rank whose `dir`
+/// has them, so a rank whose disk holds nothing of the checkpoint still loads. Errors are those
+/// of a local load, raised on every rank together (naming the rank that met them), plus a
+/// ValueError naming a data file that no rank can read.
 void load(StateDict& state_dict, const std::string& dir, const LoadOptions& options = {});
 
 /// What `verify` found.

@@ -1,0 +1,199 @@
+// Collective loads (LoadOptions::group, issue 40 item 5): each stored byte is read once across
+// the job, whether HYBRID_SHARD's replicas need the same pieces or the data files lie on
+// node-local disks, each holding some of them. Bytes are counted through a FileIO; values are
+// compared with the saving model's full state; the group-less load is the negative control
+// (every replica reads its pieces again).
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <functional>
+#include <vector>
+
+#include "checkpoint/read_once.h"
+#include "dcp_model_testing.h"
+#include "dcp_testing.h"
+#include "fsdp/errors.h"
+#include "multi_rank.h"
+
+namespace ckpt = fsdp::checkpoint;
+using fsdp::FullyShardedDataParallel;
+using fsdp::ShardingStrategy;
+using fsdp::StateDict;
+using fsdp::dist::ProcessGroup;
+using namespace fsdp::testing;
+
+namespace {
+
+// Counts the bytes read through it.
+class CountingIO : public ckpt::FileIO {
+ public:
+  int64_t pread(int fd, void* data, size_t n, int64_t offset) override {
+    const int64_t got = FileIO::pread(fd, data, n, offset);
+    if (got > 0) bytes += got;
+    return got;
+  }
+  int64_t bytes = 0;
+};
+
+// The sum over the group of each rank's `n`.
+int64_t job_total(ProcessGroup& pg, int64_t n) {
+  at::Tensor t = at::full({1}, n, at::kLong);
+  pg.all_reduce(t);
+  return t.item<int64_t>();
+}
+
+// The bytes of every file in `dir`: the checkpoint's size.
+int64_t dir_bytes(const std::string& dir) {
+  int64_t total = 0;
+  std::vector<std::string> names;
+  EXPECT_EQ(ckpt::default_file_io().list_dir(dir, names), 0) << dir;
+  for (const auto& n : names) total += ckpt::default_file_io().file_size(dir + "/" + n);
+  return total;
+}
+
+// A W=4 FULL_SHARD or HYBRID_SHARD (2 x 2) TinyLM after two Adam steps, saved to `dir`, its full
+// state to `ref`.
+void save_trained(const std::string& dir, const std::string& ref, bool hybrid) {
+  run_ranks(4, [&](ProcessGroup& pg) {
+    TinyLM m(7);
+    auto o =
+        hybrid ? lm_options(m, ShardingStrategy::HYBRID_SHARD).hybrid_shard_size(2) : lm_options(m);
+    FullyShardedDataParallel model(m, o);
+    auto opt = make_optimizer("Adam", unique_params(model->parameters()));
+    StateDict sd = train_two_steps(model, *opt, pg.rank());
+    ckpt::save(sd, dir);
+    save_reference_state(model, *opt, ref, pg.rank());
+  });
+}
+
+TEST(ReadOnceLoad, HybridShardReplicasReadEachStoredByteOnce) {
+  TempDir tmp, ref;
+  save_trained(tmp.file("c"), ref.path(), true);
+  const int64_t size = dir_bytes(tmp.file("c"));
+  run_ranks(4, [&](ProcessGroup& pg) {
+    TinyLM m(99);
+    FullyShardedDataParallel model(
+        m, lm_options(m, ShardingStrategy::HYBRID_SHARD).hybrid_shard_size(2));
+    auto opt = make_optimizer("Adam", unique_params(model->parameters()));
+    CountingIO once;
+    load_checkpoint(model, *opt, tmp.file("c"), ckpt::LoadOptions().io(&once).group(&pg));
+    expect_reference_state(model, *opt, ref.path(), "collective load");
+    const int64_t read_once = job_total(pg, once.bytes);
+    // The negative control: each rank on its own reads what it needs, so both replicas of each
+    // shard group read the same pieces, and every rank reads `.metadata` and the manifest.
+    CountingIO local;
+    load_checkpoint(model, *opt, tmp.file("c"), ckpt::LoadOptions().io(&local));
+    expect_reference_state(model, *opt, ref.path(), "local load");
+    const int64_t read_local = job_total(pg, local.bytes);
+    EXPECT_LE(read_once, size) << "the collective load read some bytes twice";
+    EXPECT_GT(read_local, size * 3 / 2) << "the replicas' reads were not counted";
+    if (pg.rank() == 0)
+      std::printf(
+          "[ figures  ] HYBRID_SHARD 2x2 load of a %lld-byte checkpoint: %.3fx its size "
+          "read across the job (local loads: %.3fx)\n",
+          static_cast<long long>(size), static_cast<double>(read_once) / size,
+          static_cast<double>(read_local) / size);
+  });
+}
+
+// What each host's node-local disk holds of a W=4 save made as 2 hosts x 2 ranks: `.metadata`,
+// the manifest and its own ranks' data files; host 2 is new, its disk empty.
+std::vector<std::string> node_local_copies(const TempDir& tmp) {
+  const std::string saved = tmp.file("c");
+  std::vector<std::string> dirs;
+  for (int host = 0; host < 3; ++host) {
+    const std::string root = tmp.file("host" + std::to_string(host));
+    EXPECT_EQ(::mkdir(root.c_str(), 0755), 0) << root;
+    dirs.push_back(root + "/c");
+    if (host == 2) continue;
+    EXPECT_EQ(::mkdir(dirs.back().c_str(), 0755), 0);
+    for (const char* name : {".metadata", ".fsdp_manifest.json"})
+      write_bytes(dirs.back() + "/" + name, read_bytes(saved + "/" + name));
+    for (int r = 2 * host; r < 2 * host + 2; ++r) {
+      const std::string file = "/__" + std::to_string(r) + "_0.distcp";
+      write_bytes(dirs.back() + file, read_bytes(saved + file));
+    }
+  }
+  return dirs;
+}
+
+// Loads the node-local copies at `hosts` (each rank's host), with rounds of `round_bytes`.
+void load_node_local(const std::vector<std::string>& dirs, const std::vector<int>& hosts,
+                     const std::string& ref, int64_t size, int64_t round_bytes) {
+  const int world = static_cast<int>(hosts.size());
+  run_ranks(world, [&](ProcessGroup& pg) {
+    TinyLM m(99);
+    FullyShardedDataParallel model(m, lm_options(m));
+    auto opt = make_optimizer("Adam", unique_params(model->parameters()));
+    auto [msd, osd] = ckpt::get_state_dict(model, *opt);
+    StateDict sd;
+    sd.insert_or_assign("model", msd);
+    sd.insert_or_assign("optim", osd);
+    CountingIO io;
+    const std::string& dir = dirs[static_cast<size_t>(hosts[static_cast<size_t>(pg.rank())])];
+    ckpt::read_once::load(sd, dir, io, true, pg, round_bytes);
+    ckpt::set_state_dict(model, *opt, sd.at("model").dict(), sd.at("optim").dict());
+    const std::string what = "W=" + std::to_string(world) + " from node-local disks";
+    expect_reference_state(model, *opt, ref, what);
+    EXPECT_LE(job_total(pg, io.bytes), size) << what << ": some bytes were read twice";
+  });
+}
+
+// The acceptance topologies: saved as 2 hosts x 2 ranks, loaded at 2 x 1, 2 x 3 and 3 x 1 (the
+// third host's disk empty), every piece found on the disk that holds it and read once. The small
+// rounds make the pieces travel in many exchanges.
+TEST(ReadOnceLoad, NodeLocalDisksLoadAtOtherTopologies) {
+  TempDir tmp, ref;
+  save_trained(tmp.file("c"), ref.path(), false);
+  const int64_t size = dir_bytes(tmp.file("c"));
+  const std::vector<std::string> dirs = node_local_copies(tmp);
+  load_node_local(dirs, {0, 1}, ref.path(), size, ckpt::read_once::kRoundBytes);
+  load_node_local(dirs, {0, 0, 0, 1, 1, 1}, ref.path(), size, 1024);
+  load_node_local(dirs, {0, 1, 2}, ref.path(), size, 4096);
+}
+
+// A data file on no rank's disk is named on every rank before anything is read; a corrupt item
+// fails every rank, naming the rank that read it and the file.
+TEST(ReadOnceLoad, MissingAndCorruptFilesFailEveryRank) {
+  TempDir tmp, ref;
+  save_trained(tmp.file("c"), ref.path(), false);
+  const std::vector<std::string> dirs = node_local_copies(tmp);
+  // Each rank's error (its text, and whether it is a CorruptionError) goes to `check`.
+  auto load_at = [&](const std::vector<std::string>& where,
+                     const std::function<void(int, const std::string&)>& check) {
+    run_ranks(static_cast<int>(where.size()), [&](ProcessGroup& pg) {
+      TinyLM m(99);
+      FullyShardedDataParallel model(m, lm_options(m));
+      auto opt = make_optimizer("Adam", unique_params(model->parameters()));
+      const std::string e = error_of([&] {
+        load_checkpoint(model, *opt, where[static_cast<size_t>(pg.rank())],
+                        ckpt::LoadOptions().group(&pg));
+      });
+      check(pg.rank(), e);
+    });
+  };
+  // Host 1's copy of __3_0.distcp lost: nobody can read it.
+  ASSERT_EQ(::unlink((dirs[1] + "/__3_0.distcp").c_str()), 0);
+  load_at({dirs[0], dirs[1]}, [](int rank, const std::string& e) {
+    EXPECT_NE(e.find("no rank can read '__3_0.distcp'"), std::string::npos) << rank << ": " << e;
+  });
+  // Host 0's __1_0.distcp damaged in its middle: rank 0 reads it (it needs it, at W=2), fails its
+  // checksum, and rank 1 fails too, naming rank 0.
+  write_bytes(dirs[1] + "/__3_0.distcp", read_bytes(tmp.file("c") + "/__3_0.distcp"));
+  std::string bytes = read_bytes(dirs[0] + "/__1_0.distcp");
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x5a);
+  write_bytes(dirs[0] + "/__1_0.distcp", bytes);
+  load_at({dirs[0], dirs[1]}, [](int rank, const std::string& e) {
+    EXPECT_NE(e.find("__1_0.distcp"), std::string::npos) << rank << ": " << e;
+    EXPECT_NE(e.find("checksum mismatch"), std::string::npos) << rank << ": " << e;
+    if (rank == 1) {
+      EXPECT_NE(e.find("rank 0: "), std::string::npos) << e;
+    }
+  });
+  // The same checkpoint, intact, loads (the failures above were the files').
+  write_bytes(dirs[0] + "/__1_0.distcp", read_bytes(tmp.file("c") + "/__1_0.distcp"));
+  load_node_local(dirs, {0, 1}, ref.path(), dir_bytes(tmp.file("c")), 4096);
+}
+
+}  // namespace
