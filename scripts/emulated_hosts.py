@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Emulated hosts (issue 40): N Linux network namespaces on a bridge, a command run on each.
 
-  scripts/emulated_hosts.py [--hosts 2] [--subnet 10.77.7] [--node-dir /tmp/fsdp-node]
+  scripts/emulated_hosts.py [--hosts 2] [--subnet 10.77.7] [--node-dir /tmp/fsdp-node] [--node-root D]
                             [--rate 1gbit] [--delay 1ms] [--timeout 600] -- COMMAND
 
 Host i is a network namespace with one link, addressed SUBNET.(i+1)/24, plugged into a bridge
@@ -104,6 +104,10 @@ def main():
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--subnet", default="10.77.7", help="first three octets of the addresses")
     ap.add_argument("--node-dir", default="/tmp/fsdp-node", help="each host's own directory")
+    ap.add_argument("--node-root", default=None,
+                    help="keep host i's directory at NODE_ROOT/h<i> (created if missing, kept "
+                         "afterwards), so that a later run finds what an earlier one left on "
+                         "each host's disk; default: a fresh one per run, removed at the end")
     ap.add_argument("--rate", default=None, help="shape each link to this rate (tc), e.g. 1gbit")
     ap.add_argument("--delay", default=None, help="and this one-way delay (tc netem), e.g. 1ms")
     ap.add_argument("--timeout", type=float, default=600)
@@ -134,8 +138,8 @@ def main():
                 print("emulated_hosts: links not shaped (%s)" % why, file=sys.stderr)
         before = [hosts.counters(i) for i in range(a.hosts)]
         for i, ns in enumerate(hosts.ns):
-            own = os.path.join(work, "h%d" % i)
-            os.makedirs(own)
+            own = os.path.join(a.node_root or work, "h%d" % i)
+            os.makedirs(own, exist_ok=bool(a.node_root))
             env = dict(os.environ, FSDP_HOST_INDEX=str(i), FSDP_HOST_COUNT=str(a.hosts),
                        FSDP_HOST_ADDR=hosts.addr(i), FSDP_MASTER_HOST=hosts.addr(0),
                        FSDP_HOST_IFNAME=hosts.ifname, FSDP_NODE_DIR=a.node_dir)

@@ -5,7 +5,12 @@
 // (every replica reads its pieces again).
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
 
 #include <functional>
 #include <vector>
@@ -15,6 +20,7 @@
 #include "dcp_testing.h"
 #include "fsdp/errors.h"
 #include "multi_rank.h"
+#include "python_ref.h"
 
 namespace ckpt = fsdp::checkpoint;
 using fsdp::FullyShardedDataParallel;
@@ -194,6 +200,137 @@ TEST(ReadOnceLoad, MissingAndCorruptFilesFailEveryRank) {
   // The same checkpoint, intact, loads (the failures above were the files').
   write_bytes(dirs[0] + "/__1_0.distcp", read_bytes(tmp.file("c") + "/__1_0.distcp"));
   load_node_local(dirs, {0, 1}, ref.path(), dir_bytes(tmp.file("c")), 4096);
+}
+
+}  // namespace
+
+namespace {
+
+// Fails with ENOSPC to open `.metadata` for writing when `armed` (a host's leader committing).
+class FullDiskIO : public ckpt::FileIO {
+ public:
+  int open(const std::string& path, int flags, int mode) override {
+    if (armed && (flags & O_CREAT) && path.size() > 10 &&
+        path.compare(path.size() - 10, 10, "/.metadata") == 0) {
+      errno = ENOSPC;
+      return -1;
+    }
+    return FileIO::open(path, flags, mode);
+  }
+  bool armed = false;
+};
+
+std::vector<std::string> names_in(const std::string& dir) {
+  std::vector<std::string> names;
+  ckpt::default_file_io().list_dir(dir, names);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Four ranks on two emulated hosts, each host's ranks sharing a directory no other host sees: the
+// save finds the hosts by itself, each host's directory is committed with its own ranks' files
+// and the whole `.metadata`, verify checks what is there and names the rest, and the collective
+// load reads it back at 2 x 1 and at 3 x 1 with an empty third disk. On one shared directory the
+// same option saves a plain checkpoint.
+TEST(NodeLocalSave, EachHostCommitsItsOwnFilesAndTheJobLoadsAnywhere) {
+  TempDir tmp, ref;
+  const std::vector<std::string> roots = {tmp.file("host0"), tmp.file("host1"), tmp.file("host2")};
+  std::vector<std::string> dirs;
+  for (const auto& r : roots) dirs.push_back(r + "/c");
+  run_ranks(4, [&](ProcessGroup& pg) {
+    TinyLM m(7);
+    FullyShardedDataParallel model(m, lm_options(m));
+    auto opt = make_optimizer("Adam", unique_params(model->parameters()));
+    StateDict sd = train_two_steps(model, *opt, pg.rank());
+    ckpt::save(sd, dirs[static_cast<size_t>(pg.rank() / 2)],
+               ckpt::SaveOptions().group(&pg).node_local(true));
+    ckpt::save(sd, tmp.file("shared"), ckpt::SaveOptions().group(&pg).node_local(true));
+    save_reference_state(model, *opt, ref.path(), pg.rank());
+  });
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(names_in(roots[0]), Names{"c"}) << "a probe or partial directory was left";
+  EXPECT_EQ(names_in(dirs[0]),
+            (Names{".fsdp_manifest.json", ".metadata", "__0_0.distcp", "__1_0.distcp"}));
+  EXPECT_EQ(names_in(dirs[1]),
+            (Names{".fsdp_manifest.json", ".metadata", "__2_0.distcp", "__3_0.distcp"}));
+  const ckpt::VerifyReport host0 = ckpt::verify(dirs[0]);
+  EXPECT_TRUE(host0.ok()) << host0.problems.front();
+  EXPECT_EQ(host0.elsewhere, (Names{"__2_0.distcp", "__3_0.distcp"}));
+  const ckpt::VerifyReport shared = ckpt::verify(tmp.file("shared"));
+  EXPECT_TRUE(shared.ok() && shared.elsewhere.empty());
+  EXPECT_EQ(read_bytes(dirs[0] + "/.metadata"), read_bytes(tmp.file("shared") + "/.metadata"));
+  // Its size: one host's `.metadata` and manifest, and every data file.
+  const int64_t size = dir_bytes(dirs[0]) +
+                       ckpt::default_file_io().file_size(dirs[1] + "/__2_0.distcp") +
+                       ckpt::default_file_io().file_size(dirs[1] + "/__3_0.distcp");
+  load_node_local(dirs, {0, 1}, ref.path(), size, ckpt::read_once::kRoundBytes);
+  load_node_local(dirs, {0, 1, 2}, ref.path(), size, ckpt::read_once::kRoundBytes);
+  // Assembled into one ordinary directory: without host 1's directory a file is missing (named,
+  // nothing left behind); with both, it verifies whole and loads at W=3 on its own.
+  const std::string whole = tmp.file("whole");
+  EXPECT_NE(
+      error_of([&] { ckpt::assemble({dirs[0]}, whole); }).find("no directory holds '__2_0.distcp'"),
+      std::string::npos);
+  EXPECT_EQ(ckpt::default_file_io().is_dir(whole), 0);
+  EXPECT_EQ(ckpt::default_file_io().is_dir(tmp.file(".whole.partial")), 0);
+  ckpt::assemble({dirs[1], dirs[0]}, whole);
+  const ckpt::VerifyReport all = ckpt::verify(whole);
+  EXPECT_TRUE(all.ok() && all.elsewhere.empty());
+  EXPECT_EQ(read_bytes(whole + "/__2_0.distcp"), read_bytes(dirs[1] + "/__2_0.distcp"));
+  run_ranks(3, [&](ProcessGroup&) {
+    TinyLM m(98);
+    FullyShardedDataParallel model(m, lm_options(m, ShardingStrategy::SHARD_GRAD_OP, true));
+    auto opt = make_optimizer("Adam", unique_params(model->parameters()));
+    load_checkpoint(model, *opt, whole);
+    expect_reference_state(model, *opt, ref.path(), "assembled, W=3");
+  });
+  // Stock PyTorch's dcp.load reads the assembled directory (the trixie chroot's Python).
+  if (!python().empty()) {
+    StateDict full;
+    full.insert_or_assign("model", load_pieces(1, ref.path(), "m_"));
+    full.insert_or_assign("optim", load_osd(1, ref.path()));
+    EXPECT_EQ(run_command(dcp_python() + "values " + whole), values_text(flat_of(full)));
+  }
+}
+
+// A host that cannot complete its directory fails the save on every rank and no host commits;
+// save_step's keep_last runs only once every host holds the new step; agreed_latest_checkpoint
+// passes over a step that only some hosts committed.
+TEST(NodeLocalSave, NoHostCommitsAloneAndResumesAgree) {
+  TempDir tmp;
+  const std::vector<std::string> roots = {tmp.file("host0"), tmp.file("host1")};
+  run_ranks(4, [&](ProcessGroup& pg) {
+    const std::string& root = roots[static_cast<size_t>(pg.rank() / 2)];
+    StateDict sd = sharded_sample(pg.rank(), 4, 1.0);
+    const auto o = ckpt::SaveOptions().group(&pg).node_local(true).keep_last(2);
+    for (int64_t step : {1, 2}) ckpt::save_step(sd, root, step, o);
+    // Host 1's leader (rank 2) finds its disk full while committing step 3.
+    FullDiskIO io;
+    io.armed = pg.rank() == 2;
+    const std::string e =
+        error_of([&] { ckpt::save_step(sd, root, 3, ckpt::SaveOptions(o).io(&io)); });
+    EXPECT_NE(e.find("nothing was committed"), std::string::npos) << e;
+    EXPECT_NE(e.find("rank 2"), std::string::npos) << e;
+    EXPECT_EQ(ckpt::list_steps(root), (std::vector<int64_t>{1, 2})) << "a host committed alone";
+    ckpt::save_step(sd, root, 3, o);
+    EXPECT_EQ(ckpt::list_steps(root), (std::vector<int64_t>{2, 3}));
+    EXPECT_EQ(ckpt::agreed_latest_checkpoint(root, pg), root + "/step_3");
+    pg.barrier();
+    // Host 1's `latest` pointer left at step 2 (its save_step died before moving it): the hosts
+    // disagree, and the newest step both hold is step 3.
+    if (pg.rank() == 2) write_bytes(root + "/latest", "step_2\n");
+    pg.barrier();
+    EXPECT_EQ(ckpt::agreed_latest_checkpoint(root, pg), root + "/step_3");
+    pg.barrier();
+    // Host 1 without step 3 (a crash between the hosts' swaps, or its disk restored from an older
+    // copy): step 2, the newest step every host holds.
+    if (pg.rank() == 2) std::filesystem::remove_all(root + "/step_3");
+    pg.barrier();
+    EXPECT_EQ(ckpt::agreed_latest_checkpoint(root, pg), root + "/step_2");
+    // A rank whose disk is empty follows the others.
+    const std::string mine = pg.rank() == 3 ? tmp.file("empty") : root;
+    EXPECT_EQ(ckpt::agreed_latest_checkpoint(mine, pg), mine + "/step_2");
+  });
 }
 
 }  // namespace

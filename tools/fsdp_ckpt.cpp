@@ -4,6 +4,7 @@
 //   fsdp-ckpt verify DIR                  every checksum, chunk coverage, every item decodes
 //   fsdp-ckpt convert SRC DST --to FMT    checkpoint -> safetensors | pt, and files -> dcp
 //   fsdp-ckpt diff A B [--rtol --atol]    two checkpoints or exports, tensor by tensor
+//   fsdp-ckpt assemble OUT DIR...         a node-local save's per-host directories -> one
 //
 // Exit status: 0 fine, 1 verification or diff found a difference, 2 bad usage or an error. Every
 // error is one line on stderr; nothing here may crash or die on a signal.
@@ -16,6 +17,7 @@
 #include <iostream>
 #include <optional>
 #include <sstream>
+#include <vector>
 
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
@@ -155,6 +157,12 @@ int cmd_verify(const std::string& dir) {
   std::cout << "ok: " << dir << ": " << rep.items << " items, " << human(rep.bytes)
             << " checked against their xxh3 checksums (format version " << rep.format_version
             << ", saved by " << rep.world_size << " rank(s))\n";
+  if (!rep.elsewhere.empty()) {
+    std::cout << "  a node-local save: " << rep.elsewhere.size()
+              << " data file(s) are in other hosts' directories, not checked here:";
+    for (const auto& f : rep.elsewhere) std::cout << " " << f;
+    std::cout << "\n";
+  }
   return 0;
 }
 
@@ -276,6 +284,13 @@ int main(int argc, char** argv) {
   diff->add_option("--atol", atol, "absolute tolerance")->capture_default_str();
   diff->add_option("--strip-a", strip_a, "drop this prefix from A's keys (e.g. model.)");
   diff->add_option("--strip-b", strip_b, "drop this prefix from B's keys");
+  std::vector<std::string> host_dirs;
+  auto* assemble = app.add_subcommand(
+      "assemble",
+      "Gather the per-host directories of a node-local save (--node-local) into one ordinary "
+      "checkpoint directory, verified, that stock dcp.load reads");
+  assemble->add_option("out", dst, "the checkpoint directory to create")->required();
+  assemble->add_option("dirs", host_dirs, "each host's directory of the checkpoint")->required();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -291,6 +306,12 @@ int main(int argc, char** argv) {
       return cmd_convert(src, dst, to, given, max_shard);
     }
     if (*diff) return cmd_diff(a, b, rtol, atol, strip_a, strip_b);
+    if (*assemble) {
+      ckpt::assemble(host_dirs, dst);
+      std::cout << "ok: " << dst << " assembled from " << host_dirs.size()
+                << " directories and verified\n";
+      return 0;
+    }
   } catch (const std::exception& e) {
     std::cerr << "fsdp-ckpt: " << first_line(e.what()) << "\n";
     return 2;

@@ -58,6 +58,7 @@ struct Flags {
   int64_t save_every = 0;
   int keep_last = 3;
   bool async_save = false;
+  bool node_local = false;
   bool resume = false;
   std::string export_file;
   std::string eval_logits;
@@ -192,6 +193,9 @@ Flags parse_flags(int argc, char** argv, int rank) {
   app.add_option("--keep-last", f.keep_last, "Checkpoints to keep (0: all)")
       ->check(CLI::Range(0, 1000000));
   app.add_flag("--async-save", f.async_save, "Save in the background while training goes on");
+  app.add_flag("--node-local", f.node_local,
+               "Hosts do not share --save-dir: each keeps its own ranks' files (a resume reads "
+               "every host's)");
   app.add_flag("--resume", f.resume, "Continue from the latest checkpoint in --save-dir");
   app.add_option("--export", f.export_file,
                  "Consolidated weights at the end: FILE.pt (torch.load) or safetensors");
@@ -279,7 +283,8 @@ class Trainer {
         cfg_(model_config(f)),
         model_(gpt::GPT(cfg_, f.seed), wrap_options(f)),
         opt_(make_optimizer(f, unique_params(model_->parameters()))) {
-    if (f.async_save) saver_.emplace(ckpt::SaveOptions().keep_last(f.keep_last));
+    if (f.async_save)
+      saver_.emplace(ckpt::SaveOptions().keep_last(f.keep_last).node_local(f.node_local));
   }
 
   // Trains to --steps (resuming first with --resume), saves the final state, exports.
@@ -351,17 +356,10 @@ class Trainer {
         static_cast<long long>(root_bytes));
   }
 
-  // The checkpoint every rank resumes from: the lowest rank's latest (on a shared file system all
-  // see the same; a rank whose disk has none still loads it, from the ranks that hold its files).
-  std::optional<std::string> agreed_latest() {
-    const auto mine = ckpt::latest_checkpoint(f_.save_dir);
-    for (const std::string& found : pg_.all_gather_bytes(mine ? *mine : std::string()))
-      if (!found.empty()) return found;
-    return std::nullopt;
-  }
-
   void resume() {
-    auto dir = agreed_latest();
+    // Agreed across the ranks: with node-local checkpoints, a host whose disk is empty follows
+    // the others, and a step a crash committed on some hosts only is passed over.
+    auto dir = ckpt::agreed_latest_checkpoint(f_.save_dir, pg_);
     if (!dir) {
       if (rank_ == 0)
         std::printf("no checkpoint in %s yet: starting from step 0\n", f_.save_dir.c_str());
@@ -396,7 +394,7 @@ class Trainer {
   void save(int64_t at_step) {
     saved_at_ = at_step;
     fsdp::StateDict sd = state(at_step);
-    const auto o = ckpt::SaveOptions().keep_last(f_.keep_last);
+    const auto o = ckpt::SaveOptions().keep_last(f_.keep_last).node_local(f_.node_local);
     if (saver_) {
       saver_->save_step(sd, f_.save_dir, at_step);
     } else {

@@ -69,6 +69,10 @@ class CheckpointReader {
   CheckpointReader(FileIO& io, const std::string& dir, const std::string& metadata_bytes,
                    const std::optional<std::string>& manifest_bytes, bool verify, const char* what);
 
+  /// Not copied: it keeps pointers into its own metadata.
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
   const std::string& dir() const { return dir_; }
   const dcp::Metadata& metadata() const { return md_; }
   const std::optional<manifest::Manifest>& manifest() const { return mf_; }

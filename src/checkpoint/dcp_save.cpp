@@ -1,4 +1,5 @@
-// Atomic, checksummed DCP saves (fsdp/checkpoint/checkpoint.h) and step directories.
+// Atomic, checksummed DCP saves (fsdp/checkpoint/checkpoint.h); step directories are in
+// step_dirs.cpp.
 //
 // The protocol, collective over the group (ranks share the file system):
 //   1. prepare: rank 0 creates the parent, removes stale `.<name>.partial` leftovers and creates a
@@ -18,16 +19,19 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <optional>
+#include <random>
 #include <set>
 
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/files.h"
 #include "checkpoint/manifest.h"
+#include "checkpoint/save_protocol.h"
 #include "checkpoint/wire_error.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
@@ -257,9 +261,10 @@ std::string move_into_place(FileIO& io, const std::string& partial, const std::s
   return io.rename(aside, old) == 0 ? old : aside;  // garbage once the new one is durable
 }
 
-// Rank 0's commit: metadata and manifest into `partial`, then the swap into `dir`.
-void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& partial,
-            const std::string& dir, const Annotations& annotations) {
+// The commit's first half: `.metadata` and the manifest (naming `local_files` in a node-local
+// save) into `partial`, fsynced with it.
+void write_commit_files(FileIO& io, const std::vector<RankPart>& parts, const std::string& partial,
+                        const Annotations& annotations, std::vector<std::string> local_files) {
   dcp::Metadata merged;
   manifest::Manifest mf;
   std::map<std::string, size_t> index;
@@ -283,10 +288,14 @@ void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& p
                         .count();
   mf.annotations = annotations;
   mf.metadata_xxh3 = files::xxh3_hex(meta_bytes);
+  mf.local_files = std::move(local_files);
   files::write_file(io, files::join(partial, ".metadata"), meta_bytes, kWhat);
   files::write_file(io, files::join(partial, manifest::kFileName), manifest::to_json(mf), kWhat);
   files::sync_dir(io, partial, kWhat);
+}
 
+// The commit's second half: the complete `partial` swapped into `dir`, the old one removed.
+void install(FileIO& io, const std::string& partial, const std::string& dir) {
   const std::string garbage = move_into_place(io, partial, dir);
   try {
     // The replaced checkpoint is unlinked in the background (tens of milliseconds for a large
@@ -302,12 +311,24 @@ void commit(FileIO& io, const std::vector<RankPart>& parts, const std::string& p
   }
 }
 
+// A fresh name for one save's probe files (node-local saves), so that a probe a killed save
+// left behind is never taken for a peer's.
+std::string probe_nonce() {
+  std::random_device rd;
+  const uint64_t x =
+      (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(x));
+  return buf;
+}
+
 // Broadcasts rank 0's verdict (empty: fine).
 std::string verdict(dist::ProcessGroup* group, const std::string& mine) {
   return group ? group->broadcast_bytes(mine, 0) : mine;
 }
 
-using Hook = std::function<void()>;
+using protocol::Hook;
 
 // One collective save in its three phases. Each phase ends in an exchange, so every rank leaves
 // at the same phase and throws the same kind of error (wire_error.h); after a failure rank 0
@@ -324,19 +345,78 @@ class SaveRun {
       throw ValueError(
           detail::msg(kWhat, ": ", detail::quote(dir_in), " does not name a directory to create"));
     partial_ = files::join(files::parent_of(dir_), "." + name + ".partial");
+    node_local_ = o.node_local() && group_ && group_->size() > 1;
+    leader_ = rank_ == 0;
   }
   SaveRun(const SaveRun&) = delete;
   SaveRun& operator=(const SaveRun&) = delete;
+
+  // Node-local saves: the ranks that see this rank's directory (its host), found by each leaving
+  // an empty probe file beside `dir` and listing whose probes it sees. Every rank of a host must
+  // see exactly the same ranks. The host's lowest rank leads it: it does what rank 0 does in a
+  // shared save. Two small exchanges (three with the nonce's broadcast).
+  void find_host() {
+    if (!node_local_) return;
+    const int world = group_->size();
+    const std::string parent = files::parent_of(dir_);
+    const std::string stem = "." + files::base_of(dir_) + ".probe-" +
+                             group_->broadcast_bytes(rank_ == 0 ? probe_nonce() : "", 0) + "-";
+    const std::string mine = files::join(parent, stem + std::to_string(rank_));
+    std::string error;
+    try {
+      files::make_dirs(io_, parent, kWhat);
+      files::write_file(io_, mine, "", kWhat);
+    } catch (const std::exception& e) {
+      error = wire::encode(e);
+    }
+    all_succeed(error, "probing which ranks share ");
+    std::string seen(static_cast<size_t>(world), '0');
+    try {
+      std::vector<std::string> names;
+      if (io_.list_dir(parent, names) != 0) {
+        const int err = errno;  // before the message allocates
+        files::io_error(kWhat, "listing", parent, err);
+      }
+      for (const auto& n : names) {
+        if (n.compare(0, stem.size(), stem) != 0) continue;
+        const std::string r = n.substr(stem.size());
+        if (!r.empty() && r.size() < 8 && r.find_first_not_of("0123456789") == std::string::npos &&
+            std::stoi(r) < world)
+          seen[static_cast<size_t>(std::stoi(r))] = '1';
+      }
+    } catch (const std::exception& e) {
+      error = wire::encode(e);
+    }
+    const std::vector<std::string> views =
+        group_->all_gather_bytes(error.empty() ? "K" + seen : "E" + error);
+    io_.remove(mine);  // every rank has listed: the probe has served (a failure leaves it to the
+                       // next save's leader, which removes stale probes)
+    throw_first_failure(views, "probing which ranks share ");
+    const std::string& own = views[static_cast<size_t>(rank_)];
+    for (int r = 0; r < world; ++r) {
+      if (own[1 + static_cast<size_t>(r)] != '1') continue;
+      if (views[static_cast<size_t>(r)] != own)
+        throw ValueError(detail::msg(kWhat, ": ranks ", rank_, " and ", r,
+                                     " see different sets of ", "ranks sharing ", parent,
+                                     ": a file system that is neither ", "shared nor node-local"));
+      host_.push_back(r);
+    }
+    if (host_.empty() || own[1 + static_cast<size_t>(rank_)] != '1')
+      throw IOError(detail::msg(kWhat, ": ", rank_, " cannot see its own probe in ", parent), 0);
+    leader_ = host_.front() == rank_;
+    stale_probes_ = stem;
+  }
 
   // 1. Rank 0 makes the partial directory; every rank says which boxes it holds, so that a box
   // several ranks hold (replicas under HYBRID_SHARD, NO_SHARD optimizer state) is written once,
   // by the lowest of them (DCP's dedup_save_plans). One small exchange.
   void prepare(const StateDict& state_dict, const Hook& before_prepare) {
     std::string error;  // encoded (wire_error.h)
-    if (rank_ == 0) {
+    if (leader_) {
       try {
         // An earlier save's removal may still be running over the names cleaned up here.
         files::wait_for_background_removal();
+        if (node_local_) remove_stale_probes();
         if (before_prepare) before_prepare();
         files::make_dirs(io_, files::parent_of(dir_), kWhat);
         restore_aside(io_, dir_);
@@ -381,7 +461,7 @@ class SaveRun {
       }
     }
     if (!error.empty()) {
-      remove_partial_on_rank0();
+      remove_partial_on_leader();
       wire::rethrow(error, text);
     }
   }
@@ -406,7 +486,7 @@ class SaveRun {
           detail::msg(failures.empty() ? "" : "; ", detail::rank(r), ": ", wire::message(e));
     }
     if (!failures.empty()) {
-      remove_partial_on_rank0();
+      remove_partial_on_leader();
       wire::rethrow(first,
                     detail::msg(kWhat, " of ", dir_, " failed, nothing was committed: ", failures));
     }
@@ -415,13 +495,12 @@ class SaveRun {
   // 3. Rank 0 commits (the manifest, .metadata, the rename into place); its verdict is broadcast
   // and every rank returns or throws together.
   void finish(const Annotations& annotations, const Hook& after_commit) {
+    if (node_local_) return finish_node_local(annotations, after_commit);
     std::string error;
     if (rank_ == 0) {
       try {
-        std::vector<RankPart> parts;
-        for (size_t r = 0; r < reports_.size(); ++r)
-          parts.push_back(decode(reports_[r], static_cast<int>(r)));
-        commit(io_, parts, partial_, dir_, annotations);
+        write_commit_files(io_, parts(), partial_, annotations, {});
+        install(io_, partial_, dir_);
         if (after_commit) after_commit();
       } catch (const std::exception& e) {
         error = wire::encode(e);
@@ -434,8 +513,88 @@ class SaveRun {
   }
 
  private:
-  void remove_partial_on_rank0() {
-    if (rank_ != 0) return;
+  std::vector<RankPart> parts() const {
+    std::vector<RankPart> out;
+    for (size_t r = 0; r < reports_.size(); ++r)
+      out.push_back(decode(reports_[r], static_cast<int>(r)));
+    return out;
+  }
+
+  // A node-local commit, in two phases so that no host swaps in a step another host could not
+  // complete: every leader makes its directory complete and durable; only if all succeeded does
+  // each swap it in; only once every host holds the new step does after_commit run (the `latest`
+  // pointer, keep_last's removals), so no host drops an old step another host still needs.
+  void finish_node_local(const Annotations& annotations, const Hook& after_commit) {
+    std::string error;
+    if (leader_) {
+      try {
+        std::vector<RankPart> all = parts();
+        std::vector<std::string> local;  // none listed: one host holds every file
+        if (host_.size() < all.size())
+          for (int r : host_) local.push_back(all[static_cast<size_t>(r)].file);
+        write_commit_files(io_, all, partial_, annotations, std::move(local));
+      } catch (const std::exception& e) {
+        error = wire::encode(e);
+      }
+    }
+    const std::vector<std::string> completed = gather(error);
+    if (has_failure(completed)) remove_partial_on_leader();
+    throw_first_failure(completed, "nothing was committed: completing the directory of ");
+    if (leader_) {
+      try {
+        install(io_, partial_, dir_);
+      } catch (const std::exception& e) {
+        error = wire::encode(e);
+      }
+    }
+    throw_first_failure(gather(error),
+                        "committed on some hosts only: swapping in the directory of ");
+    if (leader_ && after_commit) {
+      try {
+        after_commit();
+      } catch (const std::exception& e) {
+        error = wire::encode(e);
+      }
+    }
+    throw_first_failure(gather(error), "committed, then failed on the host of ");
+  }
+
+  // Every rank's verdict: "K" (fine) or "E" + its encoded error.
+  std::vector<std::string> gather(const std::string& error) {
+    return group_->all_gather_bytes(error.empty() ? std::string("K") : "E" + error);
+  }
+  static bool has_failure(const std::vector<std::string>& verdicts) {
+    for (const auto& v : verdicts)
+      if (v.empty() || v[0] != 'K') return true;
+    return false;
+  }
+  // Throws, on every rank alike, the first failure among `verdicts`, saying `what` failed and on
+  // which rank.
+  void throw_first_failure(const std::vector<std::string>& verdicts, const char* what) {
+    for (size_t r = 0; r < verdicts.size(); ++r) {
+      if (!verdicts[r].empty() && verdicts[r][0] == 'K') continue;
+      const std::string e = verdicts[r].empty() ? std::string("Eno report") : verdicts[r].substr(1);
+      wire::rethrow(e, detail::msg(kWhat, " of ", dir_, ": ", what,
+                                   detail::rank(static_cast<int>(r)), ": ", wire::message(e)));
+    }
+  }
+  void all_succeed(const std::string& error, const char* what) {
+    throw_first_failure(gather(error), what);
+  }
+  // Probe files of earlier node-local saves into this name that were killed before removing them.
+  void remove_stale_probes() {
+    const std::string parent = files::parent_of(dir_);
+    const std::string prefix = "." + files::base_of(dir_) + ".probe-";
+    std::vector<std::string> names;
+    if (io_.list_dir(parent, names) != 0) return;
+    for (const auto& n : names)
+      if (n.compare(0, prefix.size(), prefix) == 0 &&
+          n.compare(0, stale_probes_.size(), stale_probes_) != 0)
+        io_.remove(files::join(parent, n));
+  }
+
+  void remove_partial_on_leader() {
+    if (!leader_) return;
     try {
       files::remove_tree(io_, partial_, kWhat);
     } catch (const std::exception&) {  // the save's own error is the one to report
@@ -450,27 +609,32 @@ class SaveRun {
   std::vector<items::FlatItem> flat_;
   std::set<std::string> skip_;        // boxes a lower rank writes
   std::vector<std::string> reports_;  // per rank: encoded RankPart, or "E" + error
+  bool node_local_ = false;
+  bool leader_ = false;       // prepares and commits this rank's directory
+  std::vector<int> host_;     // node-local: the ranks sharing this rank's directory
+  std::string stale_probes_;  // node-local: this save's probe names' prefix (not stale)
 };
 
 void save_impl(const StateDict& state_dict, const std::string& dir, const SaveOptions& o,
                const Hook& before_prepare, const Hook& after_commit) {
   SaveRun run(o, dir);
+  run.find_host();
   run.prepare(state_dict, before_prepare);
   run.write();
   run.finish(o.annotations(), after_commit);
 }
 
-bool parse_step(const std::string& name, int64_t& step) {
-  if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18) return false;
-  step = 0;
-  for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return false;
-    step = step * 10 + (name[i] - '0');
-  }
-  return std::to_string(step) == name.substr(5);  // no leading zeros: one name per step
-}
-
 }  // namespace
+
+std::string protocol::aside_of(const std::string& dir) { return checkpoint::aside_of(dir); }
+void protocol::restore_aside(FileIO& io, const std::string& dir) {
+  checkpoint::restore_aside(io, dir);
+}
+void protocol::save_impl(const StateDict& state_dict, const std::string& dir,
+                         const SaveOptions& options, const Hook& before_prepare,
+                         const Hook& after_commit) {
+  checkpoint::save_impl(state_dict, dir, options, before_prepare, after_commit);
+}
 
 void save(const StateDict& state_dict, const std::string& dir, const SaveOptions& options) {
   save_impl(state_dict, dir, options, {}, {});
@@ -478,113 +642,6 @@ void save(const StateDict& state_dict, const std::string& dir, const SaveOptions
 
 void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGroup* group) {
   save(state_dict, dir, SaveOptions().group(group));
-}
-
-std::string step_dir(const std::string& root, int64_t step) {
-  return files::join(files::normalize(root), "step_" + std::to_string(step));
-}
-
-std::vector<int64_t> list_steps(const std::string& root, FileIO* io_in) {
-  FileIO& io = io_in ? *io_in : default_file_io();
-  std::vector<std::string> names;
-  std::vector<int64_t> steps;
-  if (io.is_dir(root) != 1) return steps;
-  if (io.list_dir(root, names) != 0) {
-    const int err = errno;  // before the message allocates
-    files::io_error("checkpoint", "listing", root, err);
-  }
-  for (const auto& n : names) {
-    int64_t s = 0;
-    if (parse_step(n, s) && io.file_size(files::join(files::join(root, n), ".metadata")) >= 0)
-      steps.push_back(s);
-  }
-  std::sort(steps.begin(), steps.end());
-  return steps;
-}
-
-std::string save_step(const StateDict& state_dict, const std::string& root_in, int64_t step,
-                      const SaveOptions& options) {
-  if (step < 0) throw ValueError(detail::msg("checkpoint save_step: step ", step, " < 0"));
-  FileIO& io = options.io() ? *options.io() : default_file_io();
-  const std::string root = files::normalize(root_in);
-  const std::string dir = step_dir(root, step);
-  auto clean_stale = [&] {
-    std::vector<std::string> names;
-    if (io.is_dir(root) != 1 || io.list_dir(root, names) != 0) return;
-    for (const auto& n : names) {
-      int64_t s = 0;
-      // ".step_N.partial": a save that died; ".step_N.partial.old": a replaced or dropped step
-      // whose removal did not finish; ".step_N.aside": step N, if a save replacing it without
-      // an atomic swap died half way (restored, or removed if the new one made it).
-      for (const std::string suffix : {".partial", ".partial.old", ".aside"}) {
-        if (n.size() > 1 + suffix.size() && n[0] == '.' &&
-            n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-            parse_step(n.substr(1, n.size() - 1 - suffix.size()), s)) {
-          if (suffix == ".aside")
-            restore_aside(io, step_dir(root, s));
-          else
-            files::remove_tree(io, files::join(root, n), kWhat);
-          break;
-        }
-      }
-    }
-  };
-  auto point_latest = [&] {
-    const std::string tmp = files::join(root, ".latest.tmp");
-    files::write_file(io, tmp, "step_" + std::to_string(step) + "\n", kWhat);
-    if (io.rename(tmp, files::join(root, "latest")) != 0) {
-      const int err = errno;  // before the message allocates
-      files::io_error(kWhat, "renaming", tmp, err);
-    }
-    files::sync_dir(io, root, kWhat);
-    if (options.keep_last() <= 0) return;
-    std::vector<int64_t> steps = list_steps(root, &io);
-    const auto keep = static_cast<size_t>(options.keep_last());
-    // Dropped steps are renamed out of sight at once and unlinked in the background.
-    std::vector<std::string> dropped;
-    for (size_t i = 0; i + keep < steps.size(); ++i) {
-      if (steps[i] == step) continue;
-      const std::string old = step_dir(root, steps[i]);
-      const std::string hidden =
-          files::join(root, ".step_" + std::to_string(steps[i]) + ".partial.old");
-      files::wait_for_background_removal();  // it may be removing `hidden` from an earlier save
-      if (io.rename(old, hidden) == 0) {
-        dropped.push_back(hidden);
-      } else {
-        TORCH_WARN("fsdp checkpoint: keep_last could not remove ", old, ": ", std::strerror(errno));
-      }
-    }
-    if (dropped.empty()) return;
-    // The renames reach the disk before any unlink inside them: else a power cut could keep an
-    // unlink and lose the rename, and a half-removed step would be listed again (crash points,
-    // tests/test_crash_points.cpp).
-    files::sync_dir(io, root, kWhat);
-    files::remove_tree_in_background(io, dropped, kWhat);
-  };
-  save_impl(state_dict, dir, options, clean_stale, point_latest);
-  return dir;
-}
-
-std::optional<std::string> latest_checkpoint(const std::string& root_in, FileIO* io_in) {
-  FileIO& io = io_in ? *io_in : default_file_io();
-  const std::string root = files::normalize(root_in);
-  const std::string pointer = files::join(root, "latest");
-  if (io.file_size(pointer) >= 0) {
-    std::string name = files::read_file(io, pointer, 4096, "checkpoint latest");
-    while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
-    int64_t s = 0;
-    if (parse_step(name, s)) {
-      const std::string dir = files::join(root, name);
-      if (io.file_size(files::join(dir, ".metadata")) >= 0) return dir;
-      // A save replacing this step without an atomic swap died between its two renames.
-      if (io.file_size(files::join(aside_of(dir), ".metadata")) >= 0) return aside_of(dir);
-    }
-    TORCH_WARN("fsdp checkpoint: ", pointer, " names '", name,
-               "', which is not a committed checkpoint; taking the newest step instead");
-  }
-  const std::vector<int64_t> steps = list_steps(root, &io);
-  if (steps.empty()) return std::nullopt;
-  return step_dir(root, steps.back());
 }
 
 }  // namespace checkpoint

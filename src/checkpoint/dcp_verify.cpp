@@ -1,10 +1,12 @@
-// Verifying and inspecting DCP checkpoints, and the load template built from what inspect reports
-// (fsdp/checkpoint/checkpoint.h), all through CheckpointReader (dcp_reader.h). verify reads files
-// that may be hostile: it collects each problem it finds, in the order of its checks, instead of
-// stopping at the first.
+// Verifying and inspecting DCP checkpoints, the load template built from what inspect reports, and
+// assembling a node-local save's directories into one (fsdp/checkpoint/checkpoint.h), all through
+// CheckpointReader (dcp_reader.h). verify reads files that may be hostile: it collects each problem
+// it finds, in the order of its checks, instead of stopping at the first.
 #include <algorithm>
+#include <cerrno>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 
@@ -42,6 +44,10 @@ void check_manifest(const CheckpointReader& o, FileIO& io, VerifyReport& rep) {
   rep.format_version = o.manifest()->format_version;
   rep.world_size = o.manifest()->world_size;
   for (const auto& [file, size] : o.manifest()->files) {
+    if (!o.manifest()->holds(file)) {
+      rep.elsewhere.push_back(file);
+      continue;
+    }
     const std::string path = files::join(dir, file);
     const int64_t actual = io.file_size(path);
     if (actual != size)
@@ -222,6 +228,7 @@ VerifyReport verify(const std::string& dir_in, FileIO* io_in,
     ++done;
     const std::string place = o.where(idx.fqn, info);
     if (idx.offset) stored.insert({idx.fqn, *idx.offset});  // it has an entry, good bytes or not
+    if (o.manifest() && !o.manifest()->holds(info.relative_path)) continue;  // on another host
     try {
       check_item(o, idx, info, place, buf, rep);
     } catch (const std::exception& e) {
@@ -268,6 +275,75 @@ CheckpointInfo inspect(const std::string& dir, FileIO* io_in) {
     info.entries.push_back(std::move(e));
   }
   return info;
+}
+
+void assemble(const std::vector<std::string>& dirs, const std::string& out_in, FileIO* io_in) {
+  constexpr const char* kAssemble = "checkpoint assemble";
+  FileIO& io = io_in ? *io_in : default_file_io();
+  if (dirs.empty()) throw ValueError(msg(kAssemble, ": no directories to assemble"));
+  const std::string out = files::normalize(out_in);
+  if (io.is_dir(out) != 0 || io.file_size(out) >= 0)
+    throw ValueError(msg(kAssemble, ": ", out, " already exists"));
+  std::vector<std::unique_ptr<CheckpointReader>> parts;  // not copied: it points into itself
+  for (const auto& d : dirs)
+    parts.push_back(std::make_unique<CheckpointReader>(io, d, /*verify=*/true, kAssemble));
+  const CheckpointReader& first = *parts[0];
+  if (!first.manifest())
+    throw ValueError(msg(kAssemble, ": ", first.dir(), " has no ", manifest::kFileName));
+  const std::string meta =
+      files::read_file(io, files::join(first.dir(), ".metadata"), int64_t{64} << 20, kAssemble);
+  manifest::Manifest whole = *first.manifest();
+  for (const auto& p : parts)
+    if (!p->manifest() || p->manifest()->metadata_xxh3 != whole.metadata_xxh3)
+      throw ValueError(msg(kAssemble, ": ", p->dir(), " and ", first.dir(),
+                           " hold different checkpoints (their .metadata differ)"));
+  const std::string partial =
+      files::join(files::parent_of(out), "." + files::base_of(out) + ".partial");
+  files::make_dirs(io, files::parent_of(out), kAssemble);
+  files::remove_tree(io, partial, kAssemble);
+  if (io.mkdir(partial, 0755) != 0) {
+    const int err = errno;  // before the message allocates
+    files::io_error(kAssemble, "creating", partial, err);
+  }
+  try {
+    std::vector<char> block(size_t{1} << 20);
+    for (const auto& [file, size] : whole.files) {
+      auto from = std::find_if(parts.begin(), parts.end(), [&](const auto& p) {
+        return p->manifest()->holds(file) && io.file_size(files::join(p->dir(), file)) == size;
+      });
+      if (from == parts.end())
+        throw ValueError(msg(kAssemble, ": no directory holds ", quote(file), " (", size,
+                             " bytes): its host's directory is missing from the list"));
+      const std::string src = files::join((*from)->dir(), file);
+      files::OutFile dst(io, files::join(partial, file), kAssemble);
+      for (int64_t at = 0; at < size;) {
+        const int64_t n = std::min<int64_t>(static_cast<int64_t>(block.size()), size - at);
+        files::pread_all(io, src, at, n, block.data(), kAssemble);
+        dst.append(block.data(), static_cast<size_t>(n));
+        at += n;
+      }
+      dst.finish();
+    }
+    whole.local_files.clear();
+    files::write_file(io, files::join(partial, ".metadata"), meta, kAssemble);
+    files::write_file(io, files::join(partial, manifest::kFileName), manifest::to_json(whole),
+                      kAssemble);
+    files::sync_dir(io, partial, kAssemble);
+    if (io.rename(partial, out) != 0) {
+      const int err = errno;  // before the message allocates
+      files::io_error(kAssemble, "renaming", msg(partial, " to ", out), err);
+    }
+    files::sync_dir(io, files::parent_of(out), kAssemble);
+  } catch (...) {
+    files::remove_tree(io, partial, kAssemble);
+    throw;
+  }
+  const VerifyReport rep = verify(out, &io);
+  if (!rep.ok()) {
+    files::remove_tree(io, out, kAssemble);
+    throw CorruptionError(msg(kAssemble, ": the assembled ", out,
+                              " fails verification (removed): ", rep.problems.front()));
+  }
 }
 
 std::map<std::string, int64_t> dcp::stored_bytes(const Metadata& md) {

@@ -92,7 +92,12 @@ std::string to_json(const Manifest& m) {
             {"metadata_xxh3", m.metadata_xxh3},
             {"files", m.files},
             {"items", items}};
+  if (!m.local_files.empty()) j["local_files"] = m.local_files;
   return j.dump(1) + "\n";
+}
+
+bool Manifest::holds(const std::string& file) const {
+  return local_files.empty() || std::binary_search(local_files.begin(), local_files.end(), file);
 }
 
 Manifest parse(const std::string& bytes, const std::string& path) {
@@ -134,6 +139,18 @@ Manifest parse(const std::string& bytes, const std::string& path) {
     if (!it->is_number_integer() || it->get<int64_t>() < 0)
       r.fail(msg("the size of ", quote(it.key()), " is not a non-negative integer"));
     m.files[it.key()] = it->get<int64_t>();
+  }
+  if (j.contains("local_files")) {  // optional: node-local saves only
+    const json& local = j["local_files"];
+    if (!local.is_array() || local.empty()) r.fail("'local_files' is not a non-empty array");
+    for (const json& f : local) {
+      if (!f.is_string() || !m.files.count(f.get<std::string>()))
+        r.fail(msg("'local_files' names ", f.dump(), ", which 'files' does not list"));
+      m.local_files.push_back(f.get<std::string>());
+    }
+    std::sort(m.local_files.begin(), m.local_files.end());
+    if (std::adjacent_find(m.local_files.begin(), m.local_files.end()) != m.local_files.end())
+      r.fail("'local_files' names a file twice");
   }
   const json& items = r.field(j, "items");
   if (!items.is_array()) r.fail("'items' is not an array");

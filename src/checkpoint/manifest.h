@@ -35,9 +35,14 @@ struct Manifest {
   int64_t created_unix = 0;
   std::map<std::string, std::string> annotations;  // SaveOptions::annotations
   std::map<std::string, int64_t> files;            // data file -> size
-  std::string metadata_xxh3;                       // of `.metadata`
+  /// A node-local save (SaveOptions::node_local): the data files of `files` that this directory
+  /// holds; the others are in other hosts' directories. Empty: this directory holds them all.
+  std::vector<std::string> local_files;
+  std::string metadata_xxh3;  // of `.metadata`
   std::vector<Item> items;
 
+  /// Whether this directory holds `file` (local_files empty, or listing it).
+  bool holds(const std::string& file) const;
   /// The item stored at `offset` of `file`, or null.
   const Item* find(const std::string& file, int64_t offset) const;
 };

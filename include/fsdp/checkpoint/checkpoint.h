@@ -20,7 +20,8 @@
 // chunk saved by the rank holding it (no tensor moves between ranks); plain tensors and other
 // values are saved once, by rank 0.
 //
-// What a save guarantees (all ranks must see the same file system, as with DCP):
+// What a save guarantees (all ranks must see the same file system, as with DCP, unless
+// SaveOptions::node_local, below):
 //  - Atomic: everything is written into `.<name>.partial` next to `dir` and fsynced; once every
 //    rank has reported success, rank 0 writes `.metadata` and `.fsdp_manifest.json`, swaps the
 //    directory into place with one rename and fsyncs the parent. A save that fails or is killed
@@ -65,6 +66,16 @@ struct SaveOptions {
   /// save_step only: after a successful save, remove all but the newest `keep_last` step
   /// directories (0 keeps everything).
   TORCH_ARG(int, keep_last) = 0;
+  /// Hosts need not share a file system: each rank writes its data file into its own `dir`, and
+  /// the ranks that see the same directory (found by each leaving a probe file beside it) form a
+  /// host whose lowest rank prepares and commits that directory, as rank 0 does a shared one.
+  /// Every host's directory receives the whole `.metadata` and a manifest listing which data
+  /// files it holds. The commit is two-phase: every host first makes its directory complete and
+  /// durable, and only when all have succeeded does each swap it into place; a crash between two
+  /// hosts' swaps leaves one host with the new step and another without it, which
+  /// agreed_latest_checkpoint resolves. Load with LoadOptions::group (each rank from its own
+  /// directory). On one shared file system this saves what a plain save saves.
+  TORCH_ARG(bool, node_local) = false;
 };
 
 struct LoadOptions {
@@ -117,6 +128,9 @@ struct VerifyReport {
   int64_t items = 0;                  // items checked
   int64_t bytes = 0;                  // bytes read and hashed
   std::vector<std::string> problems;  // each names the file (and key); empty when all is well
+  /// A node-local save's directory (SaveOptions::node_local) holds only its host's data files:
+  /// the others, named here, are in other hosts' directories and were not checked.
+  std::vector<std::string> elsewhere;
   bool ok() const { return problems.empty(); }
 };
 
@@ -161,6 +175,16 @@ VerifyReport verify(const std::string& dir, FileIO* io = nullptr,
 
 // ---- step directories ----
 
+/// Gathers the directories of a node-local save (SaveOptions::node_local), one per host, as each
+/// host committed it, into one ordinary checkpoint at `out` that any loader reads (stock DCP
+/// included): every data file copied once, from a directory that holds it at the size the
+/// manifest records; `.metadata` as it is; the manifest without its list of local files. Written
+/// like a save: into `.<name>.partial`, fsynced, renamed into place (a checkpoint already at `out`
+/// is a ValueError), then verified. Throws ValueError naming a data file no directory holds, or
+/// directories whose `.metadata` differ (not one checkpoint), and CorruptionError if the result
+/// fails verification (it is then removed).
+void assemble(const std::vector<std::string>& dirs, const std::string& out, FileIO* io = nullptr);
+
 /// `root/step_<step>`.
 std::string step_dir(const std::string& root, int64_t step);
 
@@ -181,6 +205,15 @@ std::vector<int64_t> list_steps(const std::string& root, FileIO* io = nullptr);
 /// before renaming the new one in; if it died in between, `latest` still names step N and the
 /// old copy's path (`root/.step_N.aside`) is returned. The next save_step renames it back.
 std::optional<std::string> latest_checkpoint(const std::string& root, FileIO* io = nullptr);
+
+/// The checkpoint under `root` that every member of `group` resumes from (collective): the newest
+/// step that every rank with any step lists; nullopt if none. On a shared file system that is
+/// latest_checkpoint's; with node-local saves it skips a step that a crash committed on some hosts
+/// only, and a rank whose disk is empty (a new host) follows the others (a collective load finds
+/// the files where they are).
+std::optional<std::string> agreed_latest_checkpoint(const std::string& root,
+                                                    dist::ProcessGroup& group,
+                                                    FileIO* io = nullptr);
 
 }  // namespace checkpoint
 }  // namespace fsdp
