@@ -369,7 +369,12 @@ class SaveRun {
     } catch (const std::exception& e) {
       error = wire::encode(e);
     }
-    all_succeed(error, "probing which ranks share ");
+    try {
+      all_succeed(error, "probing which ranks share ");
+    } catch (...) {
+      io_.remove(mine);  // the save fails here: leave no probe behind
+      throw;
+    }
     std::string seen(static_cast<size_t>(world), '0');
     try {
       std::vector<std::string> names;
