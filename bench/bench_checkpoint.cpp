@@ -4,6 +4,9 @@
 // dict:
 //   save  (every rank writes its shards, fsync, atomic commit)  vs  raw write + fsync per rank
 //   load  (every rank reads and checks its shards)               vs  raw pread per rank
+//   load with a group (LoadOptions::group) of the same shards      vs  load
+//   every rank loading the whole state (what each HYBRID_SHARD replica needs of its pieces):
+//     collectively, each byte read once and sent over c10d          vs  each rank reading it all
 //   torch::save / torch::load of the whole dict on rank 0 (no fsync: what LibTorch does)
 //   Python torch.save / torch.load of the same dict (a subprocess, if /usr/bin/python3 has torch)
 //   AsyncSaver::save: how long the caller is blocked, against a synchronous save
@@ -133,6 +136,39 @@ void BM_Load(benchmark::State& st) {
   set_bytes(st);
 }
 
+void BM_LoadGroup(benchmark::State& st) {
+  auto& pg = *fsdp_bench::group();
+  fsdp::StateDict sd = sharded(pg.rank(), pg.size());
+  const std::string dir = base_dir() + "/ckpt";
+  pg.barrier();
+  for (auto _ : st) {
+    ckpt::load(sd, dir, ckpt::LoadOptions().group(&pg));
+    pg.barrier();
+  }
+  set_bytes(st);
+}
+
+// The whole state on every rank (plain tensors), loaded by each rank on its own (`group` null:
+// every rank reads every byte) or collectively (each byte read once, by the rank that saved it,
+// and sent to the others).
+void load_whole(benchmark::State& st, fsdp::dist::ProcessGroup* group) {
+  auto& pg = *fsdp_bench::group();
+  fsdp::StateDict model;
+  for (int i = 0; i < kTensors; ++i)
+    model.insert_or_assign("t" + std::to_string(i), at::empty({kRowsPerRank * pg.size(), kCols}));
+  fsdp::StateDict sd;
+  sd.insert_or_assign("model", model);
+  const std::string dir = base_dir() + "/ckpt";
+  pg.barrier();
+  for (auto _ : st) {
+    ckpt::load(sd, dir, ckpt::LoadOptions().group(group));
+    pg.barrier();
+  }
+  set_bytes(st);
+}
+void BM_LoadWholeEach(benchmark::State& st) { load_whole(st, nullptr); }
+void BM_LoadWholeGroup(benchmark::State& st) { load_whole(st, fsdp_bench::group()); }
+
 // How long an AsyncSaver blocks the caller (the CPU snapshot); the background write is waited for
 // outside the timing.
 void BM_AsyncSaveBlocked(benchmark::State& st) {
@@ -261,6 +297,9 @@ void register_all(int rounds) {
                                {"save", BM_Save, 0, 3},
                                {"raw_read", BM_RawRead, 0, 3},
                                {"load", BM_Load, 0, 3},
+                               {"load_group", BM_LoadGroup, 0, 3},
+                               {"load_whole_each", BM_LoadWholeEach, 0, 1},
+                               {"load_whole_group", BM_LoadWholeGroup, 0, 1},
                                {"async_save_blocked", BM_AsyncSaveBlocked, 0, 3},
                                {"torch_save", BM_TorchSave, 0, 3},
                                {"torch_load", BM_TorchLoad, 0, 3},
@@ -289,6 +328,12 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
   row("checkpoint::save (atomic, checksummed)", save, raw_w);
   row("raw pread, every rank (baseline)", raw_r, raw_r);
   row("checkpoint::load (checksums verified)", load, raw_r);
+  row("checkpoint::load, group (read once)", rep.get("load_group"), load);
+  std::printf("the whole state on every rank, ratio to each rank reading it all:\n");
+  row("each rank reads every byte (baseline)", rep.get("load_whole_each"),
+      rep.get("load_whole_each"));
+  row("group: each byte read once, then sent", rep.get("load_whole_group"),
+      rep.get("load_whole_each"));
   std::printf("full state dict on one process (no fsync), ratio to checkpoint::save / load:\n");
   row("torch::save", ts, save);
   row("torch::load", tl, load);
@@ -316,8 +361,9 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int w) {
                       {"bytes", rank_bytes() * w}},
                      samples);
   };
-  for (const char* c : {"raw_write_fsync", "save", "raw_read", "load", "async_save_blocked",
-                        "torch_save", "torch_load", "raw_write_full", "export_safetensors"})
+  for (const char* c : {"raw_write_fsync", "save", "raw_read", "load", "load_group",
+                        "load_whole_each", "load_whole_group", "async_save_blocked", "torch_save",
+                        "torch_load", "raw_write_full", "export_safetensors"})
     emit(c, rep.all(c));
   emit("python_torch_save", py_save());
   emit("python_torch_load", py_load());
