@@ -86,47 +86,43 @@ void dcp::check_chunk(const at::Tensor& chunk, at::ScalarType dtype,
                          ", the metadata says ", shape(sizes)));
 }
 
-CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in, bool verify,
-                                   const char* what)
-    : io_(io), dir_(files::normalize(dir_in)), verify_(verify), what_(what) {
-  const std::string meta_path = files::join(dir_, ".metadata");
+CheckpointReader::Files CheckpointReader::read_files(FileIO& io, const std::string& dir_in,
+                                                     const char* what) {
+  const std::string dir = files::normalize(dir_in);
+  const std::string meta_path = files::join(dir, ".metadata");
   if (io.file_size(meta_path) < 0) {
     const std::string partial =
-        files::join(files::parent_of(dir_), "." + files::base_of(dir_) + ".partial");
+        files::join(files::parent_of(dir), "." + files::base_of(dir) + ".partial");
     throw ValueError(msg(what, ": ", meta_path, " does not exist: ",
-                         io.is_dir(partial) == 1 ? msg("the save into ", dir_,
-                                                       " did not complete (", partial, " is left)")
+                         io.is_dir(partial) == 1 ? msg("the save into ", dir, " did not complete (",
+                                                       partial, " is left)")
                                                  : std::string("not a committed checkpoint")));
   }
-  const std::string meta_bytes = files::read_file(io, meta_path, kMaxMetadata, what);
-  const std::string mf_path = files::join(dir_, manifest::kFileName);
-  std::optional<std::string> mf_bytes;
+  Files f;
+  f.metadata = files::read_file(io, meta_path, kMaxMetadata, what);
+  const std::string mf_path = files::join(dir, manifest::kFileName);
   if (io.file_size(mf_path) >= 0)
-    mf_bytes = files::read_file(io, mf_path, manifest::kMaxBytes, what);
-  init(meta_path, meta_bytes, mf_bytes, mf_path);
+    f.manifest = files::read_file(io, mf_path, manifest::kMaxBytes, what);
+  return f;
 }
 
-CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in,
-                                   const std::string& metadata_bytes,
-                                   const std::optional<std::string>& manifest_bytes, bool verify,
+CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir, bool verify,
                                    const char* what)
-    : io_(io), dir_(files::normalize(dir_in)), verify_(verify), what_(what) {
-  init(files::join(dir_, ".metadata"), metadata_bytes, manifest_bytes,
-       files::join(dir_, manifest::kFileName));
-}
+    : CheckpointReader(io, dir, read_files(io, dir, what), verify, what) {}
 
-void CheckpointReader::init(const std::string& meta_path, const std::string& meta_bytes,
-                            const std::optional<std::string>& manifest_bytes,
-                            const std::string& manifest_path) {
-  if (manifest_bytes) {
-    mf_ = manifest::parse(*manifest_bytes, manifest_path);
-    if (verify_ && files::xxh3_hex(meta_bytes) != mf_->metadata_xxh3)
+CheckpointReader::CheckpointReader(FileIO& io, const std::string& dir_in, const Files& f,
+                                   bool verify, const char* what)
+    : io_(io), dir_(files::normalize(dir_in)), verify_(verify), what_(what) {
+  const std::string meta_path = files::join(dir_, ".metadata");
+  if (f.manifest) {
+    mf_ = manifest::parse(*f.manifest, files::join(dir_, manifest::kFileName));
+    if (verify_ && files::xxh3_hex(f.metadata) != mf_->metadata_xxh3)
       throw ValueError(
           msg(what_, ": ", meta_path,
               " does not match its checksum in the manifest: the file is corrupt or was "
               "replaced"));
   }
-  md_ = dcp::parse_metadata(meta_bytes, meta_path);
+  md_ = dcp::parse_metadata(f.metadata, meta_path);
   for (const auto& [k, item] : md_.state_dict_metadata) items_[k] = &item;
   for (const auto& [idx, info] : md_.storage_data) {
     if (idx.offset) {

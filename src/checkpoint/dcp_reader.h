@@ -64,10 +64,19 @@ class CheckpointReader {
   /// Throws ValueError naming the file for a missing or incomplete checkpoint, an unreadable
   /// `.metadata` or manifest, or (with `verify`) a `.metadata` that fails its checksum.
   CheckpointReader(FileIO& io, const std::string& dir, bool verify, const char* what);
-  /// The same from `.metadata`'s bytes and the manifest's (if there is one) as read elsewhere: a
-  /// collective load reads them on one rank and hands them to the others (read_once.cpp).
-  CheckpointReader(FileIO& io, const std::string& dir, const std::string& metadata_bytes,
-                   const std::optional<std::string>& manifest_bytes, bool verify, const char* what);
+
+  /// The bytes a reader is made from: `.metadata`'s and the manifest's, if there is one.
+  struct Files {
+    std::string metadata;
+    std::optional<std::string> manifest;
+  };
+  /// Reads them from `dir`; throws as the constructor above does for a missing or incomplete
+  /// checkpoint.
+  static Files read_files(FileIO& io, const std::string& dir, const char* what);
+  /// A reader of `dir` from its files' bytes as read elsewhere: a collective load reads them on
+  /// one rank and hands them to the others (read_once.cpp); assemble keeps them.
+  CheckpointReader(FileIO& io, const std::string& dir, const Files& files, bool verify,
+                   const char* what);
 
   /// Not copied: it keeps pointers into its own metadata.
   CheckpointReader(const CheckpointReader&) = delete;
@@ -159,8 +168,6 @@ class CheckpointReader {
                     const std::string& xxh3_hex) const;
   void plan_tensor(const std::string& key, const dcp::ItemMeta& item, StateValue& v,
                    FillPlan& plan) const;
-  void init(const std::string& meta_path, const std::string& meta_bytes,
-            const std::optional<std::string>& manifest_bytes, const std::string& manifest_path);
 
   FileIO& io_;
   std::string dir_;

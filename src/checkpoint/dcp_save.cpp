@@ -370,7 +370,7 @@ class SaveRun {
       error = wire::encode(e);
     }
     try {
-      all_succeed(error, "probing which ranks share ");
+      throw_first_failure(gather(error), "probing which ranks share ");
     } catch (...) {
       io_.remove(mine);  // the save fails here: leave no probe behind
       throw;
@@ -582,9 +582,6 @@ class SaveRun {
       wire::rethrow(e, detail::msg(kWhat, " of ", dir_, ": ", what,
                                    detail::rank(static_cast<int>(r)), ": ", wire::message(e)));
     }
-  }
-  void all_succeed(const std::string& error, const char* what) {
-    throw_first_failure(gather(error), what);
   }
   // Probe files of earlier node-local saves into this name that were killed before removing them.
   void remove_stale_probes() {

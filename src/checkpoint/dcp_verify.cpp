@@ -284,14 +284,15 @@ void assemble(const std::vector<std::string>& dirs, const std::string& out_in, F
   const std::string out = files::normalize(out_in);
   if (io.is_dir(out) != 0 || io.file_size(out) >= 0)
     throw ValueError(msg(kAssemble, ": ", out, " already exists"));
+  // The first directory's `.metadata` is copied as it was read.
+  const CheckpointReader::Files kept = CheckpointReader::read_files(io, dirs[0], kAssemble);
   std::vector<std::unique_ptr<CheckpointReader>> parts;  // not copied: it points into itself
-  for (const auto& d : dirs)
-    parts.push_back(std::make_unique<CheckpointReader>(io, d, /*verify=*/true, kAssemble));
+  parts.push_back(std::make_unique<CheckpointReader>(io, dirs[0], kept, true, kAssemble));
+  for (size_t i = 1; i < dirs.size(); ++i)
+    parts.push_back(std::make_unique<CheckpointReader>(io, dirs[i], /*verify=*/true, kAssemble));
   const CheckpointReader& first = *parts[0];
   if (!first.manifest())
     throw ValueError(msg(kAssemble, ": ", first.dir(), " has no ", manifest::kFileName));
-  const std::string meta =
-      files::read_file(io, files::join(first.dir(), ".metadata"), int64_t{64} << 20, kAssemble);
   manifest::Manifest whole = *first.manifest();
   for (const auto& p : parts)
     if (!p->manifest() || p->manifest()->metadata_xxh3 != whole.metadata_xxh3)
@@ -325,7 +326,7 @@ void assemble(const std::vector<std::string>& dirs, const std::string& out_in, F
       dst.finish();
     }
     whole.local_files.clear();
-    files::write_file(io, files::join(partial, ".metadata"), meta, kAssemble);
+    files::write_file(io, files::join(partial, ".metadata"), kept.metadata, kAssemble);
     files::write_file(io, files::join(partial, manifest::kFileName), manifest::to_json(whole),
                       kAssemble);
     files::sync_dir(io, partial, kAssemble);

@@ -40,7 +40,6 @@ namespace read_once {
 namespace {
 
 constexpr const char* kWhat = "checkpoint load";
-constexpr int64_t kMaxMetadata = int64_t{64} << 20;  // the pickle reader's limit
 
 using detail::msg;
 using detail::quote;
@@ -94,27 +93,22 @@ bool bit(const std::string& set, size_t offset, size_t i) {
 }
 
 // `.metadata` and the manifest of the lowest rank whose directory has them (step 1). Payload:
-// "<metadata length> <manifest flag>" then the bytes of both.
-std::pair<std::string, std::optional<std::string>> shared_metadata(FileIO& io,
-                                                                   const std::string& dir,
-                                                                   dist::ProcessGroup& g) {
+// "<metadata length> <manifest flag> " then the bytes of both.
+CheckpointReader::Files shared_files(FileIO& io, const std::string& dir, dist::ProcessGroup& g) {
   const std::string meta_path = files::join(dir, ".metadata");
   const std::vector<std::string> has = g.all_gather_bytes(io.file_size(meta_path) >= 0 ? "1" : "0");
   const auto first = std::find(has.begin(), has.end(), "1");
   if (first == has.end()) {
-    (void)CheckpointReader(io, dir, true, kWhat);  // throws the local load's error, naming `dir`
+    (void)CheckpointReader::read_files(io, dir, kWhat);  // throws the local load's error
     throw ValueError(msg(kWhat, ": ", meta_path, " does not exist"));  // it appeared meanwhile
   }
   const int src = static_cast<int>(first - has.begin());
   std::string mine;
   if (g.rank() == src) {
     try {
-      const std::string meta = files::read_file(io, meta_path, kMaxMetadata, kWhat);
-      const std::string mf_path = files::join(dir, manifest::kFileName);
-      std::string mf;
-      const bool has_mf = io.file_size(mf_path) >= 0;
-      if (has_mf) mf = files::read_file(io, mf_path, manifest::kMaxBytes, kWhat);
-      mine = msg("K", meta.size(), " ", has_mf ? 1 : 0, " ") + meta + mf;
+      const CheckpointReader::Files f = CheckpointReader::read_files(io, dir, kWhat);
+      mine = msg("K", f.metadata.size(), " ", f.manifest ? 1 : 0, " ") + f.metadata +
+             f.manifest.value_or("");
     } catch (const std::exception& e) {
       mine = "E" + wire::encode(e);
     }
@@ -131,9 +125,10 @@ std::pair<std::string, std::optional<std::string>> shared_metadata(FileIO& io,
       1 + static_cast<size_t>(used) + meta_len > got.size())
     throw InternalError(msg(kWhat, ": a malformed metadata message from rank ", src));
   const size_t at = 1 + static_cast<size_t>(used);
-  std::optional<std::string> mf;
-  if (has_mf) mf = got.substr(at + meta_len);
-  return {got.substr(at, meta_len), std::move(mf)};
+  CheckpointReader::Files f;
+  f.metadata = got.substr(at, meta_len);
+  if (has_mf) f.manifest = got.substr(at + meta_len);
+  return f;
 }
 
 // Who needs which item and who reads it (steps 2 and 3), alike on every rank.
@@ -309,9 +304,8 @@ void exchange_round(const CheckpointReader& reader, Plan& plan,
 void load(StateDict& state_dict, const std::string& dir, FileIO& io, bool verify,
           dist::ProcessGroup& g, int64_t round_bytes) {
   TORCH_CHECK(round_bytes > 0, "read_once::load: round_bytes must be positive");
-  auto [meta, mf] = shared_metadata(io, dir, g);
   // The same bytes on every rank: parsing fails alike everywhere, with no exchange needed.
-  const CheckpointReader reader(io, dir, meta, mf, verify, kWhat);
+  const CheckpointReader reader(io, dir, shared_files(io, dir, g), verify, kWhat);
   if (!reader.manifest() && g.rank() == 0)
     TORCH_WARN("fsdp checkpoint: ", reader.dir(), " has no ", manifest::kFileName,
                " (written by PyTorch?): its items are checked only by their zip CRC-32s");
