@@ -124,29 +124,20 @@ void BM_Save(benchmark::State& st) {
   set_bytes(st);
 }
 
-void BM_Load(benchmark::State& st) {
+// Each rank's own shards, loaded on its own (`group` null) or collectively.
+void load_shards(benchmark::State& st, fsdp::dist::ProcessGroup* group) {
   auto& pg = *fsdp_bench::group();
   fsdp::StateDict sd = sharded(pg.rank(), pg.size());
   const std::string dir = base_dir() + "/ckpt";
   pg.barrier();
   for (auto _ : st) {
-    ckpt::load(sd, dir);
+    ckpt::load(sd, dir, ckpt::LoadOptions().group(group));
     pg.barrier();
   }
   set_bytes(st);
 }
-
-void BM_LoadGroup(benchmark::State& st) {
-  auto& pg = *fsdp_bench::group();
-  fsdp::StateDict sd = sharded(pg.rank(), pg.size());
-  const std::string dir = base_dir() + "/ckpt";
-  pg.barrier();
-  for (auto _ : st) {
-    ckpt::load(sd, dir, ckpt::LoadOptions().group(&pg));
-    pg.barrier();
-  }
-  set_bytes(st);
-}
+void BM_Load(benchmark::State& st) { load_shards(st, nullptr); }
+void BM_LoadGroup(benchmark::State& st) { load_shards(st, fsdp_bench::group()); }
 
 // The whole state on every rank (plain tensors), loaded by each rank on its own (`group` null:
 // every rank reads every byte) or collectively (each byte read once, by the rank that saved it,
