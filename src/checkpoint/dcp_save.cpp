@@ -30,6 +30,7 @@
 #include "checkpoint/dcp_items.h"
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/files.h"
+#include "checkpoint/host_copies.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/save_protocol.h"
 #include "checkpoint/wire_error.h"
@@ -330,6 +331,34 @@ std::string verdict(dist::ProcessGroup* group, const std::string& mine) {
 
 using protocol::Hook;
 
+// The hosts of a node-local save from every rank's probe view ("K" then a '0'/'1' per rank: whose
+// probe it sees): each a set of ranks that all see exactly that set. Computed alike on every rank,
+// so all agree, or all throw the same error.
+host_copies::Hosts hosts_of(const std::vector<std::string>& views, const std::string& parent) {
+  const int world = static_cast<int>(views.size());
+  host_copies::Hosts hosts;
+  std::vector<bool> placed(views.size());
+  for (int r = 0; r < world; ++r) {
+    if (placed[static_cast<size_t>(r)]) continue;
+    const std::string& view = views[static_cast<size_t>(r)];
+    if (view[1 + static_cast<size_t>(r)] != '1')
+      throw IOError(
+          detail::msg(kWhat, ": ", detail::rank(r), " cannot see its own probe in ", parent), 0);
+    std::vector<int> host;
+    for (int q = 0; q < world; ++q) {
+      if (view[1 + static_cast<size_t>(q)] != '1') continue;
+      if (views[static_cast<size_t>(q)] != view || placed[static_cast<size_t>(q)])
+        throw ValueError(detail::msg(kWhat, ": ranks ", r, " and ", q, " see different sets of ",
+                                     "ranks sharing ", parent, ": a file system that is neither ",
+                                     "shared nor node-local"));
+      placed[static_cast<size_t>(q)] = true;
+      host.push_back(q);
+    }
+    hosts.push_back(std::move(host));
+  }
+  return hosts;
+}
+
 // One collective save in its three phases. Each phase ends in an exchange, so every rank leaves
 // at the same phase and throws the same kind of error (wire_error.h); after a failure rank 0
 // removes the partial directory, which no rank writes to any more.
@@ -345,7 +374,14 @@ class SaveRun {
       throw ValueError(
           detail::msg(kWhat, ": ", detail::quote(dir_in), " does not name a directory to create"));
     partial_ = files::join(files::parent_of(dir_), "." + name + ".partial");
+    if (o.replicas() < 1 || (o.replicas() > 1 && !o.node_local()))
+      throw ValueError(detail::msg(kWhat, " of ", dir_, ": replicas(", o.replicas(), ") ",
+                                   o.replicas() < 1
+                                       ? "must be at least 1"
+                                       : "needs node_local(true): on a shared file "
+                                         "system every file is already on every host"));
     node_local_ = o.node_local() && group_ && group_->size() > 1;
+    replicas_ = o.replicas();
     leader_ = rank_ == 0;
   }
   SaveRun(const SaveRun&) = delete;
@@ -397,17 +433,9 @@ class SaveRun {
     io_.remove(mine);  // every rank has listed: the probe has served (a failure leaves it to the
                        // next save's leader, which removes stale probes)
     throw_first_failure(views, "probing which ranks share ");
-    const std::string& own = views[static_cast<size_t>(rank_)];
-    for (int r = 0; r < world; ++r) {
-      if (own[1 + static_cast<size_t>(r)] != '1') continue;
-      if (views[static_cast<size_t>(r)] != own)
-        throw ValueError(detail::msg(kWhat, ": ranks ", rank_, " and ", r,
-                                     " see different sets of ", "ranks sharing ", parent,
-                                     ": a file system that is neither ", "shared nor node-local"));
-      host_.push_back(r);
-    }
-    if (host_.empty() || own[1 + static_cast<size_t>(rank_)] != '1')
-      throw IOError(detail::msg(kWhat, ": ", rank_, " cannot see its own probe in ", parent), 0);
+    hosts_ = hosts_of(views, parent);
+    for (const auto& h : hosts_)
+      if (std::find(h.begin(), h.end(), rank_) != h.end()) host_ = h;
     leader_ = host_.front() == rank_;
     stale_probes_ = stem;
   }
@@ -497,6 +525,25 @@ class SaveRun {
     }
   }
 
+  // 2b. Node-local saves with replicas: every rank's file also goes to ranks of the next hosts
+  // (host_copies.h), so a lost host's files are still somewhere. Ends in a verdict exchange.
+  void copy_to_other_hosts() {
+    if (!node_local_) return;
+    copies_to_ = host_copies::receivers(hosts_, group_->size(), replicas_);
+    if (std::all_of(copies_to_.begin(), copies_to_.end(), [](const auto& t) { return t.empty(); }))
+      return;  // one host, or replicas(1)
+    std::vector<std::string> names;
+    std::vector<int64_t> sizes;
+    for (const RankPart& p : parts()) {
+      names.push_back(p.file);
+      sizes.push_back(p.file_size);
+    }
+    const std::string error = host_copies::copy(*group_, io_, partial_, names, sizes, copies_to_);
+    const std::vector<std::string> copied = gather(error);
+    if (has_failure(copied)) remove_partial_on_leader();
+    throw_first_failure(copied, "nothing was committed: copying data files to other hosts, on ");
+  }
+
   // 3. Rank 0 commits (the manifest, .metadata, the rename into place); its verdict is broadcast
   // and every rank returns or throws together.
   void finish(const Annotations& annotations, const Hook& after_commit) {
@@ -535,8 +582,9 @@ class SaveRun {
       try {
         std::vector<RankPart> all = parts();
         std::vector<std::string> local;  // none listed: one host holds every file
-        if (host_.size() < all.size())
-          for (int r : host_) local.push_back(all[static_cast<size_t>(r)].file);
+        if (hosts_.size() > 1)
+          for (size_t r = 0; r < all.size(); ++r)
+            if (on_this_host(static_cast<int>(r))) local.push_back(all[r].file);
         write_commit_files(io_, all, partial_, annotations, std::move(local));
       } catch (const std::exception& e) {
         error = wire::encode(e);
@@ -562,6 +610,16 @@ class SaveRun {
       }
     }
     throw_first_failure(gather(error), "committed, then failed on the host of ");
+  }
+
+  // Whether this host's directory holds rank r's data file: r is one of its ranks, or sent a copy
+  // to one of them.
+  bool on_this_host(int r) const {
+    auto here = [&](int q) { return std::find(host_.begin(), host_.end(), q) != host_.end(); };
+    if (here(r)) return true;
+    if (copies_to_.empty()) return false;
+    const auto& to = copies_to_[static_cast<size_t>(r)];
+    return std::any_of(to.begin(), to.end(), here);
   }
 
   // Every rank's verdict: "K" (fine) or "E" + its encoded error.
@@ -612,8 +670,11 @@ class SaveRun {
   std::set<std::string> skip_;        // boxes a lower rank writes
   std::vector<std::string> reports_;  // per rank: encoded RankPart, or "E" + error
   bool node_local_ = false;
-  bool leader_ = false;       // prepares and commits this rank's directory
-  std::vector<int> host_;     // node-local: the ranks sharing this rank's directory
+  int replicas_ = 1;
+  bool leader_ = false;                      // prepares and commits this rank's directory
+  host_copies::Hosts hosts_;                 // node-local: every host's ranks
+  std::vector<int> host_;                    // node-local: the ranks sharing this rank's directory
+  std::vector<std::vector<int>> copies_to_;  // node-local: who holds a copy of each rank's file
   std::string stale_probes_;  // node-local: this save's probe names' prefix (not stale)
 };
 
@@ -623,6 +684,7 @@ void save_impl(const StateDict& state_dict, const std::string& dir, const SaveOp
   run.find_host();
   run.prepare(state_dict, before_prepare);
   run.write();
+  run.copy_to_other_hosts();
   run.finish(o.annotations(), after_commit);
 }
 

@@ -141,30 +141,52 @@ struct Assignment {
 
 using Plan = CheckpointReader::FillPlan;
 
+// The data files `.metadata` names, in the order of their first item, each with the bytes its
+// items reach, and each item's file (storage_data order).
+struct DataFiles {
+  std::vector<std::string> names;
+  std::vector<int64_t> end;
+  std::vector<size_t> of_item;
+};
+DataFiles data_files(const dcp::Metadata& m) {
+  DataFiles df;
+  std::map<std::string, size_t> index;
+  for (const auto& [idx, info] : m.storage_data) {
+    auto [f, fresh] = index.emplace(info.relative_path, df.names.size());
+    if (fresh) {
+      df.names.push_back(info.relative_path);
+      df.end.push_back(0);
+    }
+    df.end[f->second] = std::max(df.end[f->second], info.offset + info.length);
+    df.of_item.push_back(f->second);
+  }
+  return df;
+}
+
+// Which of the data files this rank's `dir` holds, long enough for their items (stat only).
+std::vector<bool> readable(const DataFiles& df, FileIO& io, const std::string& dir) {
+  std::vector<bool> can(df.names.size());
+  for (size_t f = 0; f < df.names.size(); ++f)
+    can[f] = io.file_size(files::join(dir, df.names[f])) >= df.end[f];
+  return can;
+}
+
 Assignment assign(const CheckpointReader& reader, const Plan& plan, FileIO& io,
                   const std::string& dir, dist::ProcessGroup& g, Verdicts& v) {
   Assignment a;
   std::map<const dcp::StorageInfo*, size_t> index;
-  std::map<std::string, size_t> file_index;
-  std::vector<std::string> file_names;
-  std::vector<int64_t> file_end;  // bytes an item of the file reaches
-  std::vector<size_t> file_of;
+  const DataFiles df = data_files(reader.metadata());
+  const std::vector<std::string>& file_names = df.names;
+  const std::vector<int64_t>& file_end = df.end;
+  const std::vector<size_t>& file_of = df.of_item;
   for (const auto& [idx, info] : reader.metadata().storage_data) {
     index[&info] = a.infos.size();
     a.infos.push_back(&info);
     a.keys.push_back(idx.fqn);
-    auto [f, fresh] = file_index.emplace(info.relative_path, file_names.size());
-    if (fresh) {
-      file_names.push_back(info.relative_path);
-      file_end.push_back(0);
-    }
-    file_end[f->second] = std::max(file_end[f->second], info.offset + info.length);
-    file_of.push_back(f->second);
   }
   const size_t n = a.infos.size();
-  std::vector<bool> can(file_names.size()), need(n);
-  for (size_t f = 0; f < file_names.size(); ++f)
-    can[f] = io.file_size(files::join(dir, file_names[f])) >= file_end[f];
+  std::vector<bool> need(n);
+  const std::vector<bool> can = readable(df, io, dir);
   for (const auto& [info, read] : plan.reads) need[index.at(info)] = true;
   for (const auto& val : plan.values) need[index.at(val.info)] = true;
   const std::vector<std::string> all = v.exchange(bitset(can) + bitset(need));
@@ -339,6 +361,26 @@ void load(StateDict& state_dict, const std::string& dir, FileIO& io, bool verify
   v.exchange("");
 }
 
+std::vector<std::string> unreadable_files(const std::string& dir, FileIO& io,
+                                          dist::ProcessGroup& g) {
+  const CheckpointReader reader(io, dir, shared_files(io, dir, g), false, kWhat);
+  const DataFiles df = data_files(reader.metadata());
+  const std::vector<std::string> all = g.all_gather_bytes(bitset(readable(df, io, dir)));
+  std::vector<std::string> missing;
+  for (size_t f = 0; f < df.names.size(); ++f) {
+    bool anyone = false;
+    for (const auto& m : all) anyone = anyone || (m.size() * 8 > f && bit(m, 0, f));
+    if (!anyone) missing.push_back(df.names[f]);
+  }
+  return missing;
+}
+
 }  // namespace read_once
+
+std::vector<std::string> missing_files(const std::string& dir, dist::ProcessGroup& group,
+                                       FileIO* io) {
+  return read_once::unreadable_files(dir, io ? *io : default_file_io(), group);
+}
+
 }  // namespace checkpoint
 }  // namespace fsdp

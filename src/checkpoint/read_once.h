@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "fsdp/checkpoint/file_io.h"
 #include "fsdp/dist.h"
@@ -21,6 +22,10 @@ constexpr int64_t kRoundBytes = int64_t{64} << 20;
 /// checkpoint::load with a group. `round_bytes` bounds the rounds (tests make it small).
 void load(StateDict& state_dict, const std::string& dir, FileIO& io, bool verify,
           dist::ProcessGroup& group, int64_t round_bytes = kRoundBytes);
+
+/// checkpoint::missing_files.
+std::vector<std::string> unreadable_files(const std::string& dir, FileIO& io,
+                                          dist::ProcessGroup& group);
 
 }  // namespace read_once
 }  // namespace checkpoint

@@ -76,6 +76,14 @@ struct SaveOptions {
   /// agreed_latest_checkpoint resolves. Load with LoadOptions::group (each rank from its own
   /// directory). On one shared file system this saves what a plain save saves.
   TORCH_ARG(bool, node_local) = false;
+  /// node_local only: how many hosts hold each data file. With 2, every rank's file is also sent
+  /// (over `group`, in rounds of 64 MiB, checksummed) to a rank of the next host, which stores it
+  /// in its own directory before the commit, so losing any one host's directory loses nothing
+  /// (a collective load finds each file where it is). Each host then stores its own ranks' files
+  /// and a copy of the previous host's: `replicas` times the bytes of a plain save in all. Capped
+  /// at the number of hosts; 1 (the default) keeps one copy. ValueError below 1, or above 1
+  /// without node_local.
+  TORCH_ARG(int, replicas) = 1;
 };
 
 struct LoadOptions {
@@ -119,6 +127,15 @@ void save(const StateDict& state_dict, const std::string& dir, dist::ProcessGrou
 /// of a local load, raised on every rank together (naming the rank that met them), plus a
 /// ValueError naming a data file that no rank can read.
 void load(StateDict& state_dict, const std::string& dir, const LoadOptions& options = {});
+
+/// The data files of the checkpoint in `dir` that no member of `group` can read (missing, or
+/// shorter than its items reach, in every rank's `dir`; stat only), in `.metadata`'s order: empty
+/// when a collective load (LoadOptions::group) will find every file. Collective; `dir` may differ
+/// between ranks, as for that load, whose errors it raises for a missing or unreadable
+/// `.metadata`. What a resume checks before choosing node-local copies (SaveOptions::replicas)
+/// that may have lost files with a host.
+std::vector<std::string> missing_files(const std::string& dir, dist::ProcessGroup& group,
+                                       FileIO* io = nullptr);
 
 /// What `verify` found.
 struct VerifyReport {

@@ -1,0 +1,41 @@
+// Internal: copies of a node-local save's data files on other hosts (SaveOptions::replicas), so
+// that a checkpoint kept on hosts' own disks or in their memory (/dev/shm) survives the loss of a
+// host: the bytes travel over the saving group (c10d), never through a shared file system.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fsdp/checkpoint/file_io.h"
+#include "fsdp/dist.h"
+
+namespace fsdp {
+namespace checkpoint {
+namespace host_copies {
+
+/// The hosts of a node-local save: each its ranks in ascending order, ordered by their lowest rank.
+using Hosts = std::vector<std::vector<int>>;
+
+/// The ranks that receive a copy of each rank's data file: for copy k = 1 .. min(replicas, number
+/// of hosts) - 1, the rank at the same position (modulo that host's size) of the k-th host after
+/// the rank's own. Distinct hosts, so `replicas` hosts hold every file (or every host, if fewer).
+std::vector<std::vector<int>> receivers(const Hosts& hosts, int world, int replicas);
+
+/// What one rank sends to one receiver, or receives from one sender, in one exchange at most.
+constexpr int64_t kRoundBytes = int64_t{64} << 20;
+
+/// Collective over `group`, every rank passing the same `files` (rank r's data file name, in
+/// `dir` on its own host), `sizes` and `to` (receivers()). Sends this rank's file to its
+/// receivers and writes, fsynced, each file it receives into `dir` under the same name: in rounds
+/// of `round_bytes` per pair (one all_to_all_single each), then one exchange of each sender's
+/// checksum of what it read, which every receiver compares with what it wrote. Returns this
+/// rank's failure, wire-encoded (wire_error.h), or "": a rank that fails goes on exchanging, so
+/// every rank returns, and the caller's verdict exchange decides.
+std::string copy(dist::ProcessGroup& group, FileIO& io, const std::string& dir,
+                 const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
+                 const std::vector<std::vector<int>>& to, int64_t round_bytes = kRoundBytes);
+
+}  // namespace host_copies
+}  // namespace checkpoint
+}  // namespace fsdp
