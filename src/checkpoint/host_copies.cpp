@@ -68,93 +68,132 @@ std::vector<std::vector<int>> receivers(const Hosts& hosts, int world, int repli
   return to;
 }
 
-std::string copy(dist::ProcessGroup& g, FileIO& io, const std::string& dir,
-                 const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
-                 const std::vector<std::vector<int>>& to, int64_t round_bytes) {
-  const int world = g.size(), me = g.rank();
-  const auto w = static_cast<size_t>(world);
-  std::vector<int> senders;  // to this rank, ascending
-  int64_t rounds = 0;
-  for (int r = 0; r < world; ++r) {
-    const auto& mine = to[static_cast<size_t>(r)];
-    if (mine.empty()) continue;
-    rounds = std::max(rounds, (sizes[static_cast<size_t>(r)] + round_bytes - 1) / round_bytes);
-    if (std::find(mine.begin(), mine.end(), me) != mine.end()) senders.push_back(r);
+namespace {
+
+// One copy() on one rank: the senders it receives from, the files it appends to, and its first
+// failure (wire-encoded), after which it goes on exchanging without reading or writing.
+class Copier {
+ public:
+  Copier(dist::ProcessGroup& g, FileIO& io, const std::string& dir,
+         const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
+         const std::vector<std::vector<int>>& to, int64_t round_bytes)
+      : g_(g),
+        io_(io),
+        dir_(dir),
+        files_(files),
+        sizes_(sizes),
+        round_bytes_(round_bytes),
+        me_(g.rank()),
+        receivers_(to[static_cast<size_t>(g.rank())]) {
+    for (int r = 0; r < g.size(); ++r) {
+      const auto& theirs = to[static_cast<size_t>(r)];
+      if (theirs.empty()) continue;
+      rounds_ = std::max(rounds_, (size_of(r) + round_bytes - 1) / round_bytes);
+      if (std::find(theirs.begin(), theirs.end(), me_) != theirs.end()) senders_.push_back(r);
+    }
+    outs_.resize(senders_.size());
+    attempt([&] {
+      for (size_t s = 0; s < senders_.size(); ++s)
+        outs_[s] = std::make_unique<files::OutFile>(io_, path_of(senders_[s]), kWhat);
+    });
   }
-  const std::vector<int>& receivers = to[static_cast<size_t>(me)];
-  std::string error;  // this rank's first failure, wire-encoded; the exchanges go on regardless
-  auto attempt = [&](auto&& f) {
-    if (!error.empty()) return;
+
+  std::string run() {
+    for (int64_t round = 0; round < rounds_; ++round) exchange(round);
+    attempt([&] {
+      for (auto& o : outs_) o->finish();
+    });
+    check();
+    return error_;
+  }
+
+ private:
+  int64_t size_of(int r) const { return sizes_[static_cast<size_t>(r)]; }
+  std::string path_of(int r) const { return files::join(dir_, files_[static_cast<size_t>(r)]); }
+
+  template <class F>
+  void attempt(F&& f) {
+    if (!error_.empty()) return;
     try {
       f();
     } catch (const std::exception& e) {
-      error = wire::encode(e);
+      error_ = wire::encode(e);
     }
-  };
-  const std::string own_path = files::join(dir, files[static_cast<size_t>(me)]);
-  std::vector<std::unique_ptr<files::OutFile>> outs(senders.size());
-  attempt([&] {
-    for (size_t s = 0; s < senders.size(); ++s)
-      outs[s] = std::make_unique<files::OutFile>(
-          io, files::join(dir, files[static_cast<size_t>(senders[s])]), kWhat);
-  });
-  files::Xxh3Stream sent;
-  const int64_t own_size = sizes[static_cast<size_t>(me)];
-  for (int64_t round = 0; round < rounds; ++round) {
-    const Piece out = receivers.empty() ? Piece{} : piece(own_size, round, round_bytes);
+  }
+
+  // One round: this rank's piece to each of its receivers, its senders' pieces appended.
+  void exchange(int64_t round) {
+    const size_t w = static_cast<size_t>(g_.size());
+    const Piece out = receivers_.empty() ? Piece{} : piece(size_of(me_), round, round_bytes_);
     std::vector<int64_t> send_splits(w), recv_splits(w);
-    for (int q : receivers) send_splits[static_cast<size_t>(q)] = out.length;
-    for (int s : senders)
-      recv_splits[static_cast<size_t>(s)] =
-          piece(sizes[static_cast<size_t>(s)], round, round_bytes).length;
-    // The piece once, then a copy per further receiver (a receiver is a distinct rank per copy).
-    const at::Tensor send =
-        at::zeros({out.length * static_cast<int64_t>(receivers.size())}, at::kByte);
+    for (int q : receivers_) send_splits[static_cast<size_t>(q)] = out.length;
     int64_t recv_total = 0;
-    for (int64_t n : recv_splits) recv_total += n;
+    for (int s : senders_) {
+      recv_splits[static_cast<size_t>(s)] = piece(size_of(s), round, round_bytes_).length;
+      recv_total += recv_splits[static_cast<size_t>(s)];
+    }
+    // The piece once per receiver: identical bytes, so their order in `send` cannot matter.
+    const at::Tensor send =
+        at::zeros({out.length * static_cast<int64_t>(receivers_.size())}, at::kByte);
     const at::Tensor recv = at::empty({recv_total}, at::kByte);
-    auto* send_bytes = static_cast<char*>(send.data_ptr());
+    auto* bytes = static_cast<char*>(send.data_ptr());
+    const auto n = static_cast<size_t>(out.length);
     attempt([&] {
-      if (out.length == 0) return;
-      files::pread_all(io, own_path, out.begin, out.length, send_bytes, kWhat);
-      sent.update(send_bytes, static_cast<size_t>(out.length));
+      if (n == 0) return;
+      files::pread_all(io_, path_of(me_), out.begin, out.length, bytes, kWhat);
+      sent_.update(bytes, n);
     });
-    for (size_t i = 1; i < receivers.size(); ++i)
-      std::memcpy(send_bytes + i * static_cast<size_t>(out.length), send_bytes,
-                  static_cast<size_t>(out.length));
-    // Splits are in rank order and the receivers of one sender are distinct ranks: laying the
-    // copies out in rank order matches the splits.
-    g.all_to_all_single(recv, send, recv_splits, send_splits);
+    for (size_t i = 1; i < receivers_.size(); ++i) std::memcpy(bytes + i * n, bytes, n);
+    g_.all_to_all_single(recv, send, recv_splits, send_splits);
     attempt([&] {
       const auto* in = static_cast<const char*>(recv.data_ptr());
       int64_t at = 0;
-      for (int q = 0; q < world; ++q) {
-        const int64_t n = recv_splits[static_cast<size_t>(q)];
-        if (n == 0) continue;
-        const size_t s =
-            static_cast<size_t>(std::find(senders.begin(), senders.end(), q) - senders.begin());
-        outs[s]->append(in + at, static_cast<size_t>(n));
-        at += n;
+      for (size_t s = 0; s < senders_.size(); ++s) {  // ascending, as the splits are laid out
+        const int64_t len = recv_splits[static_cast<size_t>(senders_[s])];
+        outs_[s]->append(in + at, static_cast<size_t>(len));
+        at += len;
       }
     });
   }
-  attempt([&] {
-    for (auto& o : outs) o->finish();
-  });
+
   // What each sender read, against what its receivers read back from their disks once the copies
   // were fsynced: a match means the copy holds what the sender's host holds.
-  const std::vector<std::string> hashes =
-      g.all_gather_bytes(receivers.empty() || !error.empty() ? std::string() : sent.hex());
-  attempt([&] {
-    for (size_t s = 0; s < senders.size(); ++s) {
-      const auto r = static_cast<size_t>(senders[s]);
-      if (hashes[r].empty()) continue;  // the sender failed, and reports that itself
-      if (hashes[r] != hash_file(io, files::join(dir, files[r]), sizes[r], round_bytes))
-        throw CorruptionError(detail::msg(kWhat, ": the copy of ", files[r], " received from ",
-                                          detail::rank(senders[s]), " differs from what it sent"));
-    }
-  });
-  return error;
+  void check() {
+    const std::vector<std::string> hashes =
+        g_.all_gather_bytes(receivers_.empty() || !error_.empty() ? std::string() : sent_.hex());
+    attempt([&] {
+      for (int r : senders_) {
+        const std::string& theirs = hashes[static_cast<size_t>(r)];
+        if (theirs.empty()) continue;  // the sender failed, and reports that itself
+        if (theirs != hash_file(io_, path_of(r), size_of(r), round_bytes_))
+          throw CorruptionError(detail::msg(kWhat, ": the copy of ", files_[static_cast<size_t>(r)],
+                                            " received from ", detail::rank(r),
+                                            " differs from what it sent"));
+      }
+    });
+  }
+
+  dist::ProcessGroup& g_;
+  FileIO& io_;
+  const std::string& dir_;
+  const std::vector<std::string>& files_;
+  const std::vector<int64_t>& sizes_;
+  const int64_t round_bytes_;
+  const int me_;
+  const std::vector<int>& receivers_;
+  std::vector<int> senders_;  // to this rank, ascending
+  int64_t rounds_ = 0;
+  std::vector<std::unique_ptr<files::OutFile>> outs_;  // by sender
+  files::Xxh3Stream sent_;                             // of this rank's file, as read
+  std::string error_;
+};
+
+}  // namespace
+
+std::string copy(dist::ProcessGroup& g, FileIO& io, const std::string& dir,
+                 const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
+                 const std::vector<std::vector<int>>& to, int64_t round_bytes) {
+  return Copier(g, io, dir, files, sizes, to, round_bytes).run();
 }
 
 }  // namespace host_copies
