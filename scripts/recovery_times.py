@@ -10,13 +10,18 @@ node once node 0 has logged step --at-step:
   hang   SIGSTOP of its launcher and rank (a hung or unplugged host: nothing is reset; the others
          notice by the launcher's heartbeat, or by a collective's timeout).
 
+With --mem-every K, fsdp-train also keeps in-memory checkpoints every K steps (--mem-dir, one
+directory per node standing for its tmpfs, each host's files copied to the next host); a killed
+host's directory is removed with it, as its memory would be.
+
 From node 0's output, timed as it arrives, it reports: the time from the failure to the job's
 first step after it (recovery), split into detection (until node 0's launcher says it is
 stopping its ranks), the restart (until the round formed) and the resume (until the first step),
 and the steps lost (the steps logged before the failure that had to be redone). Each case is one
 run; the final step must be reached.
 
-    scripts/recovery_times.py [--build build] [--nodes 3] [--cases rank,host,hang] [--json F]
+    scripts/recovery_times.py [--build build] [--nodes 3] [--cases rank,host,hang]
+                              [--mem-every K] [--json F]
 
 Needs only Python's standard library and the built fsdp-run and fsdp-train.
 """
@@ -88,10 +93,11 @@ def run_case(a, case):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = []
     for i in range(n):
+        mem = ["--mem-dir", "mem%d" % i, "--mem-every", str(a.mem_every)] if a.mem_every else []
         cmd = [os.path.join(a.build, "fsdp-run"), "--nnodes", "%d:%d" % (n - 1, n),
                "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", port,
                "--max-restarts", "1", "--heartbeat-timeout", str(a.heartbeat_timeout),
-               "--last-call-timeout", str(a.last_call_timeout), "--grace-period", "2"] + train
+               "--last-call-timeout", str(a.last_call_timeout), "--grace-period", "2"] + train + mem
         nodes.append(Node(i, cmd, work, env))
     n0, victim = nodes[0], nodes[-1]
     deadline = time.monotonic() + 300
@@ -113,6 +119,8 @@ def run_case(a, case):
         os.killpg(victim.proc.pid, signal.SIGSTOP)
         for r in ranks:
             os.kill(r, signal.SIGSTOP)
+    if case != "rank":  # the host's memory goes with it
+        shutil.rmtree(os.path.join(work, "mem%d" % (n - 1)), ignore_errors=True)
     last_before = max(steps_before) if steps_before else 0
     survivors = nodes if case == "rank" else nodes[:-1]
     for node in survivors:
@@ -130,7 +138,7 @@ def run_case(a, case):
                 os.kill(r, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    result = {"case": case, "nodes": n, "save_every": a.save_every,
+    result = {"case": case, "nodes": n, "save_every": a.save_every, "mem_every": a.mem_every,
               "failed_after_step": last_before,
               "exit_codes": [node.proc.returncode for node in survivors]}
     detect = n0.first(r"^fsdp-run: .*stopping th", t_fail)
@@ -164,6 +172,8 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--at-step", type=int, default=17)
+    ap.add_argument("--mem-every", type=int, default=0,
+                    help="in-memory checkpoints every K steps (0: none)")
     ap.add_argument("--heartbeat-timeout", type=float, default=5)
     ap.add_argument("--last-call-timeout", type=float, default=2)
     ap.add_argument("--json", default=None)

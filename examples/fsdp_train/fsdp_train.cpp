@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iterator>
@@ -59,6 +60,8 @@ struct Flags {
   int keep_last = 3;
   bool async_save = false;
   bool node_local = false;
+  std::string mem_dir;
+  int64_t mem_every = 1;
   bool resume = false;
   std::string export_file;
   std::string eval_logits;
@@ -196,7 +199,14 @@ Flags parse_flags(int argc, char** argv, int rank) {
   app.add_flag("--node-local", f.node_local,
                "Hosts do not share --save-dir: each keeps its own ranks' files (a resume reads "
                "every host's)");
-  app.add_flag("--resume", f.resume, "Continue from the latest checkpoint in --save-dir");
+  app.add_option("--mem-dir", f.mem_dir,
+                 "In-memory checkpoints: every --mem-every steps each host keeps its ranks' "
+                 "shards here (put it on a tmpfs such as /dev/shm, one per host) and a copy of "
+                 "the previous host's; --resume takes them when newer than --save-dir's");
+  app.add_option("--mem-every", f.mem_every, "In-memory checkpoint every K steps")
+      ->check(CLI::Range(int64_t{1}, kMax));
+  app.add_flag("--resume", f.resume,
+               "Continue from the latest checkpoint in --save-dir (or --mem-dir, if newer)");
   app.add_option("--export", f.export_file,
                  "Consolidated weights at the end: FILE.pt (torch.load) or safetensors");
   app.add_option("--eval-logits", f.eval_logits,
@@ -226,6 +236,8 @@ void check_flags(const Flags& f, int world) {
          " is not divisible by the world size " + std::to_string(world));
   if ((f.save_every > 0 || f.resume || f.async_save) && f.save_dir.empty())
     fail("--save-every, --resume and --async-save need --save-dir");
+  if (!f.mem_dir.empty() && f.mem_dir == f.save_dir)
+    fail("--mem-dir must differ from --save-dir (it keeps only the newest step)");
   // Files only rank 0 writes: every rank checks their folder, so that none is left waiting.
   for (const std::string& out : {f.metrics, f.export_file, f.eval_logits}) {
     if (out.empty()) continue;
@@ -285,6 +297,9 @@ class Trainer {
         opt_(make_optimizer(f, unique_params(model_->parameters()))) {
     if (f.async_save)
       saver_.emplace(ckpt::SaveOptions().keep_last(f.keep_last).node_local(f.node_local));
+    // The newest step only, on every host with a copy on the next one, written in the background.
+    if (!f.mem_dir.empty())
+      mem_saver_.emplace(ckpt::SaveOptions().keep_last(1).node_local(true).replicas(2));
   }
 
   // Trains to --steps (resuming first with --resume), saves the final state, exports.
@@ -302,10 +317,12 @@ class Trainer {
       // run dies right after the save (scripts/chaos.py stitches the logs of interrupted runs).
       if (step_ % f_.log_every == 0 || step_ == f_.steps) log(loss);
       if (save_now) save(step_);
+      if (mem_saver_ && step_ % f_.mem_every == 0) save_in_memory();
     }
     // Without --save-every, --save-dir still gets the final state.
     if (!f_.save_dir.empty() && saved_at_ != step_) save(step_);
     if (saver_) saver_->wait();  // the last save is committed before we report success
+    if (mem_saver_) drop_in_memory();
     if (metrics_) std::fclose(metrics_);
     metrics_ = nullptr;
     if (!f_.export_file.empty() || !f_.eval_logits.empty()) export_results();
@@ -360,6 +377,10 @@ class Trainer {
     // Agreed across the ranks: with node-local checkpoints, a host whose disk is empty follows
     // the others, and a step a crash committed on some hosts only is passed over.
     auto dir = ckpt::agreed_latest_checkpoint(f_.save_dir, pg_);
+    if (!f_.mem_dir.empty()) {
+      const auto mem = newer_in_memory(dir);
+      if (mem) dir = mem;
+    }
     if (!dir) {
       if (rank_ == 0)
         std::printf("no checkpoint in %s yet: starting from step 0\n", f_.save_dir.c_str());
@@ -383,6 +404,56 @@ class Trainer {
     if (rank_ == 0)
       std::printf("resumed from %s at step %lld (world size %d)\n", dir->c_str(),
                   static_cast<long long>(step_), world_);
+  }
+
+  // The in-memory checkpoint, if it is as new as the disk's `disk` or newer and the hosts hold
+  // every file of it (each host's files are also on the next host, so the loss of one host loses
+  // nothing; the loss of two neighbours can).
+  std::optional<std::string> newer_in_memory(const std::optional<std::string>& disk) {
+    const auto mem = ckpt::agreed_latest_checkpoint(f_.mem_dir, pg_);
+    if (!mem || (disk && step_of(*mem) < step_of(*disk))) return std::nullopt;
+    const std::vector<std::string> missing = ckpt::missing_files(*mem, pg_);
+    if (missing.empty()) return mem;
+    if (rank_ == 0)
+      std::printf(
+          "in-memory checkpoint %s lost %zu of its data files (%s%s) with their hosts: resuming "
+          "from %s\n",
+          mem->c_str(), missing.size(), missing.front().c_str(), missing.size() > 1 ? ", ..." : "",
+          disk ? disk->c_str() : "step 0");
+    return std::nullopt;
+  }
+
+  // The step of a checkpoint directory named `step_<N>` (or `.step_<N>.aside`).
+  static int64_t step_of(const std::string& dir) {
+    const size_t at = dir.rfind("step_");
+    return at == std::string::npos ? -1 : std::atoll(dir.c_str() + at + 5);
+  }
+
+  // In the background, into --mem-dir: only the newest step is kept. Its cost is said once.
+  void save_in_memory() {
+    mem_saver_->save_step(state(step_), f_.mem_dir, step_);
+    if (said_mem_cost_ || rank_ != 0) return;
+    said_mem_cost_ = true;
+    const double mb = static_cast<double>(mem_saver_->staging_bytes()) / (1 << 20);
+    std::printf(
+        "in-memory checkpoints every %lld steps in %s: %.1f MB of state on rank 0, held three "
+        "times per rank (the snapshot, its own files, a copy of another host's rank) and up to "
+        "five times while a save replaces the last\n",
+        static_cast<long long>(f_.mem_every), f_.mem_dir.c_str(), mb);
+  }
+
+  // After the last save: the in-memory checkpoints have served. Each host's first rank removes
+  // what the saves made in --mem-dir (the directory itself may be a shared place such as /dev/shm).
+  void drop_in_memory() {
+    mem_saver_->wait();
+    pg_.barrier();
+    if (fsdp::dist::env_info().local_rank != 0) return;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(f_.mem_dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step_", 0) == 0 || name.rfind(".step_", 0) == 0 || name == "latest")
+        std::filesystem::remove_all(e.path(), ec);
+    }
   }
 
   void open_metrics() {
@@ -513,6 +584,8 @@ class Trainer {
   fsdp::FullyShardedDataParallel model_;
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::optional<ckpt::AsyncSaver> saver_;
+  std::optional<ckpt::AsyncSaver> mem_saver_;  // --mem-dir
+  bool said_mem_cost_ = false;
   int64_t step_ = 0;
   int64_t saved_at_ = 0;     // the step of the newest checkpoint (or where we resumed)
   int64_t data_offset_ = 0;  // the last step's data position (Batch::first_offset)
