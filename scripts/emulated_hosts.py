@@ -2,7 +2,8 @@
 """Emulated hosts (issue 40): N Linux network namespaces on a bridge, a command run on each.
 
   scripts/emulated_hosts.py [--hosts 2] [--subnet 10.77.7] [--node-dir /tmp/fsdp-node] [--node-root D]
-                            [--rate 1gbit] [--delay 1ms] [--timeout 600] -- COMMAND
+                            [--rate 1gbit] [--delay 1ms] [--timeout 600]
+                            [--lose-host I --lose-on REGEX [--lose-dir]] -- COMMAND
 
 Host i is a network namespace with one link, addressed SUBNET.(i+1)/24, plugged into a bridge
 that lives in a namespace of its own: nothing is added to, and no address is used in, this
@@ -18,11 +19,18 @@ exited 0, else the first failing host's status (124 on --timeout). Once a host's
 the others get --linger seconds to end on their own, then are killed (and named). With --counters, the bytes
 each host's link sent and received are printed at the end (one JSON line per host).
 
+With --lose-host I, host I is lost when a line of output (with its [hJ] prefix) first matches
+--lose-on: its link goes down, then every process of its command is SIGKILLed (so no connection
+is closed or reset: the others hear nothing, as from a machine that lost power), and with
+--lose-dir its directory is emptied (its disk or tmpfs gone with it). "emulated_hosts: host I
+lost" is printed then, and its exit does not count.
+
 Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2; exits 77 (skipped) without them.
 """
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -91,10 +99,65 @@ class Hosts:
             sh("ip", "netns", "del", ns, check=False)
 
 
-def pump(stream, prefix):
+def descendants(pid):
+    """`pid` and every process below it."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/%s/stat" % entry) as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parent.setdefault(int(stat[stat.rfind(")") + 2:].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parent.get(p, []))
+    return out
+
+
+class Loss:
+    """--lose-host: host `index` is lost at the first line matching `pattern`."""
+
+    def __init__(self, hosts, index, pattern, own_dir):
+        self.hosts, self.index, self.own_dir = hosts, index, own_dir
+        self.pattern = re.compile(pattern.encode())
+        self.proc, self.done, self.lock = None, False, threading.Lock()
+
+    def see(self, line):
+        if self.done or not self.pattern.search(line):
+            return
+        with self.lock:
+            if self.done:
+                return
+            self.done = True
+            sh("ip", "-n", self.hosts.ns[self.index], "link", "set", self.hosts.ifname, "down",
+               check=False)
+            for pid in descendants(self.proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if self.own_dir:
+                for name in os.listdir(self.own_dir):
+                    path = os.path.join(self.own_dir, name)
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.remove(path)
+            sys.stdout.buffer.write(b"emulated_hosts: host %d lost (link down, processes killed%s)\n"
+                                    % (self.index, b", directory emptied" if self.own_dir else b""))
+            sys.stdout.flush()
+
+
+def pump(stream, prefix, loss=None):
     for line in iter(stream.readline, b""):
         sys.stdout.buffer.write(prefix + line)
         sys.stdout.flush()
+        if loss:
+            loss.see(prefix + line)
 
 
 def main():
@@ -114,6 +177,9 @@ def main():
     ap.add_argument("--linger", type=float, default=30,
                     help="seconds the other hosts may go on after one host's command failed")
     ap.add_argument("--counters", action="store_true", help="print each link's byte counters")
+    ap.add_argument("--lose-host", type=int, default=None, help="the host to lose (see above)")
+    ap.add_argument("--lose-on", default=None, help="when a line of output matches this regex")
+    ap.add_argument("--lose-dir", action="store_true", help="and empty its directory")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
@@ -122,9 +188,11 @@ def main():
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
         print("emulated_hosts: needs root, iproute2 and unshare: skipped", file=sys.stderr)
         return 77
+    if (a.lose_host is None) != (a.lose_on is None) or not 0 <= (a.lose_host or 0) < a.hosts:
+        ap.error("--lose-host I (0 <= I < --hosts) and --lose-on go together")
     hosts = Hosts(a.hosts, a.subnet, "fsdpemu%d" % os.getpid())
     work = tempfile.mkdtemp(prefix="fsdp-hosts-")
-    procs, rc = [], 0
+    procs, rc, loss = [], 0, None
     old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         try:
@@ -140,6 +208,8 @@ def main():
         for i, ns in enumerate(hosts.ns):
             own = os.path.join(a.node_root or work, "h%d" % i)
             os.makedirs(own, exist_ok=bool(a.node_root))
+            if i == a.lose_host:
+                loss = Loss(hosts, i, a.lose_on, own if a.lose_dir else None)
             env = dict(os.environ, FSDP_HOST_INDEX=str(i), FSDP_HOST_COUNT=str(a.hosts),
                        FSDP_HOST_ADDR=hosts.addr(i), FSDP_MASTER_HOST=hosts.addr(0),
                        FSDP_HOST_IFNAME=hosts.ifname, FSDP_NODE_DIR=a.node_dir)
@@ -149,9 +219,14 @@ def main():
                                   "--propagation", "private", "sh", "-c", inner, " ".join(cmd)],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  start_new_session=True)
-            t = threading.Thread(target=pump, args=(p.stdout, b"[h%d] " % i), daemon=True)
+            if i == a.lose_host:
+                loss.proc = p
+            procs.append((p, None))
+        # The pumps start once every host's process is known, so that a loss can always act.
+        for i, (p, _) in enumerate(procs):
+            t = threading.Thread(target=pump, args=(p.stdout, b"[h%d] " % i, loss), daemon=True)
             t.start()
-            procs.append((p, t))
+            procs[i] = (p, t)
         deadline = time.monotonic() + a.timeout
         first = None
         while any(p.poll() is None for p, _ in procs):
@@ -164,11 +239,15 @@ def main():
                 first = first or (left[0], 124)
                 break
             for i, (p, _) in enumerate(procs):
+                if i == a.lose_host and loss.done:
+                    continue  # lost on purpose
                 if p.poll() not in (None, 0) and first is None:
                     first = (i, p.returncode)
                     deadline = min(deadline, time.monotonic() + a.linger)
             time.sleep(0.05)
         for i, (p, _) in enumerate(procs):  # those that ended between two looks
+            if i == a.lose_host and loss.done:
+                continue
             if first is None and p.poll() not in (None, 0):
                 first = (i, p.returncode)
         rc = first[1] if first else 0
@@ -183,7 +262,8 @@ def main():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-            t.join(timeout=5)
+            if t:
+                t.join(timeout=5)
         hosts.destroy()
         shutil.rmtree(work, ignore_errors=True)
         signal.signal(signal.SIGTERM, old)
