@@ -11,17 +11,22 @@ node once node 0 has logged step --at-step:
          notice by the launcher's heartbeat, or by a collective's timeout).
 
 With --mem-every K, fsdp-train also keeps in-memory checkpoints every K steps (--mem-dir, one
-directory per node standing for its tmpfs, each host's files copied to the next host); a killed
-host's directory is removed with it, as its memory would be.
+directory per node under /dev/shm, standing for its tmpfs; each host's files are copied to the
+next host); a killed host's directory is removed with it, as its memory would be.
+
+With --overhead K,K,..., no failure is injected: the same job runs uninterrupted with in-memory
+checkpoints every K steps (0: none), --repeats times in turn, and the median step time of each
+(between node 0's step lines, the first 3 steps left out) is reported against the first K's.
 
 From node 0's output, timed as it arrives, it reports: the time from the failure to the job's
 first step after it (recovery), split into detection (until node 0's launcher says it is
 stopping its ranks), the restart (until the round formed) and the resume (until the first step),
-and the steps lost (the steps logged before the failure that had to be redone). Each case is one
-run; the final step must be reached.
+the steps lost (the steps logged before the failure that had to be redone), and the time until
+the job is back where it was (its first step past the last one logged before the failure). Each
+case is one run; the final step must be reached.
 
     scripts/recovery_times.py [--build build] [--nodes 3] [--cases rank,host,hang]
-                              [--mem-every K] [--json F]
+                              [--mem-every K] [--overhead 0,1,10 --repeats 3] [--json F]
 
 Needs only Python's standard library and the built fsdp-run and fsdp-train.
 """
@@ -83,22 +88,58 @@ class Node:
         return None
 
 
-def run_case(a, case):
-    work = tempfile.mkdtemp(prefix="fsdp_recovery_")
+def start_nodes(a, work, memroot, mem_every, extra):
+    """The job's launchers, one per node, in `work`; in-memory checkpoints in `memroot`."""
     port = str(free_port())
     n = a.nodes
     train = [os.path.join(a.build, "examples", "fsdp-train"), "--steps", str(a.steps),
              "--save-every", str(a.save_every), "--log-every", "1", "--save-dir", "ck",
-             "--resume"]
+             "--resume"] + a.train.split() + extra
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = []
     for i in range(n):
-        mem = ["--mem-dir", "mem%d" % i, "--mem-every", str(a.mem_every)] if a.mem_every else []
+        mem = (["--mem-dir", os.path.join(memroot, "mem%d" % i), "--mem-every", str(mem_every)]
+               if mem_every else [])
         cmd = [os.path.join(a.build, "fsdp-run"), "--nnodes", "%d:%d" % (n - 1, n),
                "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", port,
                "--max-restarts", "1", "--heartbeat-timeout", str(a.heartbeat_timeout),
                "--last-call-timeout", str(a.last_call_timeout), "--grace-period", "2"] + train + mem
         nodes.append(Node(i, cmd, work, env))
+    return nodes
+
+
+def shm_dir(prefix):
+    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+def overhead(a, mem_every):
+    """The uninterrupted job with in-memory checkpoints every `mem_every` steps: whether it ended
+    well, its median step time (s; between node 0's step lines, the first 3 steps left out) and
+    the state in MB that rank 0 says it keeps."""
+    work, memroot = tempfile.mkdtemp(prefix="fsdp_overhead_"), shm_dir("fsdp_mem_")
+    nodes = start_nodes(a, work, memroot, mem_every, [])
+    for node in nodes:
+        node.proc.wait(timeout=600)
+    node0 = list(nodes[0].lines)
+    ok = all(node.proc.returncode == 0 for node in nodes)
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(memroot, ignore_errors=True)
+    at, state_mb = {}, None
+    for t, line in node0:
+        m = re.search(r"\] step (\d+)/", line)
+        if m:
+            at[int(m.group(1))] = t
+        m = re.search(r"([0-9.]+) MB of state on rank 0", line)
+        if m:
+            state_mb = float(m.group(1))
+    steps = sorted(at[s] - at[s - 1] for s in at if s > 3 and s - 1 in at)
+    return ok and bool(steps), steps[len(steps) // 2] if steps else float("nan"), state_mb
+
+
+def run_case(a, case):
+    work, memroot = tempfile.mkdtemp(prefix="fsdp_recovery_"), shm_dir("fsdp_mem_")
+    n = a.nodes
+    nodes = start_nodes(a, work, memroot, a.mem_every, [])
     n0, victim = nodes[0], nodes[-1]
     deadline = time.monotonic() + 300
     step_re = r"\] step (\d+)/"
@@ -120,7 +161,7 @@ def run_case(a, case):
         for r in ranks:
             os.kill(r, signal.SIGSTOP)
     if case != "rank":  # the host's memory goes with it
-        shutil.rmtree(os.path.join(work, "mem%d" % (n - 1)), ignore_errors=True)
+        shutil.rmtree(os.path.join(memroot, "mem%d" % (n - 1)), ignore_errors=True)
     last_before = max(steps_before) if steps_before else 0
     survivors = nodes if case == "rank" else nodes[:-1]
     for node in survivors:
@@ -153,6 +194,11 @@ def run_case(a, case):
         if first:
             result["recovery_s"] = round(first[0] - t_fail, 2)
             result["resume_s"] = round(first[0] - (formed or resumed)[0], 2)
+        # Progress regained: the first step the failure kept the job from (the redone steps
+        # included).
+        back = n0.first(r"\] step %d/" % (last_before + 1), t_fail)
+        if back:
+            result["regained_s"] = round(back[0] - t_fail, 2)
     if detect:
         result["detection_s"] = round(detect[0] - t_fail, 2)
     if detect and formed:
@@ -161,6 +207,7 @@ def run_case(a, case):
     if not result["finished"] or "recovery_s" not in result:
         result["log_tail"] = [l for _, l in n0.lines[-15:]]
     shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(memroot, ignore_errors=True)
     return result
 
 
@@ -176,9 +223,31 @@ def main():
                     help="in-memory checkpoints every K steps (0: none)")
     ap.add_argument("--heartbeat-timeout", type=float, default=5)
     ap.add_argument("--last-call-timeout", type=float, default=2)
+    ap.add_argument("--train", default="", help="more fsdp-train arguments (the model's size)")
+    ap.add_argument("--overhead", default=None, help="K,K,...: step times, no failure")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.build = os.path.abspath(a.build)
+    if a.overhead:
+        ks = [int(k) for k in a.overhead.split(",")]
+        times, state_mb, ok = {k: [] for k in ks}, None, True
+        for _ in range(a.repeats):
+            for k in ks:
+                good, t, mb = overhead(a, k)
+                ok, state_mb = ok and good, mb or state_mb
+                times[k].append(t)
+        base = sorted(times[ks[0]])[a.repeats // 2]
+        out = {"nodes": a.nodes, "train": a.train, "state_mb_rank0": state_mb,
+               "median_step_ms": {k: round(1000 * sorted(v)[a.repeats // 2], 2)
+                                  for k, v in times.items()}}
+        out["ratio_to_%d" % ks[0]] = {k: round(sorted(v)[a.repeats // 2] / base, 3)
+                                      for k, v in times.items()}
+        print(json.dumps(out), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                f.write(json.dumps(out) + "\n")
+        return 0 if ok else 1
     results = []
     for case in a.cases.split(","):
         r = run_case(a, case)

@@ -254,6 +254,8 @@ TEST(FsdpTrain, BadFlagsAndDataAreOneLinePerRank) {
       {"--global-batch 7", "--global-batch 7 is not divisible by the world size 2"},
       {"--sharding bogus", "--sharding"},
       {"--resume", "need --save-dir"},
+      {"--save-dir ck --replicas 2", "--replicas needs --node-local"},
+      {"--save-dir ck --mem-dir ck", "--mem-dir must differ from --save-dir"},
       {"--steps -1", "--steps"},
       {"--metrics /nonexistent/m.jsonl", "cannot write /nonexistent/m.jsonl"},
   };

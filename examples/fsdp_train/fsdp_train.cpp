@@ -12,7 +12,10 @@
 //
 // Checkpoints (model, optimizer, and the trainer's step and data position) go through
 // fsdp::checkpoint into <save-dir>/step_<N> with a `latest` pointer; --resume continues from the
-// newest complete one whatever world size, sharding strategy or use_orig_params wrote it.
+// newest complete one whatever world size, sharding strategy or use_orig_params wrote it. With
+// --mem-dir, every --mem-every steps the same state also goes, in the background, to an in-memory
+// checkpoint on each host (a tmpfs) with a copy on the next host, which a resume prefers when it
+// is newer and no file of it was lost.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -60,6 +63,7 @@ struct Flags {
   int keep_last = 3;
   bool async_save = false;
   bool node_local = false;
+  int replicas = 1;
   std::string mem_dir;
   int64_t mem_every = 1;
   bool resume = false;
@@ -199,6 +203,10 @@ Flags parse_flags(int argc, char** argv, int rank) {
   app.add_flag("--node-local", f.node_local,
                "Hosts do not share --save-dir: each keeps its own ranks' files (a resume reads "
                "every host's)");
+  app.add_option("--replicas", f.replicas,
+                 "With --node-local: how many hosts hold each data file (2: a host's disk can be "
+                 "lost)")
+      ->check(CLI::Range(1, 1000));
   app.add_option("--mem-dir", f.mem_dir,
                  "In-memory checkpoints: every --mem-every steps each host keeps its ranks' "
                  "shards here (put it on a tmpfs such as /dev/shm, one per host) and a copy of "
@@ -236,6 +244,7 @@ void check_flags(const Flags& f, int world) {
          " is not divisible by the world size " + std::to_string(world));
   if ((f.save_every > 0 || f.resume || f.async_save) && f.save_dir.empty())
     fail("--save-every, --resume and --async-save need --save-dir");
+  if (f.replicas > 1 && !f.node_local) fail("--replicas needs --node-local");
   if (!f.mem_dir.empty() && f.mem_dir == f.save_dir)
     fail("--mem-dir must differ from --save-dir (it keeps only the newest step)");
   // Files only rank 0 writes: every rank checks their folder, so that none is left waiting.
@@ -295,8 +304,7 @@ class Trainer {
         cfg_(model_config(f)),
         model_(gpt::GPT(cfg_, f.seed), wrap_options(f)),
         opt_(make_optimizer(f, unique_params(model_->parameters()))) {
-    if (f.async_save)
-      saver_.emplace(ckpt::SaveOptions().keep_last(f.keep_last).node_local(f.node_local));
+    if (f.async_save) saver_.emplace(disk_options());
     // The newest step only, on every host with a copy on the next one, written in the background.
     if (!f.mem_dir.empty())
       mem_saver_.emplace(ckpt::SaveOptions().keep_last(1).node_local(true).replicas(2));
@@ -429,6 +437,13 @@ class Trainer {
     return at == std::string::npos ? -1 : std::atoll(dir.c_str() + at + 5);
   }
 
+  ckpt::SaveOptions disk_options() const {
+    return ckpt::SaveOptions()
+        .keep_last(f_.keep_last)
+        .node_local(f_.node_local)
+        .replicas(f_.replicas);
+  }
+
   // In the background, into --mem-dir: only the newest step is kept. Its cost is said once.
   void save_in_memory() {
     mem_saver_->save_step(state(step_), f_.mem_dir, step_);
@@ -465,11 +480,10 @@ class Trainer {
   void save(int64_t at_step) {
     saved_at_ = at_step;
     fsdp::StateDict sd = state(at_step);
-    const auto o = ckpt::SaveOptions().keep_last(f_.keep_last).node_local(f_.node_local);
     if (saver_) {
       saver_->save_step(sd, f_.save_dir, at_step);
     } else {
-      ckpt::save_step(sd, f_.save_dir, at_step, o);
+      ckpt::save_step(sd, f_.save_dir, at_step, disk_options());
     }
   }
 
