@@ -135,18 +135,26 @@ class Loss:
             self.done = True
             sh("ip", "-n", self.hosts.ns[self.index], "link", "set", self.hosts.ifname, "down",
                check=False)
-            for pid in descendants(self.proc.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            # Its session first (nothing in it forks after that), then whatever left it (ranks
+            # a launcher started in sessions of their own), twice for any forked in between.
+            for pids in ([self.proc.pid], descendants(self.proc.pid), descendants(self.proc.pid)):
+                for pid in pids:
+                    try:
+                        if pid == self.proc.pid:
+                            os.killpg(pid, signal.SIGKILL)
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
             if self.own_dir:
                 for name in os.listdir(self.own_dir):
                     path = os.path.join(self.own_dir, name)
-                    if os.path.isdir(path) and not os.path.islink(path):
-                        shutil.rmtree(path, ignore_errors=True)
-                    else:
-                        os.remove(path)
+                    try:
+                        if os.path.isdir(path) and not os.path.islink(path):
+                            shutil.rmtree(path)
+                        else:
+                            os.remove(path)
+                    except OSError as e:
+                        print("emulated_hosts: cannot empty %s: %s" % (path, e), file=sys.stderr)
             sys.stdout.buffer.write(b"emulated_hosts: host %d lost (link down, processes killed%s)\n"
                                     % (self.index, b", directory emptied" if self.own_dir else b""))
             sys.stdout.flush()
@@ -188,8 +196,9 @@ def main():
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
         print("emulated_hosts: needs root, iproute2 and unshare: skipped", file=sys.stderr)
         return 77
-    if (a.lose_host is None) != (a.lose_on is None) or not 0 <= (a.lose_host or 0) < a.hosts:
-        ap.error("--lose-host I (0 <= I < --hosts) and --lose-on go together")
+    if ((a.lose_host is None) != (a.lose_on is None) or not 0 <= (a.lose_host or 0) < a.hosts
+            or (a.lose_dir and a.lose_host is None)):
+        ap.error("--lose-host I (0 <= I < --hosts) and --lose-on go together (--lose-dir with them)")
     hosts = Hosts(a.hosts, a.subnet, "fsdpemu%d" % os.getpid())
     work = tempfile.mkdtemp(prefix="fsdp-hosts-")
     procs, rc, loss = [], 0, None

@@ -118,12 +118,18 @@ def overhead(a, mem_every):
     the state in MB that rank 0 says it keeps."""
     work, memroot = tempfile.mkdtemp(prefix="fsdp_overhead_"), shm_dir("fsdp_mem_")
     nodes = start_nodes(a, work, memroot, mem_every, [])
-    for node in nodes:
-        node.proc.wait(timeout=600)
+    try:
+        for node in nodes:
+            node.proc.wait(timeout=600)
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+                node.proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(memroot, ignore_errors=True)
     node0 = list(nodes[0].lines)
     ok = all(node.proc.returncode == 0 for node in nodes)
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.rmtree(memroot, ignore_errors=True)
     at, state_mb = {}, None
     for t, line in node0:
         m = re.search(r"\] step (\d+)/", line)

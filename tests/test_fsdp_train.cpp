@@ -240,6 +240,35 @@ TEST(FsdpTrain, MaxRestartsRestartsAKilledJobWhichFinishesAsIfUninterrupted) {
   EXPECT_EQ(max_diff(dir.file("final.pt"), ref.file("final.pt")), 0.0);
 }
 
+// An in-memory checkpoint newer than the disk's is taken; one that fails its checksums is passed
+// over for the disk's (every rank's collective load fails together), and the run goes on from
+// there. The in-memory step is a copy of the disk's step 4 under the name step_6.
+TEST(FsdpTrain, ADamagedInMemoryCheckpointFallsBackToTheDisk) {
+  TempDir dir;
+  train(2, dir.path(), "--steps 4 --save-dir ck");
+  namespace fs = std::filesystem;
+  fs::create_directories(dir.file("mem"));
+  fs::copy(dir.file("ck/step_4"), dir.file("mem/step_6"));
+  const std::string args = "--steps 5 --save-dir ck --resume --mem-dir mem --keep-last 0";
+  std::string out = train(2, dir.path(), args);
+  EXPECT_EQ(count_lines_with(out, "[r0] resumed from mem/step_6 at step 4"), 1) << out;
+  fs::remove_all(dir.file("ck/step_5"));
+  std::ofstream(dir.file("ck/latest"), std::ios::trunc) << "step_4\n";
+  fs::copy(dir.file("ck/step_4"), dir.file("mem/step_6"));
+  {
+    std::fstream f(dir.file("mem/step_6/__1_0.distcp"),
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x7f');
+  }
+  out = train(2, dir.path(), args);
+  EXPECT_EQ(count_lines_with(out, "[r0] in-memory checkpoint mem/step_6 cannot be used ("), 1)
+      << out;
+  EXPECT_NE(out.find("checksum"), std::string::npos) << out;
+  EXPECT_EQ(count_lines_with(out, "[r0] resumed from ck/step_4 at step 4"), 1) << out;
+  EXPECT_EQ(count_lines_with(out, "[r0] step 5/5"), 1) << out;
+}
+
 TEST(FsdpTrain, BadFlagsAndDataAreOneLinePerRank) {
   TempDir dir;
   {

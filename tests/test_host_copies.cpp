@@ -156,7 +156,13 @@ TEST(HostCopies, TwoCopiesSurviveTheLossOfAnyOneHost) {
               std::string::npos)
         << e;
     EXPECT_EQ(ckpt::default_file_io().is_dir(dir_of("bad", host)), 0);
-    // Options that cannot hold.
+    // Options that cannot hold: ranks that would plan different copies fail together.
+    const std::string mixed = error_of([&] {
+      ckpt::save(sd, dir_of("mixed", host), ckpt::SaveOptions(o).replicas(pg.rank() == 3 ? 3 : 2));
+    });
+    EXPECT_NE(mixed.find("ranks 0 and 3 pass different SaveOptions::replicas (2 and 3)"),
+              std::string::npos)
+        << mixed;
     EXPECT_NE(error_of([&] {
                 ckpt::save(sd, tmp.file("x"), ckpt::SaveOptions().replicas(2));
               }).find("replicas(2) needs node_local(true)"),

@@ -15,7 +15,7 @@
 // newest complete one whatever world size, sharding strategy or use_orig_params wrote it. With
 // --mem-dir, every --mem-every steps the same state also goes, in the background, to an in-memory
 // checkpoint on each host (a tmpfs) with a copy on the next host, which a resume prefers when it
-// is newer and no file of it was lost.
+// is at least as new and no file of it was lost.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -32,6 +32,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fsdp/checkpoint/async_save.h"
@@ -209,8 +210,9 @@ Flags parse_flags(int argc, char** argv, int rank) {
       ->check(CLI::Range(1, 1000));
   app.add_option("--mem-dir", f.mem_dir,
                  "In-memory checkpoints: every --mem-every steps each host keeps its ranks' "
-                 "shards here (put it on a tmpfs such as /dev/shm, one per host) and a copy of "
-                 "the previous host's; --resume takes them when newer than --save-dir's");
+                 "shards here (a directory of this job on a tmpfs, e.g. /dev/shm/JOB, on each "
+                 "host) and a copy of the previous host's; --resume takes them when at least "
+                 "as new as --save-dir's. Emptied of them at the end");
   app.add_option("--mem-every", f.mem_every, "In-memory checkpoint every K steps")
       ->check(CLI::Range(int64_t{1}, kMax));
   app.add_flag("--resume", f.resume,
@@ -385,19 +387,20 @@ class Trainer {
     // Agreed across the ranks: with node-local checkpoints, a host whose disk is empty follows
     // the others, and a step a crash committed on some hosts only is passed over.
     auto dir = ckpt::agreed_latest_checkpoint(f_.save_dir, pg_);
-    if (!f_.mem_dir.empty()) {
-      const auto mem = newer_in_memory(dir);
-      if (mem) dir = mem;
-    }
+    if (!f_.mem_dir.empty() && resume_from_memory(dir)) return;
     if (!dir) {
       if (rank_ == 0)
         std::printf("no checkpoint in %s yet: starting from step 0\n", f_.save_dir.c_str());
       return;
     }
+    load_from(*dir);
+  }
+
+  void load_from(const std::string& dir) {
     fsdp::StateDict sd = state(0);
     // Collective: each stored byte is read once across the job (HYBRID_SHARD's replicas share
     // what they read) and sent to the ranks that need it.
-    ckpt::load(sd, *dir, ckpt::LoadOptions().group(&pg_));
+    ckpt::load(sd, dir, ckpt::LoadOptions().group(&pg_));
     ckpt::set_state_dict(model_, *opt_, sd.at("model").dict(), sd.at("optim").dict());
     const fsdp::StateDict& t = sd.at("trainer").dict();
     step_ = t.at("step").to_int();
@@ -406,29 +409,41 @@ class Trainer {
       std::fprintf(stderr,
                    "fsdp-train: warning: %s was trained with --seed %lld --seq-len %lld; "
                    "continuing with the batches of --seed %llu --seq-len %lld\n",
-                   dir->c_str(), static_cast<long long>(t.at("seed").to_int()),
+                   dir.c_str(), static_cast<long long>(t.at("seed").to_int()),
                    static_cast<long long>(t.at("seq_len").to_int()),
                    static_cast<unsigned long long>(f_.seed), static_cast<long long>(f_.seq_len));
     if (rank_ == 0)
-      std::printf("resumed from %s at step %lld (world size %d)\n", dir->c_str(),
+      std::printf("resumed from %s at step %lld (world size %d)\n", dir.c_str(),
                   static_cast<long long>(step_), world_);
   }
 
-  // The in-memory checkpoint, if it is as new as the disk's `disk` or newer and the hosts hold
-  // every file of it (each host's files are also on the next host, so the loss of one host loses
-  // nothing; the loss of two neighbours can).
-  std::optional<std::string> newer_in_memory(const std::optional<std::string>& disk) {
+  // Resumes from the in-memory checkpoint if it is as new as the disk's `disk` or newer and the
+  // hosts hold every file of it (each host's files are also on the next host: losing one host
+  // loses nothing, two neighbours can); whether it did. A copy that is damaged or incomplete
+  // fails every rank's load together (the collective load's guarantee), and the disk is used.
+  bool resume_from_memory(const std::optional<std::string>& disk) {
     const auto mem = ckpt::agreed_latest_checkpoint(f_.mem_dir, pg_);
-    if (!mem || (disk && step_of(*mem) < step_of(*disk))) return std::nullopt;
-    const std::vector<std::string> missing = ckpt::missing_files(*mem, pg_);
-    if (missing.empty()) return mem;
-    if (rank_ == 0)
-      std::printf(
-          "in-memory checkpoint %s lost %zu of its data files (%s%s) with their hosts: resuming "
-          "from %s\n",
-          mem->c_str(), missing.size(), missing.front().c_str(), missing.size() > 1 ? ", ..." : "",
-          disk ? disk->c_str() : "step 0");
-    return std::nullopt;
+    if (!mem || (disk && step_of(*mem) < step_of(*disk))) return false;
+    const std::string fallback = disk ? *disk : std::string("step 0");
+    try {
+      const std::vector<std::string> missing = ckpt::missing_files(*mem, pg_);
+      if (!missing.empty()) {
+        if (rank_ == 0)
+          std::printf(
+              "in-memory checkpoint %s lost %zu of its data files (%s%s) with their hosts: "
+              "resuming from %s\n",
+              mem->c_str(), missing.size(), missing.front().c_str(),
+              missing.size() > 1 ? ", ..." : "", fallback.c_str());
+        return false;
+      }
+      load_from(*mem);
+      return true;
+    } catch (const fsdp::ValueError& e) {  // unreadable or damaged: the same on every rank
+      if (rank_ == 0)
+        std::printf("in-memory checkpoint %s cannot be used (%s): resuming from %s\n", mem->c_str(),
+                    e.what(), fallback.c_str());
+      return false;
+    }
   }
 
   // The step of a checkpoint directory named `step_<N>` (or `.step_<N>.aside`).
@@ -451,23 +466,33 @@ class Trainer {
     said_mem_cost_ = true;
     const double mb = static_cast<double>(mem_saver_->staging_bytes()) / (1 << 20);
     std::printf(
-        "in-memory checkpoints every %lld steps in %s: %.1f MB of state on rank 0, held three "
-        "times per rank (the snapshot, its own files, a copy of another host's rank) and up to "
-        "five times while a save replaces the last\n",
+        "in-memory checkpoints every %lld steps in %s: %.1f MB of state on rank 0, held up to "
+        "three times per rank (the snapshot, its own files and, across hosts of equal size, a "
+        "copy of another host's rank's) and up to five times while a save replaces the last\n",
         static_cast<long long>(f_.mem_every), f_.mem_dir.c_str(), mb);
   }
 
-  // After the last save: the in-memory checkpoints have served. Each host's first rank removes
-  // what the saves made in --mem-dir (the directory itself may be a shared place such as /dev/shm).
+  // After the last save: the in-memory checkpoints have served, and would hold the host's RAM.
+  // Each host's first rank removes what the saves made in --mem-dir. The saver may still be
+  // removing an older step in the background (keep_last), so this goes on until nothing of
+  // theirs is left (for up to 10 s).
   void drop_in_memory() {
     mem_saver_->wait();
     pg_.barrier();
     if (fsdp::dist::env_info().local_rank != 0) return;
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(f_.mem_dir, ec)) {
-      const std::string name = e.path().filename().string();
-      if (name.rfind("step_", 0) == 0 || name.rfind(".step_", 0) == 0 || name == "latest")
-        std::filesystem::remove_all(e.path(), ec);
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      bool left = false;
+      std::error_code ec;
+      for (const auto& e : std::filesystem::directory_iterator(f_.mem_dir, ec)) {
+        const std::string name = e.path().filename().string();
+        if (name.rfind("step_", 0) != 0 && name.rfind(".step_", 0) != 0 && name != "latest")
+          continue;
+        std::error_code gone;
+        std::filesystem::remove_all(e.path(), gone);
+        left = left || gone;
+      }
+      if (!left) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
 

@@ -428,11 +428,19 @@ class SaveRun {
     } catch (const std::exception& e) {
       error = wire::encode(e);
     }
-    const std::vector<std::string> views =
-        group_->all_gather_bytes(error.empty() ? "K" + seen : "E" + error);
+    const std::vector<std::string> views = group_->all_gather_bytes(
+        error.empty() ? "K" + seen + "/" + std::to_string(replicas_) : "E" + error);
     io_.remove(mine);  // every rank has listed: the probe has served (a failure leaves it to the
                        // next save's leader, which removes stale probes)
     throw_first_failure(views, "probing which ranks share ");
+    // Every rank must plan the same copies (host_copies::receivers).
+    for (int r = 1; r < world; ++r)
+      if (views[static_cast<size_t>(r)].substr(1 + static_cast<size_t>(world)) !=
+          views[0].substr(1 + static_cast<size_t>(world)))
+        throw ValueError(detail::msg(
+            kWhat, " of ", dir_, ": ranks 0 and ", r, " pass different SaveOptions::replicas (",
+            views[0].substr(2 + static_cast<size_t>(world)), " and ",
+            views[static_cast<size_t>(r)].substr(2 + static_cast<size_t>(world)), ")"));
     hosts_ = hosts_of(views, parent);
     for (const auto& h : hosts_)
       if (std::find(h.begin(), h.end(), rank_) != h.end()) host_ = h;

@@ -82,23 +82,28 @@ class Copier {
         dir_(dir),
         files_(files),
         sizes_(sizes),
-        round_bytes_(round_bytes),
         me_(g.rank()),
         receivers_(to[static_cast<size_t>(g.rank())]) {
+    // The most copies one rank sends or receives, alike on every rank: each round's piece per
+    // pair is the budget divided by it, so no rank sends or receives more than the budget.
+    std::vector<size_t> fan_in(static_cast<size_t>(g.size()));
+    size_t fan = 1;
+    for (const auto& theirs : to) {
+      fan = std::max(fan, theirs.size());
+      for (int q : theirs) fan = std::max(fan, ++fan_in[static_cast<size_t>(q)]);
+    }
+    piece_bytes_ = std::max<int64_t>(1, round_bytes / static_cast<int64_t>(fan));
     for (int r = 0; r < g.size(); ++r) {
       const auto& theirs = to[static_cast<size_t>(r)];
       if (theirs.empty()) continue;
-      rounds_ = std::max(rounds_, (size_of(r) + round_bytes - 1) / round_bytes);
+      rounds_ = std::max(rounds_, (size_of(r) + piece_bytes_ - 1) / piece_bytes_);
       if (std::find(theirs.begin(), theirs.end(), me_) != theirs.end()) senders_.push_back(r);
     }
     outs_.resize(senders_.size());
-    attempt([&] {
-      for (size_t s = 0; s < senders_.size(); ++s)
-        outs_[s] = std::make_unique<files::OutFile>(io_, path_of(senders_[s]), kWhat);
-    });
   }
 
   std::string run() {
+    if (!prepare()) return error_;  // this rank's error, or none: the failed rank reports its own
     for (int64_t round = 0; round < rounds_; ++round) exchange(round);
     attempt([&] {
       for (auto& o : outs_) o->finish();
@@ -121,29 +126,44 @@ class Copier {
     }
   }
 
+  // The files this rank receives and the buffers of every round, allocated once; an exchange of
+  // verdicts follows, so that a rank that cannot get them stops every rank here rather than
+  // leaving its peers in the first round's exchange. Whether every rank is ready.
+  bool prepare() {
+    attempt([&] {
+      for (size_t s = 0; s < senders_.size(); ++s)
+        outs_[s] = std::make_unique<files::OutFile>(io_, path_of(senders_[s]), kWhat);
+      send_ = at::zeros({piece_bytes_ * static_cast<int64_t>(receivers_.size())}, at::kByte);
+      recv_ = at::empty({piece_bytes_ * static_cast<int64_t>(senders_.size())}, at::kByte);
+    });
+    const std::vector<std::string> ready = g_.all_gather_bytes(error_.empty() ? "K" : "E");
+    return std::all_of(ready.begin(), ready.end(), [](const std::string& v) { return v == "K"; });
+  }
+
   // One round: this rank's piece to each of its receivers, its senders' pieces appended.
   void exchange(int64_t round) {
     const size_t w = static_cast<size_t>(g_.size());
-    const Piece out = receivers_.empty() ? Piece{} : piece(size_of(me_), round, round_bytes_);
+    const Piece out = receivers_.empty() ? Piece{} : piece(size_of(me_), round, piece_bytes_);
     std::vector<int64_t> send_splits(w), recv_splits(w);
     for (int q : receivers_) send_splits[static_cast<size_t>(q)] = out.length;
     int64_t recv_total = 0;
     for (int s : senders_) {
-      recv_splits[static_cast<size_t>(s)] = piece(size_of(s), round, round_bytes_).length;
+      recv_splits[static_cast<size_t>(s)] = piece(size_of(s), round, piece_bytes_).length;
       recv_total += recv_splits[static_cast<size_t>(s)];
     }
     // The piece once per receiver: identical bytes, so their order in `send` cannot matter.
     const at::Tensor send =
-        at::zeros({out.length * static_cast<int64_t>(receivers_.size())}, at::kByte);
-    const at::Tensor recv = at::empty({recv_total}, at::kByte);
-    auto* bytes = static_cast<char*>(send.data_ptr());
+        send_.narrow(0, 0, out.length * static_cast<int64_t>(receivers_.size()));
+    const at::Tensor recv = recv_.narrow(0, 0, recv_total);
+    auto* bytes = static_cast<char*>(send_.data_ptr());
     const auto n = static_cast<size_t>(out.length);
-    attempt([&] {
-      if (n == 0) return;
-      files::pread_all(io_, path_of(me_), out.begin, out.length, bytes, kWhat);
-      sent_.update(bytes, n);
-    });
-    for (size_t i = 1; i < receivers_.size(); ++i) std::memcpy(bytes + i * n, bytes, n);
+    if (n > 0) {
+      attempt([&] {
+        files::pread_all(io_, path_of(me_), out.begin, out.length, bytes, kWhat);
+        sent_.update(bytes, n);
+      });
+      for (size_t i = 1; i < receivers_.size(); ++i) std::memcpy(bytes + i * n, bytes, n);
+    }
     g_.all_to_all_single(recv, send, recv_splits, send_splits);
     attempt([&] {
       const auto* in = static_cast<const char*>(recv.data_ptr());
@@ -165,7 +185,7 @@ class Copier {
       for (int r : senders_) {
         const std::string& theirs = hashes[static_cast<size_t>(r)];
         if (theirs.empty()) continue;  // the sender failed, and reports that itself
-        if (theirs != hash_file(io_, path_of(r), size_of(r), round_bytes_))
+        if (theirs != hash_file(io_, path_of(r), size_of(r), piece_bytes_))
           throw CorruptionError(detail::msg(kWhat, ": the copy of ", files_[static_cast<size_t>(r)],
                                             " received from ", detail::rank(r),
                                             " differs from what it sent"));
@@ -178,12 +198,13 @@ class Copier {
   const std::string& dir_;
   const std::vector<std::string>& files_;
   const std::vector<int64_t>& sizes_;
-  const int64_t round_bytes_;
+  int64_t piece_bytes_ = 1;  // per pair and round
   const int me_;
   const std::vector<int>& receivers_;
   std::vector<int> senders_;  // to this rank, ascending
   int64_t rounds_ = 0;
   std::vector<std::unique_ptr<files::OutFile>> outs_;  // by sender
+  at::Tensor send_, recv_;                             // of a whole round
   files::Xxh3Stream sent_;                             // of this rank's file, as read
   std::string error_;
 };

@@ -22,16 +22,17 @@ using Hosts = std::vector<std::vector<int>>;
 /// the rank's own. Distinct hosts, so `replicas` hosts hold every file (or every host, if fewer).
 std::vector<std::vector<int>> receivers(const Hosts& hosts, int world, int replicas);
 
-/// What one rank sends to one receiver, or receives from one sender, in one exchange at most.
+/// What one rank sends or receives in one exchange, at most.
 constexpr int64_t kRoundBytes = int64_t{64} << 20;
 
 /// Collective over `group`, every rank passing the same `files` (rank r's data file name, in
 /// `dir` on its own host), `sizes` and `to` (receivers()). Sends this rank's file to its
 /// receivers and writes, fsynced, each file it receives into `dir` under the same name: in rounds
-/// of `round_bytes` per pair (one all_to_all_single each), then one exchange of each sender's
-/// checksum of what it read, which every receiver compares with what it wrote. Returns this
-/// rank's failure, wire-encoded (wire_error.h), or "": a rank that fails goes on exchanging, so
-/// every rank returns, and the caller's verdict exchange decides.
+/// (one all_to_all_single each) in which no rank sends or receives more than `round_bytes`, the
+/// buffers allocated once; then one exchange of each sender's checksum of what it read, which
+/// every receiver compares with its copy read back. Returns this rank's failure, wire-encoded
+/// (wire_error.h), or "": a rank that fails goes on exchanging (or all stop together before the
+/// rounds), so every rank returns, and the caller's verdict exchange decides.
 std::string copy(dist::ProcessGroup& group, FileIO& io, const std::string& dir,
                  const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
                  const std::vector<std::vector<int>>& to, int64_t round_bytes = kRoundBytes);
