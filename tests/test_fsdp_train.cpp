@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <utility>
 
 #include "command_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
@@ -331,6 +332,16 @@ class FsdpTrainNodes : public ::testing::Test {
                                                                   << node_[i]->output();
     }
   }
+  // How far the job's final.pt is from an uninterrupted W=1 run of fsdp-train `args` (in `ref`),
+  // and the data-parallel bound: the farther of uninterrupted W=2 and W=3 runs from it.
+  std::pair<double, double> distance_and_bound(const TempDir& ref, const std::string& args) {
+    train(1, ref.path(), args + " --export ref.pt");
+    train(2, ref.path(), args + " --export w2.pt");
+    train(3, ref.path(), args + " --export w3.pt");
+    const double bound = std::max(max_diff(ref.file("w2.pt"), ref.file("ref.pt")),
+                                  max_diff(ref.file("w3.pt"), ref.file("ref.pt")));
+    return {max_diff(dir_.file("final.pt"), ref.file("ref.pt")), bound};
+  }
   // CPU seconds (user + system) `pid` has used.
   static double cpu_seconds(pid_t pid) {
     std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
@@ -481,12 +492,7 @@ TEST_F(FsdpTrainNodes, ElasticJobShrinksAfterALostHostAndGrowsBack) {
   EXPECT_EQ(count_lines_with(out, "(world size 2)"), 1) << out;
   EXPECT_EQ(count_lines_with(out, "(world size 3)"), 1) << out;
   TempDir ref;
-  train(1, ref.path(), args + " --export ref.pt");
-  train(2, ref.path(), args + " --export w2.pt");
-  train(3, ref.path(), args + " --export w3.pt");
-  const double bound = std::max(max_diff(ref.file("w2.pt"), ref.file("ref.pt")),
-                                max_diff(ref.file("w3.pt"), ref.file("ref.pt")));
-  const double got = max_diff(dir_.file("final.pt"), ref.file("ref.pt"));
+  const auto [got, bound] = distance_and_bound(ref, args);
   std::printf("elastic run vs W=1: %.3g apart; uninterrupted W=2 and W=3 runs: up to %.3g\n", got,
               bound);
   EXPECT_LE(got, 4 * bound + 1e-6) << "bound " << bound;
@@ -528,12 +534,7 @@ TEST_F(FsdpTrainNodes, ALostHostResumesFromTheInMemoryCopies) {
   EXPECT_NE(out.find("(world size 2)", at), std::string::npos) << out;
   EXPECT_EQ(ckpt::list_steps(dir_.file("mem0")), std::vector<int64_t>{}) << "left in memory";
   TempDir ref;
-  train(1, ref.path(), args + " --export ref.pt");
-  train(2, ref.path(), args + " --export w2.pt");
-  train(3, ref.path(), args + " --export w3.pt");
-  const double bound = std::max(max_diff(ref.file("w2.pt"), ref.file("ref.pt")),
-                                max_diff(ref.file("w3.pt"), ref.file("ref.pt")));
-  const double got = max_diff(dir_.file("final.pt"), ref.file("ref.pt"));
+  const auto [got, bound] = distance_and_bound(ref, args);
   std::printf("resumed from memory at step %lld; vs W=1: %.3g apart (uninterrupted: up to %.3g)\n",
               static_cast<long long>(step), got, bound);
   EXPECT_LE(got, 4 * bound + 1e-6) << "bound " << bound;

@@ -308,7 +308,9 @@ void assemble(const std::vector<std::string>& dirs, const std::string& out_in, F
   }
   try {
     std::vector<char> block(size_t{1} << 20);
-    for (const auto& [file, size] : whole.files) {
+    for (const auto& entry : whole.files) {
+      const std::string& file = entry.first;  // a lambda captures no structured binding in C++17
+      const int64_t size = entry.second;
       auto from = std::find_if(parts.begin(), parts.end(), [&](const auto& p) {
         return p->manifest()->holds(file) && io.file_size(files::join(p->dir(), file)) == size;
       });
