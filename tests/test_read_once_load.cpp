@@ -369,63 +369,74 @@ class FailAtIO : public ckpt::FileIO {
   }
 };
 
-// An error at every file operation of one host's leader (rank 2) during a node-local save_step:
+// An error at every file operation of one host's leader (rank 2) during a node-local save_step,
+// with one copy of each file and with two (rank 2 then also receives and checks host 0's files):
 // every rank fails or none does, and the hosts never disagree on which steps are committed (the
 // step is on both or on neither; the previous one stays on both).
 TEST(NodeLocalSave, AnErrorAtEveryCallOfOneHostNeverSplitsTheHosts) {
   TempDir tmp;
-  run_ranks(4, [&](ProcessGroup& pg) {
-    const std::string root = tmp.file("host" + std::to_string(pg.rank() / 2));
-    StateDict sd = sharded_sample(pg.rank(), 4, 1.0);
-    const auto o = ckpt::SaveOptions().group(&pg).node_local(true).keep_last(2);
-    ckpt::save_step(sd, root, 0, o);
-    int64_t points = 0, failed = 0, split = 0;
-    for (int64_t k = 0;; ++k) {
-      FailAtIO io;
-      io.fail_at = pg.rank() == 2 ? k : -1;
-      std::string e =
-          error_of([&] { ckpt::save_step(sd, root, k + 1, ckpt::SaveOptions(o).io(&io)); });
-      if (e == "(no error)") e.clear();
-      const std::vector<std::string> errors = pg.all_gather_bytes(e);
-      for (const auto& x : errors)
-        ASSERT_EQ(x.empty(), e.empty()) << "k=" << k << ": one rank failed, another did not: " << x;
-      std::string steps;
-      for (int64_t s : ckpt::list_steps(root)) steps += std::to_string(s) + " ";
-      const std::vector<std::string> views = pg.all_gather_bytes(steps);
-      // (Older steps may differ: a host whose keep_last failed kept one more.)
-      auto has = [&](const std::string& v, int64_t step) {
-        return (" " + v).find(" " + std::to_string(step) + " ") != std::string::npos;
-      };
-      if (has(views[0], k + 1) != has(views[2], k + 1)) {
-        // Only a swap that failed on host 1 after host 0's succeeded splits them, as a crash
-        // between the two swaps would: said so, and the resume passes over the new step.
-        ASSERT_NE(e.find("committed on some hosts only"), std::string::npos)
-            << "k=" << k << ": " << e;
-        EXPECT_EQ(ckpt::agreed_latest_checkpoint(root, pg), ckpt::step_dir(root, k)) << "k=" << k;
-        ++split;
+  for (int replicas : {1, 2})
+    run_ranks(4, [&](ProcessGroup& pg) {
+      const std::string root =
+          tmp.file("r" + std::to_string(replicas) + "host" + std::to_string(pg.rank() / 2));
+      StateDict sd = sharded_sample(pg.rank(), 4, 1.0);
+      const auto o =
+          ckpt::SaveOptions().group(&pg).node_local(true).keep_last(2).replicas(replicas);
+      ckpt::save_step(sd, root, 0, o);
+      int64_t points = 0, failed = 0, split = 0;
+      for (int64_t k = 0;; ++k) {
+        FailAtIO io;
+        io.fail_at = pg.rank() == 2 ? k : -1;
+        std::string e =
+            error_of([&] { ckpt::save_step(sd, root, k + 1, ckpt::SaveOptions(o).io(&io)); });
+        if (e == "(no error)") e.clear();
+        const std::vector<std::string> errors = pg.all_gather_bytes(e);
+        for (const auto& x : errors)
+          ASSERT_EQ(x.empty(), e.empty())
+              << "k=" << k << ": one rank failed, another did not: " << x;
+        std::string steps;
+        for (int64_t s : ckpt::list_steps(root)) steps += std::to_string(s) + " ";
+        const std::vector<std::string> views = pg.all_gather_bytes(steps);
+        // (Older steps may differ: a host whose keep_last failed kept one more.)
+        auto has = [&](const std::string& v, int64_t step) {
+          return (" " + v).find(" " + std::to_string(step) + " ") != std::string::npos;
+        };
+        if (has(views[0], k + 1) != has(views[2], k + 1)) {
+          // Only a swap that failed on host 1 after host 0's succeeded splits them, as a crash
+          // between the two swaps would: said so, and the resume passes over the new step.
+          ASSERT_NE(e.find("committed on some hosts only"), std::string::npos)
+              << "k=" << k << ": " << e;
+          EXPECT_EQ(ckpt::agreed_latest_checkpoint(root, pg), ckpt::step_dir(root, k)) << "k=" << k;
+          ++split;
+        }
+        ASSERT_TRUE(has(views[0], k) && has(views[2], k))
+            << "k=" << k << ": the previous step is gone: " << views[0] << "/ " << views[2];
+        // A save that succeeded despite the error (a removal only warned about) left each
+        // host's directory whole: every file it lists, copies included, checks out.
+        if (e.empty() && pg.rank() % 2 == 0) {
+          const ckpt::VerifyReport v = ckpt::verify(ckpt::step_dir(root, k + 1));
+          EXPECT_TRUE(v.ok()) << "k=" << k << ": " << v.problems.front();
+        }
+        failed += !e.empty();
+        ++points;
+        // Until rank 2's save ran past its last call without the error firing.
+        if (pg.all_gather_bytes(io.fired ? "1" : "0")[2] == "0") {
+          EXPECT_EQ(e, "") << "the save failed with no error injected";
+          break;
+        }
+        if (e.empty()) continue;
+        // Commit step k + 1 for the next round's "previous step".
+        ckpt::save_step(sd, root, k + 1, o);
       }
-      ASSERT_TRUE(has(views[0], k) && has(views[2], k))
-          << "k=" << k << ": the previous step is gone: " << views[0] << "/ " << views[2];
-      failed += !e.empty();
-      ++points;
-      // Until rank 2's save ran past its last call without the error firing.
-      if (pg.all_gather_bytes(io.fired ? "1" : "0")[2] == "0") {
-        EXPECT_EQ(e, "") << "the save failed with no error injected";
-        break;
-      }
-      if (e.empty()) continue;
-      // Commit step k + 1 for the next round's "previous step".
-      ckpt::save_step(sd, root, k + 1, o);
-    }
-    if (pg.rank() == 0)
-      std::printf(
-          "[ figures  ] node-local save_step: an error at each of %lld file operations of "
-          "host 1's leader, %lld failing the save on every rank, %lld of them after host "
-          "0 had swapped its directory in\n",
-          static_cast<long long>(points - 1), static_cast<long long>(failed),
-          static_cast<long long>(split));
-    EXPECT_GT(failed, 10);
-  });
+      if (pg.rank() == 0)
+        std::printf(
+            "[ figures  ] node-local save_step, %d cop%s of each file: an error at each of %lld "
+            "file operations of host 1's leader, %lld failing the save on every rank, %lld of "
+            "them after host 0 had swapped its directory in\n",
+            replicas, replicas == 1 ? "y" : "ies", static_cast<long long>(points - 1),
+            static_cast<long long>(failed), static_cast<long long>(split));
+      EXPECT_GT(failed, 10);
+    });
 }
 
 }  // namespace
