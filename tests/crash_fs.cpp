@@ -519,6 +519,17 @@ CrashCounts CrashEnumerator::for_each_state(
     if (!pend.empty()) patterns.push_back({"all " + std::to_string(pend.size()) + " lost", pend});
     if (pend.size() > 1)
       for (size_t i : pend) patterns.push_back({"lost: " + describe(steps_[i].op), {i}});
+    if (host_of_) {
+      std::map<int, std::vector<size_t>> by_host;
+      for (size_t i : pend) by_host[host_of_(steps_[i].op.rank)].push_back(i);
+      // (A host's single change or all of them are above already.)
+      if (by_host.size() > 1)
+        for (const auto& [host, lose] : by_host)
+          if (lose.size() > 1)
+            patterns.push_back(
+                {"host " + std::to_string(host) + "'s " + std::to_string(lose.size()) + " lost",
+                 lose});
+    }
     for (const auto& [label, lose] : patterns) {
       ++counts.states;
       std::vector<bool> lost(steps_.size(), false);

@@ -12,8 +12,10 @@
 // only once that directory was fsynced afterwards (both directories, for a rename between two).
 // Until then each such change may be lost or kept, in any combination. For each crash point
 // (after 0, 1, ..., N operations) it builds the trees where none of the pending changes is lost,
-// where all are lost, and where each single one is lost, materialises each distinct tree in a
-// directory and hands it to the test's check, which plays the restart.
+// where all are lost, and where each single one is lost (and, for ranks on several hosts, where
+// all of one host's are lost: that host lost power, the others' page caches kept theirs),
+// materialises each distinct tree in a directory and hands it to the test's check, which plays
+// the restart.
 //
 // The model is inode-based, as file systems are: a write lands in the file it was made to even if
 // the name that file was opened by is renamed or its creation is lost (then it is unreachable).
@@ -102,6 +104,10 @@ class CrashEnumerator {
   /// outside `top`.
   void set_journal(std::vector<Op> ops);
 
+  /// The operation's ranks are on several hosts (host_of(rank)): each host's pending changes are
+  /// also lost alone, as a power cut of that host alone loses them.
+  void set_hosts(std::function<int(int rank)> host_of) { host_of_ = std::move(host_of); }
+
   /// For every crash point and loss pattern, writes the tree `top` would have after the restart
   /// into `out` (replaced each time) and calls check(what, after_return): `what` describes the
   /// point and pattern for messages; `after_return` is true at the last point, where the
@@ -133,6 +139,7 @@ class CrashEnumerator {
   std::map<uint64_t, int> initial_inodes_;
   std::vector<Step> steps_;
   size_t node_count_ = 0;
+  std::function<int(int)> host_of_;
 };
 
 }  // namespace crash
