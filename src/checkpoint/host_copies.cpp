@@ -92,7 +92,13 @@ class Copier {
       fan = std::max(fan, theirs.size());
       for (int q : theirs) fan = std::max(fan, ++fan_in[static_cast<size_t>(q)]);
     }
-    piece_bytes_ = std::max<int64_t>(1, round_bytes / static_cast<int64_t>(fan));
+    // No larger than the largest file sent either: the buffers are allocated (and zeroed) at
+    // every save, and a small checkpoint saved every step (fsdp-train --mem-dir) would otherwise
+    // fault in 64 MiB per rank each time for a few kilobytes.
+    int64_t largest = 1;
+    for (int r = 0; r < g.size(); ++r)
+      if (!to[static_cast<size_t>(r)].empty()) largest = std::max(largest, size_of(r));
+    piece_bytes_ = std::max<int64_t>(1, std::min(largest, round_bytes / static_cast<int64_t>(fan)));
     for (int r = 0; r < g.size(); ++r) {
       const auto& theirs = to[static_cast<size_t>(r)];
       if (theirs.empty()) continue;
