@@ -13,9 +13,11 @@
 #include <filesystem>
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "checkpoint/read_once.h"
+#include "fsdp/checkpoint/async_save.h"
 #include "dcp_model_testing.h"
 #include "dcp_testing.h"
 #include "fsdp/errors.h"
@@ -331,6 +333,53 @@ TEST(NodeLocalSave, NoHostCommitsAloneAndResumesAgree) {
     const std::string mine = pg.rank() == 3 ? tmp.file("empty") : root;
     EXPECT_EQ(ckpt::agreed_latest_checkpoint(mine, pg), mine + "/step_2");
   });
+}
+
+// Whether this rank's part of `got` is what sharded_sample(rank, world, scale) holds.
+bool holds_sample(const StateDict& got, int rank, int world, double scale) {
+  const StateDict want = sharded_sample(rank, world, scale);
+  const auto& a = got.at("model").dict().at("sharded").sharded_tensor().local_shards();
+  const auto& b = want.at("model").dict().at("sharded").sharded_tensor().local_shards();
+  bool same = a.size() == b.size() && at::equal(got.at("model").dict().at("w").tensor(),
+                                                want.at("model").dict().at("w").tensor());
+  for (size_t i = 0; same && i < a.size(); ++i) same = at::equal(a[i].tensor, b[i].tensor);
+  return same;
+}
+
+// Node-local steps saved by an AsyncSaver with copies on the other host (what fsdp-train --mem-dir
+// does every step): each commits on both hosts while the caller goes on (what the caller changes
+// after save_step returns is not saved), keep_last(1) leaves the newest on both, and with either
+// host's directory lost the survivors and a rank with an empty disk load it exactly.
+TEST(NodeLocalSave, AsyncStepsWithCopiesSurviveALostHost) {
+  TempDir tmp;
+  auto host_root = [&](int host) { return tmp.file("host" + std::to_string(host)); };
+  run_ranks(4, [&](ProcessGroup& pg) {
+    const std::string root = host_root(pg.rank() / 2);
+    ckpt::AsyncSaver saver(
+        ckpt::SaveOptions().group(&pg).node_local(true).replicas(2).keep_last(1));
+    for (int64_t step = 1; step <= 3; ++step) {
+      StateDict sd = sharded_sample(pg.rank(), 4, static_cast<double>(step));
+      saver.save_step(sd, root, step);
+      sd.at("model").dict().at("w").tensor().fill_(-1);  // after the snapshot: not saved
+    }
+    saver.wait();
+    EXPECT_EQ(ckpt::list_steps(root), (std::vector<int64_t>{3}));
+    EXPECT_EQ(ckpt::agreed_latest_checkpoint(root, pg), ckpt::step_dir(root, 3));
+    const ckpt::VerifyReport v = ckpt::verify(ckpt::step_dir(root, 3));
+    EXPECT_TRUE(v.ok()) << v.problems.front();
+  });
+  for (int lost = 0; lost < 2; ++lost) {
+    const std::string empty = tmp.file("empty" + std::to_string(lost));
+    run_ranks(3, [&](ProcessGroup& pg) {
+      const std::string root = pg.rank() < 2 ? host_root(1 - lost) : empty;
+      const std::optional<std::string> latest = ckpt::agreed_latest_checkpoint(root, pg);
+      ASSERT_EQ(latest.value_or("(none)"), ckpt::step_dir(root, 3)) << "host " << lost << " lost";
+      EXPECT_EQ(ckpt::missing_files(*latest, pg), std::vector<std::string>{});
+      StateDict sd = sharded_sample(pg.rank(), 3, 0.0);
+      ckpt::load(sd, *latest, ckpt::LoadOptions().group(&pg));
+      EXPECT_TRUE(holds_sample(sd, pg.rank(), 3, 3.0)) << "host " << lost << " lost";
+    });
+  }
 }
 
 }  // namespace

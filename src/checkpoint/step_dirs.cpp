@@ -150,12 +150,13 @@ std::optional<std::string> agreed_latest_checkpoint(const std::string& root_in,
                                                     dist::ProcessGroup& group, FileIO* io_in) {
   FileIO& io = io_in ? *io_in : default_file_io();
   const std::string root = files::normalize(root_in);
-  // Each rank's answer alone and its committed steps: "K<latest>\n<step> <step> ...", or "E" and
-  // its error, which fails every rank.
+  // Each rank's answer alone, by its name under the root ("step_3"; the roots may differ, as
+  // node-local disks mounted at other paths or a new host's empty disk do), and its committed
+  // steps: "K<name>\n<step> <step> ...", or "E" and its error, which fails every rank.
   std::string mine;
   try {
     const std::optional<std::string> latest = latest_checkpoint(root, &io);
-    mine = "K" + latest.value_or("") + "\n";
+    mine = "K" + (latest ? latest->substr(latest->rfind('/') + 1) : std::string()) + "\n";
     for (int64_t s : list_steps(root, &io)) mine += std::to_string(s) + " ";
   } catch (const std::exception& e) {
     mine = std::string("E") + e.what();
@@ -186,7 +187,8 @@ std::optional<std::string> agreed_latest_checkpoint(const std::string& root_in,
     }
     common = std::move(steps);
   }
-  if (!differ) return agreed;  // one file system, or hosts that all committed the same step
+  // One file system, or hosts that all committed the same step: under this rank's root.
+  if (!differ) return agreed ? std::optional<std::string>(files::join(root, *agreed)) : agreed;
   // Hosts that disagree (a node-local save that a crash committed on some of them only): the
   // newest step every host completed, under the name this rank's latest_checkpoint would use.
   if (!common || common->empty()) return std::nullopt;

@@ -227,7 +227,8 @@ std::optional<std::string> latest_checkpoint(const std::string& root, FileIO* io
 /// step that every rank with any step lists; nullopt if none. On a shared file system that is
 /// latest_checkpoint's; with node-local saves it skips a step that a crash committed on some hosts
 /// only, and a rank whose disk is empty (a new host) follows the others (a collective load finds
-/// the files where they are).
+/// the files where they are). The path returned is under this rank's own `root` (the hosts'
+/// roots may differ), whether or not that rank holds the step.
 std::optional<std::string> agreed_latest_checkpoint(const std::string& root,
                                                     dist::ProcessGroup& group,
                                                     FileIO* io = nullptr);
