@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "checkpoint/read_once.h"
-#include "fsdp/checkpoint/async_save.h"
 #include "dcp_model_testing.h"
 #include "dcp_testing.h"
+#include "fsdp/checkpoint/async_save.h"
 #include "fsdp/errors.h"
 #include "multi_rank.h"
 #include "python_ref.h"
