@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <set>
+#include <thread>
 
 #include "command_testing.h"
 #include "multi_rank.h"
@@ -306,6 +307,43 @@ TEST(FsdpRunNodes, ElasticRoundsShrinkAndGrowBack) {
   std::ofstream(finish) << "";
   for (int i = 0; i < 3; ++i)
     EXPECT_EQ(node[i]->wait(std::chrono::seconds(30)), 0) << node[i]->output();
+}
+
+// A launcher stopped with Ctrl-C while it waits for a 2:3 job's round to form takes its join
+// back: the round forms with the two nodes that are there (not at once with three when the next
+// comes, nor at the last call with one), and their ranks run and end well. Without the
+// withdrawal node 0 counted the stopped node in and its ranks were waited for until its
+// heartbeat was missed.
+TEST(FsdpRunNodes, ALauncherStoppedWhileWaitingTakesItsJoinBack) {
+  fsdp::testing::TempDir dir;
+  const std::string port = std::to_string(fsdp::testing::free_port());
+  std::unique_ptr<Background> node[3];
+  auto launch = [&](int i) {
+    node[i] = std::make_unique<Background>(
+        kRun + " --nnodes 2:3 --node-rank " + std::to_string(i) +
+            " --master-addr 127.0.0.1 --master-port " + port +
+            " --nproc-per-node 1 --heartbeat-timeout 30 --last-call-timeout 4 --grace-period 1 "
+            "sh -c 'echo \"start world $WORLD_SIZE group $GROUP_RANK of $GROUP_WORLD_SIZE\"'",
+        dir.file("node" + std::to_string(i) + ".log"));
+  };
+  launch(0);
+  launch(2);
+  // Node 2 has joined (the store answers within milliseconds); with node 0 that is MIN, and the
+  // last call has begun.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ::kill(node[2]->pid(), SIGINT);
+  EXPECT_EQ(node[2]->wait(std::chrono::seconds(10)), 128 + SIGINT) << node[2]->output();
+  EXPECT_NE(node[2]->output().find("stopped by signal 2 while waiting for the other nodes"),
+            std::string::npos)
+      << node[2]->output();
+  launch(1);
+  for (int i : {0, 1}) EXPECT_EQ(node[i]->wait(std::chrono::seconds(30)), 0) << node[i]->output();
+  EXPECT_EQ(
+      count_lines_with(node[0]->output(), "round 0 formed with nodes 0,1 (2 of --nnodes 2:3)"), 1)
+      << node[0]->output();
+  EXPECT_EQ(count_lines_with(node[1]->output(), "] start world 2 group 1 of 2"), 1)
+      << node[1]->output();
+  EXPECT_EQ(count_lines_with(node[0]->output(), "restart"), 0) << node[0]->output();
 }
 
 // Rank 1 dies of SIGKILL; rank 0 ignores SIGTERM (so it takes SIGKILL after the grace period),

@@ -522,6 +522,7 @@ int await_round(Options& o, JobAgent& agent) {
       if (sig == SIGCHLD) continue;
       std::fprintf(stderr, "fsdp-run: stopped by signal %d while waiting for the other nodes\n",
                    sig);
+      agent.withdraw(std::chrono::seconds(2));  // this node's join taken back, as it goes
       return 128 + sig;
     }
     const fsdp_run::AgentState st = agent.state();

@@ -113,6 +113,7 @@ struct JobAgent::Shared {
   bool to_leave = false;
   int next_round = 0;  // the round the launcher wants to join next
   bool stop = false;
+  bool finished = false;  // the thread has returned
   // Learnt by the thread.
   AgentState state;
   Clock::time_point last_heard{};  // epoch until the first successful round
@@ -294,15 +295,20 @@ class AgentLoop {
     // The others wait longer than node 0, which says why a round could not form.
     const auto deadline = Clock::now() + ms(cfg_.join_timeout) +
                           (cfg_.node_rank == 0 ? ms(0) : ms(cfg_.last_call_timeout + 10));
-    std::optional<Clock::time_point> enough_since;
+    bool enough = false;  // MIN nodes have joined, since enough_since
+    Clock::time_point enough_since{};
     for (;;) {
       if (auto f = posted_failure()) throw JoinError(f->what);
       if (store().check({rk("members")})) return split_list(text(store().get(rk("members"))));
       if (cfg_.node_rank == 0) {
         const int64_t n = count(rk("joined"));
-        if (n >= cfg_.min_nodes && !enough_since) enough_since = Clock::now();
+        if (n < cfg_.min_nodes) enough = false;  // a node took its join back (withdraw)
+        if (n >= cfg_.min_nodes && !enough) {
+          enough = true;
+          enough_since = Clock::now();
+        }
         if (n >= cfg_.max_nodes ||
-            (enough_since && Clock::now() - *enough_since >= ms(cfg_.last_call_timeout)))
+            (enough && Clock::now() - enough_since >= ms(cfg_.last_call_timeout)))
           return close_round();
       }
       heard();
@@ -311,7 +317,10 @@ class AgentLoop {
         if (cfg_.node_rank == 0 && count(rk("joined")) >= cfg_.min_nodes) return close_round();
         break;
       }
-      if (sleep_or_stop(kTick)) throw JoinError("stopped while waiting for the other nodes");
+      if (sleep_or_stop(kTick)) {
+        withdraw();
+        throw JoinError("stopped while waiting for the other nodes");
+      }
     }
     if (cfg_.node_rank != 0)
       fail_join((round_ > 0 ? "restart " + std::to_string(round_) : std::string("the job")) +
@@ -354,7 +363,10 @@ class AgentLoop {
       if (count(rk("joined")) >= cfg_.max_nodes) return;
       heard();
       if (Clock::now() >= deadline) break;
-      if (sleep_or_stop(kTick)) throw JoinError("stopped while waiting for the other nodes");
+      if (sleep_or_stop(kTick)) {
+        withdraw();
+        throw JoinError("stopped while waiting for the other nodes");
+      }
     }
     std::string missing;
     for (int i = 0; i < cfg_.max_nodes; ++i)
@@ -365,6 +377,28 @@ class AgentLoop {
               std::to_string(static_cast<int>(cfg_.join_timeout)) + " s (--join-timeout); is " +
               "fsdp-run running there with --nnodes " + nnodes_text(cfg_) + " and --master-addr " +
               cfg_.master_addr + " --master-port " + std::to_string(cfg_.master_port) + "?");
+  }
+
+  // This launcher was stopped (Ctrl-C) while it waited for a round: it takes its join back, so
+  // that node 0 neither counts it into the round nor (elastic) restarts the running job for it.
+  // If the round closed with it meanwhile, the others would wait for its ranks until its
+  // heartbeat is missed: it posts a failure instead, which starts the next round without it.
+  void withdraw() {
+    if (!joined_) return;
+    try {
+      const std::string id = std::to_string(cfg_.node_rank);
+      if (store().deleteKey(rk("in/") + id)) store().add(rk("joined"), -1);
+      joined_ = false;
+      if (store().check({rk("members")})) {
+        const std::vector<int> m = split_list(text(store().get(rk("members"))));
+        if (std::find(m.begin(), m.end(), cfg_.node_rank) != m.end())
+          post_failure(Failure{cfg_.node_rank, 2,
+                               "node " + id + " was stopped as round " + std::to_string(round_) +
+                                   " formed with it"});
+      }
+    } catch (const std::exception&) {
+      // The store is gone: there is no join left to take back.
+    }
   }
 
   // Sleeps up to `d`, or until the launcher asks for something. True if asked to stop.
@@ -575,7 +609,12 @@ std::string new_run_id() {
 JobAgent::JobAgent(const AgentConfig& config) : shared_(std::make_shared<Shared>(config)) {
   if (::pipe2(shared_->pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
-  std::thread([s = shared_] { AgentLoop(s).run(); }).detach();
+  std::thread([s = shared_] {
+    AgentLoop(s).run();
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->finished = true;
+    s->cv.notify_all();
+  }).detach();
 }
 
 JobAgent::~JobAgent() {
@@ -605,6 +644,13 @@ void JobAgent::next_round(int round) {
   shared_->next_round = round;
   shared_->state.joined = false;
   shared_->cv.notify_all();
+}
+
+void JobAgent::withdraw(std::chrono::milliseconds limit) {
+  std::unique_lock<std::mutex> lock(shared_->mu);
+  shared_->stop = true;
+  shared_->cv.notify_all();
+  shared_->cv.wait_for(lock, limit, [&] { return shared_->finished; });
 }
 
 void JobAgent::report_left() {

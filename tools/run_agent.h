@@ -108,6 +108,10 @@ class JobAgent {
   /// launcher has (elastic: once the round has formed with this node, perhaps a later round than
   /// `round` if this node came too late for it), or join_error says why not.
   void next_round(int round);
+  /// The launcher was stopped (a signal) while it waited for a round to form: the thread takes
+  /// this node's join back, so that node 0 neither counts it into the round nor restarts the job
+  /// for it, and ends. Waits for that up to `limit` (a thread stuck on a hung store is abandoned).
+  void withdraw(std::chrono::milliseconds limit);
   /// Seconds since the agent last heard from the store (0 while it has not started talking).
   double silent_for() const;
 
