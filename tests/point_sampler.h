@@ -21,11 +21,13 @@ namespace testing {
 
 class PointSampler {
  public:
-  /// `stride`: the test's own default, where visiting every point costs minutes (the variable,
-  /// where set, overrides it: FSDP_TEST_POINT_STRIDE=1 visits every point).
+  /// `stride`: the test's own default, where visiting every point costs minutes. The variable,
+  /// where set, samples at least as sparsely (the larger of the two), and 1 visits every point.
   explicit PointSampler(long stride = 1) : stride_(std::max(1L, stride)) {
     const char* env = std::getenv("FSDP_TEST_POINT_STRIDE");
-    if (env != nullptr && *env != '\0') stride_ = std::max(1L, std::strtol(env, nullptr, 10));
+    if (env == nullptr || *env == '\0') return;
+    const long wanted = std::max(1L, std::strtol(env, nullptr, 10));
+    stride_ = wanted == 1 ? 1 : std::max(stride_, wanted);
   }
 
   /// Called once per point, in the enumeration's order (the same on every rank): whether to
