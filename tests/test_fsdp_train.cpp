@@ -481,6 +481,9 @@ TEST_F(FsdpTrainNodes, ElasticJobShrinksAfterALostHostAndGrowsBack) {
   for (int k = 0; k < 600 && node_[0]->output().find(shrunk) == std::string::npos; ++k)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   ASSERT_NE(node_[0]->output().find(shrunk), std::string::npos) << node_[0]->output();
+  // The round at W=2 has resumed (under the sanitizers its start-up outlasts node 2's return).
+  for (int k = 0; k < 1200 && count_lines_with(node_[0]->output(), "(world size 2)") == 0; ++k)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   start(2, train_args, launcher);  // the host is back
   for (int i = 0; i < 3; ++i)
     ASSERT_EQ(node_[i]->wait(std::chrono::seconds(180)), 0) << node_[i]->output();
