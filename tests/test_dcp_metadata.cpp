@@ -265,6 +265,29 @@ TEST(DcpMetadata, HostileFilesAreRejected) {
   small = pk::ReadLimits();
   small.max_bytes = 10;
   EXPECT_THROW(pk::read(good, {}, small), pk::PickleError);
+  // Shared parts through the memo: `a0 = []; a1 = [a0, a0]; a2 = [a1, a1]; ...`, 40 levels in
+  // under 300 bytes, are 2^41 values to anything that walks the tree: refused before a walk.
+  // 10 levels (2,047 as a tree) pass, and so do 21 (4,194,303) under the default max_nodes (4 Mi).
+  auto laughs = [](int levels) {
+    const auto byte = [](int b) { return std::string(1, static_cast<char>(b)); };
+    std::string p = "]q" + byte(0);     // a0, into memo 0
+    for (int i = 1; i <= levels; ++i)  // a(i-1) again from the memo, TUPLE2, into memo i
+      p += "h" + byte(i - 1) + "\x86q" + byte(i);
+    return with_proto(p + ".");
+  };
+  EXPECT_NO_THROW(pk::read(laughs(10), {}));
+  EXPECT_NO_THROW(pk::read(laughs(21), {}));
+  try {
+    pk::read(laughs(40), {});
+    ADD_FAILURE() << "2^41 values as a tree were accepted";
+  } catch (const pk::PickleError& e) {
+    EXPECT_NE(std::string(e.what()).find("counts more than 4194304 values as a tree"),
+              std::string::npos)
+        << e.what();
+  }
+  small = pk::ReadLimits();
+  small.max_nodes = 2046;
+  EXPECT_THROW(pk::read(laughs(10), {}, small), pk::PickleError);
   // Every truncation of a good file fails cleanly.
   for (size_t n = 0; n < good.size(); ++n) {
     EXPECT_THROW(dcp::parse_metadata(good.substr(0, n)), fsdp::ValueError) << "prefix " << n;

@@ -223,6 +223,44 @@ class Reader {
     }
   }
 
+  // A value read through the memo may share a node many times over (`a = [x, x]; b = [a, a]`,
+  // ...): 60 levels of that are 2^60 values to anything that walks the tree (a writer, a reader
+  // that copies what it finds), from a few hundred bytes. The value's size counted as a tree (each
+  // shared node as often as it is reached) must stay within max_nodes, as the nodes made do.
+  void check_expansion(const NodePtr& root) const {
+    if (!root) return;
+    const size_t cap = limits_.max_nodes;
+    std::unordered_map<const Node*, size_t> size;  // as a tree, capped at cap + 1
+    struct Frame {
+      const Node* node;
+      std::vector<const Node*> children;
+      size_t next = 0;
+      size_t total = 1;
+    };
+    std::vector<Frame> path;
+    path.push_back({root.get(), children_of(*root)});
+    while (!path.empty()) {
+      Frame& f = path.back();
+      if (f.next < f.children.size()) {
+        const Node* c = f.children[f.next];
+        const auto it = size.find(c);
+        if (it == size.end()) {
+          path.push_back({c, children_of(*c)});  // acyclic (check_acyclic): this ends
+          continue;
+        }
+        f.total = std::min(cap + 1, f.total + it->second);
+        ++f.next;
+        continue;
+      }
+      if (f.total > cap)
+        fail(msg("the value counts more than ", cap,
+                 " values as a tree (memo references repeat its parts); fsdp-cpp reads no such "
+                 "value"));
+      size[f.node] = f.total;
+      path.pop_back();
+    }
+  }
+
   // After a failure: takes every node made apart, so that a cycle among them cannot outlive the
   // reader (nothing else holds them: the value is not returned).
   void break_cycles() {
@@ -751,6 +789,7 @@ NodePtr read(const std::string& data, const std::set<std::pair<std::string, std:
   try {
     NodePtr root = reader.run();
     reader.check_acyclic();
+    reader.check_expansion(root);
     return root;
   } catch (...) {
     reader.break_cycles();
