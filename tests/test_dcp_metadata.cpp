@@ -270,7 +270,7 @@ TEST(DcpMetadata, HostileFilesAreRejected) {
   // 10 levels (2,047 as a tree) pass, and so do 21 (4,194,303) under the default max_nodes (4 Mi).
   auto laughs = [](int levels) {
     const auto byte = [](int b) { return std::string(1, static_cast<char>(b)); };
-    std::string p = "]q" + byte(0);     // a0, into memo 0
+    std::string p = "]q" + byte(0);    // a0, into memo 0
     for (int i = 1; i <= levels; ++i)  // a(i-1) again from the memo, TUPLE2, into memo i
       p += "h" + byte(i - 1) + "\x86q" + byte(i);
     return with_proto(p + ".");
