@@ -36,6 +36,16 @@ std::string holds(const std::string& dir, double scale) {
 
 namespace {
 
+// Nothing half-written or half-removed is listed as a step under `root` (a step being dropped
+// by keep_last may still be there, whole).
+void expect_listed_steps_verify(const std::string& root, const std::string& what) {
+  for (const int64_t step : ckpt::list_steps(root)) {
+    const ckpt::VerifyReport report = ckpt::verify(ckpt::step_dir(root, step));
+    EXPECT_TRUE(report.ok()) << what << ": step " << step
+                             << " is listed but does not verify: " << report.problems.front();
+  }
+}
+
 // One checkpoint a restart may find: its directory and the scale it was saved with.
 struct Saved {
   std::string dir;
@@ -64,13 +74,7 @@ void expect_latest(const std::string& root, const std::vector<Saved>& allowed, b
     if (problem.empty()) break;
   }
   EXPECT_EQ(problem, "") << what;
-  // Nor is anything half-written or half-removed listed as a step (a step being dropped by
-  // keep_last may still be there, whole).
-  for (const int64_t step : ckpt::list_steps(root)) {
-    const ckpt::VerifyReport report = ckpt::verify(ckpt::step_dir(root, step));
-    EXPECT_TRUE(report.ok()) << what << ": step " << step
-                             << " is listed but does not verify: " << report.problems.front();
-  }
+  expect_listed_steps_verify(root, what);
 }
 
 // The next save (collective) goes through over whatever was left, and becomes `latest`.
@@ -207,15 +211,7 @@ std::string loads_exactly(ProcessGroup& pg, const std::string& dir, double scale
   } catch (const std::exception& e) {
     return dir + ": " + e.what();
   }
-  const StateDict want = sharded_sample(pg.rank(), pg.size(), scale);
-  const auto& got_shards = sd.at("model").dict().at("sharded").sharded_tensor().local_shards();
-  const auto& want_shards = want.at("model").dict().at("sharded").sharded_tensor().local_shards();
-  bool same =
-      got_shards.size() == want_shards.size() &&
-      at::equal(sd.at("model").dict().at("w").tensor(), want.at("model").dict().at("w").tensor());
-  for (size_t i = 0; same && i < got_shards.size(); ++i)
-    same = at::equal(got_shards[i].tensor, want_shards[i].tensor);
-  return same ? "" : dir + " loads other values";
+  return holds_sample(sd, pg.rank(), pg.size(), scale) ? "" : dir + " loads other values";
 }
 
 // What the job sees when it restarts after a node-local save_step (`pg`: the restart's ranks):
@@ -245,11 +241,7 @@ void expect_agreed(ProcessGroup& pg, const std::string& top, int replicas,
   const ckpt::VerifyReport report = ckpt::verify(*agreed);
   EXPECT_TRUE(report.ok()) << what << ": " << *agreed << ": " << report.problems.front();
   EXPECT_EQ(loads_exactly(pg, *agreed, scale), "") << what;
-  for (const int64_t step : ckpt::list_steps(root)) {
-    const ckpt::VerifyReport listed = ckpt::verify(ckpt::step_dir(root, step));
-    EXPECT_TRUE(listed.ok()) << what << ": step " << step
-                             << " is listed but does not verify: " << listed.problems.front();
-  }
+  expect_listed_steps_verify(root, what);
   pg.barrier();
   {
     QuietStderr quiet;

@@ -145,6 +145,18 @@ inline at::Tensor load_full_sharded(const std::string& dir) {
   return load_tensor(dir, "model.sharded", {6, 5});
 }
 
+// Whether this rank's part of `got` (a load into sharded_sample's structure at `world` ranks)
+// is what sharded_sample(rank, world, scale) holds: its "model.sharded" pieces and "model.w".
+inline bool holds_sample(const StateDict& got, int rank, int world, double scale) {
+  const StateDict want = sharded_sample(rank, world, scale);
+  const auto& a = got.at("model").dict().at("sharded").sharded_tensor().local_shards();
+  const auto& b = want.at("model").dict().at("sharded").sharded_tensor().local_shards();
+  bool same = a.size() == b.size() && at::equal(got.at("model").dict().at("w").tensor(),
+                                                want.at("model").dict().at("w").tensor());
+  for (size_t i = 0; same && i < a.size(); ++i) same = at::equal(a[i].tensor, b[i].tensor);
+  return same;
+}
+
 inline double saved_scale(const std::string& dir) {
   const at::Tensor t = load_full_sharded(dir);
   return t[1][0].item<double>() / 5.0;

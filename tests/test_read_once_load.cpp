@@ -335,17 +335,6 @@ TEST(NodeLocalSave, NoHostCommitsAloneAndResumesAgree) {
   });
 }
 
-// Whether this rank's part of `got` is what sharded_sample(rank, world, scale) holds.
-bool holds_sample(const StateDict& got, int rank, int world, double scale) {
-  const StateDict want = sharded_sample(rank, world, scale);
-  const auto& a = got.at("model").dict().at("sharded").sharded_tensor().local_shards();
-  const auto& b = want.at("model").dict().at("sharded").sharded_tensor().local_shards();
-  bool same = a.size() == b.size() && at::equal(got.at("model").dict().at("w").tensor(),
-                                                want.at("model").dict().at("w").tensor());
-  for (size_t i = 0; same && i < a.size(); ++i) same = at::equal(a[i].tensor, b[i].tensor);
-  return same;
-}
-
 // Node-local steps saved by an AsyncSaver with copies on the other host (what fsdp-train --mem-dir
 // does every step): each commits on both hosts while the caller goes on (what the caller changes
 // after save_step returns is not saved), keep_last(1) leaves the newest on both, and with either
