@@ -1,5 +1,5 @@
-// bench_training: the step time (forward, backward, Adam) of a small transformer under
-// FULL_SHARD, SHARD_GRAD_OP and NO_SHARD (the DDP equivalent) at world size 2 (or
+// bench_training: the step time (forward, backward, Adam or $FSDP_BENCH_OPTIM) of a small
+// transformer under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD (the DDP equivalent) at world size 2 (or
 // $FSDP_BENCH_WORLD), next to two baselines measured in the same run:
 //   single_process  one process taking the same step on the whole global batch (the other ranks
 //                   idle): the ideal W-rank step is 1/W of it;
@@ -109,6 +109,26 @@ struct TransformerImpl : torch::nn::Module {
 };
 TORCH_MODULE(Transformer);
 
+// $FSDP_BENCH_OPTIM: adam (the default) or sgd (plain, no momentum: one kernel per parameter).
+// The optimizer is the user's and LibTorch's, not ours: on a GPU, where a step of these models is
+// bound by kernel launches, C++ Adam's loop of kernels per tensor against Python's multi-tensor
+// (foreach) Adam can outweigh all of the framework's own work. SGD shrinks that difference, so
+// the two sides' frameworks can be compared with little else in between.
+const std::string& optim_name() {
+  static const std::string kind = fsdp_bench::env_str("FSDP_BENCH_OPTIM", "adam");
+  return kind;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tensor> params) {
+  const std::string& kind = optim_name();
+  if (kind == "sgd") return std::make_unique<torch::optim::SGD>(std::move(params), 1e-3);
+  if (kind != "adam") {
+    std::fprintf(stderr, "FSDP_BENCH_OPTIM must be adam or sgd, not %s\n", kind.c_str());
+    std::exit(2);
+  }
+  return std::make_unique<torch::optim::Adam>(std::move(params), 1e-3);
+}
+
 torch::Tensor step_loss(const torch::Tensor& logits, const torch::Tensor& idx) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), idx.reshape({-1}));
 }
@@ -122,11 +142,11 @@ std::map<std::string, std::pair<int64_t, int64_t>>& memory() {
 template <typename Model>
 void timed_steps(benchmark::State& st, const std::string& key, Model& model,
                  const torch::Tensor& idx) {
-  torch::optim::Adam opt(model->parameters(), 1e-3);
+  auto opt = make_optimizer(model->parameters());
   auto step = [&] {
-    opt.zero_grad();
+    opt->zero_grad();
     step_loss(model->forward(idx), idx).backward();
-    opt.step();
+    opt->step();
     sync_device();
   };
   fsdp_bench::warm_up(step, 2);
@@ -143,12 +163,12 @@ void BM_SingleProcess(benchmark::State& st) {
   if (pg.rank() == 0) {
     Transformer m;
     m->to(device());
-    torch::optim::Adam opt(m->parameters(), 1e-3);
+    auto opt = make_optimizer(m->parameters());
     auto idx = torch::randint(kVocab, {kGlobalBatch, kSeq}).to(device());
     auto step = [&] {
-      opt.zero_grad();
+      opt->zero_grad();
       step_loss(m->forward(idx), idx).backward();
-      opt.step();
+      opt->step();
       sync_device();
     };
     fsdp_bench::warm_up(step, 2);
@@ -254,11 +274,11 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
   const double base = rep.get("single_process"), compute = rep.get("compute_only");
   const double tokens = kGlobalBatch * kSeq;
   std::printf(
-      "\nstep of %s, global batch %lld x %lld tokens, world size %d, LibTorch %s on %s;\n"
+      "\nstep of %s (%s), global batch %lld x %lld tokens, world size %d, LibTorch %s on %s;\n"
       "medians of interleaved rounds; ratio = step time / one process on the whole batch (ideal: "
       "1/W)\n",
-      model_name().c_str(), static_cast<long long>(kGlobalBatch), static_cast<long long>(kSeq),
-      world, TORCH_VERSION, device().str().c_str());
+      model_name().c_str(), optim_name().c_str(), static_cast<long long>(kGlobalBatch),
+      static_cast<long long>(kSeq), world, TORCH_VERSION, device().str().c_str());
   std::printf("%-28s %10s %10s %7s %14s %12s\n", "", "ms/step", "tokens/s", "ratio",
               "peak tensor MB", "peak RSS MB");
   for (const auto& [c, arg] : cases()) {
@@ -269,9 +289,10 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
     std::printf("%-28s %10.1f %10.0f %7.2f %14.1f %12.1f\n", label.c_str(), t * 1e3,
                 t > 0 ? tokens / t : 0.0, base > 0 ? t / base : 0.0, mem.first / 1e6,
                 mem.second / 1e6);
-    nlohmann::json m{
-        {"bench", "training"}, {"case", label},         {"world", world},          {"unit", "s"},
-        {"tokens", tokens},    {"model", model_name()}, {"device", device().str()}};
+    nlohmann::json m{{"bench", "training"},      {"case", label},
+                     {"world", world},           {"unit", "s"},
+                     {"tokens", tokens},         {"model", model_name()},
+                     {"device", device().str()}, {"optim", optim_name()}};
     if (mem.first) m["peak_tensor_bytes"] = mem.first;
     if (mem.second) m["peak_rss_bytes"] = mem.second;
     fsdp_bench::emit(m, rep.all(c, arg));

@@ -75,6 +75,10 @@ class Transformer(nn.Module):
 
 
 def wrap(model, case, device):
+    if case == "local":
+        # Each rank steps an unwrapped copy on its share of the batch, with no communication:
+        # bench_training's compute_only, the step of the framework-free model on this side.
+        return model.to(device)
     if case.startswith("DDP"):
         from torch.nn.parallel import DistributedDataParallel
         # "DDP bucket=<N>MB": the bucket size swept; "DDP": its default (25 MB).
@@ -95,9 +99,16 @@ def wrap(model, case, device):
                 auto_wrap_policy=policy, device_id=device)
 
 
-def seconds_per_step(case, iters, world, device, kind):
+def make_optimizer(params, kind):
+    # As bench_training's FSDP_BENCH_OPTIM; PyTorch's defaults (foreach on a GPU) are kept.
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def seconds_per_step(case, iters, world, device, kind, optim):
     model = wrap(Transformer(kind), case, device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = make_optimizer(model.parameters(), optim)
     idx = torch.randint(VOCAB, (GLOBAL_BATCH // world, SEQ)).to(device)
 
     def step():
@@ -120,10 +131,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--cases", default="FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,DDP")
+    ap.add_argument("--cases", default="FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,DDP",
+                    help="comma-separated; also: local (no communication, as compute_only)")
     ap.add_argument("--model", default="transformer", choices=sorted(MODEL_NAMES))
     ap.add_argument("--ddp-buckets-mb", default="",
                     help="also DDP with these bucket_cap_mb values (e.g. 1,5,25,100)")
+    ap.add_argument("--optim", default="adam", choices=["adam", "sgd"],
+                    help="as bench_training's FSDP_BENCH_OPTIM")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cpu",
                     help="cpu (Gloo) or cuda (NCCL; ranks may share one GPU)")
@@ -144,7 +158,8 @@ def main():
     samples = {c: [] for c in cases}
     for r in range(args.rounds):
         for c in (cases if r % 2 == 0 else cases[::-1]):
-            samples[c].append(seconds_per_step(c, args.iters, world, device, args.model))
+            samples[c].append(
+                seconds_per_step(c, args.iters, world, device, args.model, args.optim))
     if rank == 0:
         for c in cases:
             print(f"python {c:18s} {statistics.median(samples[c]) * 1e3:8.1f} ms/step", flush=True)
@@ -154,6 +169,7 @@ def main():
                     f.write(json.dumps({
                         "bench": "training_python", "case": c, "world": world, "unit": "s",
                         "tokens": GLOBAL_BATCH * SEQ, "model": MODEL_NAMES[args.model],
+                        "optim": args.optim,
                         "pytorch": torch.__version__, "backend": backend,
                         "device": str(device),
                         "run": os.environ.get("FSDP_BENCH_TAG", ""),

@@ -114,23 +114,28 @@ for step in "${steps[@]}"; do
       # bench_collectives (bench only) and bench_training on the GPU (NCCL, both ranks on one
       # GPU), and PyTorch's own FSDP and DDP on the same GPU as the peers. bench_training runs
       # the transformer, then the many-small-units and many-small-parameters models with the
-      # bucket size swept on both sides (BUCKETS, default 1,5,25,100).
+      # bucket size swept on both sides (BUCKETS, default 1,5,25,100). MODELS narrows the models,
+      # FSDP_BENCH_OPTIM picks the optimizer on both sides (adam, sgd), CASES and PY_CASES the cases
+      # ("local" in Python: the unwrapped model with no communication, the peer of compute_only).
       export FSDP_BENCH_DEVICE=cuda FSDP_BENCH_OUT="$OUT/gpu-measurements.jsonl" FSDP_BENCH_TAG=gpu
-      rounds=${FSDP_BENCH_ROUNDS:-3} buckets=${BUCKETS:-1,5,25,100}
+      rounds=${FSDP_BENCH_ROUNDS:-3} buckets=${BUCKETS-1,5,25,100}
+      optim=${FSDP_BENCH_OPTIM:-adam}
+      py_cases=${PY_CASES:-local,FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,DDP}
       small="single_process,compute_only,FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,NO_SHARD per_unit"
       if [ "$step" = bench ]; then
         FSDP_BENCH_ROUNDS=$rounds timeout 200 "$BUILD_DIR/bench/bench_collectives" \
           2>&1 | grep -v "^\[W\|^NCCL version\|Warning" | tee "$OUT/bench-collectives.log" | tail -9
       fi
-      for model in transformer blocks params; do
-        cases=$([ $model = transformer ] || echo "$small")
+      for model in ${MODELS:-transformer blocks params}; do
+        cases=${CASES:-$([ $model = transformer ] || echo "$small")}
         sweep=$([ $model = transformer ] || echo "$buckets")
         FSDP_BENCH_MODEL=$model FSDP_BENCH_CASES="$cases" FSDP_BENCH_BUCKETS_MB=$sweep \
           FSDP_BENCH_ROUNDS=$rounds timeout 200 "$BUILD_DIR/bench/bench_training" 2>&1 |
           grep -v "^\[W\|^NCCL version\|Warning" | tee -a "$OUT/bench-training.log" | tail -16
         (unset FSDP_BENCH_OUT; timeout 200 $PY -m torch.distributed.run --nproc-per-node 2 \
           bench/py_training.py --device cuda --rounds "$rounds" --model $model \
-          --ddp-buckets-mb "$sweep" --out "$OUT/gpu-measurements.jsonl") 2>&1 |
+          --optim "$optim" --cases "$py_cases" --ddp-buckets-mb "$sweep" \
+          --out "$OUT/gpu-measurements.jsonl") 2>&1 |
           grep "^python" | tee -a "$OUT/bench-python.log"
       done
       ;;

@@ -378,6 +378,53 @@ TEST(FlatParamHandle, ShardGradOpKeepsUnshardedStorageUntilFreed) {
   });
 }
 
+// Under NO_SHARD the parameters are left alone when they already view the flat parameter where
+// they should (re-pointing them every forward cost most of NO_SHARD's CPU time on models of many
+// small units). That check must still catch every way of pointing elsewhere: other memory, the
+// right memory at another offset, the right offset in another shape.
+TEST(FlatParamHandle, NoShardPointsStrayParametersBackAtTheFlatParameter) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    Net net(4);
+    FlatParamHandle h(fsdp::collect_params(net.ptr()), pg,
+                      FlatParamHandleOptions().sharding_strategy(ShardingStrategy::NO_SHARD));
+    const auto& l = h.layout();
+    auto params = net->named_parameters();
+    auto points_home = [&](const std::string& fqn) {
+      const size_t i = std::find(l.fqns.begin(), l.fqns.end(), fqn) - l.fqns.begin();
+      const at::Tensor& p = params[fqn];
+      const at::Tensor& flat = h.flat_param();
+      return p.storage().is_alias_of(flat.storage()) && p.sizes() == l.shapes[i] &&
+             p.storage_offset() == flat.storage_offset() + l.param_offset(i);
+    };
+    auto stray = [&] {
+      const at::NoGradGuard no_grad;
+      const at::Tensor lin_w = net->lin->weight.detach();
+      net->odd.set_data(net->odd.detach().clone());   // other memory
+      net->lin->weight.set_data(lin_w.view({3, 5}));  // the right offset in another shape
+      net->head->w.set_data(lin_w);                   // another offset (lin.weight's)
+      ASSERT_FALSE(points_home("odd"));
+      ASSERT_FALSE(points_home("lin.weight"));
+      ASSERT_FALSE(points_home("head.w"));
+    };
+    const std::vector<std::string> names{"scalar",     "empty",    "odd",
+                                         "lin.weight", "lin.bias", "head.w"};
+    for (const auto& n : names) EXPECT_TRUE(points_home(n)) << n << " after wrapping";
+    stray();
+    h.unshard();
+    for (const auto& n : names) EXPECT_TRUE(points_home(n)) << n << " after unshard";
+    stray();
+    h.reshard();
+    for (const auto& n : names) EXPECT_TRUE(points_home(n)) << n << " after reshard";
+    // A step through the parameters pointed back reaches the flat gradient.
+    h.unshard();
+    net->loss(seeded_randn({4, 3}, 9)).backward();
+    h.reduce_grad();
+    h.reshard();
+    ASSERT_TRUE(h.sharded_grad().defined());
+    EXPECT_GT(h.sharded_grad().abs().sum().item<double>(), 0);
+  });
+}
+
 TEST(FlatParamHandle, HybridShardAveragesAcrossBothGroups) {
   run_ranks(4, [](ProcessGroup& pg) {
     auto groups = fsdp::dist::make_hybrid_groups(pg, 2);

@@ -154,6 +154,9 @@ struct FlatParamLayout {
   /// The inverse: each parameter's full-shaped view into `flat` (at least
   /// unpadded_unsharded_numel elements, e.g. the padded unsharded buffer).
   std::vector<at::Tensor> unflat_views(const at::Tensor& flat) const;
+  /// Throws ValueError unless `flat` is 1-D with at least unpadded_unsharded_numel elements: what
+  /// unflat_views() requires of its argument.
+  void check_unflat_input(const at::Tensor& flat) const;
   /// Shard infos of `rank`, one per original parameter.
   std::vector<ShardParamInfo> shard_param_infos(int rank) const;
   /// Elements of padding at the end of `rank`'s shard (torch.chunk tail or empty chunk).
@@ -450,6 +453,7 @@ class FlatParamHandle {
   void check_grad_shape(size_t i, const at::Tensor& grad) const;
   at::Tensor& unsharded_buffer();
   void use_unsharded_views(const at::Tensor& unsharded_flat);
+  void point_params_at(const at::Tensor& flat);
   void use_sharded_views();
   void use_sharded_grad_views();
   void absorb_cleared_grad_views();

@@ -402,9 +402,31 @@ at::Tensor FlatParamHandle::shard_to_gather() {
 }
 
 void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
-  const std::vector<at::Tensor> views = layout_.unflat_views(flat);
-  for (size_t i = 0; i < params_.size(); ++i) set_param_data(params_[i], views[i]);
+  point_params_at(flat);
   unsharded_views_ = true;
+}
+
+// Each original parameter becomes the full-shaped view of `flat` at its offset. One that already
+// is that view is left alone: re-pointing costs a few dispatcher calls per parameter, and under
+// NO_SHARD, whose parameters never leave the flat parameter, every forward and every reshard of
+// every unit would pay them for nothing. On a model of many small units that was most of what
+// NO_SHARD added to a step's CPU time (issue 42, docs/performance.md).
+void FlatParamHandle::point_params_at(const at::Tensor& flat) {
+  layout_.check_unflat_input(flat);
+  at::Tensor base;  // `flat` without autograd history, made once a parameter has to move
+  int64_t offset = 0;
+  size_t i = 0;
+  for (size_t k = 0; k < layout_.numels_with_padding.size(); ++k) {
+    const int64_t numel = layout_.numels_with_padding[k];
+    if (!layout_.is_padding_mask[k]) {
+      if (!detail::is_view_at(params_[i], flat, offset, layout_.shapes[i])) {
+        if (!base.defined()) base = flat.detach();
+        set_param_data(params_[i], base.narrow(0, offset, numel).view(layout_.shapes[i]));
+      }
+      ++i;
+    }
+    offset += numel;
+  }
 }
 
 void FlatParamHandle::reshard(bool free_unsharded) {
@@ -448,14 +470,11 @@ void FlatParamHandle::reshard(bool free_unsharded) {
 }
 
 void FlatParamHandle::use_sharded_views() {
-  const at::Tensor flat = flat_param_.detach();
   if (!uses_sharded_strategy()) {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const int64_t off = layout_.param_offset(i);
-      set_param_data(params_[i], flat.narrow(0, off, layout_.numels[i]).view(layout_.shapes[i]));
-    }
+    point_params_at(flat_param_);
     return;
   }
+  const at::Tensor flat = flat_param_.detach();
   at::Tensor empty = at::empty({0}, flat.options());
   for (size_t i = 0; i < params_.size(); ++i) {
     const ShardParamInfo& s = shard_param_infos_[i];

@@ -115,11 +115,15 @@ at::Tensor FlatParamLayout::flatten(const std::vector<at::Tensor>& tensors,
   return at::cat(pieces);
 }
 
-std::vector<at::Tensor> FlatParamLayout::unflat_views(const at::Tensor& flat) const {
+void FlatParamLayout::check_unflat_input(const at::Tensor& flat) const {
   if (flat.dim() != 1 || flat.numel() < unpadded_unsharded_numel) {
     throw ValueError(detail::msg("FlatParamLayout::unflat_views: expects a 1-D tensor of at least ",
                                  unpadded_unsharded_numel, " elements"));
   }
+}
+
+std::vector<at::Tensor> FlatParamLayout::unflat_views(const at::Tensor& flat) const {
+  check_unflat_input(flat);
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < numels.size(); ++i) {
     out.push_back(flat.narrow(0, param_offset(i), numels[i]).view(shapes[i]));

@@ -109,6 +109,15 @@ inline bool aliases(const at::Tensor& t, const at::Tensor& flat, int64_t offset,
          t.storage_offset() == flat.storage_offset() + offset;
 }
 
+// True if `t` already is flat.narrow(0, offset, numel).view(shape): contiguous, of `flat`'s dtype,
+// over the same memory. Setting `t`'s data to that view again would change nothing.
+inline bool is_view_at(const at::Tensor& t, const at::Tensor& flat, int64_t offset,
+                       at::IntArrayRef shape) {
+  return t.defined() && t.sizes() == shape &&
+         aliases(t, flat, offset, c10::multiply_integers(shape)) && t.dtype() == flat.dtype() &&
+         t.is_contiguous();
+}
+
 // A tensor sharing `base`'s storage at [offset, offset + numel) with the given shape, without
 // being an autograd view of it. Gradients handed to optimizers are built this way: LibTorch 1.13's
 // Optimizer::zero_grad() calls detach_(), which refuses views.
