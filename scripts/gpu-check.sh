@@ -114,9 +114,10 @@ for step in "${steps[@]}"; do
       # bench_collectives (bench only) and bench_training on the GPU (NCCL, both ranks on one
       # GPU), and PyTorch's own FSDP and DDP on the same GPU as the peers. bench_training runs
       # the transformer, then the many-small-units and many-small-parameters models with the
-      # bucket size swept on both sides (BUCKETS, default 1,5,25,100). MODELS narrows the models,
-      # FSDP_BENCH_OPTIM picks the optimizer on both sides (adam, sgd), CASES and PY_CASES the cases
-      # ("local" in Python: the unwrapped model with no communication, the peer of compute_only).
+      # bucket size swept on both sides (BUCKETS, default 1,5,25,100; set but empty: no sweep).
+      # MODELS narrows the models, FSDP_BENCH_OPTIM picks the optimizer on both sides (adam, sgd),
+      # CASES and PY_CASES the cases ("local" in Python: the unwrapped model with no
+      # communication, the peer of compute_only).
       export FSDP_BENCH_DEVICE=cuda FSDP_BENCH_OUT="$OUT/gpu-measurements.jsonl" FSDP_BENCH_TAG=gpu
       rounds=${FSDP_BENCH_ROUNDS:-3} buckets=${BUCKETS-1,5,25,100}
       optim=${FSDP_BENCH_OPTIM:-adam}
