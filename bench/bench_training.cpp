@@ -8,6 +8,11 @@
 // Peak tensor bytes (tensor_memory.h) and peak RSS of rank 0 during each case are reported too.
 // bench/py_training.py runs the same model in PyTorch's Python FSDP and DDP for the peer
 // comparison (scripts/bench.sh runs both against LibTorch 2.6).
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+
 #include <torch/torch.h>
 
 #include "bench_ranks.h"
@@ -139,6 +144,31 @@ std::map<std::string, std::pair<int64_t, int64_t>>& memory() {
   return m;
 }
 
+// $FSDP_BENCH_PHASES=1: where each case's step goes, on rank 0: the forward, the backward (with
+// everything a wrapper does at its end) and the optimizer (zero_grad and step) timed apart, with
+// the device synchronized between them, and the minor page faults per step (fresh memory the
+// step touched: costly in a VM). py_training.py --phases prints the same for PyTorch's side.
+bool phases_on() {
+  static const bool on = fsdp_bench::env_int("FSDP_BENCH_PHASES", 0) != 0;
+  return on;
+}
+
+struct Phases {
+  std::vector<double> forward, backward, optim;  // seconds, one per timed step
+  double faults_per_step = 0;
+};
+
+std::map<std::string, Phases>& phases() {
+  static std::map<std::string, Phases> p;
+  return p;
+}
+
+long minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
 template <typename Model>
 void timed_steps(benchmark::State& st, const std::string& key, Model& model,
                  const torch::Tensor& idx) {
@@ -149,12 +179,50 @@ void timed_steps(benchmark::State& st, const std::string& key, Model& model,
     opt->step();
     sync_device();
   };
+  using Clock = std::chrono::steady_clock;
+  auto since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
+  Phases& ph = phases()[key];
+  auto phased_step = [&] {
+    auto t = Clock::now();
+    opt->zero_grad();
+    double optim = since(t);
+    t = Clock::now();
+    torch::Tensor loss = step_loss(model->forward(idx), idx);
+    sync_device();
+    ph.forward.push_back(since(t));
+    t = Clock::now();
+    loss.backward();
+    sync_device();
+    ph.backward.push_back(since(t));
+    t = Clock::now();
+    opt->step();
+    sync_device();
+    ph.optim.push_back(optim + since(t));
+  };
   fsdp_bench::warm_up(step, 2);
   fsdp_bench::TensorMemory::install().reset_peak();
   fsdp_bench::reset_peak_rss();
   fsdp_bench::group()->barrier();
-  for (auto _ : st) step();
+  const long faults = minor_faults();
+  int64_t steps = 0;
+  for (auto _ : st) {
+    if (phases_on()) {
+      phased_step();
+    } else {
+      step();
+    }
+    ++steps;
+  }
+  if (steps > 0) ph.faults_per_step = static_cast<double>(minor_faults() - faults) / steps;
   memory()[key] = {fsdp_bench::TensorMemory::install().peak(), fsdp_bench::peak_rss()};
+}
+
+double median_ms(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2] * 1e3;
 }
 
 void BM_SingleProcess(benchmark::State& st) {
@@ -296,6 +364,17 @@ void summarize(const fsdp_bench::RecordingReporter& rep, int world) {
     if (mem.first) m["peak_tensor_bytes"] = mem.first;
     if (mem.second) m["peak_rss_bytes"] = mem.second;
     fsdp_bench::emit(m, rep.all(c, arg));
+  }
+  if (phases_on()) {
+    std::printf(
+        "\nrank 0, medians over every timed step, ms (faults: minor page faults per step)\n");
+    std::printf("%-28s %10s %10s %10s %10s\n", "", "forward", "backward", "optim", "faults");
+    for (const auto& [c, arg] : cases()) {
+      const std::string label = arg ? c + "=" + std::to_string(arg) + "MB" : c;
+      const Phases& ph = phases()[label];
+      std::printf("%-28s %10.2f %10.2f %10.2f %10.0f\n", label.c_str(), median_ms(ph.forward),
+                  median_ms(ph.backward), median_ms(ph.optim), ph.faults_per_step);
+    }
   }
   if (compute > 0)
     std::printf(

@@ -11,6 +11,7 @@ bench_ranks.h's emit(). Keep the model in step with bench/bench_training.cpp.
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -106,25 +107,51 @@ def make_optimizer(params, kind):
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def seconds_per_step(case, iters, world, device, kind, optim):
+def seconds_per_step(case, iters, world, device, kind, optim, phases=None):
+    """The mean step over `iters` steps. With `phases` (a dict), each step's forward, backward
+    and optimizer (zero_grad and step) are also timed apart, with the device synchronized
+    between them, and appended to its lists, as bench_training's FSDP_BENCH_PHASES."""
     model = wrap(Transformer(kind), case, device)
     opt = make_optimizer(model.parameters(), optim)
     idx = torch.randint(VOCAB, (GLOBAL_BATCH // world, SEQ)).to(device)
+
+    def sync():
+        if device.type == "cuda":  # as bench_training does: each step timed to its end
+            torch.cuda.synchronize()
 
     def step():
         opt.zero_grad()
         F.cross_entropy(model(idx).reshape(-1, VOCAB), idx.reshape(-1)).backward()
         opt.step()
-        if device.type == "cuda":  # as bench_training does: each step timed to its end
-            torch.cuda.synchronize()
+        sync()
+
+    def phased_step():
+        t = time.perf_counter()
+        opt.zero_grad()
+        t, optim = time.perf_counter(), time.perf_counter() - t
+        loss = F.cross_entropy(model(idx).reshape(-1, VOCAB), idx.reshape(-1))
+        sync()
+        t, fwd = time.perf_counter(), time.perf_counter() - t
+        loss.backward()
+        sync()
+        t, bwd = time.perf_counter(), time.perf_counter() - t
+        opt.step()
+        sync()
+        phases["forward"].append(fwd)
+        phases["backward"].append(bwd)
+        phases["optim"].append(optim + time.perf_counter() - t)
 
     for _ in range(2):
         step()
     dist.barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = time.perf_counter()
     for _ in range(iters):
-        step()
-    return (time.perf_counter() - t) / iters
+        phased_step() if phases is not None else step()
+    elapsed = time.perf_counter() - t
+    if phases is not None:
+        phases["faults"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / iters
+    return elapsed / iters
 
 
 def main():
@@ -138,6 +165,9 @@ def main():
                     help="also DDP with these bucket_cap_mb values (e.g. 1,5,25,100)")
     ap.add_argument("--optim", default="adam", choices=["adam", "sgd"],
                     help="as bench_training's FSDP_BENCH_OPTIM")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print each case's forward, backward and optimizer medians and "
+                         "minor page faults per step (rank 0), as FSDP_BENCH_PHASES=1")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cpu",
                     help="cpu (Gloo) or cuda (NCCL; ranks may share one GPU)")
@@ -156,13 +186,23 @@ def main():
     cases = args.cases.split(",") + [
         f"DDP bucket={mb}MB" for mb in args.ddp_buckets_mb.split(",") if mb]
     samples = {c: [] for c in cases}
+    phases = {c: {"forward": [], "backward": [], "optim": []} for c in cases}
     for r in range(args.rounds):
         for c in (cases if r % 2 == 0 else cases[::-1]):
-            samples[c].append(
-                seconds_per_step(c, args.iters, world, device, args.model, args.optim))
+            samples[c].append(seconds_per_step(c, args.iters, world, device, args.model,
+                                               args.optim, phases[c] if args.phases else None))
     if rank == 0:
         for c in cases:
             print(f"python {c:18s} {statistics.median(samples[c]) * 1e3:8.1f} ms/step", flush=True)
+        if args.phases:
+            print(f"python {'(ms, medians)':18s} {'forward':>9s} {'backward':>9s} {'optim':>9s}"
+                  f" {'faults':>9s}")
+            for c in cases:
+                p = phases[c]
+                print(f"python {c:18s} " + " ".join(
+                    f"{statistics.median(p[k]) * 1e3:9.2f}" for k in ("forward", "backward",
+                                                                      "optim"))
+                      + f" {p['faults']:9.0f}", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 for c in cases:
