@@ -155,8 +155,9 @@ struct FlatParamLayout {
   /// unpadded_unsharded_numel elements, e.g. the padded unsharded buffer).
   std::vector<at::Tensor> unflat_views(const at::Tensor& flat) const;
   /// Throws ValueError unless `flat` is 1-D with at least unpadded_unsharded_numel elements: what
-  /// unflat_views() requires of its argument.
-  void check_unflat_input(const at::Tensor& flat) const;
+  /// unflat_views() requires of its argument. `caller` names the operation in the message.
+  void check_unflat_input(const at::Tensor& flat,
+                          const char* caller = "FlatParamLayout::unflat_views") const;
   /// Shard infos of `rank`, one per original parameter.
   std::vector<ShardParamInfo> shard_param_infos(int rank) const;
   /// Elements of padding at the end of `rank`'s shard (torch.chunk tail or empty chunk).
@@ -422,8 +423,20 @@ class FlatParamHandle {
   bool force_full_precision() const;
   void finish_unshard();
   // Starts reducing `g` (padded unsharded numel, reduce dtype, on device, owned: modified in
-  // place) into pending_reduce_; finish_reduce_grad() completes it.
-  void start_reduce(at::Tensor g);
+  // place) into pending_reduce_; finish_reduce_grad() completes it. `predivided`: `g` was divided
+  // by copy_divisor() already (take_orig_grads(copy_divisor())); else it is divided here.
+  void start_reduce(at::Tensor g, bool predivided);
+  // take_orig_grads() with each gradient divided by `divisor` as it is copied.
+  at::Tensor take_orig_grads(double divisor);
+  // The division done before the reduction, while the gradients are copied into the flat gradient
+  // (1: none). PyTorch divides by the predivide factor (a power of two) before the reduction and
+  // by the rest after, to keep float16 sums in range. Scaling by a power of two commutes exactly
+  // with every rounded sum in a binary format (short of overflow and subnormals), so where the
+  // place makes no difference to the bits it is chosen for speed: in the copy for an all-reduce
+  // (NO_SHARD: as many elements before it as after, and a pass over them saved, as DDP's reducer
+  // divides while copying into its bucket); after a reduce-scatter, onto W times fewer elements,
+  // for float32 and float64. float16 keeps PyTorch's order.
+  double copy_divisor() const;
   // take_orig_grads' alternative that copies only small gradients: the gradient as chunks of
   // pieces for dist::ProcessGroup::reduce_scatter_pieces_async, or empty where it does not apply
   // (decided by the configuration and layout alone, the same on every rank).
@@ -442,7 +455,7 @@ class FlatParamHandle {
   };
   // Before any gradient is taken: an error leaves them all in place.
   void check_orig_grad_shapes() const;
-  // The pre- and post-division of a reduction in `dtype` (float16's predivide is applied before
+  // The pre- and post-division of a reduction in `dtype` (less copy_divisor(), applied before
   // it), split into those the reduce-scatter applies itself (first; dist::ProcessGroup's
   // divide_by) and those finish_reduce_grad owes (second). The collective takes them for a
   // reduce-scatter (`scatter`) in float or double on the CPU without replicas; otherwise they are

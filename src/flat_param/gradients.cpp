@@ -142,12 +142,13 @@ namespace {
 
 // take_orig_grads_into without its shape check, for callers that have made it already.
 void move_grads_into(const FlatParamLayout& layout, std::vector<at::Tensor>& params,
-                     const at::Tensor& flat) {
+                     const at::Tensor& flat, double divisor) {
   at::NoGradGuard no_grad;
-  // One walk over the layout's entries writes every element once: a gradient where there is one,
+  // One walk over the layout's entries writes every element once: a gradient where there is one
+  // (divided by `divisor` on the way, as DDP's reducer divides while copying into its bucket),
   // zero in alignment padding, the trailing padding and the ranges of parameters without a
-  // gradient. (Zero-filling the whole buffer first would cost one more pass over the unit on
-  // every backward.)
+  // gradient. (Zero-filling the whole buffer first, or dividing it afterwards, would cost one more
+  // pass over the unit on every backward.)
   int64_t offset = 0;
   size_t i = 0;
   for (size_t k = 0; k < layout.numels_with_padding.size(); ++k) {
@@ -160,7 +161,14 @@ void move_grads_into(const FlatParamLayout& layout, std::vector<at::Tensor>& par
     }
     const at::Tensor g = params[i].grad();
     if (g.defined()) {
-      dst.copy_(g.reshape({-1}));
+      if (divisor != 1.0 && g.scalar_type() == dst.scalar_type()) {
+        at::div_out(dst, g.reshape({-1}), divisor);
+      } else {
+        // Another dtype (mixed precision's reduce_dtype): converted first, then divided, as the
+        // reduction would divide it. (LibTorch 2's div.out refuses an out of another dtype.)
+        dst.copy_(g.reshape({-1}));
+        if (divisor != 1.0) dst.div_(divisor);
+      }
       params[i].mutable_grad().reset();
     } else {
       dst.zero_();
@@ -190,7 +198,9 @@ void FlatParamHandle::check_orig_grad_shapes() const {
 // Each is released as soon as it is copied, so that the flat gradient and autograd's per-parameter
 // gradients do not all coexist: at the peak of a unit's backward that would double its gradient
 // memory. Shapes are checked first, so that an error leaves every gradient in place.
-at::Tensor FlatParamHandle::take_orig_grads() {
+at::Tensor FlatParamHandle::take_orig_grads() { return take_orig_grads(1.0); }
+
+at::Tensor FlatParamHandle::take_orig_grads(double divisor) {
   check_orig_grad_shapes();
   // In the unsharded parameters' memory if the reshard before kept it (keep_param_memory_for_grad).
   at::Tensor flat = grad_scratch_.defined()
@@ -198,13 +208,13 @@ at::Tensor FlatParamHandle::take_orig_grads() {
                         : detail::empty_buffer(
                               layout_.padded_unsharded_numel,
                               at::TensorOptions().dtype(reduce_dtype_).device(options_.device()));
-  move_grads_into(layout_, params_, flat);
+  move_grads_into(layout_, params_, flat, divisor);
   return flat;
 }
 
 void FlatParamHandle::take_orig_grads_into(const at::Tensor& flat) {
   check_orig_grad_shapes();
-  move_grads_into(layout_, params_, flat);
+  move_grads_into(layout_, params_, flat, 1.0);
 }
 
 void FlatParamHandle::reduce_grad() {
@@ -230,7 +240,8 @@ void FlatParamHandle::reduce_grad_async() {
     grads_unreduced_ = true;
     return;
   }
-  start_reduce(take_orig_grads());  // freshly built: no copy needed
+  // Freshly built (no copy needed), with the division owed before the reduction done in the copy.
+  start_reduce(take_orig_grads(copy_divisor()), /*predivided=*/true);
 }
 
 void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>& bucket) {
@@ -250,11 +261,9 @@ void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>
   check_orig_grad_shapes();  // before the slot: an error must not leave an unwritten one behind
   const size_t k = bucket->add_slot(layout_.padded_unsharded_numel);
   at::Tensor g = bucket->slot(k);
-  move_grads_into(layout_, params_, g);
+  move_grads_into(layout_, params_, g, copy_divisor());
   grad_scratch_ = at::Tensor();  // the unsharded parameters' memory is not needed for it
-  at::NoGradGuard no_grad;
-  if (predivide_ > 1 && reduce_dtype_ == at::kHalf) g.div_(predivide_);  // as start_reduce
-  // The divisions this reduction owes are the bucket's, done once for all of its units.
+  // The divisions this reduction owes after it are the bucket's, done once for all of its units.
   pending_reduce_.reset(new PendingReduce{at::Tensor(), at::Tensor(), dist::Work(), {}, bucket, k});
   grads_unreduced_ = true;
 }
@@ -404,19 +413,18 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
   // A private copy: the caller's tensor is never scaled, and the result is never a view.
   at::Tensor g = unsharded_flat_grad.reshape({-1}).to(options_.device(), reduce_dtype_);
   if (g.is_alias_of(unsharded_flat_grad)) g = g.clone();
-  start_reduce(std::move(g));
+  start_reduce(std::move(g), /*predivided=*/false);
   finish_reduce_grad();
 }
 
-void FlatParamHandle::start_reduce(at::Tensor g) {
+double FlatParamHandle::copy_divisor() const {
+  return !uses_sharded_strategy() || reduce_dtype_ == at::kHalf ? predivide_ : 1.0;
+}
+
+void FlatParamHandle::start_reduce(at::Tensor g, bool predivided) {
   at::NoGradGuard no_grad;
   throw_if_comm_failed("reduce_grad");
-  // PyTorch divides by the predivide factor (a power of two) before the reduction and by the
-  // rest after, to keep float16 sums in range. Scaling by a power of two commutes exactly with
-  // every rounded sum in a binary format (short of overflow and subnormals), so for the wider
-  // types the predivide moves after the reduction, onto W times fewer elements for a
-  // reduce-scatter, with bit-identical results. float16 keeps PyTorch's order.
-  if (predivide_ > 1 && g.scalar_type() == at::kHalf) g.div_(predivide_);
+  if (!predivided && copy_divisor() != 1.0) g.div_(copy_divisor());
   if (uses_sharded_strategy()) {
     at::Tensor out = detail::empty_buffer(layout_.sharded_numel, g.options());
     auto [by_collective, owed] = split_divisions(g.scalar_type(), /*scatter=*/true);
@@ -438,7 +446,9 @@ void FlatParamHandle::start_reduce(at::Tensor g) {
 std::pair<std::vector<double>, std::vector<double>> FlatParamHandle::split_divisions(
     at::ScalarType dtype, bool scatter) const {
   std::vector<double> divisors;
-  if (predivide_ > 1 && dtype != at::kHalf) divisors.push_back(predivide_);  // float16: done
+  // The predivide is done before the reduction, in the copy, for an all-reduce and for float16
+  // (copy_divisor); after a reduce-scatter otherwise.
+  if (predivide_ > 1 && scatter && dtype != at::kHalf) divisors.push_back(predivide_);
   if (postdivide_ > 1) divisors.push_back(postdivide_);
   // With replicas, the shard is summed over them after the reduce-scatter, and PyTorch divides
   // after that sum: (a + b) / d is not a / d + b / d once d is not a power of two. float16 and

@@ -412,7 +412,7 @@ void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
 // every unit would pay them for nothing. On a model of many small units that was most of what
 // NO_SHARD added to a step's CPU time (issue 42, docs/performance.md).
 void FlatParamHandle::point_params_at(const at::Tensor& flat) {
-  layout_.check_unflat_input(flat);
+  layout_.check_unflat_input(flat, "FlatParamHandle (the original parameters' views)");
   at::Tensor base;  // `flat` without autograd history, made once a parameter has to move
   int64_t offset = 0;
   size_t i = 0;

@@ -115,10 +115,11 @@ at::Tensor FlatParamLayout::flatten(const std::vector<at::Tensor>& tensors,
   return at::cat(pieces);
 }
 
-void FlatParamLayout::check_unflat_input(const at::Tensor& flat) const {
+void FlatParamLayout::check_unflat_input(const at::Tensor& flat, const char* caller) const {
   if (flat.dim() != 1 || flat.numel() < unpadded_unsharded_numel) {
-    throw ValueError(detail::msg("FlatParamLayout::unflat_views: expects a 1-D tensor of at least ",
-                                 unpadded_unsharded_numel, " elements"));
+    throw ValueError(detail::msg(caller, ": expects a 1-D tensor of at least ",
+                                 unpadded_unsharded_numel, " elements, got shape ",
+                                 detail::shape(flat.sizes())));
   }
 }
 
