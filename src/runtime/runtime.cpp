@@ -24,7 +24,6 @@
 #include "flat_param/grad_bucket.h"
 #include "fsdp/errors.h"
 #include "runtime/state.h"
-#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace detail {
@@ -177,8 +176,6 @@ void FsdpState::reset_iteration() {
   launch_bucket();  // left open only by a backward that threw before its end
   while (!reducing.empty()) finish_oldest_reduction();
   if (!bucket_order.empty()) last_bucket_order = std::exchange(bucket_order, {});
-  // The buffers kept for the next backward are this one's; any others go once their gradients do.
-  if (!bucket_buffers.empty()) last_bucket_buffers = std::exchange(bucket_buffers, {});
   buckets_launched = 0;
   for (auto& u : units) {
     if (u->handle) {
@@ -459,7 +456,7 @@ void FsdpState::add_to_bucket(int idx) {
 // A bucket starting at unit `idx`, with a buffer for the units that followed it into the same
 // bucket in the last backward: in steady training the same ones follow, each unit's gradient is
 // written straight into its slice, and the all-reduce needs no copy.
-std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) {
+std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) const {
   const FlatParamHandle& h = *units[idx]->handle;
   const int64_t elem = static_cast<int64_t>(c10::elementSize(h.reduce_dtype()));
   const int64_t cap = bucket_cap_bytes();
@@ -476,38 +473,8 @@ std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) {
     planned += next.layout().padded_unsharded_numel;
     if (planned * elem >= cap) break;
   }
-  at::Tensor buffer;
-  if (planned > 0) buffer = bucket_buffer(planned, h.reduce_dtype(), h.options().device());
   return std::make_shared<GradBucket>(units[idx]->handle->process_group(), h.reduce_dtype(),
-                                      h.options().device(), std::move(divisions), buffer);
-}
-
-// A planned bucket's buffer. On the CPU it is one of the last backward's, where one of the size
-// wanted is held by nothing else any more. DDP's buckets live as long as its reducer; ours were
-// freed with the gradients at every zero_grad(set_to_none) and allocated again in the next
-// backward, and the C library hands large freed blocks back to the kernel, so they came back as
-// fresh pages to fault in and zero: on LibTorch 2.6 the blocks model's step took 2,600 minor
-// faults, DDP's 22-88, and 31 with this (docs/performance.md). A buffer is free once nothing else
-// shares its storage: not a gradient the user kept, whole or as a view, nor one the next
-// reduction adds into (LibTorch 1.13's zero_grad zeroes gradients in place: the buffer alternates
-// with the one the gradients live in), nor the backend's hold on a collective just finished (then
-// a fresh buffer is taken). Off the CPU the caching allocator keeps freed memory already, and its
-// streams decide when memory may be reused.
-at::Tensor FsdpState::bucket_buffer(int64_t numel, at::ScalarType dtype, at::Device device) {
-  const auto opts = at::TensorOptions().dtype(dtype).device(device);
-  if (!device.is_cpu()) return detail::empty_buffer(numel, opts);
-  at::Tensor buffer;
-  for (at::Tensor& b : last_bucket_buffers) {
-    // Held only by this list: no other tensor object, and no other view of its storage.
-    if (b.defined() && b.numel() == numel && b.scalar_type() == dtype && b.use_count() == 1 &&
-        b.storage().use_count() == 1) {
-      buffer = std::exchange(b, at::Tensor());
-      break;
-    }
-  }
-  if (!buffer.defined()) buffer = detail::empty_buffer(numel, opts);
-  bucket_buffers.push_back(buffer);
-  return buffer;
+                                      h.options().device(), std::move(divisions), planned);
 }
 
 void FsdpState::launch_bucket() {
