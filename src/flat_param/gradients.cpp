@@ -446,9 +446,8 @@ void FlatParamHandle::start_reduce(at::Tensor g, bool predivided) {
 std::pair<std::vector<double>, std::vector<double>> FlatParamHandle::split_divisions(
     at::ScalarType dtype, bool scatter) const {
   std::vector<double> divisors;
-  // The predivide is done before the reduction, in the copy, for an all-reduce and for float16
-  // (copy_divisor); after a reduce-scatter otherwise.
-  if (predivide_ > 1 && scatter && dtype != at::kHalf) divisors.push_back(predivide_);
+  // The predivide is owed here only where it is not done in the copy (copy_divisor).
+  if (predivide_ > 1 && copy_divisor() == 1.0) divisors.push_back(predivide_);
   if (postdivide_ > 1) divisors.push_back(postdivide_);
   // With replicas, the shard is summed over them after the reduce-scatter, and PyTorch divides
   // after that sum: (a + b) / d is not a / d + b / d once d is not a power of two. float16 and
