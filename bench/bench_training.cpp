@@ -10,7 +10,6 @@
 // comparison (scripts/bench.sh runs both against LibTorch 2.6).
 #include <sys/resource.h>
 
-#include <algorithm>
 #include <chrono>
 
 #include <torch/torch.h>
@@ -219,11 +218,7 @@ void timed_steps(benchmark::State& st, const std::string& key, Model& model,
   memory()[key] = {fsdp_bench::TensorMemory::install().peak(), fsdp_bench::peak_rss()};
 }
 
-double median_ms(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2] * 1e3;
-}
+double median_ms(const std::vector<double>& v) { return fsdp_bench::median(v) * 1e3; }
 
 void BM_SingleProcess(benchmark::State& st) {
   auto& pg = *fsdp_bench::group();
