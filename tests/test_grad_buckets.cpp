@@ -9,10 +9,12 @@
 #include <signal.h>
 
 #include <chrono>
+#include <thread>
 
 #include "flat_param/grad_bucket.h"
 #include "fsdp/errors.h"
 #include "fsdp/fully_sharded.h"
+#include "memory_watch.h"
 #include "multi_rank.h"
 #include "tiny_lm.h"
 
@@ -259,12 +261,127 @@ TEST(GradBuckets, UnitsOfABucketShareItsBuffer) {
   });
 }
 
+// DDP's buckets live as long as its reducer; ours are kept on the CPU (keep_grad_buckets, the
+// default) and reused once nothing holds them (FsdpState::bucket_buffer). Steps whose gradients
+// are dropped (zero_grad(set_to_none)) reduce in one buffer, the same from the second planned step
+// on. A gradient the user keeps, whole or as a view of one unit's part, or that the next backward
+// accumulates into, is never written by a later bucket, and a buffer the gradients do not live in
+// is not kept. With keep_grad_buckets(false) nothing outlives the gradients. Every step's
+// gradients equal one all-reduce per unit's, bit for bit (W=2).
+TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    struct Run {
+      std::vector<std::vector<at::Tensor>> grads;  // per backward, per handle (clones)
+      std::vector<const void*> buffers;            // per backward: the root's gradient storage
+      // Per step: whether the last step's root gradient storage outlived dropping the gradients.
+      std::vector<bool> outlived;
+      std::vector<std::pair<at::Tensor, at::Tensor>> held;  // (kept by the user, its value then)
+    };
+    auto run = [&](double cap, bool keep_buckets) {
+      BucketNet m;
+      FullyShardedDataParallel model(m, bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, cap)
+                                            .keep_grad_buckets(keep_buckets));
+      Run r;
+      auto drop_grads = [&]() {
+        for (auto* h : model->handles()) {
+          if (h) h->flat_param().mutable_grad().reset();
+        }
+      };
+      auto root_grad = [&]() { return model->handles()[0]->flat_param().grad(); };
+      auto keep = [&](const at::Tensor& t) { r.held.emplace_back(t, t.clone()); };
+      c10::weak_intrusive_ptr<c10::StorageImpl> last(c10::intrusive_ptr<c10::StorageImpl>{});
+      // 0-3: dropped before each; 4: the root's whole gradient kept; 5: a view of one unit's kept;
+      // 6: none dropped (accumulated into the last); 7-8: dropped again.
+      for (int step = 0; step < 9; ++step) {
+        if (step == 4) keep(root_grad());
+        if (step == 5) keep(model->handles()[3]->flat_param().grad().narrow(0, 1, 3));  // a block
+        if (step != 6) drop_grads();
+        // Gloo's worker thread lets go of a finished all-reduce's buffer a moment after wait()
+        // returns; until it does, the buffer is not reused (correctly, but this test checks that
+        // it is). In training a forward lies between two backwards; here a pause stands in for it.
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        r.outlived.push_back(!last.expired());
+        model->forward(seeded_randn({4, BucketNetImpl::kDim}, 10 * step + pg.rank()), false)
+            .sum()
+            .backward();
+        std::vector<at::Tensor> g;
+        for (auto* h : model->handles()) {
+          if (h && h->flat_param().grad().defined()) g.push_back(h->flat_param().grad().clone());
+        }
+        r.grads.push_back(std::move(g));
+        r.buffers.push_back(root_grad().storage().data());
+        last = root_grad().storage().getWeakStorageImpl();
+      }
+      return r;
+    };
+    const Run base = run(0, true), bucketed = run(25, true), unkept = run(25, false);
+    for (const Run* other : {&bucketed, &unkept}) {
+      ASSERT_EQ(base.grads.size(), other->grads.size());
+      for (size_t s = 0; s < base.grads.size(); ++s) {
+        ASSERT_EQ(base.grads[s].size(), other->grads[s].size()) << "step " << s;
+        for (size_t i = 0; i < base.grads[s].size(); ++i) {
+          EXPECT_TRUE(at::equal(base.grads[s][i], other->grads[s][i]))
+              << "step " << s << " handle " << i;
+        }
+      }
+      for (const auto& [kept, value] : other->held) {
+        EXPECT_TRUE(at::equal(kept, value)) << "a gradient the user kept was overwritten";
+      }
+    }
+    const auto& b = bucketed.buffers;
+    // Step 0 has no plan (each unit its own slot, copied into one buffer at launch), step 1 the
+    // first planned buffer; from step 2 on it is reused while nothing holds it.
+    EXPECT_EQ(b[2], b[1]);
+    EXPECT_EQ(b[3], b[1]);
+    EXPECT_NE(b[4], b[3]);  // step 3's is kept by the user
+    EXPECT_NE(b[5], b[4]);  // a view of step 4's is kept
+    EXPECT_EQ(b[6], b[5]);  // accumulated into step 5's gradient, which stays where it was
+    EXPECT_EQ(b[8], b[7]);
+    const auto& o = bucketed.outlived;
+    EXPECT_FALSE(o[1]);  // step 0's buffer was the bucket's own, not planned: not kept
+    EXPECT_TRUE(o[2]);   // planned ones are kept for the next backward
+    EXPECT_TRUE(o[3]);
+    // Step 6 added into step 5's gradients: its bucket was not where they live, so nothing of it
+    // was kept, and step 5's buffer went with the gradients once they were dropped.
+    EXPECT_FALSE(o[7]);
+    EXPECT_TRUE(o[8]);
+    for (int s : {1, 2, 3, 7, 8}) EXPECT_FALSE(unkept.outlived[s]) << "step " << s;
+  });
+}
+
+// Where zero_grad keeps the gradients and zeroes them (LibTorch 1.13's default), every bucket's sum
+// is added into them and its buffer is needed no longer: keeping it for the next backward would
+// hold a second set of gradients for nothing. After steady steps of that kind, the memory left
+// from all of training is the gradients themselves.
+TEST(GradBuckets, BucketsAddedIntoKeptGradientsAreNotKept) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    BucketNet m;
+    FullyShardedDataParallel model(m, bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, 25));
+    fsdp::testing::MemoryWatch watch;  // from before the first gradient
+    for (int s = 0; s < 5; ++s) {
+      for (auto* h : model->handles()) {
+        if (h && h->flat_param().grad().defined()) h->flat_param().mutable_grad().zero_();
+      }
+      model->forward(seeded_randn({4, BucketNetImpl::kDim}, s + pg.rank()), false).sum().backward();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // Gloo lets go of its buffers
+    }
+    int64_t grad_bytes = 0;
+    for (auto* h : model->handles()) {
+      if (h && h->flat_param().grad().defined()) grad_bytes += h->flat_param().grad().nbytes();
+    }
+    ASSERT_GT(grad_bytes, 0);
+    EXPECT_LT(watch.current(), grad_bytes * 3 / 2)
+        << "a bucket outlived its backward beside " << grad_bytes << " bytes of gradients";
+  });
+}
+
 // A GradBucket on its own: slots filled in the planned buffer and beyond it (its own buffers,
 // copied at launch), reduced as one and divided once, each result a slice of one buffer.
 TEST(GradBuckets, BucketSlotsReduceTogetherPlannedOrNot) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (int64_t planned : {0, 5, 9, 20}) {
-      fsdp::detail::GradBucket b(pg, at::kFloat, at::kCPU, {2.0}, planned);
+      fsdp::detail::GradBucket b(pg, at::kFloat, at::kCPU, {2.0},
+                                 planned > 0 ? at::full({planned}, -1.0f) : at::Tensor());
       const std::vector<int64_t> sizes{5, 4, 3};
       for (int64_t n : sizes) {
         const size_t k = b.add_slot(n);

@@ -9,13 +9,17 @@ namespace fsdp {
 namespace detail {
 
 GradBucket::GradBucket(dist::ProcessGroup group, at::ScalarType dtype, at::Device device,
-                       std::vector<double> divide_after, int64_t planned_numel)
+                       std::vector<double> divide_after, at::Tensor planned)
     : group_(std::move(group)),
       dtype_(dtype),
       device_(device),
-      divide_after_(std::move(divide_after)) {
-  if (planned_numel > 0) {
-    planned_ = empty_buffer(planned_numel, at::TensorOptions().dtype(dtype).device(device));
+      divide_after_(std::move(divide_after)),
+      planned_(std::move(planned)) {
+  if (planned_.defined() && (planned_.dim() != 1 || planned_.scalar_type() != dtype ||
+                             planned_.device() != device || !planned_.is_contiguous())) {
+    throw InternalError(
+        "GradBucket: the planned buffer is not 1-D and contiguous in the bucket's "
+        "dtype on its device");
   }
 }
 

@@ -7,7 +7,8 @@
 // buffer's storage and becomes the unit's gradient (DDP's gradient_as_bucket_view, for the flat
 // gradients: the bucket is freed with the last of them). The runtime sizes a bucket from the
 // previous iteration's order of units ("planned"): when it is right, as it is in steady training,
-// every slot is a slice of one buffer allocated up front and the bucket costs no copy over the
+// every slot is a slice of one buffer allocated up front (on the CPU, the last iteration's, once
+// its gradients are dropped: see FsdpState::bucket_buffer) and the bucket costs no copy over the
 // unbucketed reduction. When it is not (the first iteration, or units that arrive in another order
 // or another size) the slots that do not fit get their own buffers, copied into one at launch.
 // Either way what is reduced, and where each unit's result is, depends only on the order and
@@ -29,10 +30,11 @@ class GradBucket {
  public:
   /// A bucket reduced over `group`, holding gradients of `dtype` on `device`, whose sum wait()
   /// divides by each of `divide_after` in turn (the averaging every unit of the bucket owes; one
-  /// pass over the bucket instead of one per unit). `planned_numel` > 0 allocates that many
-  /// elements up front for the slots that follow in order.
+  /// pass over the bucket instead of one per unit). `planned`, if defined, is a 1-D buffer of
+  /// `dtype` on `device` (its contents are overwritten) that the slots fill in order from its
+  /// start while they fit.
   GradBucket(dist::ProcessGroup group, at::ScalarType dtype, at::Device device,
-             std::vector<double> divide_after, int64_t planned_numel);
+             std::vector<double> divide_after, at::Tensor planned);
 
   /// A slot of `numel` elements to write a flat gradient into before launch(); returns its index.
   /// Every element of it must be written (the buffer is not zeroed).
@@ -63,7 +65,7 @@ class GradBucket {
   at::ScalarType dtype_;
   at::Device device_;
   std::vector<double> divide_after_;
-  at::Tensor planned_;  // allocated up front; slots fill it from the start while they fit
+  at::Tensor planned_;  // given up front; slots fill it from the start while they fit
   std::vector<at::Tensor> slots_;
   std::vector<int64_t> offsets_;  // each slot's offset in the reduced buffer
   int64_t numel_ = 0;

@@ -24,6 +24,7 @@
 #include "flat_param/grad_bucket.h"
 #include "fsdp/errors.h"
 #include "runtime/state.h"
+#include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace detail {
@@ -176,6 +177,7 @@ void FsdpState::reset_iteration() {
   launch_bucket();  // left open only by a backward that threw before its end
   while (!reducing.empty()) finish_oldest_reduction();
   if (!bucket_order.empty()) last_bucket_order = std::exchange(bucket_order, {});
+  if (!bucket_buffers.empty()) keep_bucket_buffers();
   buckets_launched = 0;
   for (auto& u : units) {
     if (u->handle) {
@@ -456,7 +458,7 @@ void FsdpState::add_to_bucket(int idx) {
 // A bucket starting at unit `idx`, with a buffer for the units that followed it into the same
 // bucket in the last backward: in steady training the same ones follow, each unit's gradient is
 // written straight into its slice, and the all-reduce needs no copy.
-std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) const {
+std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) {
   const FlatParamHandle& h = *units[idx]->handle;
   const int64_t elem = static_cast<int64_t>(c10::elementSize(h.reduce_dtype()));
   const int64_t cap = bucket_cap_bytes();
@@ -473,8 +475,57 @@ std::shared_ptr<GradBucket> FsdpState::new_bucket(int idx) const {
     planned += next.layout().padded_unsharded_numel;
     if (planned * elem >= cap) break;
   }
+  at::Tensor buffer;
+  if (planned > 0) buffer = bucket_buffer(planned, h.reduce_dtype(), h.options().device());
   return std::make_shared<GradBucket>(units[idx]->handle->process_group(), h.reduce_dtype(),
-                                      h.options().device(), std::move(divisions), planned);
+                                      h.options().device(), std::move(divisions), buffer);
+}
+
+// A planned bucket's buffer. On the CPU (FullyShardedOptions::keep_grad_buckets) it is one of
+// the last backward's, where one of the size wanted is held by nothing else any more. DDP's
+// buckets live as long as its reducer; ours were freed with the gradients at every
+// zero_grad(set_to_none) and allocated again in the next backward, and the C library hands large
+// freed blocks back to the kernel, so they came back as fresh pages to fault in and zero: on
+// LibTorch 2.6 the blocks model's step took 2,600 minor faults, DDP's 22-88, and 31 with this
+// (docs/performance.md). A buffer is free once nothing else shares its storage: not a gradient
+// the user kept, whole or as a view, nor one the next reduction adds into, nor the backend's hold
+// on a collective just finished (then a fresh buffer is taken). Off the CPU the caching allocator
+// keeps freed memory already, and its streams decide when memory may be reused.
+at::Tensor FsdpState::bucket_buffer(int64_t numel, at::ScalarType dtype, at::Device device) {
+  const auto opts = at::TensorOptions().dtype(dtype).device(device);
+  if (!device.is_cpu() || !options.keep_grad_buckets()) return detail::empty_buffer(numel, opts);
+  at::Tensor buffer;
+  for (at::Tensor& b : last_bucket_buffers) {
+    // Held only by this list: no other tensor object, and no other view of its storage.
+    if (b.defined() && b.numel() == numel && b.scalar_type() == dtype && b.use_count() == 1 &&
+        b.storage().use_count() == 1) {
+      buffer = std::exchange(b, at::Tensor());
+      break;
+    }
+  }
+  if (!buffer.defined()) buffer = detail::empty_buffer(numel, opts);
+  bucket_buffers.push_back(buffer);
+  return buffer;
+}
+
+// At the end of a backward: of its bucket buffers, keep for the next one those the units'
+// gradients now live in (what zero_grad(set_to_none) will drop, and DDP would have kept); let go of
+// the rest and of the last backward's. A buffer whose result was added into gradients kept from
+// before (accumulation, or LibTorch 1.13's zero_grad, which zeroes in place) is not kept: it would
+// be a second set of gradients held for nothing, since those gradients stay where they are.
+void FsdpState::keep_bucket_buffers() {
+  std::vector<at::Tensor> keep;
+  for (at::Tensor& b : std::exchange(bucket_buffers, {})) {
+    for (const auto& u : units) {
+      if (!u->handle) continue;
+      const at::Tensor& g = u->handle->flat_param().grad();
+      if (g.defined() && g.storage().is_alias_of(b.storage())) {
+        keep.push_back(std::move(b));
+        break;
+      }
+    }
+  }
+  last_bucket_buffers = std::move(keep);
 }
 
 void FsdpState::launch_bucket() {

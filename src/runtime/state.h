@@ -82,6 +82,9 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   // Units in the order their gradients entered buckets, this backward and the last: a new
   // bucket's buffer is sized from the last one (see new_bucket).
   std::vector<int> bucket_order, last_bucket_order;
+  // The CPU buffers of this backward's buckets, and those of the last one that its gradients live
+  // in, kept to be reused (FullyShardedOptions::keep_grad_buckets; see bucket_buffer).
+  std::vector<at::Tensor> bucket_buffers, last_bucket_buffers;
   bool buffers_cast = false;
   bool buffers_full_precision = false;  // buffers currently in their original dtypes
   std::shared_ptr<torch::nn::Module> root_module;
@@ -116,7 +119,9 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   bool bucketed(const FlatParamHandle& h) const;
   int64_t bucket_cap_bytes() const;
   void add_to_bucket(int u);
-  std::shared_ptr<GradBucket> new_bucket(int u) const;
+  std::shared_ptr<GradBucket> new_bucket(int u);
+  at::Tensor bucket_buffer(int64_t numel, at::ScalarType dtype, at::Device device);
+  void keep_bucket_buffers();
   void launch_bucket();
   void finish_prefetched_unshards_on_cpu();
   void cast_buffers(bool full_precision);
