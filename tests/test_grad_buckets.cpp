@@ -264,42 +264,50 @@ TEST(GradBuckets, UnitsOfABucketShareItsBuffer) {
 // DDP's buckets live as long as its reducer; ours are kept on the CPU (keep_grad_buckets, the
 // default) and reused once nothing holds them (FsdpState::bucket_buffer). Steps whose gradients
 // are dropped (zero_grad(set_to_none)) reduce in one buffer, the same from the second planned step
-// on. A gradient the user keeps, whole or as a view of one unit's part, or that the next backward
-// accumulates into, is never written by a later bucket, and a buffer the gradients do not live in
-// is not kept. With keep_grad_buckets(false) nothing outlives the gradients. Every step's
-// gradients equal one all-reduce per unit's, bit for bit (W=2).
+// on. A gradient the user keeps, whole, as a view of one unit's part, or as an original
+// parameter's gradient (use_orig_params), or that the next backward accumulates into, is never
+// written by a later bucket, and a buffer the gradients do not live in is not kept; a forward in
+// eval mode lets the kept buffer go. With keep_grad_buckets(false) nothing outlives the
+// gradients. Every step's gradients equal one all-reduce per unit's, bit for bit (W=2).
 TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
   run_ranks(2, [](ProcessGroup& pg) {
     struct Run {
       std::vector<std::vector<at::Tensor>> grads;  // per backward, per handle (clones)
       std::vector<const void*> buffers;            // per backward: the root's gradient storage
-      // Per step: whether the last step's root gradient storage outlived dropping the gradients.
+      // Per step: whether the last step's root gradient storage outlived dropping the gradients;
+      // at the end, whether the last one outlived an eval forward too.
       std::vector<bool> outlived;
+      bool outlived_eval = false;
       std::vector<std::pair<at::Tensor, at::Tensor>> held;  // (kept by the user, its value then)
     };
-    auto run = [&](double cap, bool keep_buckets) {
+    // Gloo's worker thread lets go of a finished all-reduce's buffer a moment after wait()
+    // returns; until it does, the buffer is neither reused nor freed (correctly, but this test
+    // checks that it is). In training a forward lies between two backwards; a pause stands in.
+    auto pause = []() { std::this_thread::sleep_for(std::chrono::milliseconds(100)); };
+    auto run = [&](double cap, bool keep_buckets, bool orig) {
       BucketNet m;
       FullyShardedDataParallel model(m, bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, cap)
-                                            .keep_grad_buckets(keep_buckets));
+                                            .keep_grad_buckets(keep_buckets)
+                                            .use_orig_params(orig));
       Run r;
-      auto drop_grads = [&]() {
+      auto drop_grads = [&]() {  // zero_grad(set_to_none), on the flat and original parameters
         for (auto* h : model->handles()) {
           if (h) h->flat_param().mutable_grad().reset();
         }
+        for (auto& p : m->parameters()) p.mutable_grad().reset();
       };
       auto root_grad = [&]() { return model->handles()[0]->flat_param().grad(); };
       auto keep = [&](const at::Tensor& t) { r.held.emplace_back(t, t.clone()); };
       c10::weak_intrusive_ptr<c10::StorageImpl> last(c10::intrusive_ptr<c10::StorageImpl>{});
-      // 0-3: dropped before each; 4: the root's whole gradient kept; 5: a view of one unit's kept;
-      // 6: none dropped (accumulated into the last); 7-8: dropped again.
+      // 0-3: dropped before each (2: under use_orig_params, an original parameter's gradient
+      // kept); 4: the root's whole gradient kept; 5: a view of one unit's kept; 6: none dropped
+      // (accumulated into the last); 7-8: dropped again.
       for (int step = 0; step < 9; ++step) {
+        if (step == 2 && orig) keep(m->in->weight.grad());
         if (step == 4) keep(root_grad());
         if (step == 5) keep(model->handles()[3]->flat_param().grad().narrow(0, 1, 3));  // a block
         if (step != 6) drop_grads();
-        // Gloo's worker thread lets go of a finished all-reduce's buffer a moment after wait()
-        // returns; until it does, the buffer is not reused (correctly, but this test checks that
-        // it is). In training a forward lies between two backwards; here a pause stands in for it.
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        pause();
         r.outlived.push_back(!last.expired());
         model->forward(seeded_randn({4, BucketNetImpl::kDim}, 10 * step + pg.rank()), false)
             .sum()
@@ -312,15 +320,26 @@ TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
         r.buffers.push_back(root_grad().storage().data());
         last = root_grad().storage().getWeakStorageImpl();
       }
+      drop_grads();
+      m->eval();
+      {
+        at::NoGradGuard no_grad;
+        model->forward(seeded_randn({4, BucketNetImpl::kDim}, 99), false);
+      }
+      pause();
+      r.outlived_eval = !last.expired();
       return r;
     };
-    const Run base = run(0, true), bucketed = run(25, true), unkept = run(25, false);
-    for (const Run* other : {&bucketed, &unkept}) {
-      ASSERT_EQ(base.grads.size(), other->grads.size());
-      for (size_t s = 0; s < base.grads.size(); ++s) {
-        ASSERT_EQ(base.grads[s].size(), other->grads[s].size()) << "step " << s;
-        for (size_t i = 0; i < base.grads[s].size(); ++i) {
-          EXPECT_TRUE(at::equal(base.grads[s][i], other->grads[s][i]))
+    const Run base = run(0, true, false), bucketed = run(25, true, false),
+              unkept = run(25, false, false), base_orig = run(0, true, true),
+              orig = run(25, true, true);
+    for (const auto& [ref, other] :
+         {std::pair{&base, &bucketed}, {&base, &unkept}, {&base_orig, &orig}}) {
+      ASSERT_EQ(ref->grads.size(), other->grads.size());
+      for (size_t s = 0; s < ref->grads.size(); ++s) {
+        ASSERT_EQ(ref->grads[s].size(), other->grads[s].size()) << "step " << s;
+        for (size_t i = 0; i < ref->grads[s].size(); ++i) {
+          EXPECT_TRUE(at::equal(ref->grads[s][i], other->grads[s][i]))
               << "step " << s << " handle " << i;
         }
       }
@@ -335,8 +354,9 @@ TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
     EXPECT_EQ(b[3], b[1]);
     EXPECT_NE(b[4], b[3]);  // step 3's is kept by the user
     EXPECT_NE(b[5], b[4]);  // a view of step 4's is kept
-    EXPECT_EQ(b[6], b[5]);  // accumulated into step 5's gradient, which stays where it was
     EXPECT_EQ(b[8], b[7]);
+    EXPECT_NE(orig.buffers[2], orig.buffers[1]);  // an original parameter's gradient is kept
+    EXPECT_EQ(orig.buffers[3], orig.buffers[2]);
     const auto& o = bucketed.outlived;
     EXPECT_FALSE(o[1]);  // step 0's buffer was the bucket's own, not planned: not kept
     EXPECT_TRUE(o[2]);   // planned ones are kept for the next backward
@@ -345,6 +365,7 @@ TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
     // was kept, and step 5's buffer went with the gradients once they were dropped.
     EXPECT_FALSE(o[7]);
     EXPECT_TRUE(o[8]);
+    EXPECT_FALSE(bucketed.outlived_eval) << "an eval forward kept the buckets";
     for (int s : {1, 2, 3, 7, 8}) EXPECT_FALSE(unkept.outlived[s]) << "step " << s;
   });
 }
@@ -370,6 +391,11 @@ TEST(GradBuckets, BucketsAddedIntoKeptGradientsAreNotKept) {
       if (h && h->flat_param().grad().defined()) grad_bytes += h->flat_param().grad().nbytes();
     }
     ASSERT_GT(grad_bytes, 0);
+    // What is live only falls from here (Gloo letting go of a last buffer): wait up to 5 s for it.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (watch.current() >= grad_bytes * 3 / 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
     EXPECT_LT(watch.current(), grad_bytes * 3 / 2)
         << "a bucket outlived its backward beside " << grad_bytes << " bytes of gradients";
   });

@@ -131,16 +131,19 @@ struct FullyShardedOptions {
   /// different split of the buffer may round differently (as DDP's bucket sizes do). Ignored by
   /// the sharded strategies (why: docs/performance.md). Default 25, DDP's.
   TORCH_ARG(double, bucket_cap_mb) = 25;
-  /// NO_SHARD's buckets on the CPU: keep a backward's bucket memory, once the gradients that live
-  /// in it are dropped (zero_grad with set_to_none, LibTorch 2's default), and reduce the next
-  /// backward into it, as DDP's buckets live as long as its reducer. Freed instead, the C library
-  /// returns such large blocks to the kernel and every backward faults them in again as fresh
-  /// pages (on the 48-unit benchmark under LibTorch 2.6, 2,600 faults and about 2% of each step).
-  /// The cost is the memory of one set of gradients held from zero_grad to the next backward, as
-  /// DDP holds it; false gives it back. A buffer is never reused while anything else holds it (a
-  /// gradient kept by the user, whole or as a view, or one the next backward adds into), and none
-  /// is kept where the gradients do not live in it (accumulation into gradients kept by zero_grad,
-  /// LibTorch 1.13's default; mixed precision; CPU offload). GPUs keep their caching allocator.
+  /// NO_SHARD's buckets on the CPU (bucket_cap_mb > 0): keep a backward's bucket memory, once the
+  /// gradients that live in it are dropped (zero_grad with set_to_none, LibTorch 2's default), and
+  /// reduce the next backward into it, as DDP's buckets live as long as its reducer. Freed
+  /// instead, the C library returns such large blocks to the kernel and every backward faults them
+  /// in again as fresh pages (on the 48-unit benchmark under LibTorch 2.6, 2,600 faults and about
+  /// 2% of each step). The cost is the memory of one set of gradients held from zero_grad until
+  /// the next backward that reduces (through no_sync steps too; a forward in eval mode lets it
+  /// go), as DDP holds it; false gives it back. A buffer is never reused while a tensor shares its
+  /// storage (a gradient kept by the user, whole or as a view, an original parameter's gradient
+  /// under use_orig_params, one the next backward adds into; memory aliased by raw pointer, as
+  /// from_blob does, is not seen), and none is kept where the gradients do not live in it
+  /// (accumulation into gradients that zero_grad kept, LibTorch 1.13's default; a reduce_dtype
+  /// other than the gradients'; CPU offload). GPUs keep their caching allocator.
   TORCH_ARG(bool, keep_grad_buckets) = true;
   /// Broadcast parameters and buffers from rank 0 before sharding.
   TORCH_ARG(bool, sync_module_states) = false;

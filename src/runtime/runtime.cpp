@@ -204,6 +204,8 @@ void FsdpState::pre_forward(int idx) {
     // A new iteration starts at the root. Anything a forward without backward left unsharded
     // (eval under grad mode, an exception) is resharded first.
     reset_iteration();
+    // Evaluation needs no gradient buckets, and may last long: what keep_grad_buckets kept goes.
+    if (!root_module->is_training()) last_bucket_buffers.clear();
     cast_buffers(!root_module->is_training() && full_precision_in_eval());
   }
   u.forward_done = true;
@@ -497,8 +499,8 @@ at::Tensor FsdpState::bucket_buffer(int64_t numel, at::ScalarType dtype, at::Dev
   at::Tensor buffer;
   for (at::Tensor& b : last_bucket_buffers) {
     // Held only by this list: no other tensor object, and no other view of its storage.
-    if (b.defined() && b.numel() == numel && b.scalar_type() == dtype && b.use_count() == 1 &&
-        b.storage().use_count() == 1) {
+    if (b.defined() && b.numel() == numel && b.scalar_type() == dtype && b.device() == device &&
+        b.use_count() == 1 && b.storage().use_count() == 1) {
       buffer = std::exchange(b, at::Tensor());
       break;
     }
