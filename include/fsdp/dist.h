@@ -56,6 +56,15 @@ enum class ReduceScatterAlgo {
   /// peak of backward under FULL_SHARD. Each call sends under a tag of its own (a per-group
   /// counter): code that sends on the same c10d backend directly must not use tags from 0 up.
   PAIRWISE,
+  /// Routed by host, Gloo only, on a group init_process_group routed (ProcessGroup::hosts() > 1;
+  /// ValueError elsewhere): a PAIRWISE reduce-scatter among the ranks of each host, then one
+  /// among the ranks with the same local rank on every host, so that only the host's sums cross
+  /// to other hosts: (H-1)/H of the input per host for H hosts, where a flat reduce-scatter
+  /// sends all of it. AUTO picks it on such a group from 64 KiB of input. Sums in another order
+  /// than PAIRWISE (each host's ranks first), the same on every rank; the first step completes
+  /// before the call returns; scratch: 1/L of the input (L ranks per host) and the pairwise
+  /// buffers of each step.
+  HIERARCHICAL,
   // The names before the one enum style (docs/migration.md); removed in the next release.
   kAuto [[deprecated("use ReduceScatterAlgo::AUTO")]] = AUTO,
   kAllToAll [[deprecated("use ReduceScatterAlgo::ALL_TO_ALL")]] = ALL_TO_ALL,
@@ -81,6 +90,14 @@ enum class AllGatherAlgo {
   /// PAIRWISE reduce-scatters use). An input that overlaps the output anywhere but this rank's
   /// own piece is refused (ValueError) on the rank that passes it.
   PAIRWISE,
+  /// Routed by host, Gloo only, on a group init_process_group routed (ProcessGroup::hosts() > 1;
+  /// ValueError elsewhere): each rank exchanges its input with the ranks of the same local rank
+  /// on the other hosts, then forwards what it received to the ranks of its own host, every piece
+  /// received straight into its place in the output. A host sends its share (1/H of the output
+  /// for H hosts) once to each other host, (H-1)/H of the output in all, where Gloo's ring over
+  /// all ranks sends (W-1)/W on each host boundary it crosses. AUTO picks it on such a group from
+  /// 64 KiB of output. The forwarding runs in wait(); nothing is allocated.
+  HIERARCHICAL,
   // The names before the one enum style (docs/migration.md); removed in the next release.
   kAuto [[deprecated("use AllGatherAlgo::AUTO")]] = AUTO,
   kNative [[deprecated("use AllGatherAlgo::NATIVE")]] = NATIVE,
@@ -112,6 +129,16 @@ struct InitOptions {
   TORCH_ARG(std::optional<std::string>, gloo_hostname);
   /// Gloo worker threads per group. Default 2.
   TORCH_ARG(int, gloo_threads) = 2;
+  /// Route the default group's large collectives by host (AllGatherAlgo::HIERARCHICAL,
+  /// ReduceScatterAlgo::HIERARCHICAL, and all_reduce as a reduce-scatter within each host, an
+  /// all-reduce across hosts and an all-gather within each host), so that each host sends other
+  /// hosts only its share of the data. Gloo only. Default: $FSDP_HOST_AWARE (0 or 1), else on
+  /// when the launcher's layout (LOCAL_RANK, LOCAL_WORLD_SIZE) puts the ranks on several hosts,
+  /// more than one on each, the same number on each, in consecutive blocks (as fsdp-run, torchrun,
+  /// mpirun and srun number them). Whatever is asked, the ranks first exchange their layouts and
+  /// route only if every rank asked and the layouts agree (else flat, with one line on stderr
+  /// saying why): one small collective at start-up. Must not be false on some ranks only.
+  TORCH_ARG(std::optional<bool>, host_aware);
 };
 
 /// Rank layout read from the environment, as torchrun sets it.
@@ -197,6 +224,9 @@ class ProcessGroup {
   std::chrono::milliseconds timeout() const;
   /// "gloo" or "nccl".
   std::string backend_name() const;
+  /// How many hosts this group's collectives are routed across (InitOptions::host_aware): 1 for a
+  /// group whose collectives are flat (every group but a routed default group).
+  int hosts() const;
   /// Rank in the default group of each member, indexed by group rank.
   const std::vector<int>& global_ranks() const;
   /// The underlying c10d object, for callers that need something not wrapped here.
@@ -296,6 +326,20 @@ class ProcessGroup {
   Work launch_pairwise(const char* op, const at::Tensor& out_flat,
                        std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
                        std::vector<double> divisors);
+  // Host routing (host_routes.cpp). `routed` says whether a collective of `bytes` goes by host:
+  // always for HIERARCHICAL (ValueError on a group without routes), from 64 KiB for AUTO.
+  bool routed(const char* op, bool hierarchical, bool automatic, int64_t bytes) const;
+  Work routed_all_gather(const at::Tensor& out_flat, const at::Tensor& in_flat);
+  Work routed_reduce_scatter(const char* op, const at::Tensor& out_flat,
+                             std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
+                             std::vector<double> divisors);
+  Work routed_all_reduce(const at::Tensor& tensor, ReduceOp op_kind);
+  // Collective over this group: agrees on host routes from every rank's layout and builds them.
+  void route_by_host(const EnvInfo& env, std::optional<bool> wanted);
+  ProcessGroup new_named_group(const std::vector<int>& ranks, const std::string& name);
+  // ValueError unless `in_flat` is this rank's own piece of `out_flat` or outside it.
+  void check_in_place_piece(const char* op, const at::Tensor& out_flat,
+                            const at::Tensor& in_flat) const;
   std::shared_ptr<State> state_;
 };
 

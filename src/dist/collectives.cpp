@@ -191,6 +191,23 @@ Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<vo
 // cost little memory anyway.
 constexpr int64_t kPairwiseAllGatherMinBytes = int64_t{4} << 20;
 
+// Pieces land in the output while the input is still being sent (PAIRWISE, HIERARCHICAL): an
+// input inside the output must be this rank's own piece of it (in place), where nothing lands.
+void ProcessGroup::check_in_place_piece(const char* op, const at::Tensor& out_flat,
+                                        const at::Tensor& in_flat) const {
+  const State& s = checked_state(op);
+  const auto lo = reinterpret_cast<uintptr_t>(out_flat.data_ptr());
+  const auto from = reinterpret_cast<uintptr_t>(in_flat.data_ptr());
+  const auto bytes = static_cast<uintptr_t>(in_flat.numel() * in_flat.element_size());
+  const bool overlaps = from < lo + bytes * s.size && from + bytes > lo;
+  if (overlaps && from != lo + bytes * s.rank) {
+    throw ValueError(msg(describe(op, *this),
+                         ": the input overlaps the output other than at this "
+                         "rank's own piece of it (bytes ",
+                         bytes * s.rank, " to ", bytes * (s.rank + 1), " of the output)"));
+  }
+}
+
 Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input,
                                                 AllGatherAlgo algo) {
   const char* op = "all_gather_into_tensor";
@@ -205,6 +222,8 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   if (algo == AllGatherAlgo::PAIRWISE) {
     pairwise_needs_gloo(op, *this, s.backend_name, "AllGatherAlgo::PAIRWISE");
   }
+  const bool by_host = routed(op, algo == AllGatherAlgo::HIERARCHICAL, algo == AllGatherAlgo::AUTO,
+                              output.numel() * output.element_size());
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
     return launch(op, {},
@@ -219,6 +238,10 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   }
   at::Tensor out_flat = as_wire(output.view(-1));
   at::Tensor in_flat = as_wire(input.view(-1));
+  if (by_host) {
+    check_in_place_piece(op, out_flat, in_flat);
+    return routed_all_gather(out_flat, in_flat);
+  }
   if (algo == AllGatherAlgo::AUTO) {
     // Gloo's own all-gather allocates and copies a whole output's worth on every call (see
     // pairwise.cpp): pairwise from kPairwiseAllGatherMinBytes, where that matters (docs/dist.md).
@@ -226,18 +249,7 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
     algo = s.backend_name == "gloo" && big ? AllGatherAlgo::PAIRWISE : AllGatherAlgo::NATIVE;
   }
   if (algo == AllGatherAlgo::PAIRWISE) {
-    // Pieces land in the output while the input is still being sent: an input inside the output
-    // must be this rank's own piece of it (in place), where nothing lands.
-    const auto lo = reinterpret_cast<uintptr_t>(out_flat.data_ptr());
-    const auto from = reinterpret_cast<uintptr_t>(in_flat.data_ptr());
-    const auto bytes = static_cast<uintptr_t>(in_flat.numel() * in_flat.element_size());
-    const bool overlaps = from < lo + bytes * s.size && from + bytes > lo;
-    if (overlaps && from != lo + bytes * s.rank) {
-      throw ValueError(msg(describe(op, *this),
-                           ": the input overlaps the output other than at this "
-                           "rank's own piece of it (bytes ",
-                           bytes * s.rank, " to ", bytes * (s.rank + 1), " of the output)"));
-    }
+    check_in_place_piece(op, out_flat, in_flat);
     return launch(op, {},
                   detail::start_pairwise_all_gather(s.next_point_to_point(describe(op, *this)),
                                                     out_flat, in_flat));
@@ -311,6 +323,13 @@ ReduceScatterAlgo resolve_reduce_scatter_algo(const char* op, const ProcessGroup
   return algo;
 }
 
+// A flat input as `world` chunks of n elements, one piece each (reduce_scatter_pieces' form).
+std::vector<std::vector<at::Tensor>> equal_chunks(const at::Tensor& in_flat, int world, int64_t n) {
+  std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world));
+  for (int q = 0; q < world; ++q) chunks[static_cast<size_t>(q)] = {in_flat.narrow(0, q * n, n)};
+  return chunks;
+}
+
 // The finish step of ALL_TO_ALL: `recv` holds the W pieces of this rank's chunk, n elements each,
 // in rank order; they are combined into out_flat, `divide` divides the result, and `recv` goes.
 template <typename Divide>
@@ -337,6 +356,8 @@ std::function<void()> combine_all_to_all(at::Tensor recv, at::Tensor out_flat, R
 
 }  // namespace
 
+// Long because it is one dispatch: the stand-ins (staging, float32 for bfloat16), then the route
+// by host or one of four algorithms, each a few lines; split up, the choice would be scattered.
 Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const at::Tensor& input,
                                                ReduceOp op_kind, ReduceScatterAlgo algo,
                                                const std::vector<double>& divide_by) {
@@ -344,6 +365,9 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
   State& s = checked_state(op);
   check_reduce_scatter_args(op, *this, s.size, s.backend_name, output, input, op_kind, algo,
                             divide_by);
+  const bool by_host =
+      routed(op, algo == ReduceScatterAlgo::HIERARCHICAL, algo == ReduceScatterAlgo::AUTO,
+             input.numel() * input.element_size());
   const int64_t n = output.numel();
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
@@ -371,6 +395,10 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
     out_flat.copy_(in_flat);
     divide();
     return launch(op, {});
+  }
+  if (by_host) {
+    return routed_reduce_scatter(op, out_flat, equal_chunks(in_flat, world, n), op_kind,
+                                 std::move(divisors));
   }
   switch (resolve_reduce_scatter_algo(op, *this, s.backend_name, op_kind, algo)) {
     case ReduceScatterAlgo::NATIVE: {
@@ -403,13 +431,11 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
         detail::release_completed(tmp);
       });
     }
-    case ReduceScatterAlgo::PAIRWISE: {
-      std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world));
-      for (int q = 0; q < world; ++q)
-        chunks[static_cast<size_t>(q)] = {in_flat.narrow(0, q * n, n)};
-      return launch_pairwise(op, out_flat, std::move(chunks), op_kind, std::move(divisors));
-    }
+    case ReduceScatterAlgo::PAIRWISE:
+      return launch_pairwise(op, out_flat, equal_chunks(in_flat, world, n), op_kind,
+                             std::move(divisors));
     case ReduceScatterAlgo::AUTO:
+    case ReduceScatterAlgo::HIERARCHICAL:  // routed above
       break;
   }
   throw InternalError("reduce_scatter_tensor: unhandled algorithm");
@@ -437,6 +463,9 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
   if (algo == ReduceScatterAlgo::PAIRWISE) {
     pairwise_needs_gloo(op, *this, s.backend_name, "ReduceScatterAlgo::PAIRWISE");
   }
+  const bool by_host =
+      routed(op, algo == ReduceScatterAlgo::HIERARCHICAL, algo == ReduceScatterAlgo::AUTO,
+             n * s.size * static_cast<int64_t>(output.element_size()));
   bool on_device = !elsewhere(s.device, output);
   for (size_t q = 0; q < chunks.size(); ++q) {
     int64_t total = 0;
@@ -458,7 +487,7 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
     }
     chunks[q] = std::move(kept);
   }
-  const bool pairwise = algo == ReduceScatterAlgo::PAIRWISE ||
+  const bool pairwise = by_host || algo == ReduceScatterAlgo::PAIRWISE ||
                         (algo == ReduceScatterAlgo::AUTO && s.backend_name == "gloo");
   if (!pairwise || !on_device || s.size == 1 || n == 0 ||
       gloo_lacks(s.backend_name, output.scalar_type())) {
@@ -467,6 +496,10 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
     for (auto& c : chunks) all.insert(all.end(), c.begin(), c.end());
     at::Tensor flat = all.empty() ? at::empty({0}, output.options()) : at::cat(all);
     return reduce_scatter_tensor_async(output, flat, op_kind, algo, divide_by);
+  }
+  if (by_host) {
+    return routed_reduce_scatter(op, output.view(-1), std::move(chunks), op_kind,
+                                 divisors_of(op_kind, s.size, divide_by));
   }
   return launch_pairwise(op, output.view(-1), std::move(chunks), op_kind,
                          divisors_of(op_kind, s.size, divide_by));
@@ -563,6 +596,9 @@ Work ProcessGroup::all_reduce_async(const at::Tensor& tensor, ReduceOp op_kind) 
     }
     at::Tensor t32 = tensor.to(at::kFloat);
     return launch(op, {}, copy_back(all_reduce_async(t32, op_kind), tensor, t32));
+  }
+  if (routed(op, false, true, tensor.numel() * static_cast<int64_t>(tensor.element_size()))) {
+    return routed_all_reduce(tensor, op_kind);
   }
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op_kind);

@@ -531,6 +531,51 @@ std::function<void()> start_pairwise_all_gather(PointToPointCall call, const at:
   };
 }
 
+struct Exchange : PointToPoint {
+  using PointToPoint::PointToPoint;
+  std::vector<std::pair<compat::WorkPtr, int>> recvs;  // (receive, peer), in posting order
+};
+
+std::shared_ptr<Exchange> start_exchange(PointToPointCall call) {
+  return std::make_shared<Exchange>(std::move(call));
+}
+
+void exchange_recv(const std::shared_ptr<Exchange>& x, int peer, const at::Tensor& dst) {
+  try {
+    std::vector<at::Tensor> t{dst};
+    x->recvs.emplace_back(x->backend->recv(t, peer, x->tag), peer);
+  } catch (...) {
+    fail_to_post(x, msg("posting a receive from ", fsdp::detail::rank(peer)));
+  }
+}
+
+void exchange_send(const std::shared_ptr<Exchange>& x, int peer, const at::Tensor& src) {
+  try {
+    std::vector<at::Tensor> t{src};
+    x->sends.emplace_back(x->backend->send(t, peer, x->tag), peer);
+  } catch (...) {
+    fail_to_post(x, msg("sending to ", fsdp::detail::rank(peer)));
+  }
+}
+
+void exchange_wait_from(const std::shared_ptr<Exchange>& x, int peer) {
+  for (auto& [w, q] : x->recvs) {
+    if (q != peer || !w) continue;
+    wait_for(x, w, msg("receiving from ", fsdp::detail::rank(peer)));
+    w.reset();  // waited: its tensor is no longer needed here
+  }
+}
+
+void exchange_abandon(const std::shared_ptr<Exchange>& x) { abandon(x); }
+
+void exchange_finish(const std::shared_ptr<Exchange>& x) {
+  for (auto& [w, q] : x->recvs) {
+    if (w) wait_for(x, w, msg("receiving from ", fsdp::detail::rank(q)));
+  }
+  x->recvs.clear();
+  wait_sends(x);
+}
+
 }  // namespace detail
 }  // namespace dist
 }  // namespace fsdp

@@ -245,7 +245,12 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
   }
   // Every member counts every call, so all ranks agree on the sub-group's name (and store prefix)
   // without talking.
-  std::string name = s.name + "/" + std::to_string(s.next_subgroup++);
+  return new_named_group(ranks, s.name + "/" + std::to_string(s.next_subgroup++));
+}
+
+// new_group's work, under a name every member agrees on (which is also its store prefix).
+ProcessGroup ProcessGroup::new_named_group(const std::vector<int>& ranks, const std::string& name) {
+  State& s = checked_state("new_group");
   int my_index = -1;
   std::vector<int> global;
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -331,6 +336,7 @@ ProcessGroup init_process_group(const InitOptions& opts) {
   g.state_->gloo_device = gloo;
   g.state_->gloo_threads = opts.gloo_threads();
   connect_eagerly(g);
+  g.route_by_host(env, opts.host_aware());
   {
     std::lock_guard<std::mutex> lock(g_default_mu);
     g_default = g;

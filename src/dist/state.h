@@ -24,6 +24,14 @@ struct PointToPointCall {
 
 }  // namespace detail
 
+// The routes of a default group whose collectives go by host (host_routes.cpp): ranks
+// h * per_host .. h * per_host + per_host - 1 are host h's.
+struct HostRoutes {
+  ProcessGroup local;   // this host's ranks, by local rank
+  ProcessGroup across;  // the ranks of this rank's local rank, one per host, by host
+  int hosts = 1, per_host = 1, host = 0, local_rank = 0;
+};
+
 struct ProcessGroup::State {
   compat::BackendPtr backend;
   std::string name;
@@ -46,6 +54,8 @@ struct ProcessGroup::State {
   // Works). The backend is then left to its own destructor (NCCL: abort) rather than shut down
   // gracefully, which would wait for collectives a dead peer never completes.
   std::shared_ptr<std::atomic<bool>> failed = std::make_shared<std::atomic<bool>>(false);
+  // Set on a default group routed by host (InitOptions::host_aware); null: flat collectives.
+  std::shared_ptr<const HostRoutes> routes;
 
   State() = default;
   State(const State&) = delete;
@@ -116,6 +126,24 @@ std::function<void()> start_pairwise_reduce_scatter(PointToPointCall call,
 // `in_flat` must not overlap `out_flat` anywhere else.
 std::function<void()> start_pairwise_all_gather(PointToPointCall call, const at::Tensor& out_flat,
                                                 const at::Tensor& in_flat);
+
+// A point-to-point exchange under one call's tag (pairwise.cpp), the building block of the
+// host-routed collectives (host_routes.cpp): each receive lands straight in its place and each
+// send is one message, matched per peer in the order they are posted, so a rank must post its
+// sends to a peer in the order that peer posts the matching receives. Sends may be posted after
+// the start (of data that has arrived since). Failures throw DistError naming call.what, set the
+// group's failure flag and keep the exchange alive for good (Gloo may still use its tensors).
+struct Exchange;
+std::shared_ptr<Exchange> start_exchange(PointToPointCall call);
+void exchange_recv(const std::shared_ptr<Exchange>& x, int peer, const at::Tensor& dst);
+void exchange_send(const std::shared_ptr<Exchange>& x, int peer, const at::Tensor& src);
+// Waits for every receive posted so far from `peer`.
+void exchange_wait_from(const std::shared_ptr<Exchange>& x, int peer);
+// Waits for every receive and send, then lets go of their tensors.
+void exchange_finish(const std::shared_ptr<Exchange>& x);
+// After a failure elsewhere: marks the group failed and keeps the exchange alive for good, since
+// its posted receives may still write into their tensors.
+void exchange_abandon(const std::shared_ptr<Exchange>& x);
 
 }  // namespace detail
 }  // namespace dist

@@ -77,6 +77,9 @@ def main():
         rc, out = job(run, train, "unset GLOO_SOCKET_IFNAME FSDP_GLOO_HOSTNAME;", work, strategy,
                       240, 2, "--sharding " + strategy)
         check(rc == 0, "%s on 2 hosts x 2 ranks runs" % strategy, out)
+        # With no variable set, the default group's collectives go by host (docs/dist.md).
+        check("collectives routed by host: 2 hosts x 2 ranks" in out,
+              "%s: the collectives are routed by host" % strategy, out)
         if rc == 0:
             a = losses(os.path.join(work, strategy + ".jsonl"))
             b = losses(os.path.join(work, "w1.jsonl"))
