@@ -14,6 +14,12 @@ With --mem-every K, fsdp-train also keeps in-memory checkpoints every K steps (-
 directory per node under /dev/shm, standing for its tmpfs; each host's files are copied to the
 next host); a killed host's directory is removed with it, as its memory would be.
 
+With --emulated-hosts, each node's launcher runs in a network namespace of its own
+(scripts/emulated_hosts.py: N hosts on a bridge, addresses only inside them; root and iproute2,
+else exit 77), the job's traffic crossing real links; there the case "host" also takes the
+host's link down before the SIGKILL (a host that lost power: nothing is reset, the others hear
+nothing), and "hang" stops it with its link still up.
+
 With --overhead K,K,..., no failure is injected: the same job runs uninterrupted with in-memory
 checkpoints every K steps (0: none), --repeats times in turn, and the median step time of each
 (between node 0's step lines, the first 3 steps left out) is reported against the first K's.
@@ -89,8 +95,10 @@ class Node:
 
 
 def start_nodes(a, work, memroot, mem_every, extra):
-    """The job's launchers, one per node, in `work`; in-memory checkpoints in `memroot`."""
-    port = str(free_port())
+    """The job's launchers, one per node, in `work`; in-memory checkpoints in `memroot`. With
+    a.hosts (emulated hosts), node i runs in host i's network namespace."""
+    port = str(free_port()) if not a.hosts else "29652"
+    master = a.hosts.addr(0) if a.hosts else "127.0.0.1"
     n = a.nodes
     train = [os.path.join(a.build, "examples", "fsdp-train"), "--steps", str(a.steps),
              "--save-every", str(a.save_every), "--log-every", "1", "--save-dir", "ck",
@@ -101,9 +109,11 @@ def start_nodes(a, work, memroot, mem_every, extra):
         mem = (["--mem-dir", os.path.join(memroot, "mem%d" % i), "--mem-every", str(mem_every)]
                if mem_every else [])
         cmd = [os.path.join(a.build, "fsdp-run"), "--nnodes", "%d:%d" % (n - 1, n),
-               "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", port,
+               "--node-rank", str(i), "--master-addr", master, "--master-port", port,
                "--max-restarts", "1", "--heartbeat-timeout", str(a.heartbeat_timeout),
                "--last-call-timeout", str(a.last_call_timeout), "--grace-period", "2"] + train + mem
+        if a.hosts:
+            cmd = ["ip", "netns", "exec", a.hosts.ns[i]] + cmd  # exec: the same pid
         nodes.append(Node(i, cmd, work, env))
     return nodes
 
@@ -159,6 +169,9 @@ def run_case(a, case):
         for r in ranks:
             os.kill(r, signal.SIGKILL)
     elif case == "host":
+        if a.hosts:  # power lost: the link first, so that no connection is closed or reset
+            subprocess.run(["ip", "-n", a.hosts.ns[-1], "link", "set", a.hosts.ifname, "down"],
+                           check=True)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         for r in ranks:
             os.kill(r, signal.SIGKILL)
@@ -175,6 +188,9 @@ def run_case(a, case):
             node.proc.wait(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             node.proc.kill()
+    if a.hosts and case == "host":  # the next case's host comes back with its link
+        subprocess.run(["ip", "-n", a.hosts.ns[-1], "link", "set", a.hosts.ifname, "up"],
+                       check=True)
     if case != "rank":
         try:
             os.killpg(victim.proc.pid, signal.SIGKILL)
@@ -185,7 +201,8 @@ def run_case(a, case):
                 os.kill(r, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    result = {"case": case, "nodes": n, "save_every": a.save_every, "mem_every": a.mem_every,
+    result = {"case": case, "nodes": n, "emulated_hosts": bool(a.hosts),
+              "save_every": a.save_every, "mem_every": a.mem_every,
               "failed_after_step": last_before,
               "exit_codes": [node.proc.returncode for node in survivors]}
     detect = n0.first(r"^fsdp-run: .*stopping th", t_fail)
@@ -212,6 +229,8 @@ def run_case(a, case):
     result["finished"] = bool(n0.first(r"\] step %d/%d" % (a.steps, a.steps)))
     if not result["finished"] or "recovery_s" not in result:
         result["log_tail"] = [l for _, l in n0.lines[-15:]]
+        if os.environ.get("RECOVERY_DUMP"):
+            open(os.environ["RECOVERY_DUMP"], "w").write("\n".join(l for _, l in n0.lines))
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(memroot, ignore_errors=True)
     return result
@@ -233,8 +252,27 @@ def main():
     ap.add_argument("--overhead", default=None, help="K,K,...: step times, no failure")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--emulated-hosts", action="store_true",
+                    help="each node in a network namespace of its own (root, iproute2)")
     a = ap.parse_args()
     a.build = os.path.abspath(a.build)
+    a.hosts = None
+    if a.emulated_hosts:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import emulated_hosts
+        if os.geteuid() != 0 or not shutil.which("ip"):
+            print("recovery_times: --emulated-hosts needs root and iproute2")
+            return 77
+        a.hosts = emulated_hosts.Hosts(a.nodes, "10.77.9", "fsdprec%d" % os.getpid())
+        try:
+            a.hosts.create()
+            return run(a)
+        finally:
+            a.hosts.destroy()
+    return run(a)
+
+
+def run(a):
     if a.overhead:
         ks = [int(k) for k in a.overhead.split(",")]
         times, state_mb, ok = {k: [] for k in ks}, None, True
