@@ -521,7 +521,11 @@ TEST_F(FsdpTrainNodes, ALostHostResumesFromTheInMemoryCopies) {
           args + " --save-dir ck --save-every 1000 --resume --export final.pt --mem-dir mem" +
               std::to_string(i),
           launcher);
+  // Both survivors must hold step 8: each host swaps a step in on its own after the commit's
+  // second phase, so node 0's step 8 alone does not mean node 1 has it (and the job then rightly
+  // resumes from step 7, the newest step both hold).
   ASSERT_TRUE(wait_for_checkpoint(dir_.file("mem0"), 8)) << node_[0]->output();
+  ASSERT_TRUE(wait_for_checkpoint(dir_.file("mem1"), 8)) << node_[1]->output();
   const std::vector<pid_t> ranks = node_[2]->children();
   ::kill(node_[2]->pid(), SIGKILL);
   for (pid_t r : ranks) ::kill(r, SIGKILL);
