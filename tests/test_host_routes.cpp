@@ -281,21 +281,27 @@ TEST(HostRoutes, FlatWhenTheLayoutIsNotHostsOrRoutingIsOff) {
   struct Case {
     const char* what;
     std::optional<bool> host_aware;
-    const char* env;
+    const char* env;  // FSDP_HOST_AWARE on host 0's ranks (0, 1)
     int (*local_rank_of)(int, int);
+    const char* env_host1 = "same";  // and on host 1's (2, 3): "same" as host 0's, or this
   };
   const Case cases[] = {
       {"ranks not numbered host by host", std::nullopt, nullptr,
        [](int r, int per_host) { return r / per_host; }},
       {"InitOptions::host_aware(false)", false, nullptr, nullptr},
       {"FSDP_HOST_AWARE=0", std::nullopt, "0", nullptr},
+      // Set on one host only (an operator's slip): every rank still agrees, flat.
+      {"FSDP_HOST_AWARE=0 on host 1 only", std::nullopt, nullptr, nullptr, "0"},
+      {"FSDP_HOST_AWARE=1 on host 0, 0 on host 1", std::nullopt, "1", nullptr, "0"},
   };
   for (const Case& c : cases) {
     const int port = fsdp::testing::free_port();
     run_ranks(
         4,
         [&c, port](ProcessGroup&) {
-          if (c.env) ::setenv("FSDP_HOST_AWARE", c.env, 1);
+          const bool host1 = std::atoi(std::getenv("FSDP_TEST_RANK")) >= 2;
+          const char* env = host1 && std::string(c.env_host1) != "same" ? c.env_host1 : c.env;
+          if (env) ::setenv("FSDP_HOST_AWARE", env, 1);
           ProcessGroup pg = init_as_hosts(4, 2, port, c.host_aware, c.local_rank_of);
           EXPECT_EQ(pg.hosts(), 1) << c.what;
           const int64_t n = 40000;

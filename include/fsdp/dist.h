@@ -135,10 +135,10 @@ struct InitOptions {
   /// hosts only its share of the data. Gloo only. Default: $FSDP_HOST_AWARE (0 or 1), else on
   /// when the launcher's layout (LOCAL_RANK, LOCAL_WORLD_SIZE) puts the ranks on several hosts,
   /// more than one on each, the same number on each, in consecutive blocks (as fsdp-run, torchrun,
-  /// mpirun and srun number them). Unless it is false, the ranks first exchange their layouts
-  /// (one small collective at start-up) and route only if the layouts agree; else the group stays
-  /// flat, and where routing was asked for (true or 1) rank 0 prints why on stderr. Must be false
-  /// on every rank or on none: a rank that skips the exchange leaves the others waiting for it.
+  /// mpirun and srun number them). The ranks first exchange their layouts and wishes (one small
+  /// collective at start-up, whatever is asked) and route only if no rank said false and the
+  /// layouts agree; else the group stays flat, and where some rank asked for routing (true or 1)
+  /// rank 0 prints why on stderr.
   TORCH_ARG(std::optional<bool>, host_aware);
 };
 

@@ -23,6 +23,7 @@
 //    than L) go through a flat all-reduce beside it.
 // Every step is point-to-point under a tag reserved at the call (pairwise.cpp), so steps posted
 // later (in wait) never take another collective's messages.
+#include <array>
 #include <cstdio>
 #include <string>
 
@@ -52,14 +53,29 @@ std::optional<bool> host_aware_from_env() {
   throw ValueError(msg("FSDP_HOST_AWARE=", *v, ": expected 0 or 1"));
 }
 
-// Why the layouts do not allow routing ("" if they do): every rank's "L l" in rank order.
-std::string layout_problem(const std::vector<std::string>& layouts, int world, int* per_host) {
-  int common = -1;
+// What each rank sends: its LOCAL_WORLD_SIZE and LOCAL_RANK, and whether it wants routes.
+enum Wish { kOff = 0, kOn = 1, kAuto = 2 };
+
+// Why the layouts do not allow routing ("" if they do): every rank's "L l wish" in rank order.
+// `asked` tells whether some rank asked for routes explicitly.
+std::string layout_problem(const std::vector<std::string>& layouts, int world, int* per_host,
+                           bool* asked) {
+  std::vector<std::array<int, 3>> all(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
-    int size = 0, local = -1;
-    if (std::sscanf(layouts[static_cast<size_t>(r)].c_str(), "%d %d", &size, &local) != 2) {
+    auto& [size, local, wish] = all[static_cast<size_t>(r)];
+    if (std::sscanf(layouts[static_cast<size_t>(r)].c_str(), "%d %d %d", &size, &local, &wish) !=
+        3) {
       return msg("rank ", r, " sent no layout");
     }
+    *asked = *asked || wish == kOn;
+  }
+  for (int r = 0; r < world; ++r) {
+    if (all[static_cast<size_t>(r)][2] == kOff)
+      return msg("switched off on rank ", r, " (InitOptions::host_aware or FSDP_HOST_AWARE=0)");
+  }
+  int common = -1;
+  for (int r = 0; r < world; ++r) {
+    const auto [size, local, wish] = all[static_cast<size_t>(r)];
     if (common < 0) common = size;
     if (size != common) {
       return msg("the hosts have different numbers of ranks (LOCAL_WORLD_SIZE ", common,
@@ -89,17 +105,20 @@ void ProcessGroup::route_by_host(const EnvInfo& env, std::optional<bool> wanted)
   State& s = checked_state("route_by_host");
   if (s.size == 1 || s.backend_name != "gloo") return;  // NCCL routes by topology itself
   if (!wanted) wanted = host_aware_from_env();
-  if (wanted && !*wanted) return;
+  // Every rank takes part in the exchange, even one that does not want routes: were it to skip
+  // it, its first collective would meet the others' exchange. One that says no keeps all flat.
+  const int wish = !wanted ? kAuto : *wanted ? kOn : kOff;
   // The environment describes this job only if it names this rank and world.
   const bool env_is_ours = env.world_size == s.size && env.rank == s.rank;
   const std::string mine =
-      env_is_ours ? msg(env.local_world_size, " ", env.local_rank) : std::string("0 -1");
+      env_is_ours ? msg(env.local_world_size, " ", env.local_rank, " ", wish) : msg("0 -1 ", wish);
   const std::vector<std::string> layouts = all_gather_bytes(mine);
   int per_host = 0;
-  const std::string problem = layout_problem(layouts, s.size, &per_host);
+  bool asked = false;
+  const std::string problem = layout_problem(layouts, s.size, &per_host, &asked);
   if (!problem.empty()) {
     // Asked for explicitly: say why not. Left to the default: a single host is the common case.
-    if (wanted && s.rank == 0) {
+    if (asked && s.rank == 0) {
       std::fprintf(stderr, "fsdp: collectives not routed by host: %s\n", problem.c_str());
     }
     return;
