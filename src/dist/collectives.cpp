@@ -143,6 +143,13 @@ void pairwise_needs_gloo(const char* op, const ProcessGroup& g, const std::strin
 
 }  // namespace
 
+std::vector<std::vector<at::Tensor>> detail::equal_chunks(const at::Tensor& in_flat, int world,
+                                                          int64_t n) {
+  std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world));
+  for (int q = 0; q < world; ++q) chunks[static_cast<size_t>(q)] = {in_flat.narrow(0, q * n, n)};
+  return chunks;
+}
+
 detail::PointToPointCall ProcessGroup::State::next_point_to_point(std::string what) {
   if (const detail::FaultHook hook = g_fault_hook.load(std::memory_order_relaxed))
     hook(what.c_str());
@@ -323,13 +330,6 @@ ReduceScatterAlgo resolve_reduce_scatter_algo(const char* op, const ProcessGroup
   return algo;
 }
 
-// A flat input as `world` chunks of n elements, one piece each (reduce_scatter_pieces' form).
-std::vector<std::vector<at::Tensor>> equal_chunks(const at::Tensor& in_flat, int world, int64_t n) {
-  std::vector<std::vector<at::Tensor>> chunks(static_cast<size_t>(world));
-  for (int q = 0; q < world; ++q) chunks[static_cast<size_t>(q)] = {in_flat.narrow(0, q * n, n)};
-  return chunks;
-}
-
 // The finish step of ALL_TO_ALL: `recv` holds the W pieces of this rank's chunk, n elements each,
 // in rank order; they are combined into out_flat, `divide` divides the result, and `recv` goes.
 template <typename Divide>
@@ -397,7 +397,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
     return launch(op, {});
   }
   if (by_host) {
-    return routed_reduce_scatter(op, out_flat, equal_chunks(in_flat, world, n), op_kind,
+    return routed_reduce_scatter(op, out_flat, detail::equal_chunks(in_flat, world, n), op_kind,
                                  std::move(divisors));
   }
   switch (resolve_reduce_scatter_algo(op, *this, s.backend_name, op_kind, algo)) {
@@ -432,7 +432,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       });
     }
     case ReduceScatterAlgo::PAIRWISE:
-      return launch_pairwise(op, out_flat, equal_chunks(in_flat, world, n), op_kind,
+      return launch_pairwise(op, out_flat, detail::equal_chunks(in_flat, world, n), op_kind,
                              std::move(divisors));
     case ReduceScatterAlgo::AUTO:
     case ReduceScatterAlgo::HIERARCHICAL:  // routed above

@@ -238,11 +238,10 @@ Work ProcessGroup::routed_reduce_scatter(const char* op, const at::Tensor& out_f
   detail::PointToPointCall second =
       r.across.state_->next_point_to_point(detail::describe(op, r.across));
   detail::start_pairwise_reduce_scatter(std::move(first), sums, std::move(within), step_op, {})();
-  std::vector<std::vector<at::Tensor>> across(static_cast<size_t>(hosts));
-  for (int k = 0; k < hosts; ++k) across[static_cast<size_t>(k)] = {sums.narrow(0, k * n, n)};
   return launch(op, {},
-                detail::start_pairwise_reduce_scatter(
-                    std::move(second), out_flat, std::move(across), step_op, std::move(divisors)));
+                detail::start_pairwise_reduce_scatter(std::move(second), out_flat,
+                                                      detail::equal_chunks(sums, hosts, n), step_op,
+                                                      std::move(divisors)));
 }
 
 Work ProcessGroup::routed_all_reduce(const at::Tensor& tensor, ReduceOp op_kind) {
@@ -258,13 +257,11 @@ Work ProcessGroup::routed_all_reduce(const at::Tensor& tensor, ReduceOp op_kind)
     *tail = all_reduce_async(flat.narrow(0, whole, flat.numel() - whole), step_op);
   }
   at::Tensor head = flat.narrow(0, 0, whole);
-  std::vector<std::vector<at::Tensor>> within(static_cast<size_t>(per_host));
-  for (int j = 0; j < per_host; ++j)
-    within[static_cast<size_t>(j)] = {head.narrow(0, j * shard_numel, shard_numel)};
   at::Tensor shard = fsdp::detail::empty_buffer(shard_numel, flat.options());
   detail::PointToPointCall first =
       r.local.state_->next_point_to_point(detail::describe(op, r.local));
-  detail::start_pairwise_reduce_scatter(std::move(first), shard, std::move(within), step_op, {})();
+  detail::start_pairwise_reduce_scatter(
+      std::move(first), shard, detail::equal_chunks(head, per_host, shard_numel), step_op, {})();
   ProcessGroup across_hosts = r.across;  // a handle: collectives are not const
   auto across = std::make_shared<Work>(across_hosts.all_reduce_async(shard, step_op));
   detail::PointToPointCall last =

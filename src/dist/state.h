@@ -92,6 +92,10 @@ void release_completed(const at::Tensor& scratch);
 // Element-wise combine of `src` into `acc`: the local half of an emulated reduce-scatter.
 void combine_into(const at::Tensor& acc, const at::Tensor& src, ReduceOp op);
 
+// A flat tensor as `count` chunks of n elements, one piece each: the chunks form of the
+// reduce-scatters (reduce_scatter_pieces_async, start_pairwise_reduce_scatter).
+std::vector<std::vector<at::Tensor>> equal_chunks(const at::Tensor& in_flat, int count, int64_t n);
+
 // Divides `t` in place by divisors[from], divisors[from + 1], ... in turn (ATen's div_): what a
 // reduce-scatter does to its sum for AVG and for the caller's divide_by.
 void divide_in_order(const at::Tensor& t, const std::vector<double>& divisors, size_t from = 0);
