@@ -35,8 +35,10 @@ done
 all=(pickle dcp_metadata torch_archive manifest safetensors load_pt checkpoint)
 ((${#targets[@]})) || targets=("${all[@]}")
 
-need=()
-for p in clang-16 libfuzzer-16-dev libclang-rt-16-dev; do
+need=() packages=(clang-16 libfuzzer-16-dev libclang-rt-16-dev)
+# --coverage merges and reports with llvm-profdata-16 and llvm-cov-16, which come with llvm-16.
+((coverage == 0)) || packages+=(llvm-16)
+for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if ((${#need[@]})); then
