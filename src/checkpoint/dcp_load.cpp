@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -63,17 +64,21 @@ int64_t uncovered(const ShardMetadata& box, const std::vector<Region>& regions) 
   return box_volume - covered.sum().item<int64_t>();
 }
 
+std::atomic<int64_t> direct_read_min_bytes{int64_t{256} << 10};
+
 // Whether a chunk's bytes may be read into `t`'s memory as they are stored: a dense CPU tensor of
 // the chunk's dtype, large enough that the extra reads of the archive around the record (its
 // directory, head and tail: a few small preads) are paid back by the copy they save.
 bool direct_target(const at::Tensor& t, at::ScalarType dtype) {
-  constexpr int64_t kMinBytes = int64_t{256} << 10;
   return t.device().is_cpu() && t.layout() == at::kStrided && t.scalar_type() == dtype &&
          !t.is_quantized() && !t.is_conj() && !t.is_neg() && t.is_contiguous() &&
-         static_cast<int64_t>(t.nbytes()) >= kMinBytes && t.data_ptr() != nullptr;
+         static_cast<int64_t>(t.nbytes()) >= direct_read_min_bytes.load() &&
+         t.data_ptr() != nullptr;
 }
 
 }  // namespace
+
+void dcp::set_direct_read_min_bytes(int64_t bytes) { direct_read_min_bytes.store(bytes); }
 
 void dcp::check_chunk(const at::Tensor& chunk, at::ScalarType dtype,
                       const std::vector<int64_t>& sizes, const std::string& where,

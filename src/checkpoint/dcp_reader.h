@@ -57,6 +57,11 @@ std::map<std::string, int64_t> stored_bytes(const Metadata& md);
 void check_claim(const char* what, const std::string& where, const std::string& key, int64_t nbytes,
                  int64_t stored);
 
+/// The smallest target, in bytes, that a load reads a chunk straight into instead of through its
+/// buffer (256 KiB). Process-wide. The fuzz target sets 0 so that inputs of a few KiB reach the
+/// direct path's own reading of an item (its zip directory, then the bytes around the record).
+void set_direct_read_min_bytes(int64_t bytes);
+
 }  // namespace dcp
 
 class CheckpointReader {
