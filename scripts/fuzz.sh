@@ -94,12 +94,15 @@ cmake --build "$build" -j "${FUZZ_JOBS:-2}" --target "${targets[@]/#/fuzz_}"
 dict_of() {
   case "$1" in
     pickle|dcp_metadata) echo pickle ;;
-    torch_archive|load_pt|checkpoint) echo torch ;;
+    torch_archive|load_pt) echo torch ;;
+    checkpoint) echo checkpoint ;;
     manifest|safetensors) echo json ;;
   esac
 }
 mkdir -p "$build/findings" "$build/dict"
 cat tests/fuzz/dict/pickle.dict tests/fuzz/dict/zip.dict > "$build/dict/torch.dict"
+# A checkpoint input holds a manifest besides the pickles and archives: all three dictionaries.
+cat "$build/dict/torch.dict" tests/fuzz/dict/json.dict > "$build/dict/checkpoint.dict"
 cp tests/fuzz/dict/pickle.dict tests/fuzz/dict/json.dict "$build/dict/"
 
 # LeakSanitizer on: a leak in our code is a finding. ASan's allocator may return null instead of

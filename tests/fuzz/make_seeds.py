@@ -15,6 +15,7 @@ To remake them (they are committed; this is only needed when a format changes):
 Only the standard library is used here. Each seed is named after where it came from.
 """
 import argparse
+import json
 import os
 import shutil
 import struct
@@ -65,6 +66,20 @@ def read(path):
         return f.read()
 
 
+def node_local(manifest):
+    """The manifest as the first host's directory of a node-local save would hold it: 'files' lists
+    the whole checkpoint, 'local_files' what this directory holds. Here the last item moves to a
+    second host's file; an annotation is added (none of our saved seeds has one)."""
+    m = json.loads(manifest)
+    last = m["items"][-1]
+    m["files"]["__1_0.distcp"] = last["length"]
+    last["file"], last["offset"] = "__1_0.distcp", 0
+    m["local_files"] = sorted(f for f in m["files"] if f != "__1_0.distcp")
+    m["world_size"] = 2
+    m["annotations"] = {"sharding_strategy": "FULL_SHARD"}
+    return (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
+
+
 def add_dcp(corpus, tag, d):
     meta = read(os.path.join(d, ".metadata"))
     corpus.add("dcp_metadata", f"{tag}_metadata", meta)
@@ -72,6 +87,7 @@ def add_dcp(corpus, tag, d):
     manifest = os.path.join(d, MANIFEST)
     if os.path.exists(manifest):
         corpus.add("manifest", f"{tag}_manifest.json", read(manifest))
+        corpus.add("manifest", f"{tag}_node_local_manifest.json", node_local(read(manifest)))
     data_files = sorted(f for f in os.listdir(d) if f.endswith(".distcp"))
     for f in data_files:
         for i, item in enumerate(zip_items(read(os.path.join(d, f)))):
