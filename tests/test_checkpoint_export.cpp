@@ -289,11 +289,21 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
     uint64_t hlen = 0;
     for (int k = 7; k >= 0; --k) hlen = (hlen << 8) | static_cast<unsigned char>(st[k]);
     const std::string header = st.substr(8, hlen);
-    auto with_header = [&](std::string h) {
+    auto file_of = [](std::string h, const std::string& data) {
       h.append((8 - h.size() % 8) % 8, ' ');
       std::string out(8, '\0');
       for (int k = 0; k < 8; ++k) out[k] = static_cast<char>((h.size() >> (8 * k)) & 0xff);
-      return out + h + st.substr(8 + hlen);
+      return out + h + data;
+    };
+    auto with_header = [&](std::string h) { return file_of(std::move(h), st.substr(8 + hlen)); };
+    // One float each, every tensor's own offsets in range: only how they tile the data is wrong.
+    auto floats_at = [&](const std::vector<std::pair<int, int>>& offsets, size_t data_bytes) {
+      std::string h = "{";
+      for (size_t i = 0; i < offsets.size(); ++i)
+        h += std::string(i ? "," : "") + "\"t" + std::to_string(i) +
+             "\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[" +
+             std::to_string(offsets[i].first) + "," + std::to_string(offsets[i].second) + "]}";
+      return file_of(h + "}", std::string(data_bytes, '\0'));
     };
     auto replaced = [&](const std::string& from, const std::string& to) {
       std::string h = header;
@@ -321,6 +331,12 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
          "data_offsets"},
         {"truncated data", st.substr(0, st.size() - 5), "data_offsets"},
         {"overflowing shape", replaced("[6,5]", "[4611686018427387904,4]"), "overflows"},
+        // safetensors' own reader refuses these too: tensors must tile the data exactly.
+        {"two tensors on the same bytes", floats_at({{0, 4}, {0, 4}}, 8),
+         "overlaps another or leaves a gap"},
+        {"bytes before the first tensor", floats_at({{4, 8}}, 8),
+         "overlaps another or leaves a gap"},
+        {"bytes after the last tensor", floats_at({{0, 4}}, 8), "bytes no tensor covers"},
     };
     for (const Case& c : st_cases) {
       write_bytes(tmp.file("bad.safetensors"), c.bytes);
