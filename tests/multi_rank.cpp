@@ -73,6 +73,9 @@ std::string read_all(int fd) {
   // One intra-op thread per rank: ranks share two cores, and libgomp's pool does not survive fork.
   at::set_num_threads(1);
   ::setenv("FSDP_TEST_RANK", std::to_string(rank).c_str(), 1);
+  // The harness's store, already listening: a body that initialises on its own can use it rather
+  // than have rank 0 bind a port picked earlier, which another socket may take first.
+  ::setenv("FSDP_TEST_STORE_PORT", std::to_string(port).c_str(), 1);
   int code = 0;
   std::string msg;
   try {

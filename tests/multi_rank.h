@@ -35,7 +35,8 @@ struct RunOptions {
   /// ranks to fail.
   bool report = true;
   /// Create the default group before calling body (true), or hand body a non-member placeholder
-  /// and let it initialise on its own (tests of init_process_group itself).
+  /// and let it initialise on its own (tests of init_process_group itself). Either way the
+  /// harness's TCPStore listens on 127.0.0.1 at the port $FSDP_TEST_STORE_PORT names.
   bool init_group = true;
 };
 

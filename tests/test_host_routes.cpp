@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -30,9 +31,10 @@ using fsdp::testing::run_ranks;
 using fsdp::testing::seeded_randn;
 
 // Initialises the default group from torchrun's variables, `per_host` ranks a host (LOCAL_RANK
-// from `local_rank_of`, consecutive blocks unless a test says otherwise).
-ProcessGroup init_as_hosts(int world, int per_host, int port,
-                           std::optional<bool> host_aware = std::nullopt,
+// from `local_rank_of`, consecutive blocks unless a test says otherwise). The store is the
+// harness's, as torchrun's agent hosts it for its workers: a port picked for rank 0 to bind could
+// be taken by one of the many sockets the ranks open meanwhile (a rare failure seen under load).
+ProcessGroup init_as_hosts(int world, int per_host, std::optional<bool> host_aware = std::nullopt,
                            int (*local_rank_of)(int rank, int per_host) = nullptr,
                            std::chrono::seconds timeout = std::chrono::seconds(30)) {
   const int rank = std::atoi(std::getenv("FSDP_TEST_RANK"));
@@ -42,7 +44,8 @@ ProcessGroup init_as_hosts(int world, int per_host, int port,
   ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
   ::setenv("LOCAL_WORLD_SIZE", std::to_string(per_host).c_str(), 1);
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("MASTER_PORT", std::getenv("FSDP_TEST_STORE_PORT"), 1);
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
   auto opts = fsdp::dist::InitOptions().timeout(timeout).gloo_hostname("127.0.0.1");
   if (host_aware) opts.host_aware(*host_aware);
   return fsdp::dist::init_process_group(opts);
@@ -195,11 +198,10 @@ void check_routed_collectives(ProcessGroup& pg, int world, int per_host) {
 }
 
 TEST(HostRoutes, CollectivesOnTwoHostsOfTwoRanks) {
-  const int port = fsdp::testing::free_port();
   run_ranks(
       4,
-      [port](ProcessGroup&) {
-        ProcessGroup pg = init_as_hosts(4, 2, port);
+      [](ProcessGroup&) {
+        ProcessGroup pg = init_as_hosts(4, 2);
         check_routed_collectives(pg, 4, 2);
       },
       own_init());
@@ -208,11 +210,10 @@ TEST(HostRoutes, CollectivesOnTwoHostsOfTwoRanks) {
 // Beyond CI's world sizes (run by hand: --gtest_also_run_disabled_tests): 2 x 3 and 3 x 2.
 TEST(HostRoutes, DISABLED_CollectivesOnSixRanks) {
   for (int per_host : {3, 2}) {
-    const int port = fsdp::testing::free_port();
     run_ranks(
         6,
-        [port, per_host](ProcessGroup&) {
-          ProcessGroup pg = init_as_hosts(6, per_host, port);
+        [per_host](ProcessGroup&) {
+          ProcessGroup pg = init_as_hosts(6, per_host);
           check_routed_collectives(pg, 6, per_host);
         },
         own_init());
@@ -228,7 +229,6 @@ TEST(HostRoutes, ARankThatDiesFailsEveryOtherRankWithDistError) {
                                                {"all_reduce", SIGKILL},
                                                {"reduce_scatter", SIGSTOP}};
   for (const auto& [which, sig] : cases) {
-    const int port = fsdp::testing::free_port();
     fsdp::testing::RunOptions o = own_init();
     o.report = false;
     o.grace = std::chrono::seconds(30);
@@ -237,11 +237,19 @@ TEST(HostRoutes, ARankThatDiesFailsEveryOtherRankWithDistError) {
     const int signal = sig;
     auto results = run_ranks(
         4,
-        [port, name, signal](ProcessGroup&) {
-          ProcessGroup pg =
-              init_as_hosts(4, 2, port, std::nullopt, nullptr, std::chrono::seconds(5));
+        [name, signal](ProcessGroup&) {
+          ProcessGroup pg = init_as_hosts(4, 2, std::nullopt, nullptr, std::chrono::seconds(5));
           ASSERT_EQ(pg.hosts(), 2);
-          if (pg.rank() == 3) ::raise(signal);
+          // Gloo's connect returns on one rank before its peers have finished theirs: without
+          // this barrier, rank 3 could die while rank 1 still connects their group, and rank 1
+          // would fail in init (a DistError too, but not the case under test).
+          // The pause lets the others leave the barrier (its last messages are on their way when
+          // rank 3 returns from it); they then wait on rank 3 inside the collective.
+          pg.barrier();
+          if (pg.rank() == 3) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+            ::raise(signal);
+          }
           const int64_t n = 40000;
           const auto start = std::chrono::steady_clock::now();
           try {
@@ -295,14 +303,13 @@ TEST(HostRoutes, FlatWhenTheLayoutIsNotHostsOrRoutingIsOff) {
       {"FSDP_HOST_AWARE=1 on host 0, 0 on host 1", std::nullopt, "1", nullptr, "0"},
   };
   for (const Case& c : cases) {
-    const int port = fsdp::testing::free_port();
     run_ranks(
         4,
-        [&c, port](ProcessGroup&) {
+        [&c](ProcessGroup&) {
           const bool host1 = std::atoi(std::getenv("FSDP_TEST_RANK")) >= 2;
           const char* env = host1 && std::string(c.env_host1) != "same" ? c.env_host1 : c.env;
           if (env) ::setenv("FSDP_HOST_AWARE", env, 1);
-          ProcessGroup pg = init_as_hosts(4, 2, port, c.host_aware, c.local_rank_of);
+          ProcessGroup pg = init_as_hosts(4, 2, c.host_aware, c.local_rank_of);
           EXPECT_EQ(pg.hosts(), 1) << c.what;
           const int64_t n = 40000;
           at::Tensor out = at::empty({n}, at::kFloat);
