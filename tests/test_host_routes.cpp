@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -44,7 +45,9 @@ ProcessGroup init_as_hosts(int world, int per_host, std::optional<bool> host_awa
   ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
   ::setenv("LOCAL_WORLD_SIZE", std::to_string(per_host).c_str(), 1);
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  ::setenv("MASTER_PORT", std::getenv("FSDP_TEST_STORE_PORT"), 1);
+  const char* store_port = std::getenv("FSDP_TEST_STORE_PORT");
+  if (store_port == nullptr) throw std::runtime_error("init_as_hosts runs under run_ranks only");
+  ::setenv("MASTER_PORT", store_port, 1);
   ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
   auto opts = fsdp::dist::InitOptions().timeout(timeout).gloo_hostname("127.0.0.1");
   if (host_aware) opts.host_aware(*host_aware);
@@ -243,10 +246,10 @@ TEST(HostRoutes, ARankThatDiesFailsEveryOtherRankWithDistError) {
           // Gloo's connect returns on one rank before its peers have finished theirs: without
           // this barrier, rank 3 could die while rank 1 still connects their group, and rank 1
           // would fail in init (a DistError too, but not the case under test).
-          // The pause lets the others leave the barrier (its last messages are on their way when
-          // rank 3 returns from it); they then wait on rank 3 inside the collective.
           pg.barrier();
           if (pg.rank() == 3) {
+            // Lets the others leave the barrier (its last messages are on their way when rank 3
+            // returns from it); they then wait on rank 3 inside the collective.
             std::this_thread::sleep_for(std::chrono::milliseconds(300));
             ::raise(signal);
           }
