@@ -8,6 +8,10 @@ A file may include its own folder's headers, the public headers (include/fsdp/) 
 lower layers, and, of another folder's internal headers, only those the folder exports to it.
 Tools and examples use the public API only. Tests and benchmarks may include anything.
 
+Beside the library sits launch/, fsdp-run's own layer (not part of libfsdp): it uses util/ and the
+base public headers only, nothing of the library includes it, and of tools/ only fsdp-run's main
+(tools/fsdp_run.cpp) does.
+
     scripts/check_layers.py [ROOT]     exit 1 and one line per violation if any
     scripts/check_layers.py --self-test  the checker against trees with known violations
 """
@@ -17,6 +21,9 @@ import sys
 import tempfile
 
 ORDER = ["util", "dist", "flat_param", "runtime", "state_dict", "checkpoint"]
+
+# Layers beside the library's order: folder -> (the folders it may use, the tools that may use it).
+SIDE = {"launch": ({"launch", "util"}, {"tools/fsdp_run.cpp"})}
 
 # Internal headers a folder offers to the folders above it: folder -> {header: importers}.
 # Everything else in a folder is its own business. util/ is the shared toolbox: open to all.
@@ -60,9 +67,32 @@ def rank(layer):
     return ORDER.index(layer)
 
 
-def check_include(kind, layer, inc, root):
+def check_side_include(kind, layer, inc, rel):
+    """check_include's rules for launch/ and its users: the problem, None if allowed, or False when
+    the rules of the library's order decide."""
+    folder = inc.split("/", 1)[0] if "/" in inc else None
+    if layer in SIDE:
+        if inc.startswith("fsdp/"):
+            target = public_layer(inc[len("fsdp/"):])
+            if target is not None and target != "base":
+                return f"{inc} is the library's; {layer}/ uses only util/ and the base headers"
+            return None
+        if folder in ORDER + list(SIDE) and folder not in SIDE[layer][0]:
+            return f"{inc}: {layer}/ uses only {', '.join(sorted(SIDE[layer][0]))}"
+        return None
+    if folder in SIDE:
+        if kind == "client" and rel in SIDE[folder][1]:
+            return None
+        return f"{inc} belongs to {folder}/, which only {', '.join(sorted(SIDE[folder][1]))} uses"
+    return False
+
+
+def check_include(kind, layer, inc, root, rel=""):
     """The problem with `inc` included by a file of `kind` ('src', 'public', 'client') in `layer`,
     or None."""
+    side = check_side_include(kind, layer, inc, rel)
+    if side is not False:
+        return side
     if inc.startswith("fsdp/"):
         target = public_layer(inc[len("fsdp/"):])
         if target is None:
@@ -97,7 +127,7 @@ def check_include(kind, layer, inc, root):
 
 def files_to_check(root):
     """(path, kind, layer) of every file the rules cover."""
-    for layer in ORDER:
+    for layer in ORDER + list(SIDE):
         d = os.path.join(root, "src", layer)
         for dirpath, _, names in os.walk(d):
             for n in sorted(names):
@@ -115,7 +145,7 @@ def files_to_check(root):
                 if n.endswith((".h", ".cpp")):
                     yield os.path.join(dirpath, n), "client", "top"
     for d in sorted(os.listdir(os.path.join(root, "src"))):
-        if os.path.isdir(os.path.join(root, "src", d)) and d not in ORDER:
+        if os.path.isdir(os.path.join(root, "src", d)) and d not in ORDER and d not in SIDE:
             yield os.path.join(root, "src", d), "folder", d
 
 
@@ -132,7 +162,7 @@ def check(root):
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
         for m in INCLUDE.finditer(text):
-            why = check_include(kind, layer, m.group(1), root)
+            why = check_include(kind, layer, m.group(1), root, rel.replace(os.sep, "/"))
             if why:
                 line = text.count("\n", 0, m.start()) + 1
                 problems.append(f"{rel}:{line}: #include \"{m.group(1)}\": {why}")
@@ -154,6 +184,8 @@ def self_test():
         "include/fsdp/fsdp.h": '#include "fsdp/checkpoint/checkpoint.h"\n',
         "include/fsdp/checkpoint/checkpoint.h": '#include "fsdp/state_value.h"\n',
         "tools/t.cpp": '#include "fsdp/fsdp.h"\n',
+        "src/launch/l.cpp": '#include "util/u.h"\n#include "fsdp/compat_backends.h"\n',
+        "tools/fsdp_run.cpp": '#include "launch/l.h"\n',
     }
     violations = {
         "src/state_dict/bad.cpp": '#include "runtime/state.h"\n',        # past the runtime's view
@@ -164,6 +196,10 @@ def self_test():
         "include/fsdp/dist2.h": "",
         "tools/bad.cpp": '#include "runtime/view.h"\n',                  # a tool past the public API
         "src/memory/x.h": "",                                            # a folder in no layer
+        "src/launch/bad.cpp": '#include "dist/x.h"\n',                   # the launcher into the library
+        "src/launch/bad2.cpp": '#include "fsdp/dist.h"\n',               # ... or its public API
+        "src/dist/bad2.cpp": '#include "launch/l.h"\n',                  # the library into the launcher
+        "tools/bad2.cpp": '#include "launch/l.h"\n',                     # another tool into the launcher
     }
 
     scratch = tempfile.TemporaryDirectory(prefix="check_layers.")  # removed when the test ends

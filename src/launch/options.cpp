@@ -1,5 +1,5 @@
-// fsdp-run's command line: see run_options.h.
-#include "run_options.h"
+// fsdp-run's command line: see options.h.
+#include "launch/options.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -8,7 +8,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "run_agent.h"
+#include "launch/rendezvous.h"
 
 #include <cerrno>
 #include <cstdio>

@@ -1,4 +1,4 @@
-// fsdp-run's command line: what it asks for, parsed and completed (tools/fsdp_run.cpp).
+// fsdp-run's command line: what it asks for, parsed and completed (src/launch/supervisor.cpp).
 #pragma once
 
 #include <string>
@@ -13,8 +13,8 @@ struct Options {
   int min_nodes = 1, max_nodes = 1;  // parsed from it
   std::string master_addr = "127.0.0.1";
   double grace = 5.0;
-  double join_timeout = 600, heartbeat_timeout = 30;  // across hosts (run_agent.h)
-  double last_call_timeout = 30;                      // elastic (run_agent.h)
+  double join_timeout = 600, heartbeat_timeout = 30;  // across hosts (rendezvous.h)
+  double last_call_timeout = 30;                      // elastic (rendezvous.h)
   int max_restarts = 0;                               // torchrun's --max-restarts
   bool port_chosen = false;                           // --master-port given (else ours, per round)
   int round = 0;     // TORCHELASTIC_RESTART_COUNT: every start of the ranks after the first

@@ -30,7 +30,7 @@
 // TORCHELASTIC_RESTART_COUNT counts every start, as the ranks' store keys are kept per start).
 //
 // Across hosts (--nnodes > 1), the launchers meet in the job's TCPStore, which the launcher of node
-// rank 0 hosts at --master-addr:--master-port (run_agent.h), as torchrun's agents do: they check
+// rank 0 hosts at --master-addr:--master-port (rendezvous.h), as torchrun's agents do: they check
 // that they agree on the job's shape, start their ranks only once all have joined (within
 // --join-timeout), and tell each other of the first failure, so that a rank failing or dying on
 // any host stops every host's ranks within a second or so, and every launcher exits non-zero
@@ -46,8 +46,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "run_agent.h"
-#include "run_options.h"
+#include "launch/rendezvous.h"
+#include "launch/options.h"
 
 #include <cerrno>
 #include <chrono>

@@ -118,7 +118,7 @@ class JobAgent {
   /// This host's name, as the messages use it.
   static std::string host_name();
 
-  struct Shared;  // what the launcher and the agent thread share (run_agent.cpp)
+  struct Shared;  // what the launcher and the agent thread share (rendezvous.cpp)
 
  private:
   std::shared_ptr<Shared> shared_;

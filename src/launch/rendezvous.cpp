@@ -1,5 +1,5 @@
-// fsdp-run's multi-host agent: see run_agent.h.
-#include "run_agent.h"
+// fsdp-run's multi-host agent: see rendezvous.h.
+#include "launch/rendezvous.h"
 
 #include <fcntl.h>
 #include <unistd.h>
