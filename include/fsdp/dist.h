@@ -122,10 +122,12 @@ struct InitOptions {
   /// Limit on every collective and on the rendezvous. Default: 30 minutes, as in PyTorch.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
   /// Address of this host for Gloo's transport. Default: $FSDP_GLOO_HOSTNAME; else the
-  /// interfaces $GLOO_SOCKET_IFNAME names (comma-separated, as in PyTorch); else 127.0.0.1 when
-  /// the master address is a loopback one; else the local address of the route to the master
-  /// (one line on stderr from each host's local rank 0 says which); else, with no route, the
-  /// address of this host's name. A rendezvous that fails names the address and how to change it.
+  /// interfaces $GLOO_SOCKET_IFNAME names (comma-separated, as in PyTorch); else the address
+  /// fsdp-run chose for this node ($FSDP_NODE_ADDR); else 127.0.0.1 when the master address is a
+  /// loopback one; else the local address of the route to the master (one line on stderr from
+  /// each host's local rank 0 says which); else, with no route, the address of this host's name.
+  /// A job that spans hosts and would bind loopback throws ValueError naming the variables; a
+  /// rendezvous that fails names the address and how to change it.
   TORCH_ARG(std::optional<std::string>, gloo_hostname);
   /// Gloo worker threads per group. Default 2.
   TORCH_ARG(int, gloo_threads) = 2;

@@ -1,16 +1,12 @@
 // Choosing Gloo's network address: see gloo_device.h.
 #include "dist/gloo_device.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <cstdlib>
 #include <utility>
 
+#include "fsdp/errors.h"
 #include "util/env.h"
 #include "util/message.h"
+#include "util/net.h"
 
 namespace fsdp {
 namespace dist {
@@ -32,62 +28,48 @@ std::vector<std::string> split_names(const std::string& list) {
   return out;
 }
 
+GlooDevice at(std::string address, std::string chosen_by) {
+  GlooDevice d;
+  d.interface = fsdp::detail::interface_of(address).value_or("");
+  d.address = std::move(address);
+  d.chosen_by = std::move(chosen_by);
+  return d;
+}
+
 }  // namespace
 
-bool is_loopback(const std::string& addr) {
-  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
-}
-
-std::string local_address_towards(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return "";
-  std::string out;
-  for (addrinfo* a = found; a != nullptr && out.empty(); a = a->ai_next) {
-    const int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) continue;
-    sockaddr_storage local{};
-    socklen_t len = sizeof local;
-    char text[INET6_ADDRSTRLEN] = {};
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      const void* where =
-          local.ss_family == AF_INET6
-              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
-              : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
-      if (::inet_ntop(local.ss_family, where, text, sizeof text) != nullptr) out = text;
-    }
-    ::close(fd);
-  }
-  ::freeaddrinfo(found);
-  return out;
-}
-
 GlooDevice choose_gloo_device(const std::optional<std::string>& option,
-                              const std::string& master_addr, int master_port) {
-  GlooDevice d;
-  if (option) {
-    d.address = *option;
-    d.chosen_by = "InitOptions::gloo_hostname";
-  } else if (auto h = fsdp::detail::get_env("FSDP_GLOO_HOSTNAME")) {
-    d.address = *h;
-    d.chosen_by = "FSDP_GLOO_HOSTNAME";
-  } else if (auto names = split_names(fsdp::detail::get_env("GLOO_SOCKET_IFNAME").value_or(""));
-             !names.empty()) {
+                              const std::string& master_addr, int master_port, bool spans_hosts,
+                              int rank) {
+  using fsdp::detail::get_env;
+  if (option) return at(*option, "InitOptions::gloo_hostname");
+  if (auto h = get_env("FSDP_GLOO_HOSTNAME")) return at(*h, "FSDP_GLOO_HOSTNAME");
+  if (auto names = split_names(get_env("GLOO_SOCKET_IFNAME").value_or("")); !names.empty()) {
+    GlooDevice d;
     d.interfaces = std::move(names);
     d.chosen_by = "GLOO_SOCKET_IFNAME";
-  } else if (is_loopback(master_addr)) {
-    d.address = "127.0.0.1";
-    d.chosen_by = msg("MASTER_ADDR ", master_addr, " is on this host");
-  } else if (std::string local = local_address_towards(master_addr, master_port); !local.empty()) {
-    d.address = local;
-    d.chosen_by = msg("the route to MASTER_ADDR ", master_addr);
-  } else {
-    d.chosen_by = msg("no route to MASTER_ADDR ", master_addr, ": the address of the host's name");
+    return d;
   }
-  return d;
+  if (auto a = get_env("FSDP_NODE_ADDR"))
+    return at(*a,
+              msg("fsdp-run: ", get_env("FSDP_NODE_ADDR_WHY").value_or("its launcher's choice")));
+  if (fsdp::detail::is_loopback(master_addr))
+    return at("127.0.0.1", msg("MASTER_ADDR ", master_addr, " is on this host"));
+  const auto route = fsdp::detail::route_towards(master_addr, master_port);
+  if (!route) {
+    GlooDevice d;
+    d.chosen_by = msg("no route to MASTER_ADDR ", master_addr, ": the address of the host's name");
+    return d;
+  }
+  if (spans_hosts && fsdp::detail::is_loopback_address(route->local))
+    throw ValueError(msg(
+        "init_process_group: ", fsdp::detail::rank(rank), ": the job spans hosts, but MASTER_ADDR ",
+        master_addr, " resolves to ", route->remote, " on this host, so Gloo would bind ",
+        route->local,
+        ", which the other hosts cannot reach; set GLOO_SOCKET_IFNAME=<interface> (as "
+        "with PyTorch) or FSDP_GLOO_HOSTNAME=<this host's address> (fsdp-run finds the address by "
+        "itself)"));
+  return at(route->local, msg("the route to MASTER_ADDR ", master_addr));
 }
 
 std::string GlooDevice::describe() const {
@@ -96,8 +78,8 @@ std::string GlooDevice::describe() const {
     for (const auto& n : interfaces) names += (names.empty() ? "" : ",") + n;
     return msg("interface", interfaces.size() > 1 ? "s " : " ", names, " (", chosen_by, ")");
   }
-  return msg(address.empty() ? std::string("Gloo's default device") : address, " (", chosen_by,
-             ")");
+  return msg(address.empty() ? std::string("Gloo's default device") : address, " (",
+             interface.empty() ? std::string() : interface + "; ", chosen_by, ")");
 }
 
 std::string gloo_device_hint(const GlooDevice& device) {

@@ -20,6 +20,7 @@
 #include "fsdp/errors.h"
 #include "util/env.h"
 #include "util/message.h"
+#include "util/net.h"
 
 namespace fsdp {
 namespace dist {
@@ -299,10 +300,15 @@ ProcessGroup init_process_group(const InitOptions& opts) {
     kind = "gloo";
 #endif
   }
-  const detail::GlooDevice gloo = detail::choose_gloo_device(opts.gloo_hostname(), addr, port);
+  // The launcher's layout says whether the job spans hosts: fewer ranks on this host than in all.
+  const bool spans_hosts = env.launcher != "none" && env.local_world_size < env.world_size;
+  const detail::GlooDevice gloo =
+      kind == "gloo"
+          ? detail::choose_gloo_device(opts.gloo_hostname(), addr, port, spans_hosts, rank)
+          : detail::GlooDevice{};
   // One line per host (its first local rank) when the job may span hosts: which address the
   // others must reach, and what chose it.
-  if (kind == "gloo" && !detail::is_loopback(addr) && env.local_rank == 0)
+  if (kind == "gloo" && (spans_hosts || !fsdp::detail::is_loopback(addr)) && env.local_rank == 0)
     std::fprintf(stderr, "fsdp: rank %d: Gloo transport on %s\n", rank, gloo.describe().c_str());
 
   compat::StorePtr store = opts.store();

@@ -48,7 +48,7 @@ struct ProcessGroup::State {
   uint32_t next_pairwise_tag = 0;
   // The next pairwise collective's call, under the next tag (collectives.cpp).
   detail::PointToPointCall next_point_to_point(std::string what);
-  detail::GlooDevice gloo_device{{}, "127.0.0.1", "the default"};
+  detail::GlooDevice gloo_device{{}, "127.0.0.1", "lo", "the default"};
   int gloo_threads = 2;
   // Set once a collective of this group failed to start or to finish (shared with its pending
   // Works). The backend is then left to its own destructor (NCCL: abort) rather than shut down
