@@ -2,7 +2,7 @@
 """Emulated hosts (issue 40): N Linux network namespaces on a bridge, a command run on each.
 
   scripts/emulated_hosts.py [--hosts 2] [--subnet 10.77.7] [--node-dir /tmp/fsdp-node] [--node-root D]
-                            [--rate 1gbit] [--delay 1ms] [--timeout 600]
+                            [--names] [--rate 1gbit] [--delay 1ms] [--timeout 600]
                             [--lose-host I --lose-on REGEX [--lose-dir]] -- COMMAND
 
 Host i is a network namespace with one link, addressed SUBNET.(i+1)/24, plugged into a bridge
@@ -12,9 +12,13 @@ host's private mount namespace), so no filesystem path under it is shared betwee
 separate machines. With --rate/--delay, each host's link is shaped (tc tbf/netem) where the
 kernel allows it. The namespaces are removed whatever happens (an error, Ctrl-C, a timeout).
 
+With --names, host i is also called node<i>, as on real machines: its own host name (a UTS
+namespace of its own) and a stock Debian /etc/hosts (its own name on 127.0.1.1, the other hosts'
+names on their addresses; `ip netns exec` mounts /etc/netns/<namespace>/hosts over /etc/hosts).
+
 COMMAND runs through `sh -c` on every host at once, with FSDP_HOST_INDEX, FSDP_HOST_COUNT,
-FSDP_HOST_ADDR (this host's address), FSDP_MASTER_HOST (host 0's) and FSDP_HOST_IFNAME (the
-link's name) set; its output is prefixed with [hI]. Exit status: 0 when every host's command
+FSDP_HOST_ADDR (this host's address), FSDP_MASTER_HOST (host 0's), FSDP_HOST_IFNAME (the
+link's name) and, with --names, FSDP_HOST_NAME and FSDP_MASTER_NAME (node<i>, node0) set; its output is prefixed with [hI]. Exit status: 0 when every host's command
 exited 0, else the first failing host's status (124 on --timeout). Once a host's command fails,
 the others get --linger seconds to end on their own, then are killed (and named). With --counters, the bytes
 each host's link sent and received are printed at the end (one JSON line per host).
@@ -48,8 +52,8 @@ def sh(*cmd, check=True):
 
 
 class Hosts:
-    def __init__(self, count, subnet, tag):
-        self.count, self.subnet = count, subnet
+    def __init__(self, count, subnet, tag, names=False):
+        self.count, self.subnet, self.names = count, subnet, names
         self.switch = "%s-sw" % tag
         self.ns = ["%s-h%d" % (tag, i) for i in range(count)]
         self.ifname = "eth0"
@@ -72,6 +76,23 @@ class Hosts:
             sh("ip", "-n", ns, "addr", "add", self.addr(i) + "/24", "dev", self.ifname)
             sh("ip", "-n", ns, "link", "set", self.ifname, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.names:
+                self.write_hosts(i)
+
+    def name(self, i):
+        return "node%d" % i
+
+    def write_hosts(self, i):
+        """Host i's /etc/hosts as Debian's installer writes it, plus the other hosts' names."""
+        d = os.path.join("/etc/netns", self.ns[i])
+        os.makedirs(d, exist_ok=True)
+        others = "".join("%s\t%s\n" % (self.addr(j), self.name(j))
+                         for j in range(self.count) if j != i)
+        with open(os.path.join(d, "hosts"), "w") as f:
+            f.write("127.0.0.1\tlocalhost\n127.0.1.1\t%s\n\n"
+                    "# The following lines are desirable for IPv6 capable hosts\n"
+                    "::1     localhost ip6-localhost ip6-loopback\n"
+                    "ff02::1 ip6-allnodes\nff02::2 ip6-allrouters\n%s" % (self.name(i), others))
 
     def shape(self, rate, delay):
         """Shapes each host's outgoing traffic; returns what could not be done (or None)."""
@@ -97,6 +118,7 @@ class Hosts:
     def destroy(self):
         for ns in self.ns + [self.switch]:
             sh("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)
 
 
 def descendants(pid):
@@ -179,6 +201,8 @@ def main():
                     help="keep host i's directory at NODE_ROOT/h<i> (created if missing, kept "
                          "afterwards), so that a later run finds what an earlier one left on "
                          "each host's disk; default: a fresh one per run, removed at the end")
+    ap.add_argument("--names", action="store_true",
+                    help="name the hosts node<i>, each with a stock Debian /etc/hosts")
     ap.add_argument("--rate", default=None, help="shape each link to this rate (tc), e.g. 1gbit")
     ap.add_argument("--delay", default=None, help="and this one-way delay (tc netem), e.g. 1ms")
     ap.add_argument("--timeout", type=float, default=600)
@@ -199,7 +223,7 @@ def main():
     if ((a.lose_host is None) != (a.lose_on is None) or not 0 <= (a.lose_host or 0) < a.hosts
             or (a.lose_dir and a.lose_host is None)):
         ap.error("--lose-host I (0 <= I < --hosts) and --lose-on go together (--lose-dir with them)")
-    hosts = Hosts(a.hosts, a.subnet, "fsdpemu%d" % os.getpid())
+    hosts = Hosts(a.hosts, a.subnet, "fsdpemu%d" % os.getpid(), a.names)
     work = tempfile.mkdtemp(prefix="fsdp-hosts-")
     procs, rc, loss = [], 0, None
     old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -222,10 +246,15 @@ def main():
             env = dict(os.environ, FSDP_HOST_INDEX=str(i), FSDP_HOST_COUNT=str(a.hosts),
                        FSDP_HOST_ADDR=hosts.addr(i), FSDP_MASTER_HOST=hosts.addr(0),
                        FSDP_HOST_IFNAME=hosts.ifname, FSDP_NODE_DIR=a.node_dir)
-            # A private mount namespace per host: its own directory at --node-dir.
-            inner = 'mkdir -p "$FSDP_NODE_DIR" && mount --bind "%s" "$FSDP_NODE_DIR" && exec sh -c "$0"' % own
-            p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount",
-                                  "--propagation", "private", "sh", "-c", inner, " ".join(cmd)],
+            if a.names:
+                env.update(FSDP_HOST_NAME=hosts.name(i), FSDP_MASTER_NAME=hosts.name(0))
+            # A private mount namespace per host: its own directory at --node-dir (and with
+            # --names a UTS namespace: its own host name).
+            inner = 'mkdir -p "$FSDP_NODE_DIR" && mount --bind "%s" "$FSDP_NODE_DIR" && %sexec sh -c "$0"' % (
+                own, 'hostname "$FSDP_HOST_NAME" && ' if a.names else "")
+            p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount"] +
+                                 (["--uts"] if a.names else []) +
+                                 ["--propagation", "private", "sh", "-c", inner, " ".join(cmd)],
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  start_new_session=True)
             if i == a.lose_host:

@@ -29,7 +29,10 @@ def job(run, train, env_line, work, tag, timeout=120, nproc=1, args=""):
            "--master-addr $FSDP_MASTER_HOST --master-port 29631 %s --steps 3 --log-every 1 "
            "--timeout 8 --metrics %s/%s.jsonl %s" % (env_line, work, run, nproc, train, work, tag,
                                                      args))
-    r = subprocess.run([sys.executable, HOSTS, "--hosts", "2", "--linger", "15", "--counters",
+    # Stock Debian /etc/hosts on each host (--names); the master given by address here
+    # (test_host_names.py gives it by name).
+    r = subprocess.run([sys.executable, HOSTS, "--hosts", "2", "--names", "--linger", "15",
+                        "--counters",
                         "--timeout", str(timeout), "--", cmd],
                        capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr
@@ -60,7 +63,8 @@ def main():
         print(out)
         return 77
     check(rc == 0, "no variable set: the 2-host job runs", out)
-    check("Gloo transport on 10.77.7.2 (the route to MASTER_ADDR 10.77.7.1)" in out,
+    check("Gloo transport on 10.77.7.2 (eth0; fsdp-run: the route to the job's store at "
+          "10.77.7.1 (10.77.7.1))" in out,
           "host 1 says it chose 10.77.7.2 by the route to the master", out)
     ref = subprocess.run([run, "--nproc-per-node", "1", train, "--steps", "3", "--log-every", "1",
                           "--metrics", os.path.join(work, "w1.jsonl")],
