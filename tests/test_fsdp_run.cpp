@@ -289,14 +289,15 @@ TEST(FsdpRunNodes, ALauncherLostWhileTheJobFormsEndsAJobOfFixedSize) {
 }
 
 // The same loss in an elastic job that still has MIN nodes: the round forms without the lost
-// node, once its last call is over (a quicker heartbeat here, 1 s x 3).
+// node, once its last call is over (a quicker heartbeat here, 1 s x 3; --nnodes 2:4, so that the
+// three that join do not close the round at once).
 TEST(FsdpRunNodes, ALauncherLostWhileTheJobFormsIsLeftOutOfAnElasticRound) {
   fsdp::testing::TempDir dir;
   const std::string port = std::to_string(fsdp::testing::free_port());
   std::unique_ptr<Background> node[3];
   for (int i = 0; i < 3; ++i)
     node[i] = std::make_unique<Background>(
-        kRun + " --nnodes 2:3 --node-rank " + std::to_string(i) +
+        kRun + " --nnodes 2:4 --node-rank " + std::to_string(i) +
             " --master-addr 127.0.0.1 --master-port " + port +
             " --rdzv-conf keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=8 "
             "--grace-period 1 sh -c 'echo \"start world $WORLD_SIZE\"'",
@@ -307,7 +308,7 @@ TEST(FsdpRunNodes, ALauncherLostWhileTheJobFormsIsLeftOutOfAnElasticRound) {
   EXPECT_NE(node[0]->output().find("node 2 ("), std::string::npos) << node[0]->output();
   EXPECT_NE(node[0]->output().find("was lost while the job formed"), std::string::npos)
       << node[0]->output();
-  EXPECT_NE(node[0]->output().find("round 0 formed with nodes 0,1 (2 of --nnodes 2:3)"),
+  EXPECT_NE(node[0]->output().find("round 0 formed with nodes 0,1 (2 of --nnodes 2:4)"),
             std::string::npos)
       << node[0]->output();
   EXPECT_EQ(count_lines_with(node[1]->output(), "] start world 2"), 1) << node[1]->output();

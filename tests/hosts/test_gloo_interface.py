@@ -98,7 +98,7 @@ def main():
 
     rc, out = job(run, train, "export FSDP_GLOO_HOSTNAME=127.0.0.1;", work, "loopback", 60)
     check(rc != 0 and rc != 124, "FSDP_GLOO_HOSTNAME=127.0.0.1 fails, within the timeout", out)
-    check("127.0.0.1 (FSDP_GLOO_HOSTNAME)" in out and "GLOO_SOCKET_IFNAME=<interface>" in out,
+    check("127.0.0.1 (lo; FSDP_GLOO_HOSTNAME)" in out and "GLOO_SOCKET_IFNAME=<interface>" in out,
           "with an error naming the address, what chose it and how to choose another", out)
     subprocess.run(["rm", "-rf", work])
     return check.exit_code()

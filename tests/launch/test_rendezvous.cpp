@@ -224,11 +224,11 @@ TEST(Rendezvous, ALauncherLostWhileTheJobFormsFailsTheJoinNamingIt) {
 TEST(Rendezvous, AnElasticRoundFormsWithoutALauncherLostWhileItFormed) {
   fsdp::testing::TempDir dir;
   const int port = fsdp::testing::free_port();
-  AgentConfig c = config(port, 0, 3, StoreRole::kHost);
+  AgentConfig c = config(port, 0, 4, StoreRole::kHost);  // 2:4, so that three do not close it
   c.min_nodes = 2;
   c.last_call_timeout = 4;
   JobAgent node0(c);
-  const std::string args = "--nnodes 2:3 --last-call-timeout 4 --node-rank ";
+  const std::string args = "--nnodes 2:4 --last-call-timeout 4 --node-rank ";
   Background node1(probe(port, args + "1"), dir.file("node1.log"));
   Background node2(probe(port, args + "2"), dir.file("node2.log"));
   ASSERT_TRUE(wait_output(node2, "node 2")) << node2.output();
