@@ -12,15 +12,22 @@
 #   FSDP_TORCH2_RELEASE  chroot release for the second run (default trixie; sid = 2.14)
 #   FSDP_TORCH2_POINT_STRIDE  the second run's sampling of crash and error points (default 4;
 #                        1 visits every point, as the first run does)
+#   FSDP_TEST_REQUIRE=1  fail the run when an entry that this machine is meant to run skips
+#                        (.ci/run sets it): the emulated hosts on the host build, the PyTorch
+#                        oracles in the chroot. Otherwise a skip is reported, never counted as a
+#                        pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 summary=()
 failed=0
 
-# record LABEL CTEST_LOG: parses ctest's closing line into "LABEL: N passed, M failed".
+# record LABEL CTEST_LOG RESULTS_DIR [REQUIRED_REGEX]: parses ctest's closing lines into
+# "LABEL: P passed, F failed, S skipped" (ctest counts a skipped entry as neither failed nor passed
+# in its own summary line, and lists it under "did not run"), with the cases behind them. With
+# FSDP_TEST_REQUIRE=1, a skipped entry whose name matches REQUIRED_REGEX fails the run.
 record() {
-  local label="$1" log="$2" line passed total
+  local label="$1" log="$2" required="${4:-}" line total nfail skipped names
   line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$log" | tail -1 || true)
   if [ -z "$line" ]; then
     summary+=("$label: no test result (build or set-up failed)")
@@ -28,10 +35,22 @@ record() {
     return
   fi
   total=$(sed -E 's/.*out of ([0-9]+).*/\1/' <<<"$line")
-  local nfail; nfail=$(sed -E 's/.*tests passed, ([0-9]+) tests failed.*/\1/' <<<"$line")
-  passed=$((total - nfail))
-  summary+=("$label: $passed passed, $nfail failed$(case_counts "$3")")
+  nfail=$(sed -E 's/.*tests passed, ([0-9]+) tests failed.*/\1/' <<<"$line")
+  names=$(skipped_entries "$log")
+  skipped=$(grep -c . <<<"$names" || true)
+  summary+=("$label: $((total - nfail - skipped)) passed, $nfail failed, $skipped skipped$(case_counts "$3")")
+  if ((skipped)); then summary+=("  skipped: $(tr '\n' ' ' <<<"$names")"); fi
   ((nfail == 0)) || failed=1
+  if [ "${FSDP_TEST_REQUIRE:-0}" = 1 ] && [ -n "$required" ] && grep -Eq "$required" <<<"$names"; then
+    summary+=("  FAILED: $(grep -E "$required" <<<"$names" | tr '\n' ' ')skipped, but this run is meant to run them (FSDP_TEST_REQUIRE=1)")
+    failed=1
+  fi
+}
+
+# skipped_entries CTEST_LOG: the names of the entries ctest lists as "(Skipped)", one a line.
+skipped_entries() {
+  sed -n '/The following tests did not run:/,/^$/p' "$1" |
+    sed -nE 's/^[[:space:]]*[0-9]+ - (.*) \(Skipped\)$/\1/p'
 }
 
 # case_counts RESULTS_DIR: ctest runs one entry per GoogleTest suite (cmake/FsdpTestSuites.cmake);
@@ -80,7 +99,8 @@ rm -rf "${BUILD_DIR:-build}/test-results"
 (cd "${BUILD_DIR:-build}" && ctest --output-on-failure --timeout 300 "$@") 2>&1 | tee "$host_log" || true
 host_version=$(grep -oE 'LibTorch [0-9.]+' "${BUILD_DIR:-build}/fsdp_torch_version.txt" 2>/dev/null ||
   echo "LibTorch (host)")
-record "$host_version (host)" "$host_log" "${BUILD_DIR:-build}/test-results"
+# The emulated hosts need root and network namespaces, which the host has (CI runs as root).
+record "$host_version (host)" "$host_log" "${BUILD_DIR:-build}/test-results" '^emulated_hosts_'
 
 # 2. LibTorch 2.x in a Debian chroot. The enumerations of crash and error points (CrashPoints,
 # ErrorPoints, CollectiveFailures) exercise our file and collective code, which does not change
@@ -96,7 +116,8 @@ if [ "$torch2" != "0" ]; then
       "${FSDP_TORCH2_POINT_STRIDE:-4}" "$@" 2>&1 | tee "$t2_log" || true
     t2_version=$(grep -oE 'LibTorch [0-9.]+' "build-$release/fsdp_torch_version.txt" 2>/dev/null ||
       echo "LibTorch 2.x")
-    record "$t2_version ($release chroot)" "$t2_log" "build-$release/test-results"
+    # The chroot has PyTorch 2.x: its oracles must run there.
+    record "$t2_version ($release chroot)" "$t2_log" "build-$release/test-results" '^oracle_'
   else
     summary+=("LibTorch 2.x ($release chroot): could not create the chroot")
     failed=1
@@ -106,14 +127,15 @@ fi
 echo
 echo "== fsdp-cpp test summary =="
 for s in "${summary[@]}"; do echo "$s"; done
-total_passed=0 total_failed=0 total_cases=0
+total_passed=0 total_failed=0 total_skipped=0 total_cases=0
 for s in "${summary[@]}"; do
-  if [[ $s =~ ([0-9]+)\ passed,\ ([0-9]+)\ failed ]]; then
+  if [[ $s =~ ([0-9]+)\ passed,\ ([0-9]+)\ failed,\ ([0-9]+)\ skipped ]]; then
     total_passed=$((total_passed + BASH_REMATCH[1]))
     total_failed=$((total_failed + BASH_REMATCH[2]))
+    total_skipped=$((total_skipped + BASH_REMATCH[3]))
   fi
   if [[ $s =~ \(([0-9]+)\ cases ]]; then total_cases=$((total_cases + BASH_REMATCH[1])); fi
 done
-echo "all: $total_passed passed, $total_failed failed (ctest entries: one per GoogleTest suite," \
-  "$total_cases cases in all)"
+echo "all: $total_passed passed, $total_failed failed, $total_skipped skipped (ctest entries: one" \
+  "per GoogleTest suite, $total_cases cases in all)"
 exit "$failed"
