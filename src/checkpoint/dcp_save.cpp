@@ -75,7 +75,10 @@ std::string encode(const RankPart& p) {
 
 RankPart decode(const std::string& msg, int rank) {
   const std::string where = detail::msg(detail::rank(rank), "'s save report");
-  auto fail = [&]() -> RankPart { throw Error(detail::msg(kWhat, ": ", where, " is malformed")); };
+  // Our own message between ranks: one that does not parse is a bug, not bad input.
+  auto fail = [&]() -> RankPart {
+    throw InternalError(detail::msg(kWhat, ": ", where, " is malformed"));
+  };
   size_t pos = 1;
   auto line = [&]() {
     const size_t nl = msg.find('\n', pos);
@@ -124,7 +127,8 @@ void parse_held(const std::string& msg, size_t pos, std::set<std::string>* into,
     if (colon == std::string::npos || colon == pos || colon - pos > 18 ||
         msg.find_first_not_of("0123456789", pos) != colon ||
         (n = std::stoull(msg.substr(pos, colon - pos))) > msg.size() - colon - 1)
-      throw Error(detail::msg(kWhat, ": ", detail::rank(rank), "'s list of pieces is malformed"));
+      throw InternalError(
+          detail::msg(kWhat, ": ", detail::rank(rank), "'s list of pieces is malformed"));
     if (into) into->insert(msg.substr(colon + 1, n));
     pos = colon + 1 + n;
   }

@@ -145,7 +145,7 @@ Source from_state_dict(const StateDict& state_dict, const std::optional<std::str
 at::Tensor fetch_checked(const Source& src, const Entry& e) {
   at::Tensor t = src.fetch(e).contiguous();
   if (t.scalar_type() != e.dtype || t.sizes().vec() != e.shape)
-    throw Error(msg(kWhat, ": ", quote(e.key), " changed while it was exported"));
+    throw StateError(msg(kWhat, ": ", quote(e.key), " changed while it was exported"));
   return t;
 }
 

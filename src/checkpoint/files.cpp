@@ -276,7 +276,8 @@ void make_dirs(FileIO& io, const std::string& path, const char* what) {
 namespace {
 
 void remove_tree(FileIO& io, const std::string& path, const char* what, int depth) {
-  if (depth > 8) throw Error(msg(what, ": ", path, " is nested too deeply to remove"));
+  // Our directories are two levels deep; deeper is not ours to delete (ELOOP: a loop of links).
+  if (depth > 8) throw IOError(msg(what, ": ", path, " is nested too deeply to remove"), ELOOP);
   if (io.is_dir(path) == 1) {
     std::vector<std::string> names;
     if (io.list_dir(path, names) != 0) io_error(what, "listing", path, errno);

@@ -325,7 +325,8 @@ void exchange_round(const CheckpointReader& reader, Plan& plan,
 
 void load(StateDict& state_dict, const std::string& dir, FileIO& io, bool verify,
           dist::ProcessGroup& g, int64_t round_bytes) {
-  TORCH_CHECK(round_bytes > 0, "read_once::load: round_bytes must be positive");
+  if (round_bytes <= 0)
+    throw ValueError(msg(kWhat, ": round_bytes must be positive, not ", round_bytes));
   // The same bytes on every rank: parsing fails alike everywhere, with no exchange needed.
   const CheckpointReader reader(io, dir, shared_files(io, dir, g), verify, kWhat);
   if (!reader.manifest() && g.rank() == 0)

@@ -167,8 +167,8 @@ std::optional<std::string> agreed_latest_checkpoint(const std::string& root_in,
   const std::vector<std::string> all = group.all_gather_bytes(mine);
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r].empty() || all[r][0] != 'K')
-      throw Error(detail::msg("checkpoint latest: ", detail::rank(static_cast<int>(r)), ": ",
-                              all[r].empty() ? std::string("no answer") : all[r].substr(1)));
+      throw DistError(detail::msg("checkpoint latest: ", detail::rank(static_cast<int>(r)), ": ",
+                                  all[r].empty() ? std::string("no answer") : all[r].substr(1)));
     const size_t nl = all[r].find('\n');
     const std::string latest = all[r].substr(1, nl - 1);
     if (!latest.empty()) {

@@ -54,8 +54,8 @@ inline std::string message(const std::string& encoded) {
       throw StateError(text);
     case 'N':
       throw InternalError(text);
-    default:
-      throw Error(text);
+    default:  // a code no sender writes: our own message does not parse
+      throw InternalError(text);
   }
 }
 
