@@ -49,7 +49,8 @@ PUBLIC = {
     "fsdp.h": "top",  # the umbrella: includes everything, included by nothing of ours
 }
 
-INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+# Both forms: a project header written <fsdp/dist.h> is checked as "fsdp/dist.h" is.
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 
 
 def public_layer(name):
@@ -88,8 +89,15 @@ def check_side_include(kind, layer, inc, rel):
 
 
 def check_include(kind, layer, inc, root, rel=""):
-    """The problem with `inc` included by a file of `kind` ('src', 'public', 'client') in `layer`,
-    or None."""
+    """The problem with `inc` included by a file of `kind` ('src', 'public', 'client', 'pch') in
+    `layer`, or None."""
+    if kind == "pch":  # precompiled into every layer's files, util/'s included: base headers only
+        folder = inc.split("/", 1)[0] if "/" in inc else None
+        if inc.startswith("fsdp/") and public_layer(inc[len("fsdp/"):]) != "base":
+            return f"{inc}: the precompiled header reaches every layer; only base headers may be in it"
+        if folder in ORDER or folder in SIDE:
+            return f"internal header {inc} in the precompiled header of every layer"
+        return None
     side = check_side_include(kind, layer, inc, rel)
     if side is not False:
         return side
@@ -139,6 +147,9 @@ def files_to_check(root):
             if n.endswith(".h"):
                 rel = os.path.relpath(os.path.join(dirpath, n), pub).replace(os.sep, "/")
                 yield os.path.join(dirpath, n), "public", public_layer(rel) or "unknown:" + rel
+    pch = os.path.join(root, "src", "pch.h")
+    if os.path.exists(pch):
+        yield pch, "pch", "base"
     for top in ("tools", "examples"):
         for dirpath, _, names in os.walk(os.path.join(root, top)):
             for n in sorted(names):
@@ -186,6 +197,7 @@ def self_test():
         "tools/t.cpp": '#include "fsdp/fsdp.h"\n',
         "src/launch/l.cpp": '#include "util/u.h"\n#include "fsdp/compat_backends.h"\n',
         "tools/fsdp_run.cpp": '#include "launch/l.h"\n',
+        "src/pch.h": '#include <torch/torch.h>\n#include "fsdp/compat.h"\n',
     }
     violations = {
         "src/state_dict/bad.cpp": '#include "runtime/state.h"\n',        # past the runtime's view
@@ -200,6 +212,10 @@ def self_test():
         "src/launch/bad2.cpp": '#include "fsdp/dist.h"\n',               # ... or its public API
         "src/dist/bad2.cpp": '#include "launch/l.h"\n',                  # the library into the launcher
         "tools/bad2.cpp": '#include "launch/l.h"\n',                     # another tool into the launcher
+        "include/fsdp/dist.h": '#include "fsdp/fully_sharded.h"\n',      # a public header upwards
+        "include/fsdp/checkpoint/checkpoint.h": '#include "dist/x.h"\n', # internals in a public one
+        "src/dist/bad3.cpp": '#include <fsdp/fully_sharded.h>\n',        # upwards, in angle brackets
+        "src/pch.h": '#include "util/u.h"\n',                            # internals in every TU
     }
 
     scratch = tempfile.TemporaryDirectory(prefix="check_layers.")  # removed when the test ends
