@@ -215,10 +215,16 @@ TEST(FsdpRunNodes, ALostNodeEndsTheJobAfterTheRoundFormed) {
     ASSERT_TRUE(started(job)) << job.output(0) << job.output(1);
     ::kill(job.node[1]->pid(), SIGSTOP);
     EXPECT_EQ(job.node[0]->wait(std::chrono::seconds(30)), 1) << job.output(0);
-    EXPECT_NE(job.output(0).find("node 1 ("), std::string::npos) << job.output(0);
-    EXPECT_NE(job.output(0).find(") stopped answering: its launcher sent no heartbeat for "),
-              std::string::npos)
-        << job.output(0);
+    // Node 0 names node 1; unless node 1 stopped in the middle of a request to the store, which
+    // on LibTorch 1.13 stalls the store's one daemon thread (it reads a request to its end):
+    // then node 0, which hosts it, sees its store silent and ends the job on that, within the
+    // same bound (1 run in 14 beside a build, before node 1 stopped watching node 0's heartbeat).
+    const bool named =
+        job.output(0).find("node 1 (") != std::string::npos &&
+        job.output(0).find(") stopped answering: its launcher sent no heartbeat for ") !=
+            std::string::npos;
+    const bool stalled = job.output(0).find("has not answered for") != std::string::npos;
+    EXPECT_TRUE(named || stalled) << job.output(0);
     ::kill(job.node[1]->pid(), SIGKILL);
     ::kill(job.node[1]->pid(), SIGCONT);
   }

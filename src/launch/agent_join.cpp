@@ -147,6 +147,7 @@ void AgentLoop::handshake() {
   const NodeRoute self{node_, host_name(), route ? route->local : "", route ? route->remote : ""};
   store().set("route/" + id, bytes(self.encode()));
   beat();  // watched from now on, also while the job forms
+  if (hosts_store_) store().set("store_host", bytes(id));
   if (node_ == 0 && !store().check({"config"})) {
     run_id_ = cfg_.run_id.empty() ? new_run_id() : cfg_.run_id;
     store().set("run_id", bytes(run_id_));
@@ -158,6 +159,10 @@ void AgentLoop::handshake() {
     fail_join("node " + id + " was started with " + config_text(cfg_) + " but node 0 with " +
               theirs + "; every node must be given the same");
   run_id_ = text(store().get("run_id"));
+  // Node 0 hosting the store: its loss is the store's, noticed at once (or by the store's
+  // silence), so its heartbeat needs no watching, and this launcher asks the store less (on
+  // LibTorch 1.13 a client stopped in the middle of a request stalls the whole store).
+  watch_coordinator_ = !(store().check({"store_host"}) && text(store().get("store_host")) == "0");
 }
 
 // Waits for `key` (set by node 0) while keeping this node's heartbeat and watching node 0's.
@@ -325,7 +330,7 @@ void AgentLoop::while_forming(bool& stopped) {
     last_look_ = Clock::now();
     if (node_ == 0)
       judge_forming_heartbeats();
-    else
+    else if (watch_coordinator_)
       check_coordinator();
     if (auto f = posted_failure()) throw JoinError(f->what);
   }

@@ -145,6 +145,7 @@ class AgentLoop {
   int round_ = 0;
   bool joined_ = false, posted_ = false, left_ = false, all_left_ = false, known_failure_ = false;
   bool late_ = false;              // came to a job whose first round had formed
+  bool watch_coordinator_ = true;  // node 0's heartbeat needs watching: it does not host the store
   int64_t lost_at_claim_ = 0;      // lost/<node rank> when this launcher claimed it
   std::vector<int> members_;       // the node ranks of round_
   HeartbeatWatch watch_;           // the others' heartbeats (node 0), or node 0's (the others)

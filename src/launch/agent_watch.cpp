@@ -151,7 +151,7 @@ bool AgentLoop::look(const std::optional<Failure>& to_post, bool to_leave) {
   if (node_ == 0) {
     check_heartbeats();
     if (!known_failure_) check_waiting();
-  } else {
+  } else if (watch_coordinator_) {
     check_coordinator();
   }
   return true;

@@ -17,12 +17,14 @@
 //   run_id            the job's TORCHELASTIC_RUN_ID (--rdzv-id, or node 0's random one)
 //   node/<i>          how many launchers claim node rank i (more than one is an error)
 //   host/<i>          node i's host name, for messages
+//   store_host        the node rank whose launcher hosts the store, if one does
 //   route/<i>         node i's route to the store (node_address.h): the address its ranks are
 //                     reached by is chosen from these once a round forms
 //   alive/<i>         node i's heartbeat, a counter it bumps every keep_alive_interval from the
 //                     moment it claims its node rank; node 0 watches everyone's (a node silent for
 //                     keep_alive_interval x keep_alive_max_attempt is lost, also while a round
-//                     forms), and every other node watches node 0's
+//                     forms), and every other node watches node 0's (unless node 0 hosts the
+//                     store, whose loss is noticed anyway)
 //   lost/<i>          how often node 0 gave node i up (its launcher silent): a new launcher may
 //                     then claim node rank i again
 //   formed            the last round that formed (elastic: a new launcher joins the one after)
