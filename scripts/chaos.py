@@ -7,7 +7,9 @@ random rank: SIGKILL (a crash) or SIGSTOP (a hang, which the other ranks must tu
 within --timeout), at a random moment or timed to land inside a save (while a save's staging
 directory exists). After each round it checks what a restart depends on:
 
-  * the job ends, non-zero, within the timeout plus the launcher's grace period: never a hang;
+  * the job ends, non-zero, within the bound docs/reliability.md states: after a SIGKILL the
+    launcher's grace period plus SLACK seconds, after a SIGSTOP the timeout plus that (SLACK, 3 s:
+    the peers' own exit and the launcher's teardown; the campaigns' slowest took 1.9 s of it);
   * every committed checkpoint verifies (`fsdp-ckpt verify`): `latest` never names a half-written
     one, and the next round resumes from the one `latest` names;
   * the resumed run's first step is the checkpoint's step + 1, and every step it logs reads the
@@ -18,7 +20,10 @@ uninterrupted W=1 run of as many steps, the stitched log (each step's last run) 
 step, and the final weights must agree within the data-parallel bound measured in the same run
 (uninterrupted runs at W=2-4, which differ from W=1 only in how the reductions round), four times
 over as in tests/test_fsdp_train.cpp. Negative controls: the W=1 weights one step short, and the
-log read one step out of place, must both fail those checks.
+log read one step out of place, must both fail those checks, or the run fails. With SGD (the
+default) the W=1 comparison tells one step apart; with Adam or AdamW rounding grows past what a
+step moves the weights, so the weight control cannot pass there, and such a run must say
+--no-weight-control (the replay, bit for bit, is then the check that tells a step apart).
 
   scripts/chaos.py [--build build] [--failures 200] [--min-in-save 50] [--seed S] [--json FILE]
   scripts/chaos.py --short      what CI runs: 8 failures, at least 2 inside saves
@@ -40,6 +45,7 @@ import tempfile
 import time
 
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]
+SLACK = 3.0  # seconds past the grace period (and the timeout) that a failed job may take to end
 BIG = 10**9  # --steps while failures are injected: a round only ends by one
 
 
@@ -55,8 +61,11 @@ def parse_args():
     ap.add_argument("--timeout", type=int, default=5, help="fsdp-train --timeout (seconds)")
     ap.add_argument("--grace", type=float, default=1.0, help="fsdp-run --grace-period")
     ap.add_argument("--save-every", type=int, default=2)
-    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"],
+    ap.add_argument("--optimizer", default="sgd", choices=["adamw", "adam", "sgd"],
                     help="fsdp-train --optimizer (sgd: the W=1 comparison tells one step apart)")
+    ap.add_argument("--no-weight-control", action="store_true",
+                    help="do not fail when the one-step-short control passes the W=1 comparison "
+                         "(needed with adam/adamw, whose rounding outgrows a step)")
     ap.add_argument("--work", default=None,
                     help="work directory (default: a new one in $TMPDIR); emptied first if an "
                     "earlier chaos run made it")
@@ -255,7 +264,7 @@ class Chaos:
             in_save = bool(self.staging() - leftovers)
             t0 = time.monotonic()
             os.kill(ranks[victim], sig)
-            limit = (a.timeout if sig == signal.SIGSTOP else 0) + a.grace + 15
+            limit = (a.timeout if sig == signal.SIGSTOP else 0) + a.grace + SLACK
             try:
                 rc = p.wait(timeout=limit)
             except subprocess.TimeoutExpired:
@@ -480,6 +489,10 @@ class Chaos:
             self.problem("steps %s read another batch than W=1's" % wrong[:10])
         if shifted <= tol_l:
             self.problem("control: a log one step out of place (%.3g) passes" % shifted)
+        if short <= tol_w and not self.a.no_weight_control:
+            self.problem("control: the W=1 weights one step short (%.3g) pass the tolerance %.3g: "
+                         "the weight check tells nothing here (--no-weight-control with "
+                         "adam/adamw)" % (short, tol_w))
 
 
 def main():

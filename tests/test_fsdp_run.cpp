@@ -47,6 +47,15 @@ TEST(FsdpRun, GivesEachRankTorchrunsVariablesAndPrefixesItsLines) {
   EXPECT_GT(std::stoi(*ports.begin()), 0);
 }
 
+// Waits up to a minute for a line of `b`'s output that contains `text`.
+bool wait_for_line(Background& b, const std::string& text) {
+  for (int k = 0; k < 600; ++k) {
+    if (count_lines_with(b.output(), text) > 0) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
 // Two launchers of one job on loopback, as on two hosts: node 0's hosts the job's store.
 struct TwoNodes {
   fsdp::testing::TempDir dir;
@@ -266,13 +275,13 @@ TEST(FsdpRunNodes, ALauncherLostWhileTheJobFormsEndsAJobOfFixedSize) {
   auto launch = [&](int i) {
     return std::make_unique<Background>(kRun + " --nnodes 3 --node-rank " + std::to_string(i) +
                                             " --master-addr 127.0.0.1 --master-port " + port +
-                                            " --grace-period 1 echo started",
+                                            " --grace-period 1 --status-interval 0.5 echo started",
                                         dir.file("node" + std::to_string(i) + ".log"));
   };
   auto node0 = launch(0), node1 = launch(1);
-  // Node 1 has joined once node 0's periodic line counts it; here: once its store key is there,
-  // which its own first lines do not show, so give it a moment (the store answers in ms).
-  std::this_thread::sleep_for(std::chrono::seconds(2));
+  // Node 1 has joined once node 0's line on whom it waits for counts it (a fixed pause was not
+  // enough for a launcher's start-up beside a build).
+  ASSERT_TRUE(wait_for_line(*node0, "joined (nodes 0,1)")) << node0->output();
   ::kill(node1->pid(), SIGKILL);
   const auto t0 = std::chrono::steady_clock::now();
   double logged = -1;
@@ -306,9 +315,9 @@ TEST(FsdpRunNodes, ALauncherLostWhileTheJobFormsIsLeftOutOfAnElasticRound) {
         kRun + " --nnodes 2:4 --node-rank " + std::to_string(i) +
             " --master-addr 127.0.0.1 --master-port " + port +
             " --rdzv-conf keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=8 "
-            "--grace-period 1 sh -c 'echo \"start world $WORLD_SIZE\"'",
+            "--grace-period 1 --status-interval 0.5 sh -c 'echo \"start world $WORLD_SIZE\"'",
         dir.file("node" + std::to_string(i) + ".log"));
-  std::this_thread::sleep_for(std::chrono::seconds(2));
+  ASSERT_TRUE(wait_for_line(*node[0], "joined (nodes 0,1,2)")) << node[0]->output();
   ::kill(node[2]->pid(), SIGKILL);
   for (int i : {0, 1}) EXPECT_EQ(node[i]->wait(std::chrono::seconds(40)), 0) << node[i]->output();
   EXPECT_NE(node[0]->output().find("node 2 ("), std::string::npos) << node[0]->output();
@@ -328,15 +337,15 @@ TEST(FsdpRunNodes, TheStoresHostLostWhileTheJobFormsEndsTheJoin) {
     fsdp::testing::TempDir dir;
     const std::string port = std::to_string(fsdp::testing::free_port());
     auto launch = [&](int i) {
-      return std::make_unique<Background>(kRun + " --nnodes 3 --node-rank " + std::to_string(i) +
-                                              " --master-addr 127.0.0.1 --master-port " + port +
-                                              " --heartbeat-timeout 2 echo started",
-                                          dir.file("node" + std::to_string(i) + ".log"));
+      return std::make_unique<Background>(
+          kRun + " --nnodes 3 --node-rank " + std::to_string(i) +
+              " --master-addr 127.0.0.1 --master-port " + port +
+              " --heartbeat-timeout 2 --status-interval 0.5 echo started",
+          dir.file("node" + std::to_string(i) + ".log"));
     };
     auto node0 = launch(0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
     auto node1 = launch(1);
-    std::this_thread::sleep_for(std::chrono::seconds(2));
+    ASSERT_TRUE(wait_for_line(*node1, "joined (nodes 0,1)")) << node1->output();
     ::kill(node0->pid(), sig);
     const auto t0 = std::chrono::steady_clock::now();
     EXPECT_EQ(node1->wait(std::chrono::seconds(20)), 2) << node1->output();
@@ -532,6 +541,26 @@ TEST(FsdpRunNodes, ALauncherStoppedWhileWaitingTakesItsJoinBack) {
   EXPECT_EQ(count_lines_with(node[1]->output(), "] start world 2 group 1 of 2"), 1)
       << node[1]->output();
   EXPECT_EQ(count_lines_with(node[0]->output(), "restart"), 0) << node[0]->output();
+}
+
+// On one node fsdp-run hosts its ranks' store itself, bound before any rank starts and kept for
+// every restart (issue 62, item 5): rank 0 used to bind a port fsdp-run had found free a moment
+// before, a new one per restart, and anything could take it in between. Every rank, rank 1
+// included, finds the port listening as it starts, the same port in both rounds, and is the
+// store's client. (Before this, rank 1's first connection was refused: nothing listened yet.)
+TEST(FsdpRun, TheRanksStoreListensBeforeAnyRankStartsAndStaysForRestarts) {
+  const auto r = run_shell(
+      kRun +
+      " --nproc-per-node 2 --max-restarts 1 bash -c 'if exec 3<>/dev/tcp/127.0.0.1/$MASTER_PORT; "
+      "then echo \"listening $MASTER_PORT agent=$TORCHELASTIC_USE_AGENT_STORE\"; fi; "
+      "[ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ] && exit 3; exit 0'");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_EQ(count_lines_with(r.out, "] listening "), 4) << r.out;
+  EXPECT_EQ(count_lines_with(r.out, " agent=True"), 4) << r.out;
+  std::set<std::string> ports;
+  for (size_t at = 0; (at = r.out.find("] listening ", at)) != std::string::npos; ++at)
+    ports.insert(r.out.substr(at + 12, r.out.find(' ', at + 12) - at - 12));
+  EXPECT_EQ(ports.size(), 1u) << r.out;
 }
 
 // Rank 1 dies of SIGKILL; rank 0 ignores SIGTERM (so it takes SIGKILL after the grace period),

@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 
+#include "launch/local_store.h"
 #include "launch/options.h"
 #include "launch/rank_output.h"
 #include "launch/rendezvous.h"
@@ -155,15 +156,19 @@ int main(int argc, char** argv) {
   if (int code = fsdp_run::complete_options(o); code >= 0) return code;
   if (!fsdp_run::install_signal_handlers()) return 2;
   fsdp_run::RankLogs logs(o);
+  std::shared_ptr<void> local_store;  // one node: the ranks' store, up for every round
+  if (!o.multi_node()) {
+    std::string why;
+    if (!(local_store = fsdp_run::host_local_store(o, why))) {
+      std::fprintf(stderr, "fsdp-run: %s\n", why.c_str());
+      return 2;
+    }
+  }
   std::unique_ptr<JobAgent> agent;
   size_t printed = 0;  // the agent's news lines printed so far
   for (;; ++o.round) {
-    if (o.multi_node()) {
+    if (o.multi_node())
       if (int code = join_job(o, agent, printed); code >= 0) leave(code);
-    } else if (o.round > 0 && !o.port_chosen && (o.store_port = fsdp_run::free_port()) < 0) {
-      std::fprintf(stderr, "fsdp-run: could not find a free port: %s\n", std::strerror(errno));
-      return 2;
-    }
     if (o.round > 0 && agent && !o.elastic())
       std::fprintf(stderr, "fsdp-run: restart %d: every node has rejoined; starting the ranks\n",
                    o.round);

@@ -211,12 +211,11 @@ void add_compat_options(CLI::App& app, Options& o, std::string& logs_specs) {
       ->envname(pet("node_rank"))
       ->group(g);
   app.add_option("--master-addr,--master_addr", o.master_addr,
-                 "Static: node 0's host, whose fsdp-run hosts the job's store (one node: rank "
-                 "0's host)")
+                 "Static: node 0's host, whose fsdp-run hosts the job's store")
       ->envname(pet("master_addr"))
       ->group(g);
   app.add_option("--master-port,--master_port", o.master_port,
-                 "Static: the store's port (default: a free one on one node, else 29500)")
+                 "Static: the store's port (default: one the kernel picks on one node, else 29500)")
       ->check(CLI::Range(1, 65535))
       ->envname(pet("master_port"))
       ->group(g);
@@ -420,14 +419,11 @@ int place_store(Options& o) {
     o.rdzv_id = "none";
   }
   if (!o.multi_node()) {
-    // One node: rank 0 hosts the ranks' store, at --master-port or a free port (per round).
+    // One node: fsdp-run hosts its ranks' store (local_store.h), at --master-port or at a port
+    // the kernel picks when it binds (0 here), for every round.
     o.store_host = o.master_addr;
     o.port_chosen = o.master_port != 0 && !o.c10d();
-    o.store_port = o.port_chosen ? o.master_port : free_port();
-    if (o.store_port < 0) {
-      std::fprintf(stderr, "fsdp-run: could not find a free port: %s\n", std::strerror(errno));
-      return 2;
-    }
+    o.store_port = o.port_chosen ? o.master_port : 0;
     return -1;
   }
   if (o.c10d() && o.master_addr != "127.0.0.1" && o.rdzv_endpoint.empty())
@@ -499,22 +495,6 @@ AgentConfig agent_config(const Options& o) {
   c.local_addr = o.local_addr;
   c.gloo_address_given = o.gloo_address_given;
   return c;
-}
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
-    port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
 }
 
 int gpu_count() {

@@ -70,10 +70,10 @@ struct Options {
   // Derived by complete_options().
   std::string store_host;  // the job's store (several nodes), or rank 0's (one node)
   int store_port = 0;
-  bool port_chosen = false;         // the store's port was given (else ours, per round on one node)
-  double lost_after = 15;           // a launcher silent this long is lost
-  double keep_alive = 5;            // the heartbeat's period
-  bool set_omp = false;             // OMP_NUM_THREADS=1 for each rank, as torchrun does
+  bool port_chosen = false;  // the store's port was given (one node: else the kernel picks it)
+  double lost_after = 15;    // a launcher silent this long is lost
+  double keep_alive = 5;     // the heartbeat's period
+  bool set_omp = false;      // OMP_NUM_THREADS=1 for each rank, as torchrun does
   bool gloo_address_given = false;  // GLOO_SOCKET_IFNAME or FSDP_GLOO_HOSTNAME in the environment
   std::string run_id;               // TORCHELASTIC_RUN_ID
 
@@ -101,10 +101,6 @@ int complete_options(Options& o);
 /// c10d: is_host, else the launcher on the machine --rdzv-endpoint names, unless its port is
 /// taken), the timeouts and heartbeat, the job's id.
 AgentConfig agent_config(const Options& o);
-
-/// A TCP port nothing listens on now (the kernel's pick), for a single-node run's store; -1 with
-/// errno set if there is none.
-int free_port();
 
 /// How many NVIDIA GPUs this process may use (the CUDA driver's count, which honours
 /// CUDA_VISIBLE_DEVICES); 0 without a driver. fsdp-run links no CUDA: the driver is loaded here

@@ -103,8 +103,8 @@ void signal_all(std::vector<Rank>& ranks, int sig) {
   set("TORCHELASTIC_RUN_ID", o.run_id);
   set("TORCHELASTIC_RESTART_COUNT", std::to_string(o.round));
   set("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts));
-  // Across hosts a launcher hosts the job's store, and every rank is a client of it.
-  set("TORCHELASTIC_USE_AGENT_STORE", o.multi_node() ? "True" : "False");
+  // A launcher hosts the job's store (on one node, fsdp-run itself), and every rank is a client.
+  set("TORCHELASTIC_USE_AGENT_STORE", "True");
   if (const std::string e = logs.error_file(r.local_rank); !e.empty())
     set("TORCHELASTIC_ERROR_FILE", e);
   if (!o.node_addr.empty()) {  // the address this node's ranks are reached by (node_address.h)

@@ -36,11 +36,12 @@ TRAIN = "--steps %d --log-every 1 --save-every 10 --resume --timeout 30 --seed 3
 def run_job(run, train, work, tag, mem):
     """The job with host 2 lost at step 17; its output lines, each with the time it arrived."""
     extra = " --mem-dir $FSDP_NODE_DIR/mem" if mem else ""
-    cmd = ("cd %s && %s --nnodes 2:3 --node-rank $FSDP_HOST_INDEX --master-addr $FSDP_MASTER_HOST "
+    cmd = ("cd %s && %s --nnodes 2:3 --node-rank $FSDP_HOST_INDEX --master-addr $FSDP_MASTER_NAME "
            "--master-port 29661 --max-restarts 1 --heartbeat-timeout 3 --last-call-timeout 1 "
            "--grace-period 2 %s %s --save-dir %s/ck_%s --export %s/%s.pt%s"
            % (work, run, train, TRAIN, work, tag, work, tag, extra))
-    p = subprocess.Popen([sys.executable, HOSTS, "--hosts", "3", "--linger", "30", "--timeout",
+    p = subprocess.Popen([sys.executable, HOSTS, "--hosts", "3", "--names", "--linger", "30",
+                          "--timeout",
                           "240", "--lose-host", "2", "--lose-on", r"^\[h0\] \[r0\] step 17/",
                           "--lose-dir", "--", cmd],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -35,7 +35,8 @@ def on_hosts(run, train, hosts, nproc, node_root, work, tag, args):
            "--master-addr $FSDP_MASTER_HOST --master-port 29651 %s %s --save-dir "
            "$FSDP_NODE_DIR/ckpt --node-local --metrics %s/%s.jsonl %s"
            % (work, run, hosts, nproc, train, TRAIN_ARGS, work, tag, args))
-    r = subprocess.run([sys.executable, HOSTS, "--hosts", str(hosts), "--node-root", node_root,
+    r = subprocess.run([sys.executable, HOSTS, "--hosts", str(hosts), "--names",
+                        "--node-root", node_root,
                         "--linger", "15", "--timeout", "240", "--", cmd],
                        capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr
