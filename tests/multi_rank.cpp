@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 
 #include <ATen/Parallel.h>
@@ -95,7 +96,8 @@ std::string read_all(int fd) {
                                         .world_size(world)
                                         .store(store)
                                         .timeout(opts.collective_timeout)
-                                        .gloo_hostname("127.0.0.1"));
+                                        .gloo_hostname("127.0.0.1")
+                                        .gloo_threads(opts.gloo_threads));
     }
     body(pg);
     if (pg.is_member() && pg.backend_name() == "nccl") {
@@ -302,6 +304,27 @@ TempDir::~TempDir() {
     return 0;
   };
   ::nftw(path_.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+dist::ProcessGroup init_as_hosts(int world, int per_host, std::optional<bool> host_aware,
+                                 int (*local_rank_of)(int rank, int per_host),
+                                 std::chrono::milliseconds timeout) {
+  const char* rank_var = std::getenv("FSDP_TEST_RANK");
+  const char* store_port = std::getenv("FSDP_TEST_STORE_PORT");
+  if (rank_var == nullptr || store_port == nullptr)
+    throw std::runtime_error("init_as_hosts runs under run_ranks only");
+  const int rank = std::atoi(rank_var);
+  const int local = local_rank_of ? local_rank_of(rank, per_host) : rank % per_host;
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(per_host).c_str(), 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", store_port, 1);
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  auto opts = dist::InitOptions().timeout(timeout).gloo_hostname("127.0.0.1");
+  if (host_aware) opts.host_aware(*host_aware);
+  return dist::init_process_group(opts);
 }
 
 }  // namespace testing

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,9 @@ struct RunOptions {
   /// and let it initialise on its own (tests of init_process_group itself). Either way the
   /// harness's TCPStore listens on 127.0.0.1 at the port $FSDP_TEST_STORE_PORT names.
   bool init_group = true;
+  /// Gloo's worker threads in the default group (InitOptions::gloo_threads). With one, the
+  /// backend runs its collectives in order and lets go of one before it starts the next.
+  int gloo_threads = 2;
 };
 
 /// The backend run_ranks creates: $FSDP_TEST_BACKEND, else "gloo". scripts/gpu-check.sh runs
@@ -57,6 +61,17 @@ using RankBody = std::function<void(dist::ProcessGroup& pg)>;
 /// Runs `body` on `world_size` processes. Returns each rank's outcome.
 std::vector<RankResult> run_ranks(int world_size, const RankBody& body,
                                   const RunOptions& opts = RunOptions());
+
+/// Inside run_ranks with RunOptions::init_group false: initialises the default group from
+/// torchrun's variables as a launcher that put `per_host` ranks on each host would set them
+/// (LOCAL_RANK from `local_rank_of`, consecutive blocks unless a test says otherwise), so that
+/// the group routes its collectives by host. The store is the harness's, as torchrun's agent hosts
+/// it for its workers: a port picked for rank 0 to bind could be taken by one of the many sockets
+/// the ranks open meanwhile (a rare failure seen under load).
+dist::ProcessGroup init_as_hosts(int world, int per_host,
+                                 std::optional<bool> host_aware = std::nullopt,
+                                 int (*local_rank_of)(int rank, int per_host) = nullptr,
+                                 std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
 /// A fresh directory for one test's files, removed (with its contents) when the object that made
 /// it is destroyed in the process that made it: create it in the test body before run_ranks, so

@@ -269,99 +269,116 @@ TEST(GradBuckets, UnitsOfABucketShareItsBuffer) {
 // written by a later bucket, and a buffer the gradients do not live in is not kept; a forward in
 // eval mode lets the kept buffer go. With keep_grad_buckets(false) nothing outlives the
 // gradients. Every step's gradients equal one all-reduce per unit's, bit for bit (W=2).
+// One Gloo worker thread: a barrier's completion then means every collective before it has been
+// let go of by the backend (see the pause below).
+fsdp::testing::RunOptions one_gloo_worker() {
+  fsdp::testing::RunOptions o;
+  o.gloo_threads = 1;
+  return o;
+}
+
 TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
-  run_ranks(2, [](ProcessGroup& pg) {
-    struct Run {
-      Trace trace;                       // gradients per backward, per handle (clones)
-      std::vector<const void*> buffers;  // per backward: the root's gradient storage
-      // Per step: whether the last step's root gradient storage outlived dropping the gradients;
-      // at the end, whether the last one outlived an eval forward too.
-      std::vector<bool> outlived;
-      bool outlived_eval = false;
-      std::vector<std::pair<at::Tensor, at::Tensor>> held;  // (kept by the user, its value then)
-    };
-    // Gloo's worker thread lets go of a finished all-reduce's buffer a moment after wait()
-    // returns; until it does, the buffer is neither reused nor freed (correctly, but this test
-    // checks that it is). In training a forward lies between two backwards; a pause stands in.
-    auto pause = []() { std::this_thread::sleep_for(std::chrono::milliseconds(100)); };
-    auto run = [&](double cap, bool keep_buckets, bool orig) {
-      BucketNet m;
-      FullyShardedDataParallel model(m, bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, cap)
-                                            .keep_grad_buckets(keep_buckets)
-                                            .use_orig_params(orig));
-      Run r;
-      auto drop_grads = [&]() {  // zero_grad(set_to_none), on the flat and original parameters
-        for (auto* h : model->handles()) {
-          if (h) h->flat_param().mutable_grad().reset();
+  run_ranks(
+      2,
+      [](ProcessGroup& pg) {
+        struct Run {
+          Trace trace;                       // gradients per backward, per handle (clones)
+          std::vector<const void*> buffers;  // per backward: the root's gradient storage
+          // Per step: whether the last step's root gradient storage outlived dropping the
+          // gradients; at the end, whether the last one outlived an eval forward too.
+          std::vector<bool> outlived;
+          bool outlived_eval = false;
+          std::vector<std::pair<at::Tensor, at::Tensor>>
+              held;  // (kept by the user, its value then)
+        };
+        // Gloo's worker thread lets go of a finished all-reduce's buffer a moment after wait()
+        // returns; until it does, the buffer is neither reused nor freed (correctly, but this test
+        // checks that it is). With one worker thread (below) Gloo runs the group's collectives in
+        // order and drops one before it starts the next, so a barrier's completion is the event:
+        // every all-reduce before it has been let go of. (A 100 ms pause stood in for it.)
+        auto pause = [&pg]() { pg.barrier(); };
+        auto run = [&](double cap, bool keep_buckets, bool orig) {
+          BucketNet m;
+          FullyShardedDataParallel model(m,
+                                         bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, cap)
+                                             .keep_grad_buckets(keep_buckets)
+                                             .use_orig_params(orig));
+          Run r;
+          auto drop_grads = [&]() {  // zero_grad(set_to_none), on the flat and original parameters
+            for (auto* h : model->handles()) {
+              if (h) h->flat_param().mutable_grad().reset();
+            }
+            for (auto& p : m->parameters()) p.mutable_grad().reset();
+          };
+          auto root_grad = [&]() { return model->handles()[0]->flat_param().grad(); };
+          auto keep = [&](const at::Tensor& t) { r.held.emplace_back(t, t.clone()); };
+          c10::weak_intrusive_ptr<c10::StorageImpl> last(c10::intrusive_ptr<c10::StorageImpl>{});
+          // 0-3: dropped before each (2: under use_orig_params, an original parameter's gradient
+          // kept); 4: the root's whole gradient kept; 5: a view of one unit's kept; 6: none dropped
+          // (accumulated into the last); 7-8: dropped again.
+          for (int step = 0; step < 9; ++step) {
+            if (step == 2 && orig) keep(m->in->weight.grad());
+            if (step == 4) keep(root_grad());
+            if (step == 5)
+              keep(model->handles()[3]->flat_param().grad().narrow(0, 1, 3));  // a block
+            if (step != 6) drop_grads();
+            pause();
+            r.outlived.push_back(!last.expired());
+            model->forward(seeded_randn({4, BucketNetImpl::kDim}, 10 * step + pg.rank()), false)
+                .sum()
+                .backward();
+            std::vector<at::Tensor> g;
+            for (auto* h : model->handles()) {
+              if (h && h->flat_param().grad().defined())
+                g.push_back(h->flat_param().grad().clone());
+            }
+            r.trace.grads.push_back(std::move(g));
+            r.buffers.push_back(root_grad().storage().data());
+            last = root_grad().storage().getWeakStorageImpl();
+          }
+          drop_grads();
+          m->eval();
+          {
+            at::NoGradGuard no_grad;
+            model->forward(seeded_randn({4, BucketNetImpl::kDim}, 99), false);
+          }
+          pause();
+          r.outlived_eval = !last.expired();
+          return r;
+        };
+        const Run base = run(0, true, false), bucketed = run(25, true, false),
+                  unkept = run(25, false, false), base_orig = run(0, true, true),
+                  orig = run(25, true, true);
+        for (const auto& [ref, other] :
+             {std::pair{&base, &bucketed}, {&base, &unkept}, {&base_orig, &orig}}) {
+          ASSERT_EQ(ref->trace.grads.size(), 9u);
+          EXPECT_EQ(max_diff(other->trace, ref->trace), 0.0);
+          for (const auto& [kept, value] : other->held) {
+            EXPECT_TRUE(at::equal(kept, value)) << "a gradient the user kept was overwritten";
+          }
         }
-        for (auto& p : m->parameters()) p.mutable_grad().reset();
-      };
-      auto root_grad = [&]() { return model->handles()[0]->flat_param().grad(); };
-      auto keep = [&](const at::Tensor& t) { r.held.emplace_back(t, t.clone()); };
-      c10::weak_intrusive_ptr<c10::StorageImpl> last(c10::intrusive_ptr<c10::StorageImpl>{});
-      // 0-3: dropped before each (2: under use_orig_params, an original parameter's gradient
-      // kept); 4: the root's whole gradient kept; 5: a view of one unit's kept; 6: none dropped
-      // (accumulated into the last); 7-8: dropped again.
-      for (int step = 0; step < 9; ++step) {
-        if (step == 2 && orig) keep(m->in->weight.grad());
-        if (step == 4) keep(root_grad());
-        if (step == 5) keep(model->handles()[3]->flat_param().grad().narrow(0, 1, 3));  // a block
-        if (step != 6) drop_grads();
-        pause();
-        r.outlived.push_back(!last.expired());
-        model->forward(seeded_randn({4, BucketNetImpl::kDim}, 10 * step + pg.rank()), false)
-            .sum()
-            .backward();
-        std::vector<at::Tensor> g;
-        for (auto* h : model->handles()) {
-          if (h && h->flat_param().grad().defined()) g.push_back(h->flat_param().grad().clone());
-        }
-        r.trace.grads.push_back(std::move(g));
-        r.buffers.push_back(root_grad().storage().data());
-        last = root_grad().storage().getWeakStorageImpl();
-      }
-      drop_grads();
-      m->eval();
-      {
-        at::NoGradGuard no_grad;
-        model->forward(seeded_randn({4, BucketNetImpl::kDim}, 99), false);
-      }
-      pause();
-      r.outlived_eval = !last.expired();
-      return r;
-    };
-    const Run base = run(0, true, false), bucketed = run(25, true, false),
-              unkept = run(25, false, false), base_orig = run(0, true, true),
-              orig = run(25, true, true);
-    for (const auto& [ref, other] :
-         {std::pair{&base, &bucketed}, {&base, &unkept}, {&base_orig, &orig}}) {
-      ASSERT_EQ(ref->trace.grads.size(), 9u);
-      EXPECT_EQ(max_diff(other->trace, ref->trace), 0.0);
-      for (const auto& [kept, value] : other->held) {
-        EXPECT_TRUE(at::equal(kept, value)) << "a gradient the user kept was overwritten";
-      }
-    }
-    const auto& b = bucketed.buffers;
-    // Step 0 has no plan (each unit its own slot, copied into one buffer at launch), step 1 the
-    // first planned buffer; from step 2 on it is reused while nothing holds it.
-    EXPECT_EQ(b[2], b[1]);
-    EXPECT_EQ(b[3], b[1]);
-    EXPECT_NE(b[4], b[3]);  // step 3's is kept by the user
-    EXPECT_NE(b[5], b[4]);  // a view of step 4's is kept
-    EXPECT_EQ(b[8], b[7]);
-    EXPECT_NE(orig.buffers[2], orig.buffers[1]);  // an original parameter's gradient is kept
-    EXPECT_EQ(orig.buffers[3], orig.buffers[2]);
-    const auto& o = bucketed.outlived;
-    EXPECT_FALSE(o[1]);  // step 0's buffer was the bucket's own, not planned: not kept
-    EXPECT_TRUE(o[2]);   // planned ones are kept for the next backward
-    EXPECT_TRUE(o[3]);
-    // Step 6 added into step 5's gradients: its bucket was not where they live, so nothing of it
-    // was kept, and step 5's buffer went with the gradients once they were dropped.
-    EXPECT_FALSE(o[7]);
-    EXPECT_TRUE(o[8]);
-    EXPECT_FALSE(bucketed.outlived_eval) << "an eval forward kept the buckets";
-    for (int s : {1, 2, 3, 7, 8}) EXPECT_FALSE(unkept.outlived[s]) << "step " << s;
-  });
+        const auto& b = bucketed.buffers;
+        // Step 0 has no plan (each unit its own slot, copied into one buffer at launch), step 1 the
+        // first planned buffer; from step 2 on it is reused while nothing holds it.
+        EXPECT_EQ(b[2], b[1]);
+        EXPECT_EQ(b[3], b[1]);
+        EXPECT_NE(b[4], b[3]);  // step 3's is kept by the user
+        EXPECT_NE(b[5], b[4]);  // a view of step 4's is kept
+        EXPECT_EQ(b[8], b[7]);
+        EXPECT_NE(orig.buffers[2], orig.buffers[1]);  // an original parameter's gradient is kept
+        EXPECT_EQ(orig.buffers[3], orig.buffers[2]);
+        const auto& o = bucketed.outlived;
+        EXPECT_FALSE(o[1]);  // step 0's buffer was the bucket's own, not planned: not kept
+        EXPECT_TRUE(o[2]);   // planned ones are kept for the next backward
+        EXPECT_TRUE(o[3]);
+        // Step 6 added into step 5's gradients: its bucket was not where they live, so nothing of
+        // it was kept, and step 5's buffer went with the gradients once they were dropped.
+        EXPECT_FALSE(o[7]);
+        EXPECT_TRUE(o[8]);
+        EXPECT_FALSE(bucketed.outlived_eval) << "an eval forward kept the buckets";
+        for (int s : {1, 2, 3, 7, 8}) EXPECT_FALSE(unkept.outlived[s]) << "step " << s;
+      },
+      one_gloo_worker());
 }
 
 // Where zero_grad keeps the gradients and zeroes them (LibTorch 1.13's default), every bucket's sum
@@ -369,30 +386,38 @@ TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
 // hold a second set of gradients for nothing. After steady steps of that kind, the memory left
 // from all of training is the gradients themselves.
 TEST(GradBuckets, BucketsAddedIntoKeptGradientsAreNotKept) {
-  run_ranks(2, [](ProcessGroup& pg) {
-    BucketNet m;
-    FullyShardedDataParallel model(m, bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, 25));
-    fsdp::testing::MemoryWatch watch;  // from before the first gradient
-    for (int s = 0; s < 5; ++s) {
-      for (auto* h : model->handles()) {
-        if (h && h->flat_param().grad().defined()) h->flat_param().mutable_grad().zero_();
-      }
-      model->forward(seeded_randn({4, BucketNetImpl::kDim}, s + pg.rank()), false).sum().backward();
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // Gloo lets go of its buffers
-    }
-    int64_t grad_bytes = 0;
-    for (auto* h : model->handles()) {
-      if (h && h->flat_param().grad().defined()) grad_bytes += h->flat_param().grad().nbytes();
-    }
-    ASSERT_GT(grad_bytes, 0);
-    // What is live only falls from here (Gloo letting go of a last buffer): wait up to 5 s for it.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (watch.current() >= grad_bytes * 3 / 2 && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    EXPECT_LT(watch.current(), grad_bytes * 3 / 2)
-        << "a bucket outlived its backward beside " << grad_bytes << " bytes of gradients";
-  });
+  run_ranks(
+      2,
+      [](ProcessGroup& pg) {
+        BucketNet m;
+        FullyShardedDataParallel model(m,
+                                       bucket_net_options(pg, m, ShardingStrategy::NO_SHARD, 25));
+        fsdp::testing::MemoryWatch watch;  // from before the first gradient
+        for (int s = 0; s < 5; ++s) {
+          for (auto* h : model->handles()) {
+            if (h && h->flat_param().grad().defined()) h->flat_param().mutable_grad().zero_();
+          }
+          model->forward(seeded_randn({4, BucketNetImpl::kDim}, s + pg.rank()), false)
+              .sum()
+              .backward();
+          pg.barrier();  // Gloo's one worker has let go of this backward's buffers
+        }
+        int64_t grad_bytes = 0;
+        for (auto* h : model->handles()) {
+          if (h && h->flat_param().grad().defined()) grad_bytes += h->flat_param().grad().nbytes();
+        }
+        ASSERT_GT(grad_bytes, 0);
+        // What is live only falls from here (Gloo letting go of a last buffer): wait up to 5 s for
+        // it.
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (watch.current() >= grad_bytes * 3 / 2 &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        EXPECT_LT(watch.current(), grad_bytes * 3 / 2)
+            << "a bucket outlived its backward beside " << grad_bytes << " bytes of gradients";
+      },
+      one_gloo_worker());
 }
 
 // A GradBucket on its own: slots filled in the planned buffer and beyond it (its own buffers,

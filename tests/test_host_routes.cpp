@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/compat_backends.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
 #include "multi_rank.h"
@@ -31,28 +32,7 @@ using fsdp::dist::ReduceScatterAlgo;
 using fsdp::testing::run_ranks;
 using fsdp::testing::seeded_randn;
 
-// Initialises the default group from torchrun's variables, `per_host` ranks a host (LOCAL_RANK
-// from `local_rank_of`, consecutive blocks unless a test says otherwise). The store is the
-// harness's, as torchrun's agent hosts it for its workers: a port picked for rank 0 to bind could
-// be taken by one of the many sockets the ranks open meanwhile (a rare failure seen under load).
-ProcessGroup init_as_hosts(int world, int per_host, std::optional<bool> host_aware = std::nullopt,
-                           int (*local_rank_of)(int rank, int per_host) = nullptr,
-                           std::chrono::seconds timeout = std::chrono::seconds(30)) {
-  const int rank = std::atoi(std::getenv("FSDP_TEST_RANK"));
-  const int local = local_rank_of ? local_rank_of(rank, per_host) : rank % per_host;
-  ::setenv("RANK", std::to_string(rank).c_str(), 1);
-  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-  ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", std::to_string(per_host).c_str(), 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-  const char* store_port = std::getenv("FSDP_TEST_STORE_PORT");
-  if (store_port == nullptr) throw std::runtime_error("init_as_hosts runs under run_ranks only");
-  ::setenv("MASTER_PORT", store_port, 1);
-  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
-  auto opts = fsdp::dist::InitOptions().timeout(timeout).gloo_hostname("127.0.0.1");
-  if (host_aware) opts.host_aware(*host_aware);
-  return fsdp::dist::init_process_group(opts);
-}
+using fsdp::testing::init_as_hosts;
 
 fsdp::testing::RunOptions own_init() {
   fsdp::testing::RunOptions o;
@@ -247,11 +227,19 @@ TEST(HostRoutes, ARankThatDiesFailsEveryOtherRankWithDistError) {
           // this barrier, rank 3 could die while rank 1 still connects their group, and rank 1
           // would fail in init (a DistError too, but not the case under test).
           pg.barrier();
+          // Rank 3 dies once every other rank has left the barrier (its last messages are still
+          // on their way when rank 3 returns from it) and is about to enter the collective: each
+          // says so in the harness's store, and rank 3 waits for all three, not for a time.
+          auto store = fsdp::compat::make_tcp_store(
+              "127.0.0.1", static_cast<uint16_t>(std::atoi(std::getenv("FSDP_TEST_STORE_PORT"))),
+              false, -1, std::chrono::seconds(30));
+          const std::string left = "host_routes_left_barrier_" + name + std::to_string(signal);
           if (pg.rank() == 3) {
-            // Lets the others leave the barrier (its last messages are on their way when rank 3
-            // returns from it); they then wait on rank 3 inside the collective.
-            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+            while (store->add(left, 0) < 3)
+              std::this_thread::sleep_for(std::chrono::milliseconds(5));
             ::raise(signal);
+          } else {
+            store->add(left, 1);
           }
           const int64_t n = 40000;
           const auto start = std::chrono::steady_clock::now();

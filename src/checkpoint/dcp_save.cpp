@@ -7,9 +7,11 @@
 //   2. write: each rank streams its items into `.<name>.partial/__<rank>_0.distcp`, hashing each,
 //      and fsyncs the file; then all ranks exchange their metadata and checksums, or their error.
 //   3. commit (rank 0, only if every rank succeeded): `.metadata` and `.fsdp_manifest.json` into
-//      the partial directory, fsync it, swap it with `<name>` in one rename (RENAME_EXCHANGE when a
-//      checkpoint is already there, so the name always points at a complete one), fsync the
-//      parent, remove the old one; its verdict is broadcast.
+//      the partial directory, fsync it; then every rank agrees to the commit (one small
+//      exchange: a rank lost before it, or while it runs, leaves nothing committed); then swap it
+//      with `<name>` in one rename (RENAME_EXCHANGE when a checkpoint is already there, so the
+//      name always points at a complete one), fsync the parent, remove the old one; its verdict
+//      is broadcast (a rank lost then had agreed: the checkpoint it agreed to stands).
 // A crash anywhere before the swap leaves only the partial directory, which nothing reads.
 // Where the file system cannot swap (NFS, older kernels), the old checkpoint is first renamed to
 // `.<name>.aside`, then the new one in: a crash between the two leaves the old one complete at
@@ -556,14 +558,26 @@ class SaveRun {
     throw_first_failure(copied, "nothing was committed: copying data files to other hosts, on ");
   }
 
-  // 3. Rank 0 commits (the manifest, .metadata, the rename into place); its verdict is broadcast
-  // and every rank returns or throws together.
+  // 3. Rank 0 commits (the manifest, .metadata, the rename into place): only once every rank has
+  // agreed to it, so that a rank lost before the commit leaves none (issue 62, item 3: the
+  // commit used to come before the last exchange, and a rank lost in it left a checkpoint
+  // committed by a save that failed). Its verdict is broadcast and every rank returns or throws
+  // together.
   void finish(const Annotations& annotations, const Hook& after_commit) {
     if (node_local_) return finish_node_local(annotations, after_commit);
     std::string error;
     if (rank_ == 0) {
       try {
         write_commit_files(io_, parts(), partial_, annotations, {});
+      } catch (const std::exception& e) {
+        error = wire::encode(e);
+      }
+    }
+    // The agreement: rank 0's files are ready, and every rank is still here to say so.
+    const std::vector<std::string> ready =
+        group_ ? gather(rank_ == 0 ? error : std::string()) : std::vector<std::string>{"K"};
+    if (rank_ == 0 && error.empty() && !has_failure(ready)) {
+      try {
         install(io_, partial_, dir_);
         if (after_commit) after_commit();
       } catch (const std::exception& e) {

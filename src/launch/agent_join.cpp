@@ -91,6 +91,7 @@ void AgentLoop::open_store() {
                       "--master-addr and --master-port, or the host that --rdzv-endpoint names?)");
     }
   }
+  tcp->setTimeout(ms(cfg_.read_timeout));  // torchrun's read_timeout, once connected
   store_ = c10::make_intrusive<c10d::PrefixStore>(store_prefix(cfg_), tcp);
   learn([&](AgentState& st) { st.hosts_store = hosts_store_; });
   heard();

@@ -488,6 +488,7 @@ AgentConfig agent_config(const Options& o) {
   c.join_timeout = o.conf.join_timeout;
   c.last_call_timeout = o.conf.last_call_timeout;
   c.close_timeout = o.conf.close_timeout;
+  c.read_timeout = o.conf.read_timeout;
   c.keep_alive_interval = o.keep_alive;
   c.lost_after = o.lost_after;
   c.status_interval = o.status_interval;

@@ -85,6 +85,7 @@ struct AgentConfig {
                                   // more before it starts
   double close_timeout = 30;      // the store's host waits this long, at most, for the others to
                                   // read how a failed join ended
+  double read_timeout = 60;       // a store call still unanswered by then fails (once connected)
   double keep_alive_interval = 5;  // a heartbeat this often
   double lost_after = 15;  // silent this long: lost (keep_alive_interval x keep_alive_max_attempt)
   double status_interval = 30;      // while a round forms, a line on whom it waits for this often

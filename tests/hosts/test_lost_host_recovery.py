@@ -10,7 +10,11 @@ nothing until its launcher's heartbeat times out) and its directory is emptied. 
   1. hosts 0 and 1 go on at world size 2 and finish all 24 steps (from disk, the exported weights
      equal those of an uninterrupted W=2 run resumed from the same step_10, byte for byte);
   2. from disk: the resume is from step 10; from memory: from a step after 10, so fewer steps are
-     redone than the disk checkpoint's interval.
+     redone than the disk checkpoint's interval;
+  3. from memory too, the final weights equal, byte for byte, those of a run without a failure
+     that does what the recovered job did: W=3 to the step it resumed from, a disk checkpoint
+     there, then W=2 to the end (issue 62, item 5: the resume from the copies restored the exact
+     state, not just a plausible one).
 Printed, each run: the time from the loss to the first step after it, and the steps redone.
 
   test_lost_host_recovery.py FSDP_RUN FSDP_TRAIN     (exit 77: no namespaces here, skipped)
@@ -73,6 +77,23 @@ def figures(lines):
             "recovery_s": round(first - lost, 2) if first else None}
 
 
+def same_as_replayed(run, train, work, at, check):
+    """3. The memory run's weights against W=3 to step `at`, saved there, then W=2 to the end."""
+    ref = os.path.join(work, "ref_mem")
+    first = TRAIN.replace("--steps %d" % STEPS, "--steps %d" % at).replace(
+        "--save-every 10", "--save-every %d" % at).replace("--resume", "")
+    r1 = subprocess.run([run, "--nproc-per-node", "3", train] + first.split() + ["--save-dir", ref],
+                        capture_output=True, text=True, timeout=240)
+    r2 = subprocess.run([run, "--nproc-per-node", "2", train] + TRAIN.split() +
+                        ["--save-dir", ref, "--export", os.path.join(work, "ref_mem.pt")],
+                        capture_output=True, text=True, timeout=240)
+    same = subprocess.run(["cmp", os.path.join(work, "ref_mem.pt"),
+                           os.path.join(work, "memory.pt")], capture_output=True)
+    check(r1.returncode == 0 and r2.returncode == 0 and same.returncode == 0,
+          "memory: the final weights equal those of W=3 to step %d then W=2 to the end, byte for "
+          "byte" % at, r1.stdout + r1.stderr + r2.stdout + r2.stderr)
+
+
 def main():
     run, train = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
     check = Checks(5000)
@@ -98,6 +119,7 @@ def main():
                       f["steps_redone"] is not None and f["steps_redone"] < 10,
                       "memory: resumed from the in-memory copies, redoing fewer steps than the "
                       "disk interval (10)", out)
+                same_as_replayed(run, train, work, f["resumed_at_step"], check)
             else:
                 check(f["from"].endswith("ck_disk/step_10"), "disk: resumed from step 10", out)
             # The reference for the disk run: W=2 from the same step_10, uninterrupted.

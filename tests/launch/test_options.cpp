@@ -153,6 +153,21 @@ TEST(LaunchOptions, RdzvConfTakesTorchrunsKeysAndNamesAWrongOne) {
   EXPECT_FALSE(*ok.o.conf.is_host);
   EXPECT_EQ(ok.o.keep_alive, 2);
   EXPECT_EQ(ok.o.lost_after, 8);  // keep_alive_interval x keep_alive_max_attempt
+  // ... and each reaches the rendezvous agent.
+  const fsdp_run::AgentConfig c = fsdp_run::agent_config(ok.o);
+  EXPECT_EQ(c.join_timeout, 30);
+  EXPECT_EQ(c.last_call_timeout, 5);
+  EXPECT_EQ(c.close_timeout, 7);
+  EXPECT_EQ(c.read_timeout, 9);
+  EXPECT_EQ(c.keep_alive_interval, 2);
+  EXPECT_EQ(c.lost_after, 8);
+  // is_host is c10d's: a static rendezvous' node 0 hosts the store whatever it says (torchrun's).
+  EXPECT_EQ(c.store_role, fsdp_run::StoreRole::kHost);
+  Parsed c10d = parse({"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:9",
+                       "--rdzv-conf", "is_host=false", "prog"});
+  EXPECT_EQ(fsdp_run::agent_config(c10d.o).store_role, fsdp_run::StoreRole::kClient);
+  c10d = parse({"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:9", "p"});
+  EXPECT_EQ(fsdp_run::agent_config(c10d.o).store_role, fsdp_run::StoreRole::kHostIfFree);
   // The static rendezvous' "timeout" is its join timeout.
   EXPECT_EQ(parse({"--rdzv-conf", "timeout=42", "prog"}).o.conf.join_timeout, 42);
 
