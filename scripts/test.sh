@@ -16,11 +16,24 @@
 #                        (.ci/run sets it): the emulated hosts on the host build, the PyTorch
 #                        oracles in the chroot. Otherwise a skip is reported, never counted as a
 #                        pass.
+#   FSDP_TEST_PREBUILD_SANITIZERS=1  also build scripts/sanitize.sh's tree (build-asan/) while
+#                        the 2.x tests run, so that sanitize.sh afterwards only tests (.ci/run)
+#
+# Two cores, three builds: each build after the first compiles while the tests before it run
+# (the 2.x build during the host's tests, the sanitizer build during the 2.x tests), at the
+# lowest CPU and I/O priority (nice 19, ionice idle), so a test that wants the CPU gets it: the
+# tests time collectives and failures, and must not wait behind a compiler. Each stage's
+# elapsed time is printed ("== test.sh +MM:SS ...").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 summary=()
 failed=0
+start_s=$SECONDS
+# stage WHAT: a time-stamped line for the CI log (elapsed since test.sh started).
+stage() { printf '== test.sh +%02d:%02d %s\n' $(((SECONDS - start_s) / 60)) $(((SECONDS - start_s) % 60)) "$*"; }
+# background CMD...: runs CMD at the lowest CPU and I/O priority (see the header).
+background() { ionice -c 3 nice -n 19 "$@"; }
 
 # record LABEL CTEST_LOG RESULTS_DIR [REQUIRED_REGEX]: parses ctest's closing lines into
 # "LABEL: P passed, F failed, S skipped" (ctest counts a skipped entry as neither failed nor passed
@@ -88,12 +101,23 @@ if [ "$torch2" != "0" ]; then
 fi
 
 # 1. Host LibTorch.
+stage "host build"
 ./scripts/setup.sh
+stage "host build done"
 chroot_ok=1
 if [ -n "$chroot_pid" ]; then
   wait "$chroot_pid" || chroot_ok=0
   cat "$chroot_log"
 fi
+# The 2.x build compiles while the host's tests run (see the header).
+t2_build_pid="" t2_build_log=$(mktemp)
+if [ "$torch2" != "0" ] && ((chroot_ok)); then
+  background scripts/torch2-env.sh --release "$release" -- /bin/bash -c \
+    'BUILD_DIR=build-'"$release"' FSDP_RELWITHDEBINFO_FLAGS="'"${FSDP_RELWITHDEBINFO_FLAGS:-}"'" \
+     ./scripts/setup.sh' >"$t2_build_log" 2>&1 &
+  t2_build_pid=$!
+fi
+stage "host tests"
 host_log=$(mktemp)
 rm -rf "${BUILD_DIR:-build}/test-results"
 (cd "${BUILD_DIR:-build}" && ctest --output-on-failure --timeout 300 "$@") 2>&1 | tee "$host_log" || true
@@ -106,23 +130,45 @@ record "$host_version (host)" "$host_log" "${BUILD_DIR:-build}/test-results" '^e
 # ErrorPoints, CollectiveFailures) exercise our file and collective code, which does not change
 # with LibTorch's version: the host run visits every point, this one the first point of every
 # distinct call and every 4th besides (tests/point_sampler.h; FSDP_TORCH2_POINT_STRIDE=1: all).
+sanitize_pid="" sanitize_log=$(mktemp)
 if [ "$torch2" != "0" ]; then
   t2_log=$(mktemp)
-  if ((chroot_ok)); then
+  t2_build_ok=0
+  if [ -n "$t2_build_pid" ]; then
+    stage "host tests done; waiting for the $release build"
+    wait "$t2_build_pid" && t2_build_ok=1
+    cat "$t2_build_log"
+    stage "$release build done"
+  fi
+  # The sanitizer build compiles while the 2.x tests run.
+  if [ "${FSDP_TEST_PREBUILD_SANITIZERS:-0}" = 1 ]; then
+    background scripts/sanitize.sh --build-only >"$sanitize_log" 2>&1 &
+    sanitize_pid=$!
+  fi
+  if ((t2_build_ok)); then
+    stage "$release tests"
     scripts/torch2-env.sh --release "$release" -- /bin/bash -c \
-      'BUILD_DIR=build-'"$release"' FSDP_RELWITHDEBINFO_FLAGS="'"${FSDP_RELWITHDEBINFO_FLAGS:-}"'" \
-       ./scripts/setup.sh && cd build-'"$release"' &&
+      'cd build-'"$release"' &&
        rm -rf test-results && FSDP_TEST_POINT_STRIDE=$0 ctest --output-on-failure --timeout 600 "$@"' \
       "${FSDP_TORCH2_POINT_STRIDE:-4}" "$@" 2>&1 | tee "$t2_log" || true
     t2_version=$(grep -oE 'LibTorch [0-9.]+' "build-$release/fsdp_torch_version.txt" 2>/dev/null ||
       echo "LibTorch 2.x")
     # The chroot has PyTorch 2.x: its oracles must run there.
     record "$t2_version ($release chroot)" "$t2_log" "build-$release/test-results" '^oracle_'
+  elif ((chroot_ok)); then
+    summary+=("LibTorch 2.x ($release chroot): the build failed (its output is above)")
+    failed=1
   else
     summary+=("LibTorch 2.x ($release chroot): could not create the chroot")
     failed=1
   fi
 fi
+if [ -n "$sanitize_pid" ]; then
+  stage "tests done; waiting for the sanitizer build"
+  wait "$sanitize_pid" || echo "test.sh: the sanitizer build failed (scripts/sanitize.sh reports it)"
+  cat "$sanitize_log"
+fi
+stage "done"
 
 echo
 echo "== fsdp-cpp test summary =="

@@ -294,9 +294,17 @@ TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
         // Gloo's worker thread lets go of a finished all-reduce's buffer a moment after wait()
         // returns; until it does, the buffer is neither reused nor freed (correctly, but this test
         // checks that it is). With one worker thread (below) Gloo runs the group's collectives in
-        // order and drops one before it starts the next, so a barrier's completion is the event:
-        // every all-reduce before it has been let go of. (A 100 ms pause stood in for it.)
+        // order, so a barrier's completion nearly always means every all-reduce before it has been
+        // let go of; CI once saw a buffer still held after it (1 run in many), so a buffer that is
+        // still alive then gets up to 300 ms more to go. What we keep stays alive however long
+        // one waits, so the wait cannot turn a kept buffer into a released one.
         auto pause = [&pg]() { pg.barrier(); };
+        auto still_alive = [](const c10::weak_intrusive_ptr<c10::StorageImpl>& w) {
+          for (int i = 0; i < 30 && !w.expired(); ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+          return !w.expired();
+        };
         auto run = [&](double cap, bool keep_buckets, bool orig) {
           BucketNet m;
           FullyShardedDataParallel model(m,
@@ -323,7 +331,7 @@ TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
               keep(model->handles()[3]->flat_param().grad().narrow(0, 1, 3));  // a block
             if (step != 6) drop_grads();
             pause();
-            r.outlived.push_back(!last.expired());
+            r.outlived.push_back(still_alive(last));
             model->forward(seeded_randn({4, BucketNetImpl::kDim}, 10 * step + pg.rank()), false)
                 .sum()
                 .backward();
@@ -343,7 +351,7 @@ TEST(GradBuckets, ABucketBufferIsReusedOnlyOnceNothingHoldsIt) {
             model->forward(seeded_randn({4, BucketNetImpl::kDim}, 99), false);
           }
           pause();
-          r.outlived_eval = !last.expired();
+          r.outlived_eval = still_alive(last);
           return r;
         };
         const Run base = run(0, true, false), bucketed = run(25, true, false),
