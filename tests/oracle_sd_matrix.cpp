@@ -10,6 +10,7 @@
 // model and optimizer dicts) and, for each combination N of StateDictOptions (the indexing of
 // tests/test_sd_matrix.cpp, pieces cut as PyTorch's FSDP cuts them: ShardLayout::DIM0_CHUNKS):
 //   OUT/get_cN_r<rank>   what get_state_dict returned on this rank, or the error it raised;
+//   OUT/getflat_cN_r<rank>  the same with the default layout (FLAT_SHARDS), for sharded combos;
 //   OUT/set_cN           a model built from DIR/init9.safetensors after set_state_dict of the
 //                        dicts *Python's* get returned on each rank (PY/get_cN_r<rank>), as
 //                        rank 0's full dicts; or the error (every rank fails alike).
@@ -160,6 +161,24 @@ int main(int argc, char** argv) {
       sdx::write(got, get_stem);
     } catch (const fsdp::Error& e) {
       sdx::write_error(std::string("fsdp::Error: ") + e.what(), get_stem);
+    }
+    // The default layout too (ShardLayout::FLAT_SHARDS: a flat shard's pieces as boxes, not
+    // PyTorch's dim-0 chunks): sd_matrix.py assembles every rank's pieces of both into whole
+    // tensors and compares those with PyTorch's (issue 62).
+    if (!opts.full_state_dict()) {
+      const std::string flat_stem =
+          a.out + "/getflat_c" + std::to_string(k) + "_r" + std::to_string(rank);
+      try {
+        auto [m, o] =
+            ckpt::get_state_dict(src.model, src.optims.list(),
+                                 options_of(k).shard_layout(fsdp::ShardLayout::FLAT_SHARDS), subs);
+        StateDict got;
+        got.insert_or_assign("model", m);
+        got.insert_or_assign("optim", o);
+        sdx::write(got, flat_stem);
+      } catch (const fsdp::Error& e) {
+        sdx::write_error(std::string("fsdp::Error: ") + e.what(), flat_stem);
+      }
     }
     // set: Python's dicts of this rank (those of its get without cpu_offload where PyTorch cannot
     // offload on the CPU: see sd_matrix.py). Every rank must have one, or none tries.

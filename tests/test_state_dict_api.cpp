@@ -2,7 +2,11 @@
 // broadcast_from_rank0 with a 0-d parameter, a bad dict on one rank, and the state-dict
 // utilities' seed semantics (distribute, similarity, copy, rekey, flatten). Each test failed on
 // the code before the fix it names. The option matrix (test_sd_matrix.cpp) runs the rest.
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
 
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/errors.h"
@@ -55,26 +59,172 @@ struct Trained {
   }
 };
 
+// Every value compared, whatever its kind (issue 62: this once skipped bools, strings and list
+// elements, so an optimizer's `betas` or `amsgrad` could differ unseen): the same kind (an int is
+// not a double), bit-equal tensors of the same dtype and shape, sharded tensors piece by piece,
+// lists element by element, dicts key by key in order. `path` names the first difference.
+void expect_value_equal(const StateValue& v, const StateValue& w, const std::string& path);
+
 void expect_equal(const StateDict& a, const StateDict& b, const std::string& what) {
-  // Plain tensors and numbers, nested: equal keys in order, bit-equal values.
   ASSERT_EQ(a.keys(), b.keys()) << what;
-  for (const auto& [k, v] : a) {
-    const StateValue& w = b.at(k);
-    ASSERT_EQ(v.kind(), w.kind()) << what << " " << k;
-    if (v.is_dict()) expect_equal(v.dict(), w.dict(), what + "/" + k);
-    if (v.is_tensor()) {
-      EXPECT_TRUE(torch::equal(v.tensor(), w.tensor())) << what << " " << k;
-    }
-    if (v.is_list()) {
-      ASSERT_EQ(v.list().size(), w.list().size()) << what << " " << k;
-      for (size_t i = 0; i < v.list().size(); ++i) {
-        if (v.list()[i].is_dict()) expect_equal(v.list()[i].dict(), w.list()[i].dict(), what);
-      }
-    }
-    if (v.is_double() || v.is_int()) {
-      EXPECT_EQ(v.to_double(), w.to_double()) << what << " " << k;
-    }
+  for (const auto& [k, v] : a) expect_value_equal(v, b.at(k), what + "/" + k);
+}
+
+uint64_t bits_of(double x) {
+  uint64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+void expect_tensor_equal(const at::Tensor& t, const at::Tensor& u, const std::string& path) {
+  ASSERT_EQ(t.defined(), u.defined()) << path;
+  if (!t.defined()) return;
+  EXPECT_EQ(t.scalar_type(), u.scalar_type()) << path;
+  EXPECT_EQ(t.sizes(), u.sizes()) << path;
+  if (t.scalar_type() == u.scalar_type() && t.sizes() == u.sizes()) {
+    EXPECT_TRUE(torch::equal(t, u)) << path;
   }
+}
+
+void expect_value_equal(const StateValue& v, const StateValue& w, const std::string& path) {
+  using Kind = StateValue::Kind;
+  ASSERT_EQ(v.kind(), w.kind()) << path << ": " << fsdp::to_string(v.kind()) << " against "
+                                << fsdp::to_string(w.kind());
+  switch (v.kind()) {
+    case Kind::NONE:
+      return;
+    case Kind::TENSOR:
+      return expect_tensor_equal(v.tensor(), w.tensor(), path);
+    case Kind::SHARDED_TENSOR: {
+      const auto &s = v.sharded_tensor(), &t = w.sharded_tensor();
+      EXPECT_EQ(s.size(), t.size()) << path;
+      EXPECT_EQ(s.global_metadata(), t.global_metadata()) << path;
+      ASSERT_EQ(s.local_shards().size(), t.local_shards().size()) << path;
+      for (size_t i = 0; i < s.local_shards().size(); ++i) {
+        const std::string at_i = path + " piece " + std::to_string(i);
+        EXPECT_EQ(s.local_shards()[i].metadata, t.local_shards()[i].metadata) << at_i;
+        expect_tensor_equal(s.local_shards()[i].tensor, t.local_shards()[i].tensor, at_i);
+      }
+      return;
+    }
+    case Kind::INT:
+      EXPECT_EQ(v.to_int(), w.to_int()) << path;
+      return;
+    case Kind::DOUBLE:
+      // Bit for bit: NaN equals NaN, -0.0 does not equal 0.0.
+      EXPECT_EQ(bits_of(v.to_double()), bits_of(w.to_double()))
+          << path << ": " << v.to_double() << " against " << w.to_double();
+      return;
+    case Kind::BOOL:
+      EXPECT_EQ(v.to_bool(), w.to_bool()) << path;
+      return;
+    case Kind::STRING:
+      EXPECT_EQ(v.string(), w.string()) << path;
+      return;
+    case Kind::LIST:
+      ASSERT_EQ(v.list().size(), w.list().size()) << path;
+      for (size_t i = 0; i < v.list().size(); ++i) {
+        expect_value_equal(v.list()[i], w.list()[i], path + "[" + std::to_string(i) + "]");
+      }
+      return;
+    case Kind::DICT:
+      return expect_equal(v.dict(), w.dict(), path);
+    default:
+      FAIL() << path << ": a kind this comparison does not know";
+  }
+}
+
+// A comparison that can fail: each kind's difference, planted in a copy, is caught (and named).
+TEST(StateDictApi, ExpectEqualComparesEveryKind) {
+  StateDict inner;
+  inner.insert_or_assign("betas", StateList{StateValue(0.9), StateValue(0.999)});
+  inner.insert_or_assign("amsgrad", StateValue(false));
+  inner.insert_or_assign("params", StateList{StateValue("a.weight"), StateValue("b.bias")});
+  inner.insert_or_assign("step", StateValue(int64_t{3}));
+  inner.insert_or_assign("lr", StateValue(0.1));
+  inner.insert_or_assign("exp_avg", StateValue(torch::arange(4, torch::kFloat)));
+  inner.insert_or_assign("nothing", StateValue());
+  StateDict base;
+  base.insert_or_assign("group", inner);
+  base.insert_or_assign("groups", StateList{StateValue(inner)});
+  expect_equal(base, base, "itself");
+  using Change = std::function<void(StateDict&)>;
+  auto group = [](StateDict& d) -> StateDict& { return d.at("group").dict(); };
+  const std::vector<std::pair<std::string, Change>> changes = {
+      {"a list element", [&](StateDict& d) { group(d).at("betas").list()[1] = StateValue(0.99); }},
+      {"a bool", [&](StateDict& d) { group(d).insert_or_assign("amsgrad", StateValue(true)); }},
+      {"a string in a list",
+       [&](StateDict& d) { group(d).at("params").list()[0] = StateValue("c.weight"); }},
+      {"an int for a double",
+       [&](StateDict& d) { group(d).insert_or_assign("lr", StateValue(int64_t{0})); }},
+      {"an int", [&](StateDict& d) { group(d).insert_or_assign("step", StateValue(int64_t{4})); }},
+      {"a dtype",
+       [&](StateDict& d) {
+         group(d).insert_or_assign("exp_avg", StateValue(torch::arange(4, torch::kDouble)));
+       }},
+      {"a value in a list's dict",
+       [&](StateDict& d) {
+         d.at("groups").list()[0].dict().insert_or_assign("step", StateValue(int64_t{5}));
+       }},
+      {"None for a value", [&](StateDict& d) { group(d).insert_or_assign("lr", StateValue()); }},
+  };
+  for (const auto& [what, change] : changes) {
+    StateDict changed = base;  // lists and dicts by value; no tensor is changed in place
+    change(changed);
+    ::testing::TestPartResultArray failures;
+    {
+      ::testing::ScopedFakeTestPartResultReporter reporter(
+          ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &failures);
+      expect_equal(base, changed, what);
+    }
+    EXPECT_GT(failures.size(), 0) << what << " went unnoticed";
+  }
+}
+
+// Each ShardedTensor in a state-dict tree, with its path.
+void for_each_sharded(
+    const StateValue& v, const std::string& path,
+    const std::function<void(const fsdp::ShardedTensor&, const std::string&)>& f) {
+  if (v.is_sharded_tensor()) f(v.sharded_tensor(), path);
+  if (v.is_list()) {
+    for (size_t i = 0; i < v.list().size(); ++i)
+      for_each_sharded(v.list()[i], path + "[" + std::to_string(i) + "]", f);
+  }
+  if (v.is_dict()) {
+    for (const auto& [k, w] : v.dict()) for_each_sharded(w, path + "/" + k, f);
+  }
+}
+
+// Issue 62: PyTorch's W=4 oracle found that under HYBRID_SHARD (2 x 2 here) fsdp-cpp named a
+// SHARDED dict's local pieces by global rank where PyTorch's ShardedTensor names them by rank in
+// the shard group (the tensor's process group), while its global metadata names the default
+// group's ranks (src/state_dict/global_placement.h). Only the W=4 oracle caught it; this holds it
+// in C++: in the model's and the optimizers' dicts, a local piece names this rank's place in its
+// shard group, and every entry of the global metadata a global rank of that same group.
+TEST(StateDictApi, HybridShardPiecesAreNamedByShardGroupRank) {
+  run_ranks(4, [](ProcessGroup& pg) {
+    for (bool orig : {false, true}) {
+      Trained t(1, ShardingStrategy::HYBRID_SHARD, orig, pg, 1);
+      auto [msd, osd] = ckpt::get_state_dict(t.model, t.optims.list(), StateDictOptions());
+      StateDict both;
+      both.insert_or_assign("model", msd);
+      both.insert_or_assign("optim", osd);
+      int local = 0;
+      for_each_sharded(both, orig ? "orig" : "flat",
+                       [&](const fsdp::ShardedTensor& st, const std::string& path) {
+                         for (const auto& piece : st.local_shards()) {
+                           EXPECT_EQ(piece.metadata.placement_rank, pg.rank() % 2) << path;
+                           ++local;
+                         }
+                         const int first = pg.rank() - pg.rank() % 2;  // {0, 1} or {2, 3}
+                         for (const auto& m : st.global_metadata()) {
+                           EXPECT_GE(m.placement_rank, first) << path;
+                           EXPECT_LE(m.placement_rank, first + 1) << path;
+                         }
+                       });
+      EXPECT_GT(local, 10) << "the dicts hold sharded pieces on every rank";
+    }
+  });
 }
 
 class Worlds : public ::testing::TestWithParam<int> {};

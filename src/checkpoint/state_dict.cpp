@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <exception>
 #include <functional>
 #include <optional>
@@ -431,7 +432,9 @@ void load_optimizers(const Target& t, const Optimizers& optimizers,
 
 // A strict load's key check, made before anything is loaded: PyTorch's load_state_dict raises
 // only after set_state_dict's optimizers took their dicts, leaving them loaded and the model not.
-void check_model_keys(const Target& t, const StateDict& msd) {
+// PyTorch's message alone leaves a user who saved with ignore_frozen_params (and loads with the
+// same options, strict by default) to guess; ours says which option loads such a dict.
+void check_model_keys(const Target& t, const StateDict& msd, const StateDictOptions& o) {
   LoadResult r;
   std::set<std::string> keys;
   for (const auto& key : module_state_dict(t.inner()).keys()) {
@@ -440,8 +443,27 @@ void check_model_keys(const Target& t, const StateDict& msd) {
   }
   for (const auto& [key, v] : msd)
     if (!keys.count(key)) r.unexpected_keys.push_back(key);
-  const std::string error = fsdp::detail::load_keys_error(r);
-  if (!error.empty()) throw ValueError(error);
+  std::string error = fsdp::detail::load_keys_error(r);
+  if (error.empty()) return;
+  std::set<std::string> frozen;
+  for (const auto& p : t.inner().named_parameters(/*recurse=*/true)) {
+    if (!p.value().requires_grad()) frozen.insert(p.key());
+  }
+  const bool only_frozen_missing =
+      r.unexpected_keys.empty() &&
+      std::all_of(r.missing_keys.begin(), r.missing_keys.end(),
+                  [&](const std::string& k) { return frozen.count(k) != 0; });
+  if (only_frozen_missing && o.ignore_frozen_params()) {
+    error +=
+        msg(" The missing keys are frozen parameters, which ignore_frozen_params leaves out of the "
+            "dicts it gets; load such a dict with strict(false) (the frozen parameters keep their "
+            "values), as PyTorch's set_state_dict needs too.");
+  } else if (only_frozen_missing) {
+    error +=
+        msg(" The missing keys are frozen parameters: a dict taken with ignore_frozen_params loads "
+            "with strict(false).");
+  }
+  throw ValueError(error);
 }
 
 // Where set_* takes the model's values from, decided alike on every rank.
@@ -510,7 +532,7 @@ LoadResult set_impl(const Target& t, const Optimizers& optimizers, const StateDi
     // The dict this rank supplies (under broadcast_from_rank0 only rank 0's is loaded).
     if (msd && !optim_only && o.strict() && !msd->empty() &&
         (!o.broadcast_from_rank0() || rank == 0)) {
-      check_model_keys(t, *msd);
+      check_model_keys(t, *msd, o);
     }
     init_optim_states(t, optimizers);
     if (osd && !osd->empty() && (!optim_rank0 || rank == 0)) {
