@@ -152,33 +152,26 @@ int main(int argc, char** argv) {
     const auto opts = options_of(k);
     const ckpt::Submodules subs =
         k / 64 ? ckpt::Submodules{src.net->blocks[1]} : ckpt::Submodules{};
-    const std::string get_stem = a.out + "/get_c" + std::to_string(k) + "_r" + std::to_string(rank);
-    try {
-      auto [m, o] = ckpt::get_state_dict(src.model, src.optims.list(), opts, subs);
-      StateDict got;
-      got.insert_or_assign("model", m);
-      got.insert_or_assign("optim", o);
-      sdx::write(got, get_stem);
-    } catch (const fsdp::Error& e) {
-      sdx::write_error(std::string("fsdp::Error: ") + e.what(), get_stem);
-    }
+    // What get_state_dict returns with `o` on this rank, or the error it raised, as OUT/<name>.
+    auto write_get = [&](const ckpt::StateDictOptions& o, const std::string& name) {
+      const std::string stem =
+          a.out + "/" + name + "_c" + std::to_string(k) + "_r" + std::to_string(rank);
+      try {
+        auto [msd, osd] = ckpt::get_state_dict(src.model, src.optims.list(), o, subs);
+        StateDict got;
+        got.insert_or_assign("model", msd);
+        got.insert_or_assign("optim", osd);
+        sdx::write(got, stem);
+      } catch (const fsdp::Error& e) {
+        sdx::write_error(std::string("fsdp::Error: ") + e.what(), stem);
+      }
+    };
+    write_get(opts, "get");
     // The default layout too (ShardLayout::FLAT_SHARDS: a flat shard's pieces as boxes, not
     // PyTorch's dim-0 chunks): sd_matrix.py assembles every rank's pieces of both into whole
     // tensors and compares those with PyTorch's (issue 62).
     if (!opts.full_state_dict()) {
-      const std::string flat_stem =
-          a.out + "/getflat_c" + std::to_string(k) + "_r" + std::to_string(rank);
-      try {
-        auto [m, o] =
-            ckpt::get_state_dict(src.model, src.optims.list(),
-                                 options_of(k).shard_layout(fsdp::ShardLayout::FLAT_SHARDS), subs);
-        StateDict got;
-        got.insert_or_assign("model", m);
-        got.insert_or_assign("optim", o);
-        sdx::write(got, flat_stem);
-      } catch (const fsdp::Error& e) {
-        sdx::write_error(std::string("fsdp::Error: ") + e.what(), flat_stem);
-      }
+      write_get(options_of(k).shard_layout(fsdp::ShardLayout::FLAT_SHARDS), "getflat");
     }
     // set: Python's dicts of this rank (those of its get without cpu_offload where PyTorch cannot
     // offload on the CPU: see sd_matrix.py). Every rank must have one, or none tries.
