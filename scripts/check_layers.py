@@ -28,6 +28,7 @@ SIDE = {"launch": ({"launch", "util"}, {"tools/fsdp_run.cpp"})}
 # Internal headers a folder offers to the folders above it: folder -> {header: importers}.
 # Everything else in a folder is its own business. util/ is the shared toolbox: open to all.
 EXPORTS = {
+    "dist": {"agreement.h": {"state_dict", "checkpoint"}},
     "flat_param": {"grad_bucket.h": {"runtime"}},
     "runtime": {"view.h": {"state_dict"}},
     "state_dict": {"interface.h": {"checkpoint"}},

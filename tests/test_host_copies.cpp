@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "checkpoint/host_copies.h"
-#include "checkpoint/wire_error.h"
 #include "dcp_model_testing.h"
 #include "dcp_testing.h"
 #include "fsdp/errors.h"
@@ -98,7 +97,7 @@ TEST(HostCopies, FilesTravelInRoundsAndArriveWhole) {
       ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
       write_bytes(dir + "/" + files[static_cast<size_t>(pg.rank())],
                   contents(pg.rank(), sizes[static_cast<size_t>(pg.rank())]));
-      EXPECT_EQ(copies::copy(pg, ckpt::default_file_io(), dir, files, sizes, to, 1024), "");
+      EXPECT_TRUE(copies::copy(pg, ckpt::default_file_io(), dir, files, sizes, to, 1024).ok());
       for (int r = 0; r < 3; ++r) {
         const auto& t = to[static_cast<size_t>(r)];
         if (r != pg.rank() && std::find(t.begin(), t.end(), pg.rank()) == t.end()) continue;
@@ -117,15 +116,17 @@ TEST(HostCopies, FilesTravelInRoundsAndArriveWhole) {
     write_bytes(dir + "/" + files[static_cast<size_t>(pg.rank())],
                 contents(pg.rank(), sizes[static_cast<size_t>(pg.rank())]));
     FlipIO io(pg.rank() == 1 ? "/" + file_of(0) : std::string("/none"));
-    const std::string e = copies::copy(pg, io, dir, files, sizes, to, 4096);
+    const fsdp::dist::Verdict v = copies::copy(pg, io, dir, files, sizes, to, 4096);
     if (pg.rank() != 1) {
-      EXPECT_EQ(e, "");
+      EXPECT_TRUE(v.ok()) << v.message();
       return;
     }
-    EXPECT_NE(fsdp::checkpoint::wire::message(e).find(
-                  "the copy of __0_0.distcp received from rank 0 differs from what it sent"),
-              std::string::npos)
-        << e;
+    ASSERT_FALSE(v.ok());
+    EXPECT_NE(
+        v.message().find("the copy of __0_0.distcp received from rank 0 differs from what it sent"),
+        std::string::npos)
+        << v.message();
+    EXPECT_THROW(v.rethrow_own(), fsdp::CorruptionError);
   });
 }
 

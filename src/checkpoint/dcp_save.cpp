@@ -35,7 +35,7 @@
 #include "checkpoint/host_copies.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/save_protocol.h"
-#include "checkpoint/wire_error.h"
+#include "dist/agreement.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
@@ -69,7 +69,7 @@ struct RankPart {
 
 std::string encode(const RankPart& p) {
   std::string meta = dcp::encode_wire(p.meta);
-  std::string out = "M" + std::to_string(meta.size()) + "\n" + meta + p.file + "\n" +
+  std::string out = std::to_string(meta.size()) + "\n" + meta + p.file + "\n" +
                     std::to_string(p.file_size) + "\n";
   for (const auto& h : p.hashes) out += h + "\n";
   return out;
@@ -81,7 +81,7 @@ RankPart decode(const std::string& msg, int rank) {
   auto fail = [&]() -> RankPart {
     throw InternalError(detail::msg(kWhat, ": ", where, " is malformed"));
   };
-  size_t pos = 1;
+  size_t pos = 0;
   auto line = [&]() {
     const size_t nl = msg.find('\n', pos);
     if (nl == std::string::npos) fail();
@@ -330,16 +330,11 @@ std::string probe_nonce() {
   return buf;
 }
 
-// Broadcasts rank 0's verdict (empty: fine).
-std::string verdict(dist::ProcessGroup* group, const std::string& mine) {
-  return group ? group->broadcast_bytes(mine, 0) : mine;
-}
-
 using protocol::Hook;
 
-// The hosts of a node-local save from every rank's probe view ("K" then a '0'/'1' per rank: whose
-// probe it sees): each a set of ranks that all see exactly that set. Computed alike on every rank,
-// so all agree, or all throw the same error.
+// The hosts of a node-local save from every rank's probe view (a '0'/'1' per rank: whose probe it
+// sees, then '/' and its replicas): each a set of ranks that all see exactly that set. Computed
+// alike on every rank, so all agree, or all throw the same error.
 host_copies::Hosts hosts_of(const std::vector<std::string>& views, const std::string& parent) {
   const int world = static_cast<int>(views.size());
   host_copies::Hosts hosts;
@@ -347,12 +342,12 @@ host_copies::Hosts hosts_of(const std::vector<std::string>& views, const std::st
   for (int r = 0; r < world; ++r) {
     if (placed[static_cast<size_t>(r)]) continue;
     const std::string& view = views[static_cast<size_t>(r)];
-    if (view[1 + static_cast<size_t>(r)] != '1')
+    if (view[static_cast<size_t>(r)] != '1')
       throw IOError(
           detail::msg(kWhat, ": ", detail::rank(r), " cannot see its own probe in ", parent), 0);
     std::vector<int> host;
     for (int q = 0; q < world; ++q) {
-      if (view[1 + static_cast<size_t>(q)] != '1') continue;
+      if (view[static_cast<size_t>(q)] != '1') continue;
       if (views[static_cast<size_t>(q)] != view || placed[static_cast<size_t>(q)])
         throw ValueError(detail::msg(kWhat, ": ranks ", r, " and ", q, " see different sets of ",
                                      "ranks sharing ", parent, ": a file system that is neither ",
@@ -366,7 +361,7 @@ host_copies::Hosts hosts_of(const std::vector<std::string>& views, const std::st
 }
 
 // One collective save in its three phases. Each phase ends in an exchange, so every rank leaves
-// at the same phase and throws the same kind of error (wire_error.h); after a failure rank 0
+// at the same phase and throws the same kind of error (dist/agreement.h); after a failure rank 0
 // removes the partial directory, which no rank writes to any more.
 class SaveRun {
  public:
@@ -404,21 +399,19 @@ class SaveRun {
     const std::string stem = "." + files::base_of(dir_) + ".probe-" +
                              group_->broadcast_bytes(rank_ == 0 ? probe_nonce() : "", 0) + "-";
     const std::string mine = files::join(parent, stem + std::to_string(rank_));
-    std::string error;
-    try {
+    const dist::Verdict probed = dist::Verdict::of([&] {
       files::make_dirs(io_, parent, kWhat);
       files::write_file(io_, mine, "", kWhat);
-    } catch (const std::exception& e) {
-      error = wire::encode(e);
-    }
+      return std::string();
+    });
     try {
-      throw_first_failure(gather(error), "probing which ranks share ");
+      throw_first_failure(exchange(probed), "probing which ranks share ");
     } catch (...) {
       io_.remove(mine);  // the save fails here: leave no probe behind
       throw;
     }
-    std::string seen(static_cast<size_t>(world), '0');
-    try {
+    const dist::Verdict seen = dist::Verdict::of([&] {
+      std::string seen(static_cast<size_t>(world), '0');
       std::vector<std::string> names;
       if (io_.list_dir(parent, names) != 0) {
         const int err = errno;  // before the message allocates
@@ -431,22 +424,20 @@ class SaveRun {
             std::stoi(r) < world)
           seen[static_cast<size_t>(std::stoi(r))] = '1';
       }
-    } catch (const std::exception& e) {
-      error = wire::encode(e);
-    }
-    const std::vector<std::string> views = group_->all_gather_bytes(
-        error.empty() ? "K" + seen + "/" + std::to_string(replicas_) : "E" + error);
+      return seen + "/" + std::to_string(replicas_);
+    });
+    const dist::Verdicts seen_by_all = exchange(seen);
     io_.remove(mine);  // every rank has listed: the probe has served (a failure leaves it to the
                        // next save's leader, which removes stale probes)
-    throw_first_failure(views, "probing which ranks share ");
+    throw_first_failure(seen_by_all, "probing which ranks share ");
+    const std::vector<std::string> views = seen_by_all.payloads();
     // Every rank must plan the same copies (host_copies::receivers).
+    const auto w = static_cast<size_t>(world);
     for (int r = 1; r < world; ++r)
-      if (views[static_cast<size_t>(r)].substr(1 + static_cast<size_t>(world)) !=
-          views[0].substr(1 + static_cast<size_t>(world)))
+      if (views[static_cast<size_t>(r)].substr(w) != views[0].substr(w))
         throw ValueError(detail::msg(
             kWhat, " of ", dir_, ": ranks 0 and ", r, " pass different SaveOptions::replicas (",
-            views[0].substr(2 + static_cast<size_t>(world)), " and ",
-            views[static_cast<size_t>(r)].substr(2 + static_cast<size_t>(world)), ")"));
+            views[0].substr(w + 1), " and ", views[static_cast<size_t>(r)].substr(w + 1), ")"));
     hosts_ = hosts_of(views, parent);
     for (const auto& h : hosts_)
       if (std::find(h.begin(), h.end(), rank_) != h.end()) host_ = h;
@@ -458,9 +449,9 @@ class SaveRun {
   // several ranks hold (replicas under HYBRID_SHARD, NO_SHARD optimizer state) is written once,
   // by the lowest of them (DCP's dedup_save_plans). One small exchange.
   void prepare(const StateDict& state_dict, const Hook& before_prepare) {
-    std::string error;  // encoded (wire_error.h)
+    dist::Verdict mine;
     if (leader_) {
-      try {
+      mine = dist::Verdict::of([&] {
         // An earlier save's removal may still be running over the names cleaned up here.
         files::wait_for_background_removal();
         if (node_local_) remove_stale_probes();
@@ -473,70 +464,45 @@ class SaveRun {
           const int err = errno;  // before the message allocates
           files::io_error(kWhat, "creating", partial_, err);
         }
-      } catch (const std::exception& e) {
-        error = wire::encode(e);
-      }
+        return std::string();
+      });
     }
     // DCP's flattening, once: the box lists and the writing both walk it.
     sd_ = state_dict;  // containers only; tensors are shared
-    std::string held;
-    try {
-      if (error.empty()) {
+    if (mine.ok()) {
+      mine = dist::Verdict::of([&] {
         flat_ = items::flatten(sd_);
-        held = "O" + held_chunks(flat_);
-      }
-    } catch (const std::exception& e) {
-      error = wire::encode(e);
+        return held_chunks(flat_);
+      });
     }
-    if (!error.empty()) held = "E" + error;
-    const std::vector<std::string> prepared =
-        group_ ? group_->all_gather_bytes(held) : std::vector<std::string>{held};
-    error.clear();  // now the first failure of any rank
-    std::string text;
-    for (int r = 0; r < static_cast<int>(prepared.size()) && error.empty(); ++r) {
-      const std::string& m = prepared[r];
-      if (m.empty() || m[0] != 'O') {
-        error = m.empty() ? std::string("Eno report") : m.substr(1);
-        text = detail::msg(wire::message(error), " (on ", detail::rank(r), ")");
-      } else {
-        try {
-          parse_held(m, 1, r < rank_ ? &skip_ : nullptr, r);
-        } catch (const std::exception& e) {
-          error = wire::encode(e);
-          text = e.what();
-        }
-      }
-    }
-    if (!error.empty()) {
+    const dist::Verdicts prepared = exchange(mine);
+    try {
+      prepared.throw_first([](int r, const std::string& e) {
+        return detail::msg(e, " (on ", detail::rank(r), ")");
+      });
+      for (int r = 0; r < static_cast<int>(prepared.size()); ++r)
+        parse_held(prepared[static_cast<size_t>(r)].payload(), 0, r < rank_ ? &skip_ : nullptr, r);
+    } catch (...) {
       remove_partial_on_leader();
-      wire::rethrow(error, text);
+      throw;
     }
   }
 
   // 2. Every rank writes its file of the boxes it is the lowest holder of; the reports (what it
   // wrote, with checksums, or its failure) are exchanged.
   void write() {
-    std::string msg;
-    try {
-      msg = encode(write_items(flat_, io_, partial_, "__" + std::to_string(rank_) + "_0.distcp",
-                               rank_, skip_));
-    } catch (const std::exception& e) {
-      msg = "E" + wire::encode(e);
-    }
-    reports_ = group_ ? group_->all_gather_bytes(msg) : std::vector<std::string>{msg};
-    std::string failures, first;  // `first`: the first failure, encoded, whose kind is thrown
-    for (size_t r = 0; r < reports_.size(); ++r) {
-      if (!reports_[r].empty() && reports_[r][0] == 'M') continue;
-      const std::string e = reports_[r].empty() ? std::string("Eno report") : reports_[r].substr(1);
-      if (first.empty()) first = e;
-      failures +=
-          detail::msg(failures.empty() ? "" : "; ", detail::rank(r), ": ", wire::message(e));
-    }
-    if (!failures.empty()) {
+    const dist::Verdicts reports = exchange(dist::Verdict::of([&] {
+      return encode(write_items(flat_, io_, partial_, "__" + std::to_string(rank_) + "_0.distcp",
+                                rank_, skip_));
+    }));
+    if (!reports.ok()) {
       remove_partial_on_leader();
-      wire::rethrow(first,
-                    detail::msg(kWhat, " of ", dir_, " failed, nothing was committed: ", failures));
+      reports.throw_first([&](int, const std::string&) {  // the first one's kind, every failure
+        return detail::msg(kWhat, " of ", dir_,
+                           " failed, nothing was committed: ", reports.failures());
+      });
     }
+    reports_ = reports.payloads();
   }
 
   // 2b. Node-local saves with replicas: every rank's file also goes to ranks of the next hosts
@@ -552,9 +518,9 @@ class SaveRun {
       names.push_back(p.file);
       sizes.push_back(p.file_size);
     }
-    const std::string error = host_copies::copy(*group_, io_, partial_, names, sizes, copies_to_);
-    const std::vector<std::string> copied = gather(error);
-    if (has_failure(copied)) remove_partial_on_leader();
+    const dist::Verdicts copied =
+        exchange(host_copies::copy(*group_, io_, partial_, names, sizes, copies_to_));
+    if (!copied.ok()) remove_partial_on_leader();
     throw_first_failure(copied, "nothing was committed: copying data files to other hosts, on ");
   }
 
@@ -565,29 +531,26 @@ class SaveRun {
   // together.
   void finish(const Annotations& annotations, const Hook& after_commit) {
     if (node_local_) return finish_node_local(annotations, after_commit);
-    std::string error;
+    dist::Verdict mine;
     if (rank_ == 0) {
-      try {
+      mine = dist::Verdict::of([&] {
         write_commit_files(io_, parts(), partial_, annotations, {});
-      } catch (const std::exception& e) {
-        error = wire::encode(e);
-      }
+        return std::string();
+      });
     }
-    // The agreement: rank 0's files are ready, and every rank is still here to say so.
-    const std::vector<std::string> ready =
-        group_ ? gather(rank_ == 0 ? error : std::string()) : std::vector<std::string>{"K"};
-    if (rank_ == 0 && error.empty() && !has_failure(ready)) {
-      try {
+    // The agreement: rank 0's files are ready, and every rank is still here to say so (a rank
+    // lost here fails this exchange on every other rank, rank 0 included, before the commit).
+    if (exchange(mine).ok() && rank_ == 0) {
+      mine = dist::Verdict::of([&] {
         install(io_, partial_, dir_);
         if (after_commit) after_commit();
-      } catch (const std::exception& e) {
-        error = wire::encode(e);
-      }
+        return std::string();
+      });
     }
-    error = verdict(group_, error);
-    if (!error.empty())
-      wire::rethrow(error, rank_ == 0 ? wire::message(error)
-                                      : detail::msg(wire::message(error), " (on rank 0)"));
+    const dist::Verdict committed = dist::broadcast_verdict(group_, mine, 0);
+    if (committed.ok()) return;
+    if (rank_ == 0) committed.raise(committed.message());
+    committed.raise(detail::msg(committed.message(), " (on rank 0)"));
   }
 
  private:
@@ -603,39 +566,36 @@ class SaveRun {
   // each swap it in; only once every host holds the new step does after_commit run (the `latest`
   // pointer, keep_last's removals), so no host drops an old step another host still needs.
   void finish_node_local(const Annotations& annotations, const Hook& after_commit) {
-    std::string error;
+    dist::Verdict mine;
     if (leader_) {
-      try {
+      mine = dist::Verdict::of([&] {
         std::vector<RankPart> all = parts();
         std::vector<std::string> local;  // none listed: one host holds every file
         if (hosts_.size() > 1)
           for (size_t r = 0; r < all.size(); ++r)
             if (on_this_host(static_cast<int>(r))) local.push_back(all[r].file);
         write_commit_files(io_, all, partial_, annotations, std::move(local));
-      } catch (const std::exception& e) {
-        error = wire::encode(e);
-      }
+        return std::string();
+      });
     }
-    const std::vector<std::string> completed = gather(error);
-    if (has_failure(completed)) remove_partial_on_leader();
+    const dist::Verdicts completed = exchange(mine);
+    if (!completed.ok()) remove_partial_on_leader();
     throw_first_failure(completed, "nothing was committed: completing the directory of ");
     if (leader_) {
-      try {
+      mine = dist::Verdict::of([&] {
         install(io_, partial_, dir_);
-      } catch (const std::exception& e) {
-        error = wire::encode(e);
-      }
+        return std::string();
+      });
     }
-    throw_first_failure(gather(error),
+    throw_first_failure(exchange(mine),
                         "committed on some hosts only: swapping in the directory of ");
     if (leader_ && after_commit) {
-      try {
+      mine = dist::Verdict::of([&] {
         after_commit();
-      } catch (const std::exception& e) {
-        error = wire::encode(e);
-      }
+        return std::string();
+      });
     }
-    throw_first_failure(gather(error), "committed, then failed on the host of ");
+    throw_first_failure(exchange(mine), "committed, then failed on the host of ");
   }
 
   // Whether this host's directory holds rank r's data file: r is one of its ranks, or sent a copy
@@ -648,24 +608,16 @@ class SaveRun {
     return std::any_of(to.begin(), to.end(), here);
   }
 
-  // Every rank's verdict: "K" (fine) or "E" + its encoded error.
-  std::vector<std::string> gather(const std::string& error) {
-    return group_->all_gather_bytes(error.empty() ? std::string("K") : "E" + error);
-  }
-  static bool has_failure(const std::vector<std::string>& verdicts) {
-    for (const auto& v : verdicts)
-      if (v.empty() || v[0] != 'K') return true;
-    return false;
+  // Every rank's verdict (dist/agreement.h).
+  dist::Verdicts exchange(const dist::Verdict& mine) {
+    return dist::exchange_verdicts(group_, mine);
   }
   // Throws, on every rank alike, the first failure among `verdicts`, saying `what` failed and on
   // which rank.
-  void throw_first_failure(const std::vector<std::string>& verdicts, const char* what) {
-    for (size_t r = 0; r < verdicts.size(); ++r) {
-      if (!verdicts[r].empty() && verdicts[r][0] == 'K') continue;
-      const std::string e = verdicts[r].empty() ? std::string("Eno report") : verdicts[r].substr(1);
-      wire::rethrow(e, detail::msg(kWhat, " of ", dir_, ": ", what,
-                                   detail::rank(static_cast<int>(r)), ": ", wire::message(e)));
-    }
+  void throw_first_failure(const dist::Verdicts& verdicts, const char* what) {
+    verdicts.throw_first([&](int r, const std::string& e) {
+      return detail::msg(kWhat, " of ", dir_, ": ", what, detail::rank(r), ": ", e);
+    });
   }
   // Probe files of earlier node-local saves into this name that were killed before removing them.
   void remove_stale_probes() {
@@ -694,7 +646,7 @@ class SaveRun {
   StateDict sd_;  // the caller's containers; flat_ points into them
   std::vector<items::FlatItem> flat_;
   std::set<std::string> skip_;        // boxes a lower rank writes
-  std::vector<std::string> reports_;  // per rank: encoded RankPart, or "E" + error
+  std::vector<std::string> reports_;  // per rank: its encoded RankPart
   bool node_local_ = false;
   int replicas_ = 1;
   bool leader_ = false;                      // prepares and commits this rank's directory

@@ -15,7 +15,7 @@
 #include <memory>
 
 #include "checkpoint/files.h"
-#include "checkpoint/wire_error.h"
+#include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
 
@@ -71,7 +71,7 @@ std::vector<std::vector<int>> receivers(const Hosts& hosts, int world, int repli
 namespace {
 
 // One copy() on one rank: the senders it receives from, the files it appends to, and its first
-// failure (wire-encoded), after which it goes on exchanging without reading or writing.
+// failure (its verdict), after which it goes on exchanging without reading or writing.
 class Copier {
  public:
   Copier(dist::ProcessGroup& g, FileIO& io, const std::string& dir,
@@ -108,14 +108,14 @@ class Copier {
     outs_.resize(senders_.size());
   }
 
-  std::string run() {
-    if (!prepare()) return error_;  // this rank's error, or none: the failed rank reports its own
+  dist::Verdict run() {
+    if (!prepare()) return verdict_;  // this rank's error, or none: the failed rank reports its own
     for (int64_t round = 0; round < rounds_; ++round) exchange(round);
     attempt([&] {
       for (auto& o : outs_) o->finish();
     });
     check();
-    return error_;
+    return verdict_;
   }
 
  private:
@@ -124,12 +124,11 @@ class Copier {
 
   template <class F>
   void attempt(F&& f) {
-    if (!error_.empty()) return;
-    try {
+    if (!verdict_.ok()) return;
+    verdict_ = dist::Verdict::of([&] {
       f();
-    } catch (const std::exception& e) {
-      error_ = wire::encode(e);
-    }
+      return std::string();
+    });
   }
 
   // The files this rank receives and the buffers of every round, allocated once; an exchange of
@@ -142,8 +141,7 @@ class Copier {
       send_ = at::zeros({piece_bytes_ * static_cast<int64_t>(receivers_.size())}, at::kByte);
       recv_ = at::empty({piece_bytes_ * static_cast<int64_t>(senders_.size())}, at::kByte);
     });
-    const std::vector<std::string> ready = g_.all_gather_bytes(error_.empty() ? "K" : "E");
-    return std::all_of(ready.begin(), ready.end(), [](const std::string& v) { return v == "K"; });
+    return dist::exchange_verdicts(&g_, verdict_).ok();
   }
 
   // One round: this rank's piece to each of its receivers, its senders' pieces appended.
@@ -186,7 +184,7 @@ class Copier {
   // were fsynced: a match means the copy holds what the sender's host holds.
   void check() {
     const std::vector<std::string> hashes =
-        g_.all_gather_bytes(receivers_.empty() || !error_.empty() ? std::string() : sent_.hex());
+        g_.all_gather_bytes(receivers_.empty() || !verdict_.ok() ? std::string() : sent_.hex());
     attempt([&] {
       for (int r : senders_) {
         const std::string& theirs = hashes[static_cast<size_t>(r)];
@@ -212,14 +210,14 @@ class Copier {
   std::vector<std::unique_ptr<files::OutFile>> outs_;  // by sender
   at::Tensor send_, recv_;                             // of a whole round
   files::Xxh3Stream sent_;                             // of this rank's file, as read
-  std::string error_;
+  dist::Verdict verdict_;
 };
 
 }  // namespace
 
-std::string copy(dist::ProcessGroup& g, FileIO& io, const std::string& dir,
-                 const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
-                 const std::vector<std::vector<int>>& to, int64_t round_bytes) {
+dist::Verdict copy(dist::ProcessGroup& g, FileIO& io, const std::string& dir,
+                   const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
+                   const std::vector<std::vector<int>>& to, int64_t round_bytes) {
   return Copier(g, io, dir, files, sizes, to, round_bytes).run();
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/agreement.h"
 #include "fsdp/checkpoint/file_io.h"
 #include "fsdp/dist.h"
 
@@ -30,12 +31,12 @@ constexpr int64_t kRoundBytes = int64_t{64} << 20;
 /// receivers and writes, fsynced, each file it receives into `dir` under the same name: in rounds
 /// (one all_to_all_single each) in which no rank sends or receives more than `round_bytes`, the
 /// buffers allocated once; then one exchange of each sender's checksum of what it read, which
-/// every receiver compares with its copy read back. Returns this rank's failure, wire-encoded
-/// (wire_error.h), or "": a rank that fails goes on exchanging (or all stop together before the
-/// rounds), so every rank returns, and the caller's verdict exchange decides.
-std::string copy(dist::ProcessGroup& group, FileIO& io, const std::string& dir,
-                 const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
-                 const std::vector<std::vector<int>>& to, int64_t round_bytes = kRoundBytes);
+/// every receiver compares with its copy read back. Returns this rank's verdict: a rank that fails
+/// goes on exchanging (or all stop together before the rounds), so every rank returns, and the
+/// caller's exchange of verdicts (dist/agreement.h) decides.
+dist::Verdict copy(dist::ProcessGroup& group, FileIO& io, const std::string& dir,
+                   const std::vector<std::string>& files, const std::vector<int64_t>& sizes,
+                   const std::vector<std::vector<int>>& to, int64_t round_bytes = kRoundBytes);
 
 }  // namespace host_copies
 }  // namespace checkpoint

@@ -30,7 +30,7 @@
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/files.h"
 #include "checkpoint/manifest.h"
-#include "checkpoint/wire_error.h"
+#include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
 
@@ -44,41 +44,31 @@ constexpr const char* kWhat = "checkpoint load";
 using detail::msg;
 using detail::quote;
 
-// This rank's failure, if any, on its way to every rank. Each exchange carries either a payload
-// or the failure; once one rank has failed, every rank throws from the same exchange: its own
-// error if it has one (as it was raised), else the lowest failing rank's, naming that rank.
-class Verdicts {
+// This rank's failure, if any, on its way to every rank (dist/agreement.h). Each exchange
+// carries either a payload or the failure; once one rank has failed, every rank throws from the
+// same exchange: its own error if it has one (as it was raised), else the lowest failing rank's,
+// naming that rank.
+class Steps {
  public:
-  explicit Verdicts(dist::ProcessGroup& g) : g_(g) {}
+  explicit Steps(dist::ProcessGroup& g) : g_(g) {}
 
   template <class F>
   void attempt(F&& f) {
-    if (own_) return;  // after a failure nothing more is tried, only exchanged
-    try {
+    if (!mine_.ok()) return;  // after a failure nothing more is tried, only exchanged
+    mine_ = dist::Verdict::of([&] {
       f();
-    } catch (const std::exception& e) {
-      own_ = std::current_exception();
-      encoded_ = wire::encode(e);
-    }
+      return std::string();
+    });
   }
 
   std::vector<std::string> exchange(const std::string& payload) {
-    std::vector<std::string> all = g_.all_gather_bytes(own_ ? "E" + encoded_ : "K" + payload);
-    if (own_) std::rethrow_exception(own_);
-    for (size_t r = 0; r < all.size(); ++r) {
-      if (!all[r].empty() && all[r][0] == 'E') {
-        const std::string e = all[r].substr(1);
-        wire::rethrow(e, msg("rank ", r, ": ", wire::message(e)));
-      }
-      all[r].erase(0, 1);
-    }
-    return all;
+    return dist::agree(&g_, mine_.ok() ? dist::Verdict(payload) : mine_,
+                       [](int r, const std::string& e) { return msg("rank ", r, ": ", e); });
   }
 
  private:
   dist::ProcessGroup& g_;
-  std::exception_ptr own_;
-  std::string encoded_;
+  dist::Verdict mine_;
 };
 
 std::string bitset(const std::vector<bool>& bits) {
@@ -103,28 +93,24 @@ CheckpointReader::Files shared_files(FileIO& io, const std::string& dir, dist::P
     throw ValueError(msg(kWhat, ": ", meta_path, " does not exist"));  // it appeared meanwhile
   }
   const int src = static_cast<int>(first - has.begin());
-  std::string mine;
+  dist::Verdict mine;
   if (g.rank() == src) {
-    try {
+    mine = dist::Verdict::of([&] {
       const CheckpointReader::Files f = CheckpointReader::read_files(io, dir, kWhat);
-      mine = msg("K", f.metadata.size(), " ", f.manifest ? 1 : 0, " ") + f.metadata +
+      return msg(f.metadata.size(), " ", f.manifest ? 1 : 0, " ") + f.metadata +
              f.manifest.value_or("");
-    } catch (const std::exception& e) {
-      mine = "E" + wire::encode(e);
-    }
+    });
   }
-  const std::string got = g.broadcast_bytes(mine, src);
-  if (got.empty() || got[0] != 'K') {
-    const std::string e = got.empty() ? std::string("E") : got.substr(1);
-    wire::rethrow(e, msg("rank ", src, ": ", wire::message(e)));
-  }
+  const dist::Verdict read = dist::broadcast_verdict(&g, mine, src);
+  if (!read.ok()) read.raise(msg("rank ", src, ": ", read.message()));
+  const std::string& got = read.payload();
   size_t meta_len = 0;
   int has_mf = 0;
   int used = 0;
-  if (std::sscanf(got.c_str() + 1, "%zu %d %n", &meta_len, &has_mf, &used) != 2 ||
-      1 + static_cast<size_t>(used) + meta_len > got.size())
+  if (std::sscanf(got.c_str(), "%zu %d %n", &meta_len, &has_mf, &used) != 2 ||
+      static_cast<size_t>(used) + meta_len > got.size())
     throw InternalError(msg(kWhat, ": a malformed metadata message from rank ", src));
-  const size_t at = 1 + static_cast<size_t>(used);
+  const size_t at = static_cast<size_t>(used);
   CheckpointReader::Files f;
   f.metadata = got.substr(at, meta_len);
   if (has_mf) f.manifest = got.substr(at + meta_len);
@@ -172,7 +158,7 @@ std::vector<bool> readable(const DataFiles& df, FileIO& io, const std::string& d
 }
 
 Assignment assign(const CheckpointReader& reader, const Plan& plan, FileIO& io,
-                  const std::string& dir, dist::ProcessGroup& g, Verdicts& v) {
+                  const std::string& dir, dist::ProcessGroup& g, Steps& v) {
   Assignment a;
   std::map<const dcp::StorageInfo*, size_t> index;
   const DataFiles df = data_files(reader.metadata());
@@ -270,7 +256,7 @@ void apply_item(const CheckpointReader& reader, Plan& plan,
 void exchange_round(const CheckpointReader& reader, Plan& plan,
                     const std::map<const dcp::StorageInfo*, const Plan::Value*>& values,
                     const Assignment& a, const std::vector<size_t>& items, dist::ProcessGroup& g,
-                    Verdicts& v, CheckpointReader::Buffer& buf) {
+                    Steps& v, CheckpointReader::Buffer& buf) {
   const int me = g.rank();
   const auto world = static_cast<size_t>(g.size());
   auto needs = [&](size_t i, int q) {
@@ -332,7 +318,7 @@ void load(StateDict& state_dict, const std::string& dir, FileIO& io, bool verify
   if (!reader.manifest() && g.rank() == 0)
     TORCH_WARN("fsdp checkpoint: ", reader.dir(), " has no ", manifest::kFileName,
                " (written by PyTorch?): its items are checked only by their zip CRC-32s");
-  Verdicts v(g);
+  Steps v(g);
   Plan plan;
   v.attempt([&] { plan = reader.plan(state_dict); });
   const Assignment a = assign(reader, plan, io, dir, g, v);

@@ -14,6 +14,7 @@
 #include <set>
 
 #include "checkpoint/optim_dict_forms.h"
+#include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
 #include "fsdp/state_dict_utils.h"
@@ -289,51 +290,25 @@ void check_units_covered(const Target& t, const Optimizers& optimizers) {
 
 // A call's local preparation, agreed on before its first collective. Every rank runs `prepare`
 // (which may throw, and returns flags for the others); where the call is collective (`pg`), the
-// ranks then exchange outcomes. If any rank failed, every rank throws: the failed one its own
-// error, the others an error of the same kind naming it. Without this a rank whose dict is
-// malformed would fail alone while the others waited in a collective it never joins, until the
-// timeout. Returns every rank's flags (only this rank's where not collective).
+// ranks then exchange verdicts (dist/agreement.h). If any rank failed, every rank throws: the
+// failed one its own error, the others an error of the same kind naming it. Without this a rank
+// whose dict is malformed would fail alone while the others waited in a collective it never
+// joins, until the timeout. Returns every rank's flags (only this rank's where not collective).
 std::vector<std::string> agree(dist::ProcessGroup* pg, const std::string& api,
                                const std::function<std::string()>& prepare) {
-  std::string flags, error;
-  char kind = 0;  // of this rank's failure: V(alue), S(tate), D(ist), E(lse)
-  std::exception_ptr mine;
-  try {
-    flags = prepare();
-  } catch (const ValueError& e) {
-    kind = 'V', error = e.what(), mine = std::current_exception();
-  } catch (const StateError& e) {
-    kind = 'S', error = e.what(), mine = std::current_exception();
-  } catch (const DistError& e) {
-    kind = 'D', error = e.what(), mine = std::current_exception();
-  } catch (const std::exception& e) {  // LibTorch's own (c10::Error): an fsdp error instead
-    kind = 'E', error = msg(api, ": ", e.what());
-  }
-  auto raise = [&](char k, const std::string& msg) -> std::vector<std::string> {
-    if (k == 'S') throw StateError(msg);
-    if (k == 'D') throw DistError(msg);
-    throw ValueError(msg);
-  };
-  if (!pg || pg->size() == 1) {
-    if (mine) std::rethrow_exception(mine);
-    if (kind) raise(kind, error);
-    return {flags};
-  }
-  const auto all = pg->all_gather_bytes(kind ? std::string(1, kind) + error : "+" + flags);
-  std::vector<std::string> out(all.size());
-  for (size_t r = 0; r < all.size(); ++r) {
-    if (!all[r].empty() && all[r][0] == '+') {
-      out[r] = all[r].substr(1);
-      continue;
+  const dist::Verdict mine = dist::Verdict::of([&] {
+    try {
+      return prepare();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {  // LibTorch's own (c10::Error): an fsdp error instead
+      throw ValueError(msg(api, ": ", e.what()));
     }
-    if (mine) std::rethrow_exception(mine);
-    if (kind) raise(kind, error);
-    return raise(
-        all[r].empty() ? 'E' : all[r][0],
-        msg(api, " failed on ", rank(r), " (this is ", rank(pg->rank()),
-            "); nothing was changed: ", all[r].empty() ? std::string() : all[r].substr(1)));
-  }
-  return out;
+  });
+  return dist::agree(pg, mine, [&](int r, const std::string& error) {
+    return msg(api, " failed on ", rank(r), " (this is ", rank(pg->rank()),
+               "); nothing was changed: ", error);
+  });
 }
 
 StateDict get_optim_impl(const Target& t, const Optimizers& optimizers, const StateDictOptions& o) {

@@ -15,6 +15,7 @@
 
 #include "checkpoint/files.h"
 #include "checkpoint/save_protocol.h"
+#include "dist/agreement.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
@@ -152,25 +153,22 @@ std::optional<std::string> agreed_latest_checkpoint(const std::string& root_in,
   const std::string root = files::normalize(root_in);
   // Each rank's answer alone, by its name under the root ("step_3"; the roots may differ, as
   // node-local disks mounted at other paths or a new host's empty disk do), and its committed
-  // steps: "K<name>\n<step> <step> ...", or "E" and its error, which fails every rank.
-  std::string mine;
-  try {
+  // steps: "<name>\n<step> <step> ...", or its error, which fails every rank (dist/agreement.h).
+  const dist::Verdict mine = dist::Verdict::of([&] {
     const std::optional<std::string> latest = latest_checkpoint(root, &io);
-    mine = "K" + (latest ? latest->substr(latest->rfind('/') + 1) : std::string()) + "\n";
-    for (int64_t s : list_steps(root, &io)) mine += std::to_string(s) + " ";
-  } catch (const std::exception& e) {
-    mine = std::string("E") + e.what();
-  }
+    std::string out = (latest ? latest->substr(latest->rfind('/') + 1) : std::string()) + "\n";
+    for (int64_t s : list_steps(root, &io)) out += std::to_string(s) + " ";
+    return out;
+  });
   std::optional<std::string> agreed;  // the latest of every rank that has one, if they agree
   bool differ = false;
   std::optional<std::set<int64_t>> common;  // the steps every rank with any step lists
-  const std::vector<std::string> all = group.all_gather_bytes(mine);
+  const std::vector<std::string> all = dist::agree(&group, mine, [](int r, const std::string& e) {
+    return detail::msg("checkpoint latest: ", detail::rank(r), ": ", e);
+  });
   for (size_t r = 0; r < all.size(); ++r) {
-    if (all[r].empty() || all[r][0] != 'K')
-      throw DistError(detail::msg("checkpoint latest: ", detail::rank(static_cast<int>(r)), ": ",
-                                  all[r].empty() ? std::string("no answer") : all[r].substr(1)));
     const size_t nl = all[r].find('\n');
-    const std::string latest = all[r].substr(1, nl - 1);
+    const std::string latest = all[r].substr(0, nl);
     if (!latest.empty()) {
       differ = differ || (agreed && *agreed != latest);
       agreed = latest;

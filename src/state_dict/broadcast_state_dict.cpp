@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 
+#include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "fsdp/state_dict_utils.h"
 #include "state_dict/from_rank0.h"
@@ -331,14 +332,12 @@ LoadResult broadcast_state_dict(const StateDict& full, StateDict& local, dist::P
   const auto [flat_local, mapping] = flatten_state_dict(local);
   LoadResult result;
   const std::string mine = check(entries, flat_local, strict, result);
-  const auto verdicts = pg.all_gather_bytes(mine);
-  for (size_t r = 0; r < verdicts.size(); ++r) {
-    if (verdicts[r].empty()) continue;
-    if (!mine.empty())
-      throw ValueError(msg("broadcast_state_dict (", rank(pg.rank()), "): ", mine));
-    throw ValueError(
-        msg("broadcast_state_dict aborted, nothing was copied: ", rank(r), ": ", verdicts[r]));
-  }
+  const dist::Verdicts verdicts = dist::exchange_verdicts(
+      &pg, mine.empty() ? dist::Verdict() : dist::Verdict::failed(ValueError(mine)));
+  if (!mine.empty()) throw ValueError(msg("broadcast_state_dict (", rank(pg.rank()), "): ", mine));
+  verdicts.throw_first([](int r, const std::string& e) {
+    return msg("broadcast_state_dict aborted, nothing was copied: ", rank(r), ": ", e);
+  });
 
   const at::Device device = device_of(flat_local);
   const StateDict flat_full = is_src ? flatten_state_dict(full).first : StateDict();

@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 
+#include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
 #include "runtime/view.h"
@@ -81,16 +82,15 @@ void writeback_all(const RuntimeView& rt, Plan& plan) {
   }
 }
 
-// All-or-nothing across ranks: returns only if no rank's plan failed; otherwise every rank
-// throws, with its own error or the first failing rank's.
+// All-or-nothing across ranks (dist/agreement.h): returns only if no rank's plan failed;
+// otherwise every rank throws, with its own error or the first failing rank's.
 void agree_or_throw(dist::ProcessGroup& pg, const std::string& error) {
-  const auto errors = pg.all_gather_bytes(error);
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (errors[r].empty()) continue;
-    if (!error.empty()) throw ValueError(msg("load_state_dict: ", error));
-    throw ValueError(
-        msg("load_state_dict aborted, nothing was loaded: ", rank(r), " failed: ", errors[r]));
-  }
+  const dist::Verdicts all = dist::exchange_verdicts(
+      &pg, error.empty() ? dist::Verdict() : dist::Verdict::failed(ValueError(error)));
+  if (!error.empty()) throw ValueError(msg("load_state_dict: ", error));
+  all.throw_first([](int r, const std::string& e) {
+    return msg("load_state_dict aborted, nothing was loaded: ", rank(r), " failed: ", e);
+  });
 }
 
 void plan_unmanaged(const RuntimeView& rt, const std::string& key, const at::Tensor& target,

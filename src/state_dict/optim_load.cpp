@@ -5,6 +5,7 @@
 #include <set>
 #include <sstream>
 
+#include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
 #include "state_dict/from_rank0.h"
@@ -400,16 +401,12 @@ void OsdLoad::build_tensor(size_t e, size_t n, ParamOptimState& ns) {
 // dict often makes the others fail too (pieces they needed from it are missing), and the first
 // cause should be visible wherever the error is caught.
 void OsdLoad::agree() const {
-  std::vector<std::string> errors{plan.error};
-  if (rt) errors = rt->world_group().all_gather_bytes(plan.error);
-  std::string all;
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (errors[r].empty()) continue;
-    all += msg(all.empty() ? "" : "; ", rt ? msg(rank(r), ": ") : "", errors[r]);
-  }
-  if (!all.empty()) {
-    throw ValueError(msg("load_optim_state_dict failed, nothing was loaded: ", all));
-  }
+  const dist::Verdicts all = dist::exchange_verdicts(
+      rt ? &rt->world_group() : nullptr,
+      plan.error.empty() ? dist::Verdict() : dist::Verdict::failed(ValueError(plan.error)));
+  all.throw_first([&](int, const std::string&) {
+    return msg("load_optim_state_dict failed, nothing was loaded: ", all.failures(rt != nullptr));
+  });
 }
 
 // Apply: the dict replaces the optimizer's state and hyperparameters.
