@@ -8,6 +8,10 @@ A file may include its own folder's headers, the public headers (include/fsdp/) 
 lower layers, and, of another folder's internal headers, only those the folder exports to it.
 Tools and examples use the public API only. Tests and benchmarks may include anything.
 
+checkpoint/ is split into rooms, lowest first formats -> storage -> dcp -> save -> load -> exchange:
+every file of checkpoint/ lives in a room, and includes its own room's headers and those of lower
+rooms only.
+
 Beside the library sits launch/, fsdp-run's own layer (not part of libfsdp): it uses util/ and the
 base public headers only, nothing of the library includes it, and of tools/ only fsdp-run's main
 (tools/fsdp_run.cpp) does.
@@ -22,6 +26,10 @@ import tempfile
 
 ORDER = ["util", "dist", "flat_param", "runtime", "state_dict", "checkpoint"]
 
+# Layers split into rooms, lowest first: a room's files include their own room's headers and those of
+# lower rooms; every file of the layer lives in a room.
+ROOMS = {"checkpoint": ["formats", "storage", "dcp", "save", "load", "exchange"]}
+
 # Layers beside the library's order: folder -> (the folders it may use, the tools that may use it).
 SIDE = {"launch": ({"launch", "util"}, {"tools/fsdp_run.cpp"})}
 
@@ -31,7 +39,6 @@ EXPORTS = {
     "dist": {"agreement.h": {"state_dict", "checkpoint"}},
     "flat_param": {"grad_bucket.h": {"runtime"}},
     "runtime": {"view.h": {"state_dict"}},
-    "state_dict": {"interface.h": {"checkpoint"}},
 }
 
 # The layer of each public header (include/fsdp/<name>); "base" headers are open to every layer.
@@ -47,6 +54,9 @@ PUBLIC = {
     "model_state_dict.h": "state_dict",
     "optim_state_dict.h": "state_dict",
     "state_dict_utils.h": "state_dict",
+    # get_/set_state_dict: PyTorch's torch.distributed.checkpoint.state_dict, hence the path; it
+    # touches no file and lives in state_dict/
+    "checkpoint/state_dict.h": "state_dict",
     "fsdp.h": "top",  # the umbrella: includes everything, included by nothing of ours
 }
 
@@ -56,9 +66,11 @@ INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 
 def public_layer(name):
     """The layer of public header `name` (relative to include/fsdp/), or None if unknown."""
+    if name in PUBLIC:
+        return PUBLIC[name]
     if name.startswith("checkpoint/"):
         return "checkpoint"
-    return PUBLIC.get(name)
+    return None
 
 
 def rank(layer):
@@ -121,7 +133,7 @@ def check_include(kind, layer, inc, root, rel=""):
     if kind in ("public", "client"):
         return f"internal header {inc} in a {'public header' if kind == 'public' else 'user of the library'}"
     if folder == layer:
-        return None
+        return check_room(layer, inc, rel)
     if rank(folder) > rank(layer):
         return f"{inc} belongs to the higher layer '{folder}'"
     if folder == "util":
@@ -132,6 +144,29 @@ def check_include(kind, layer, inc, root, rel=""):
     offered = [h for h, to in EXPORTS.get(folder, {}).items() if layer in to]
     return (f"{inc} is internal to {folder}/ (it offers {layer}/ "
             f"{', '.join(folder + '/' + h for h in offered) if offered else 'only its public headers'})")
+
+
+def room_of(layer, rel):
+    """The room of file `rel` (src/<layer>/<room>/...) of a layer with rooms, or None."""
+    parts = rel.split("/")
+    if len(parts) >= 4 and parts[0] == "src" and parts[1] == layer and parts[2] in ROOMS[layer]:
+        return parts[2]
+    return None
+
+
+def check_room(layer, inc, rel):
+    """The problem with `inc`, a header of the includer's own layer `layer`, or None."""
+    if layer not in ROOMS:
+        return None
+    parts = inc.split("/")
+    if len(parts) < 3 or parts[1] not in ROOMS[layer]:
+        return f"{inc} is in no room of {layer}/ ({', '.join(ROOMS[layer])})"
+    mine = room_of(layer, rel)
+    if mine is None:
+        return None  # the file itself is reported once, by check()
+    if ROOMS[layer].index(parts[1]) > ROOMS[layer].index(mine):
+        return f"{inc} belongs to the higher room '{parts[1]}' of {layer}/"
+    return None
 
 
 def files_to_check(root):
@@ -171,6 +206,9 @@ def check(root):
         if layer.startswith("unknown:"):
             problems.append(f"{rel}: public header with no layer in scripts/check_layers.py")
             continue
+        if kind == "src" and layer in ROOMS and room_of(layer, rel.replace(os.sep, "/")) is None:
+            problems.append(f"{rel}: a file of {layer}/ in no room ({', '.join(ROOMS[layer])}; "
+                            "docs/layers.md)")
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
         for m in INCLUDE.finditer(text):
@@ -190,8 +228,15 @@ def self_test():
         "src/runtime/view.h": '#include "fsdp/fully_sharded.h"\n',
         "src/runtime/state.h": "",
         "src/state_dict/s.cpp": '#include "runtime/view.h"\n#include "fsdp/model_state_dict.h"\n',
+        "src/dist/agreement.h": "",
         "src/state_dict/interface.h": "",
-        "src/checkpoint/c.cpp": '#include "state_dict/interface.h"\n#include "fsdp/errors.h"\n',
+        "src/checkpoint/save/c.cpp": ('#include "dist/agreement.h"\n#include "fsdp/errors.h"\n'
+                                      '#include "checkpoint/formats/f.h"\n'
+                                      '#include "checkpoint/save/c.h"\n'),
+        "src/checkpoint/save/c.h": "",
+        "src/checkpoint/formats/f.h": "",
+        "src/state_dict/api.cpp": '#include "fsdp/checkpoint/state_dict.h"\n',
+        "include/fsdp/checkpoint/state_dict.h": '#include "fsdp/state_value.h"\n',
         "include/fsdp/dist.h": '#include "fsdp/compat.h"\n',
         "include/fsdp/fsdp.h": '#include "fsdp/checkpoint/checkpoint.h"\n',
         "include/fsdp/checkpoint/checkpoint.h": '#include "fsdp/state_value.h"\n',
@@ -202,7 +247,11 @@ def self_test():
     }
     violations = {
         "src/state_dict/bad.cpp": '#include "runtime/state.h"\n',        # past the runtime's view
-        "src/checkpoint/bad.cpp": '#include "state_dict/key_map.h"\n',   # past the declared interface
+        "src/checkpoint/save/bad.cpp": '#include "state_dict/interface.h"\n',  # not exported
+        "src/checkpoint/formats/bad.cpp": '#include "checkpoint/save/c.h"\n',  # a higher room
+        "src/checkpoint/save/bad2.cpp": '#include "checkpoint/c.h"\n',         # a header in no room
+        "src/checkpoint/loose.cpp": "",                                        # a file in no room
+        "src/state_dict/bad2.cpp": '#include "fsdp/checkpoint/checkpoint.h"\n',  # checkpoint's
         "src/dist/bad.cpp": '#include "flat_param/flattened.h"\n',       # upwards
         "src/flat_param/bad.cpp": '#include "fsdp/fully_sharded.h"\n',   # a higher public header
         "include/fsdp/bad_public.h": '#include "fsdp/dist.h"\n',         # a public header with no layer

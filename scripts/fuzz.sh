@@ -72,10 +72,12 @@ if ((coverage)); then
     objects+=(-object "$cov/tests/fuzz/fuzz_$t")
   done
   llvm-profdata-16 merge -sparse -o "$cov/prof/all.profdata" "$cov"/prof/*.profraw
-  readers=(src/checkpoint/pickle.cpp src/checkpoint/dcp_metadata.cpp
-           src/checkpoint/torch_archive.cpp src/checkpoint/manifest.cpp src/checkpoint/import.cpp
-           src/checkpoint/dcp_load.cpp src/checkpoint/dcp_verify.cpp src/checkpoint/dcp_items.cpp
-           src/checkpoint/files.cpp src/checkpoint/json_text.h src/checkpoint/tensor_formats.h)
+  readers=(src/checkpoint/formats/pickle.cpp src/checkpoint/dcp/metadata.cpp
+           src/checkpoint/formats/torch_archive.cpp src/checkpoint/dcp/manifest.cpp
+           src/checkpoint/exchange/import.cpp src/checkpoint/load/load.cpp
+           src/checkpoint/load/verify.cpp src/checkpoint/dcp/items.cpp
+           src/checkpoint/storage/files.cpp src/checkpoint/formats/json_text.h
+           src/checkpoint/formats/tensor_formats.h)
   llvm-cov-16 report "${objects[@]:1}" -instr-profile="$cov/prof/all.profdata" "${readers[@]}"
   exit 0
 fi

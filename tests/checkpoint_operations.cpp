@@ -7,7 +7,7 @@
 #include <optional>
 #include <stdexcept>
 
-#include "checkpoint/files.h"
+#include "checkpoint/storage/files.h"
 #include "fsdp/checkpoint/async_save.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"

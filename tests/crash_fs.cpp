@@ -15,7 +15,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "checkpoint/files.h"
+#include "checkpoint/storage/files.h"
 
 namespace fsdp {
 namespace testing {

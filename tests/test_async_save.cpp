@@ -9,7 +9,7 @@
 #include <cstring>
 #include <thread>
 
-#include "checkpoint/stream_copy.h"
+#include "checkpoint/save/stream_copy.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/async_save.h"
 #include "fsdp/checkpoint/checkpoint.h"

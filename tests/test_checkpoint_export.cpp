@@ -11,8 +11,8 @@
 #include <fstream>
 #include <iterator>
 
-#include "checkpoint/dcp_items.h"
-#include "checkpoint/torch_archive.h"
+#include "checkpoint/dcp/items.h"
+#include "checkpoint/formats/torch_archive.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"

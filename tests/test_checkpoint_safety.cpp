@@ -14,9 +14,9 @@
 #include <functional>
 #include <iterator>
 
-#include "checkpoint/dcp_metadata.h"
-#include "checkpoint/files.h"
-#include "checkpoint/manifest.h"
+#include "checkpoint/dcp/manifest.h"
+#include "checkpoint/dcp/metadata.h"
+#include "checkpoint/storage/files.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"

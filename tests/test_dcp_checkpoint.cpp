@@ -13,10 +13,10 @@
 #include <caffe2/serialize/inline_container.h>
 #include <sys/stat.h>
 
-#include "checkpoint/dcp_items.h"
-#include "checkpoint/dcp_metadata.h"
-#include "checkpoint/dcp_reader.h"
-#include "checkpoint/manifest.h"
+#include "checkpoint/dcp/items.h"
+#include "checkpoint/dcp/manifest.h"
+#include "checkpoint/dcp/metadata.h"
+#include "checkpoint/dcp/reader.h"
 #include "dcp_model_testing.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"

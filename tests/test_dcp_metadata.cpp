@@ -9,8 +9,8 @@
 #include <random>
 #include <sstream>
 
-#include "checkpoint/dcp_metadata.h"
-#include "checkpoint/pickle.h"
+#include "checkpoint/dcp/metadata.h"
+#include "checkpoint/formats/pickle.h"
 #include "multi_rank.h"
 #include "python_ref.h"
 

@@ -19,7 +19,7 @@
 #include <filesystem>
 #include <map>
 
-#include "checkpoint/files.h"
+#include "checkpoint/storage/files.h"
 #include "checkpoint_operations.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"

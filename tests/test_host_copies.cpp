@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/host_copies.h"
+#include "checkpoint/save/host_copies.h"
 #include "dcp_model_testing.h"
 #include "dcp_testing.h"
 #include "fsdp/errors.h"

@@ -16,7 +16,7 @@
 #include <optional>
 #include <vector>
 
-#include "checkpoint/read_once.h"
+#include "checkpoint/load/read_once.h"
 #include "dcp_model_testing.h"
 #include "dcp_testing.h"
 #include "fsdp/checkpoint/async_save.h"

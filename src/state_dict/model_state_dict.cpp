@@ -9,11 +9,11 @@
 #include "state_dict/flat_shard_boxes.h"
 #include "state_dict/gather_queue.h"
 #include "state_dict/global_placement.h"
-#include "state_dict/interface.h"
 #include "state_dict/kept_value.h"
 #include "state_dict/key_map.h"
 #include "state_dict/no_shard_fallback.h"
 #include "state_dict/settings.h"
+#include "state_dict/wrapped_model.h"
 
 namespace fsdp {
 

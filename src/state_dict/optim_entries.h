@@ -1,7 +1,8 @@
 // Internal: which parameters an optimizer holds over a (wrapped or plain) model, and under which
 // canonical FQNs; shared by optimizer-state export (optim_state_dict.cpp), import
-// (optim_load.cpp) and checkpoint/ (through interface.h). Defined in optim_kinds.cpp, next to the
-// optimizer table: the two together are the optimizer in PyTorch's names.
+// (optim_load.cpp) and the get_/set_state_dict API (state_dict_api.cpp). Defined in
+// optim_kinds.cpp, next to the optimizer table: the two together are the optimizer in PyTorch's
+// names.
 #pragma once
 
 #include <torch/optim/optimizer.h>

@@ -14,11 +14,11 @@
 #include <string_view>
 #include <vector>
 
-#include "checkpoint/dcp_metadata.h"
-#include "checkpoint/dcp_reader.h"
-#include "checkpoint/manifest.h"
-#include "checkpoint/pickle.h"
-#include "checkpoint/torch_archive.h"
+#include "checkpoint/dcp/manifest.h"
+#include "checkpoint/dcp/metadata.h"
+#include "checkpoint/dcp/reader.h"
+#include "checkpoint/formats/pickle.h"
+#include "checkpoint/formats/torch_archive.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/checkpoint/file_io.h"

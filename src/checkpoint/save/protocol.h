@@ -1,4 +1,4 @@
-// Internal: what the step directories (step_dirs.cpp) use of the save protocol (dcp_save.cpp).
+// Internal: what the step directories (step_dirs.cpp) use of the save protocol (save.cpp).
 #pragma once
 
 #include <functional>

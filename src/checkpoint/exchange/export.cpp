@@ -14,12 +14,12 @@
 #include <functional>
 #include <map>
 
-#include "checkpoint/dcp_items.h"
-#include "checkpoint/dcp_reader.h"
-#include "checkpoint/files.h"
-#include "checkpoint/pickle.h"
-#include "checkpoint/tensor_formats.h"
-#include "checkpoint/torch_archive.h"
+#include "checkpoint/dcp/items.h"
+#include "checkpoint/dcp/reader.h"
+#include "checkpoint/formats/pickle.h"
+#include "checkpoint/formats/tensor_formats.h"
+#include "checkpoint/formats/torch_archive.h"
+#include "checkpoint/storage/files.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
 

@@ -1,6 +1,6 @@
 // The restricted pickle reader and the protocol-2 writer (see pickle.h). Opcodes follow Python's
 // pickletools documentation; only those stock DCP metadata uses (protocols 2 to 5) are read.
-#include "checkpoint/pickle.h"
+#include "checkpoint/formats/pickle.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -5,7 +5,7 @@
 // append each piece to a file of the same name in their own host's partial directory. Every rank
 // knows every size (the save's write reports), so each round's splits are computed alike on all
 // ranks and nothing else needs to be exchanged until the checksums at the end.
-#include "checkpoint/host_copies.h"
+#include "checkpoint/save/host_copies.h"
 
 #include <ATen/ATen.h>
 
@@ -14,7 +14,7 @@
 #include <exception>
 #include <memory>
 
-#include "checkpoint/files.h"
+#include "checkpoint/storage/files.h"
 #include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "util/message.h"

@@ -1,6 +1,6 @@
 // The forms of an optimizers' state dict in the get_/set_ API (seed 001: _flatten_optim_state_dict,
 // _unflatten_optim_state_dict, _split_optim_state_dict).
-#include "checkpoint/optim_dict_forms.h"
+#include "state_dict/optim_dict_forms.h"
 
 #include <map>
 #include <set>

@@ -21,7 +21,7 @@
 #include <set>
 #include <string>
 
-#include "checkpoint/pickle.h"
+#include "checkpoint/formats/pickle.h"
 #include "fsdp/state_value.h"
 
 namespace fsdp {

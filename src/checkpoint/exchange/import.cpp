@@ -8,11 +8,11 @@
 #include <map>
 #include <set>
 
-#include "checkpoint/files.h"
-#include "checkpoint/json_text.h"
-#include "checkpoint/pickle.h"
-#include "checkpoint/tensor_formats.h"
-#include "checkpoint/torch_archive.h"
+#include "checkpoint/formats/json_text.h"
+#include "checkpoint/formats/pickle.h"
+#include "checkpoint/formats/tensor_formats.h"
+#include "checkpoint/formats/torch_archive.h"
+#include "checkpoint/storage/files.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/errors.h"
 #include "util/message.h"

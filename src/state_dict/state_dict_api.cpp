@@ -13,12 +13,12 @@
 #include <optional>
 #include <set>
 
-#include "checkpoint/optim_dict_forms.h"
 #include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
 #include "fsdp/state_dict_utils.h"
-#include "state_dict/interface.h"
+#include "state_dict/optim_dict_forms.h"
+#include "state_dict/wrapped_model.h"
 #include "util/message.h"
 
 namespace fsdp {

@@ -1,6 +1,6 @@
 // Internal: an opened DCP checkpoint directory. `.metadata` is parsed, the manifest read and
 // `.metadata` checked against it once; then any number of fills read what they need. Used by
-// load (dcp_load.cpp), verify and inspect (dcp_verify.cpp) and the exports (which pull one tensor
+// load (load.cpp), verify and inspect (verify.cpp) and the exports (which pull one tensor
 // at a time). Also the checks of chunks that load and verify share.
 #pragma once
 
@@ -13,9 +13,9 @@
 #include <string_view>
 #include <vector>
 
-#include "checkpoint/dcp_metadata.h"
-#include "checkpoint/files.h"
-#include "checkpoint/manifest.h"
+#include "checkpoint/dcp/manifest.h"
+#include "checkpoint/dcp/metadata.h"
+#include "checkpoint/storage/files.h"
 #include "fsdp/checkpoint/file_io.h"
 #include "fsdp/state_value.h"
 

@@ -1,7 +1,7 @@
-// Internal: what the state-dict layer offers checkpoint/ beyond the public API, and the only
-// header of state_dict/ that checkpoint/ includes (scripts/check_layers.py): loading from rank 0,
-// which parameters an optimizer holds under which FQNs, and the two facts about a wrapped model
-// the unified state-dict API needs.
+// Internal: the two facts about a wrapped model that the get_/set_state_dict API
+// (state_dict_api.cpp) needs beyond the public API: its state-dict group, and whether a module is
+// a live unit's. With them come what that API uses of loading from rank 0 and of the optimizer's
+// entries.
 #pragma once
 
 #include "fsdp/fully_sharded.h"

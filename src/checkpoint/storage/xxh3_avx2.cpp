@@ -4,7 +4,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#include "checkpoint/xxh3_avx2.h"
+#include "checkpoint/storage/xxh3_avx2.h"
 
 #if !defined(__AVX2__)
 #error "xxh3_avx2.cpp must be compiled with -mavx2"

@@ -1,7 +1,7 @@
 // Loading DCP checkpoints into a StateDict (fsdp/checkpoint/checkpoint.h): CheckpointReader
-// (dcp_reader.h) and load. Every item read is checked against the manifest's xxh3 checksum before
+// (dcp/reader.h) and load. Every item read is checked against the manifest's xxh3 checksum before
 // it is decoded, so a corrupt byte is reported by name rather than fed to a decoder. verify and
-// inspect, which read through the same CheckpointReader, are in dcp_verify.cpp.
+// inspect, which read through the same CheckpointReader, are in verify.cpp.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -10,11 +10,11 @@
 #include <optional>
 #include <tuple>
 
-#include "checkpoint/dcp_items.h"
-#include "checkpoint/dcp_reader.h"
-#include "checkpoint/files.h"
-#include "checkpoint/read_once.h"
-#include "checkpoint/torch_archive.h"
+#include "checkpoint/dcp/items.h"
+#include "checkpoint/dcp/reader.h"
+#include "checkpoint/formats/torch_archive.h"
+#include "checkpoint/load/read_once.h"
+#include "checkpoint/storage/files.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
 #include "util/message.h"

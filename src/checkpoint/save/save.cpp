@@ -29,12 +29,12 @@
 #include <random>
 #include <set>
 
-#include "checkpoint/dcp_items.h"
-#include "checkpoint/dcp_metadata.h"
-#include "checkpoint/files.h"
-#include "checkpoint/host_copies.h"
-#include "checkpoint/manifest.h"
-#include "checkpoint/save_protocol.h"
+#include "checkpoint/dcp/items.h"
+#include "checkpoint/dcp/manifest.h"
+#include "checkpoint/dcp/metadata.h"
+#include "checkpoint/save/host_copies.h"
+#include "checkpoint/save/protocol.h"
+#include "checkpoint/storage/files.h"
 #include "dist/agreement.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"

@@ -1,6 +1,6 @@
 // Verifying and inspecting DCP checkpoints, the load template built from what inspect reports, and
 // assembling a node-local save's directories into one (fsdp/checkpoint/checkpoint.h), all through
-// CheckpointReader (dcp_reader.h). verify reads files that may be hostile: it collects each problem
+// CheckpointReader (dcp/reader.h). verify reads files that may be hostile: it collects each problem
 // it finds, in the order of its checks, instead of stopping at the first.
 #include <algorithm>
 #include <cerrno>
@@ -10,10 +10,10 @@
 #include <optional>
 #include <set>
 
-#include "checkpoint/dcp_items.h"
-#include "checkpoint/dcp_reader.h"
-#include "checkpoint/files.h"
-#include "checkpoint/tensor_formats.h"
+#include "checkpoint/dcp/items.h"
+#include "checkpoint/dcp/reader.h"
+#include "checkpoint/formats/tensor_formats.h"
+#include "checkpoint/storage/files.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
 #include "util/message.h"

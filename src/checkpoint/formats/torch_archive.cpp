@@ -1,14 +1,14 @@
 // torch.save archives without LibTorch's reader (torch_archive.h). The zip rules used are those
 // of PKWARE's APPNOTE for stored records; every number read from the archive is checked against
 // the archive's size before it is used.
-#include "checkpoint/torch_archive.h"
+#include "checkpoint/formats/torch_archive.h"
 
 #include <climits>
 #include <cstring>
 
 #include <isa-l/crc.h>
 
-#include "checkpoint/tensor_formats.h"
+#include "checkpoint/formats/tensor_formats.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
 
@@ -84,7 +84,7 @@ DirectoryReader::EndRecord DirectoryReader::end_record() const {
   // The end record sits in the last 22 + 65535 bytes (its comment may be up to 64 KiB). torch.save
   // writes no comment, so the last 22 bytes are read first, and the whole window only if they are
   // not the record (the backward search over the window stops at that same record when they are):
-  // a chunk read straight into its tensor (dcp_load.cpp) reads its directory from the file.
+  // a chunk read straight into its tensor (load/load.cpp) reads its directory from the file.
   std::string tail;
   int64_t tail_n = 0, end = -1;
   for (const int64_t window :

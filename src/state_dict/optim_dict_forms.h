@@ -10,7 +10,7 @@
 #include <string>
 
 #include "fsdp/state_value.h"
-#include "state_dict/interface.h"
+#include "state_dict/wrapped_model.h"
 
 namespace fsdp {
 namespace checkpoint {

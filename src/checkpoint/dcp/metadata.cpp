@@ -1,11 +1,11 @@
-// DCP `.metadata` <-> C++ (see dcp_metadata.h). Reading checks every value's kind and range;
+// DCP `.metadata` <-> C++ (see metadata.h). Reading checks every value's kind and range;
 // writing emits the classes under their 2.3+ module paths, which 2.6 and 2.14 load.
-#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/dcp/metadata.h"
 
 #include <set>
 
-#include "checkpoint/files.h"
-#include "checkpoint/pickle.h"
+#include "checkpoint/formats/pickle.h"
+#include "checkpoint/storage/files.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
 #include "util/tensor_utils.h"

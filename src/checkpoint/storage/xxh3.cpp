@@ -12,8 +12,8 @@
 #include <cstdio>
 #include <stdexcept>
 
-#include "checkpoint/files.h"
-#include "checkpoint/xxh3_avx2.h"
+#include "checkpoint/storage/files.h"
+#include "checkpoint/storage/xxh3_avx2.h"
 
 namespace fsdp {
 namespace checkpoint {

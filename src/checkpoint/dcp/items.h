@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/dcp/metadata.h"
 #include "fsdp/state_value.h"
 
 namespace fsdp {

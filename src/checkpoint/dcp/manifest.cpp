@@ -1,12 +1,12 @@
 // `.fsdp_manifest.json`: writing and validating parsing (manifest.h), through nlohmann::json.
-#include "checkpoint/manifest.h"
+#include "checkpoint/dcp/manifest.h"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <tuple>
 
-#include "checkpoint/json_text.h"
+#include "checkpoint/formats/json_text.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
 

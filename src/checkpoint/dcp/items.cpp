@@ -1,16 +1,16 @@
-// DCP items of a StateDict (dcp_items.h): key flattening and torch.save archive payloads.
+// DCP items of a StateDict (items.h): key flattening and torch.save archive payloads.
 // Tensors go through torch::pickle_save / pickle_load; other values are our own protocol-2 pickle
 // in LibTorch's zip container, read back through the restricted reader.
-#include "checkpoint/dcp_items.h"
+#include "checkpoint/dcp/items.h"
 
 #include <torch/serialize.h>
 
 #include <algorithm>
 #include <cstring>
 
-#include "checkpoint/pickle.h"
-#include "checkpoint/tensor_formats.h"
-#include "checkpoint/torch_archive.h"
+#include "checkpoint/formats/pickle.h"
+#include "checkpoint/formats/tensor_formats.h"
+#include "checkpoint/formats/torch_archive.h"
 #include "fsdp/errors.h"
 #include "util/message.h"
 

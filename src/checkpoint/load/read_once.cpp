@@ -15,7 +15,7 @@
 //      and the receivers decode. A last verdict exchange ends the load.
 // Every step that can fail on one rank ends in an exchange, so all ranks throw together and no
 // rank waits for a collective its peers have left.
-#include "checkpoint/read_once.h"
+#include "checkpoint/load/read_once.h"
 
 #include <c10/util/Exception.h>
 
@@ -27,9 +27,9 @@
 #include <set>
 #include <vector>
 
-#include "checkpoint/dcp_reader.h"
-#include "checkpoint/files.h"
-#include "checkpoint/manifest.h"
+#include "checkpoint/dcp/manifest.h"
+#include "checkpoint/dcp/reader.h"
+#include "checkpoint/storage/files.h"
 #include "dist/agreement.h"
 #include "fsdp/errors.h"
 #include "util/message.h"

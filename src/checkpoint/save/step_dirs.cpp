@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/files.h"
-#include "checkpoint/save_protocol.h"
+#include "checkpoint/save/protocol.h"
+#include "checkpoint/storage/files.h"
 #include "dist/agreement.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"

@@ -6,7 +6,7 @@
 
 #include <numeric>
 
-#include "checkpoint/stream_copy.h"
+#include "checkpoint/save/stream_copy.h"
 
 namespace fsdp {
 namespace checkpoint {

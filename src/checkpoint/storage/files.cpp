@@ -1,5 +1,5 @@
 // The default FileIO (the system calls) and the checkpoint layer's file helpers (files.h).
-#include "checkpoint/files.h"
+#include "checkpoint/storage/files.h"
 
 #include <dirent.h>
 #include <fcntl.h>
