@@ -1,7 +1,7 @@
 // Atomic, checksummed DCP saves (fsdp/checkpoint/checkpoint.h); step directories are in
-// step_dirs.cpp.
+// step_dirs.cpp, the node-local protocol in node_local.cpp (save_run.h).
 //
-// The protocol, collective over the group (ranks share the file system):
+// The shared protocol, collective over the group (ranks share the file system):
 //   1. prepare: rank 0 creates the parent, removes stale `.<name>.partial` leftovers and creates a
 //      fresh one; its verdict is broadcast, so nobody writes into a directory being removed.
 //   2. write: each rank streams its items into `.<name>.partial/__<rank>_0.distcp`, hashing each,
@@ -21,19 +21,18 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
-#include <random>
 #include <set>
 
 #include "checkpoint/dcp/items.h"
 #include "checkpoint/dcp/manifest.h"
 #include "checkpoint/dcp/metadata.h"
-#include "checkpoint/save/host_copies.h"
 #include "checkpoint/save/protocol.h"
+#include "checkpoint/save/save_run.h"
 #include "checkpoint/storage/files.h"
 #include "dist/agreement.h"
 #include "fsdp/checkpoint/checkpoint.h"
@@ -44,7 +43,9 @@ namespace fsdp {
 namespace checkpoint {
 namespace {
 
-constexpr const char* kWhat = "checkpoint save";
+using save_run::kWhat;
+using save_run::RankPart;
+using save_run::SaveState;
 
 // Adds `item` under `key`, or its chunks to the key's entry if it has one (a tensor saved by
 // several ranks, or in several pieces); `index` maps keys to their entries.
@@ -58,14 +59,6 @@ void merge_item(dcp::Metadata& m, std::map<std::string, size_t>& index, const st
   auto& chunks = m.state_dict_metadata[it->second].second.tensor.chunks;
   chunks.insert(chunks.end(), item.tensor.chunks.begin(), item.tensor.chunks.end());
 }
-
-// What one rank wrote: DCP metadata for its items plus, in storage_data order, their checksums.
-struct RankPart {
-  dcp::Metadata meta;
-  std::vector<std::string> hashes;
-  std::string file;
-  int64_t file_size = 0;
-};
 
 std::string encode(const RankPart& p) {
   std::string meta = dcp::encode_wire(p.meta);
@@ -268,6 +261,10 @@ std::string move_into_place(FileIO& io, const std::string& partial, const std::s
   return io.rename(aside, old) == 0 ? old : aside;  // garbage once the new one is durable
 }
 
+}  // namespace
+
+namespace save_run {
+
 // The commit's first half: `.metadata` and the manifest (naming `local_files` in a node-local
 // save) into `partial`, fsynced with it.
 void write_commit_files(FileIO& io, const std::vector<RankPart>& parts, const std::string& partial,
@@ -318,151 +315,127 @@ void install(FileIO& io, const std::string& partial, const std::string& dir) {
   }
 }
 
-// A fresh name for one save's probe files (node-local saves), so that a probe a killed save
-// left behind is never taken for a peer's.
-std::string probe_nonce() {
-  std::random_device rd;
-  const uint64_t x =
-      (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(x));
-  return buf;
+std::vector<RankPart> SaveState::parts() const {
+  std::vector<RankPart> out;
+  for (size_t r = 0; r < reports.size(); ++r)
+    out.push_back(decode(reports[r], static_cast<int>(r)));
+  return out;
 }
+
+void SaveState::throw_first_failure(const dist::Verdicts& verdicts, const char* what) const {
+  verdicts.throw_first([&](int r, const std::string& e) {
+    return detail::msg(kWhat, " of ", dir, ": ", what, detail::rank(r), ": ", e);
+  });
+}
+
+void SaveState::remove_partial_on_leader() const {
+  if (!leader) return;
+  try {
+    files::remove_tree(*io, partial, kWhat);
+  } catch (const std::exception&) {  // the save's own error is the one to report
+  }
+}
+
+}  // namespace save_run
+
+namespace {
 
 using protocol::Hook;
 
-// The hosts of a node-local save from every rank's probe view (a '0'/'1' per rank: whose probe it
-// sees, then '/' and its replicas): each a set of ranks that all see exactly that set. Computed
-// alike on every rank, so all agree, or all throw the same error.
-host_copies::Hosts hosts_of(const std::vector<std::string>& views, const std::string& parent) {
-  const int world = static_cast<int>(views.size());
-  host_copies::Hosts hosts;
-  std::vector<bool> placed(views.size());
-  for (int r = 0; r < world; ++r) {
-    if (placed[static_cast<size_t>(r)]) continue;
-    const std::string& view = views[static_cast<size_t>(r)];
-    if (view[static_cast<size_t>(r)] != '1')
-      throw IOError(
-          detail::msg(kWhat, ": ", detail::rank(r), " cannot see its own probe in ", parent), 0);
-    std::vector<int> host;
-    for (int q = 0; q < world; ++q) {
-      if (view[static_cast<size_t>(q)] != '1') continue;
-      if (views[static_cast<size_t>(q)] != view || placed[static_cast<size_t>(q)])
-        throw ValueError(detail::msg(kWhat, ": ranks ", r, " and ", q, " see different sets of ",
-                                     "ranks sharing ", parent, ": a file system that is neither ",
-                                     "shared nor node-local"));
-      placed[static_cast<size_t>(q)] = true;
-      host.push_back(q);
-    }
-    hosts.push_back(std::move(host));
-  }
-  return hosts;
-}
+// One directory on a file system every rank shares. Rank 0 commits (the manifest, .metadata, the
+// rename into place) only once every rank has agreed to it, so that a rank lost before the commit
+// leaves none (issue 62, item 3: the commit used to come before the last exchange, and a rank
+// lost in it left a checkpoint committed by a save that failed). Its verdict is broadcast and
+// every rank returns or throws together.
+class SharedDirectory final : public save_run::Protocol {
+ public:
+  void find_leader(SaveState& s) override { s.leader = s.rank == 0; }
 
-// One collective save in its three phases. Each phase ends in an exchange, so every rank leaves
-// at the same phase and throws the same kind of error (dist/agreement.h); after a failure rank 0
-// removes the partial directory, which no rank writes to any more.
+  void commit(SaveState& s, const Annotations& annotations,
+              const std::function<void()>& after_commit) override {
+    dist::Verdict mine;
+    if (s.rank == 0) {
+      mine = dist::Verdict::of([&] {
+        save_run::write_commit_files(*s.io, s.parts(), s.partial, annotations, {});
+        return std::string();
+      });
+    }
+    // The agreement: rank 0's files are ready, and every rank is still here to say so (a rank
+    // lost here fails this exchange on every other rank, rank 0 included, before the commit).
+    if (s.exchange(mine).ok() && s.rank == 0) {
+      mine = dist::Verdict::of([&] {
+        save_run::install(*s.io, s.partial, s.dir);
+        if (after_commit) after_commit();
+        return std::string();
+      });
+    }
+    const dist::Verdict committed = dist::broadcast_verdict(s.group, mine, 0);
+    if (committed.ok()) return;
+    if (s.rank == 0) committed.raise(committed.message());
+    committed.raise(detail::msg(committed.message(), " (on rank 0)"));
+  }
+};
+
+// One collective save: the phases every save runs, around those of its protocol (save_run.h).
+// Each phase ends in an exchange, so every rank leaves at the same phase and throws the same kind
+// of error (dist/agreement.h); after a failure the leader removes the partial directory, which no
+// rank writes to any more.
 class SaveRun {
  public:
-  SaveRun(const SaveOptions& o, const std::string& dir_in)
-      : group_(o.group()), io_(o.io() ? *o.io() : default_file_io()) {
-    if (!group_ && dist::is_initialized()) group_ = &dist::default_group();
-    rank_ = group_ ? group_->rank() : 0;
-    dir_ = files::normalize(dir_in);
-    const std::string name = files::base_of(dir_);
+  SaveRun(const SaveOptions& o, const std::string& dir_in) {
+    s_.group = o.group();
+    s_.io = o.io() ? o.io() : &default_file_io();
+    if (!s_.group && dist::is_initialized()) s_.group = &dist::default_group();
+    s_.rank = s_.group ? s_.group->rank() : 0;
+    s_.dir = files::normalize(dir_in);
+    const std::string name = files::base_of(s_.dir);
     if (name == "." || name == ".." || name == "/")
       throw ValueError(
           detail::msg(kWhat, ": ", detail::quote(dir_in), " does not name a directory to create"));
-    partial_ = files::join(files::parent_of(dir_), "." + name + ".partial");
+    s_.partial = files::join(files::parent_of(s_.dir), "." + name + ".partial");
     if (o.replicas() < 1 || (o.replicas() > 1 && !o.node_local()))
-      throw ValueError(detail::msg(kWhat, " of ", dir_, ": replicas(", o.replicas(), ") ",
+      throw ValueError(detail::msg(kWhat, " of ", s_.dir, ": replicas(", o.replicas(), ") ",
                                    o.replicas() < 1
                                        ? "must be at least 1"
                                        : "needs node_local(true): on a shared file "
                                          "system every file is already on every host"));
-    node_local_ = o.node_local() && group_ && group_->size() > 1;
-    replicas_ = o.replicas();
-    leader_ = rank_ == 0;
+    if (o.node_local() && s_.group && s_.group->size() > 1)
+      protocol_ = save_run::node_local_directories(o.replicas());
+    else
+      protocol_ = std::make_unique<SharedDirectory>();
   }
   SaveRun(const SaveRun&) = delete;
   SaveRun& operator=(const SaveRun&) = delete;
 
-  // Node-local saves: the ranks that see this rank's directory (its host), found by each leaving
-  // an empty probe file beside `dir` and listing whose probes it sees. Every rank of a host must
-  // see exactly the same ranks. The host's lowest rank leads it: it does what rank 0 does in a
-  // shared save. Two small exchanges (three with the nonce's broadcast).
-  void find_host() {
-    if (!node_local_) return;
-    const int world = group_->size();
-    const std::string parent = files::parent_of(dir_);
-    const std::string stem = "." + files::base_of(dir_) + ".probe-" +
-                             group_->broadcast_bytes(rank_ == 0 ? probe_nonce() : "", 0) + "-";
-    const std::string mine = files::join(parent, stem + std::to_string(rank_));
-    const dist::Verdict probed = dist::Verdict::of([&] {
-      files::make_dirs(io_, parent, kWhat);
-      files::write_file(io_, mine, "", kWhat);
-      return std::string();
-    });
-    try {
-      throw_first_failure(exchange(probed), "probing which ranks share ");
-    } catch (...) {
-      io_.remove(mine);  // the save fails here: leave no probe behind
-      throw;
-    }
-    const dist::Verdict seen = dist::Verdict::of([&] {
-      std::string seen(static_cast<size_t>(world), '0');
-      std::vector<std::string> names;
-      if (io_.list_dir(parent, names) != 0) {
-        const int err = errno;  // before the message allocates
-        files::io_error(kWhat, "listing", parent, err);
-      }
-      for (const auto& n : names) {
-        if (n.compare(0, stem.size(), stem) != 0) continue;
-        const std::string r = n.substr(stem.size());
-        if (!r.empty() && r.size() < 8 && r.find_first_not_of("0123456789") == std::string::npos &&
-            std::stoi(r) < world)
-          seen[static_cast<size_t>(std::stoi(r))] = '1';
-      }
-      return seen + "/" + std::to_string(replicas_);
-    });
-    const dist::Verdicts seen_by_all = exchange(seen);
-    io_.remove(mine);  // every rank has listed: the probe has served (a failure leaves it to the
-                       // next save's leader, which removes stale probes)
-    throw_first_failure(seen_by_all, "probing which ranks share ");
-    const std::vector<std::string> views = seen_by_all.payloads();
-    // Every rank must plan the same copies (host_copies::receivers).
-    const auto w = static_cast<size_t>(world);
-    for (int r = 1; r < world; ++r)
-      if (views[static_cast<size_t>(r)].substr(w) != views[0].substr(w))
-        throw ValueError(detail::msg(
-            kWhat, " of ", dir_, ": ranks 0 and ", r, " pass different SaveOptions::replicas (",
-            views[0].substr(w + 1), " and ", views[static_cast<size_t>(r)].substr(w + 1), ")"));
-    hosts_ = hosts_of(views, parent);
-    for (const auto& h : hosts_)
-      if (std::find(h.begin(), h.end(), rank_) != h.end()) host_ = h;
-    leader_ = host_.front() == rank_;
-    stale_probes_ = stem;
+  void run(const StateDict& state_dict, const Annotations& annotations, const Hook& before_prepare,
+           const Hook& after_commit) {
+    protocol_->find_leader(s_);
+    prepare(state_dict, before_prepare);
+    write();
+    protocol_->after_write(s_);
+    protocol_->commit(s_, annotations, after_commit);
   }
 
-  // 1. Rank 0 makes the partial directory; every rank says which boxes it holds, so that a box
-  // several ranks hold (replicas under HYBRID_SHARD, NO_SHARD optimizer state) is written once,
-  // by the lowest of them (DCP's dedup_save_plans). One small exchange.
+ private:
+  // 1. The leader makes the partial directory; every rank says which boxes it holds, so that a
+  // box several ranks hold (replicas under HYBRID_SHARD, NO_SHARD optimizer state) is written
+  // once, by the lowest of them (DCP's dedup_save_plans). One small exchange.
   void prepare(const StateDict& state_dict, const Hook& before_prepare) {
     dist::Verdict mine;
-    if (leader_) {
+    if (s_.leader) {
       mine = dist::Verdict::of([&] {
         // An earlier save's removal may still be running over the names cleaned up here.
         files::wait_for_background_removal();
-        if (node_local_) remove_stale_probes();
+        protocol_->clear_leftovers(s_);
         if (before_prepare) before_prepare();
-        files::make_dirs(io_, files::parent_of(dir_), kWhat);
-        restore_aside(io_, dir_);
-        files::remove_tree(io_, partial_, kWhat);
-        files::remove_tree(io_, partial_ + ".old", kWhat);
-        if (io_.mkdir(partial_, 0755) != 0) {
+        FileIO& io = *s_.io;
+        files::make_dirs(io, files::parent_of(s_.dir), kWhat);
+        restore_aside(io, s_.dir);
+        files::remove_tree(io, s_.partial, kWhat);
+        files::remove_tree(io, s_.partial + ".old", kWhat);
+        if (io.mkdir(s_.partial, 0755) != 0) {
           const int err = errno;  // before the message allocates
-          files::io_error(kWhat, "creating", partial_, err);
+          files::io_error(kWhat, "creating", s_.partial, err);
         }
         return std::string();
       });
@@ -475,15 +448,16 @@ class SaveRun {
         return held_chunks(flat_);
       });
     }
-    const dist::Verdicts prepared = exchange(mine);
+    const dist::Verdicts prepared = s_.exchange(mine);
     try {
       prepared.throw_first([](int r, const std::string& e) {
         return detail::msg(e, " (on ", detail::rank(r), ")");
       });
       for (int r = 0; r < static_cast<int>(prepared.size()); ++r)
-        parse_held(prepared[static_cast<size_t>(r)].payload(), 0, r < rank_ ? &skip_ : nullptr, r);
+        parse_held(prepared[static_cast<size_t>(r)].payload(), 0, r < s_.rank ? &skip_ : nullptr,
+                   r);
     } catch (...) {
-      remove_partial_on_leader();
+      s_.remove_partial_on_leader();
       throw;
     }
   }
@@ -491,179 +465,30 @@ class SaveRun {
   // 2. Every rank writes its file of the boxes it is the lowest holder of; the reports (what it
   // wrote, with checksums, or its failure) are exchanged.
   void write() {
-    const dist::Verdicts reports = exchange(dist::Verdict::of([&] {
-      return encode(write_items(flat_, io_, partial_, "__" + std::to_string(rank_) + "_0.distcp",
-                                rank_, skip_));
+    const dist::Verdicts reports = s_.exchange(dist::Verdict::of([&] {
+      return encode(write_items(flat_, *s_.io, s_.partial,
+                                "__" + std::to_string(s_.rank) + "_0.distcp", s_.rank, skip_));
     }));
     if (!reports.ok()) {
-      remove_partial_on_leader();
+      s_.remove_partial_on_leader();
       reports.throw_first([&](int, const std::string&) {  // the first one's kind, every failure
-        return detail::msg(kWhat, " of ", dir_,
+        return detail::msg(kWhat, " of ", s_.dir,
                            " failed, nothing was committed: ", reports.failures());
       });
     }
-    reports_ = reports.payloads();
+    s_.reports = reports.payloads();
   }
 
-  // 2b. Node-local saves with replicas: every rank's file also goes to ranks of the next hosts
-  // (host_copies.h), so a lost host's files are still somewhere. Ends in a verdict exchange.
-  void copy_to_other_hosts() {
-    if (!node_local_) return;
-    copies_to_ = host_copies::receivers(hosts_, group_->size(), replicas_);
-    if (std::all_of(copies_to_.begin(), copies_to_.end(), [](const auto& t) { return t.empty(); }))
-      return;  // one host, or replicas(1)
-    std::vector<std::string> names;
-    std::vector<int64_t> sizes;
-    for (const RankPart& p : parts()) {
-      names.push_back(p.file);
-      sizes.push_back(p.file_size);
-    }
-    const dist::Verdicts copied =
-        exchange(host_copies::copy(*group_, io_, partial_, names, sizes, copies_to_));
-    if (!copied.ok()) remove_partial_on_leader();
-    throw_first_failure(copied, "nothing was committed: copying data files to other hosts, on ");
-  }
-
-  // 3. Rank 0 commits (the manifest, .metadata, the rename into place): only once every rank has
-  // agreed to it, so that a rank lost before the commit leaves none (issue 62, item 3: the
-  // commit used to come before the last exchange, and a rank lost in it left a checkpoint
-  // committed by a save that failed). Its verdict is broadcast and every rank returns or throws
-  // together.
-  void finish(const Annotations& annotations, const Hook& after_commit) {
-    if (node_local_) return finish_node_local(annotations, after_commit);
-    dist::Verdict mine;
-    if (rank_ == 0) {
-      mine = dist::Verdict::of([&] {
-        write_commit_files(io_, parts(), partial_, annotations, {});
-        return std::string();
-      });
-    }
-    // The agreement: rank 0's files are ready, and every rank is still here to say so (a rank
-    // lost here fails this exchange on every other rank, rank 0 included, before the commit).
-    if (exchange(mine).ok() && rank_ == 0) {
-      mine = dist::Verdict::of([&] {
-        install(io_, partial_, dir_);
-        if (after_commit) after_commit();
-        return std::string();
-      });
-    }
-    const dist::Verdict committed = dist::broadcast_verdict(group_, mine, 0);
-    if (committed.ok()) return;
-    if (rank_ == 0) committed.raise(committed.message());
-    committed.raise(detail::msg(committed.message(), " (on rank 0)"));
-  }
-
- private:
-  std::vector<RankPart> parts() const {
-    std::vector<RankPart> out;
-    for (size_t r = 0; r < reports_.size(); ++r)
-      out.push_back(decode(reports_[r], static_cast<int>(r)));
-    return out;
-  }
-
-  // A node-local commit, in two phases so that no host swaps in a step another host could not
-  // complete: every leader makes its directory complete and durable; only if all succeeded does
-  // each swap it in; only once every host holds the new step does after_commit run (the `latest`
-  // pointer, keep_last's removals), so no host drops an old step another host still needs.
-  void finish_node_local(const Annotations& annotations, const Hook& after_commit) {
-    dist::Verdict mine;
-    if (leader_) {
-      mine = dist::Verdict::of([&] {
-        std::vector<RankPart> all = parts();
-        std::vector<std::string> local;  // none listed: one host holds every file
-        if (hosts_.size() > 1)
-          for (size_t r = 0; r < all.size(); ++r)
-            if (on_this_host(static_cast<int>(r))) local.push_back(all[r].file);
-        write_commit_files(io_, all, partial_, annotations, std::move(local));
-        return std::string();
-      });
-    }
-    const dist::Verdicts completed = exchange(mine);
-    if (!completed.ok()) remove_partial_on_leader();
-    throw_first_failure(completed, "nothing was committed: completing the directory of ");
-    if (leader_) {
-      mine = dist::Verdict::of([&] {
-        install(io_, partial_, dir_);
-        return std::string();
-      });
-    }
-    throw_first_failure(exchange(mine),
-                        "committed on some hosts only: swapping in the directory of ");
-    if (leader_ && after_commit) {
-      mine = dist::Verdict::of([&] {
-        after_commit();
-        return std::string();
-      });
-    }
-    throw_first_failure(exchange(mine), "committed, then failed on the host of ");
-  }
-
-  // Whether this host's directory holds rank r's data file: r is one of its ranks, or sent a copy
-  // to one of them.
-  bool on_this_host(int r) const {
-    auto here = [&](int q) { return std::find(host_.begin(), host_.end(), q) != host_.end(); };
-    if (here(r)) return true;
-    if (copies_to_.empty()) return false;
-    const auto& to = copies_to_[static_cast<size_t>(r)];
-    return std::any_of(to.begin(), to.end(), here);
-  }
-
-  // Every rank's verdict (dist/agreement.h).
-  dist::Verdicts exchange(const dist::Verdict& mine) {
-    return dist::exchange_verdicts(group_, mine);
-  }
-  // Throws, on every rank alike, the first failure among `verdicts`, saying `what` failed and on
-  // which rank.
-  void throw_first_failure(const dist::Verdicts& verdicts, const char* what) {
-    verdicts.throw_first([&](int r, const std::string& e) {
-      return detail::msg(kWhat, " of ", dir_, ": ", what, detail::rank(r), ": ", e);
-    });
-  }
-  // Probe files of earlier node-local saves into this name that were killed before removing them.
-  void remove_stale_probes() {
-    const std::string parent = files::parent_of(dir_);
-    const std::string prefix = "." + files::base_of(dir_) + ".probe-";
-    std::vector<std::string> names;
-    if (io_.list_dir(parent, names) != 0) return;
-    for (const auto& n : names)
-      if (n.compare(0, prefix.size(), prefix) == 0 &&
-          n.compare(0, stale_probes_.size(), stale_probes_) != 0)
-        io_.remove(files::join(parent, n));
-  }
-
-  void remove_partial_on_leader() {
-    if (!leader_) return;
-    try {
-      files::remove_tree(io_, partial_, kWhat);
-    } catch (const std::exception&) {  // the save's own error is the one to report
-    }
-  }
-
-  dist::ProcessGroup* group_;
-  FileIO& io_;
-  int rank_ = 0;
-  std::string dir_, partial_;
+  SaveState s_;
+  std::unique_ptr<save_run::Protocol> protocol_;
   StateDict sd_;  // the caller's containers; flat_ points into them
   std::vector<items::FlatItem> flat_;
-  std::set<std::string> skip_;        // boxes a lower rank writes
-  std::vector<std::string> reports_;  // per rank: its encoded RankPart
-  bool node_local_ = false;
-  int replicas_ = 1;
-  bool leader_ = false;                      // prepares and commits this rank's directory
-  host_copies::Hosts hosts_;                 // node-local: every host's ranks
-  std::vector<int> host_;                    // node-local: the ranks sharing this rank's directory
-  std::vector<std::vector<int>> copies_to_;  // node-local: who holds a copy of each rank's file
-  std::string stale_probes_;  // node-local: this save's probe names' prefix (not stale)
+  std::set<std::string> skip_;  // boxes a lower rank writes
 };
 
 void save_impl(const StateDict& state_dict, const std::string& dir, const SaveOptions& o,
                const Hook& before_prepare, const Hook& after_commit) {
-  SaveRun run(o, dir);
-  run.find_host();
-  run.prepare(state_dict, before_prepare);
-  run.write();
-  run.copy_to_other_hosts();
-  run.finish(o.annotations(), after_commit);
+  SaveRun(o, dir).run(state_dict, o.annotations(), before_prepare, after_commit);
 }
 
 }  // namespace
