@@ -48,7 +48,10 @@ PUBLIC = {
     "compat_backends.h": "base",  # building c10d backends: for dist/, not in fsdp.h
     "dist.h": "dist",
     "flat_param.h": "flat_param",
+    # the wrapper's options: ShardingStrategy is the first of them, and the handle needs it
+    "options.h": "flat_param",
     "fully_sharded.h": "runtime",
+    "detail/forward.h": "runtime",  # fsdp::forward's machinery (templates), not an API
     "state_value.h": "state_dict",  # the value model: StateDict, StateValue, ShardedTensor
     "state_dict.h": "state_dict",  # its deprecated name
     "model_state_dict.h": "state_dict",

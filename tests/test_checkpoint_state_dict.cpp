@@ -1,7 +1,8 @@
-// fsdp::checkpoint's get_/set_ state dict API (issue 10, seed 001): a wrapped model and optimizer
-// give the dicts of the same model unwrapped; the options (full, cpu_offload, frozen, submodules,
-// strict, broadcast_from_rank0, flat optimizer dicts) behave as the seed's; each of the seed's
-// error conditions is provoked.
+// fsdp::checkpoint's get_/set_ state dict API (issue 10; PyTorch's
+// torch/distributed/checkpoint/state_dict.py): a wrapped model and optimizer give the dicts of the
+// same model unwrapped; the options (full, cpu_offload, frozen, submodules, strict,
+// broadcast_from_rank0, flat optimizer dicts) behave as PyTorch's; each of PyTorch's error
+// conditions is provoked.
 #include <gtest/gtest.h>
 
 #include "fsdp/checkpoint/state_dict.h"
@@ -284,7 +285,7 @@ TEST(CheckpointStateDict, NonStrictReportsMissingAndUnexpectedKeys) {
 
 // The optimizer's state is created on demand by a zero-learning-rate step, which changes no
 // parameter, restores the learning rate and leaves no gradient; a gradient already present with
-// no state is the seed's error.
+// no state is PyTorch's error.
 TEST(CheckpointStateDict, OptimizerStateIsInitialisedWithoutChangingParameters) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (const auto& kind : fsdp::testing::optimizer_kinds()) {
@@ -323,7 +324,7 @@ TEST(CheckpointStateDict, OptimizerStateIsInitialisedWithoutChangingParameters) 
 }
 
 // flatten_optimizer_state_dict: "state.<fqn>.<name>" and "param_groups.<fqn>.<key>", loadable
-// back (into a wrapped and a plain model); conflicting group values are the seed's error.
+// back (into a wrapped and a plain model); conflicting group values are PyTorch's error.
 TEST(CheckpointStateDict, FlatOptimizerStateDictRoundTrips) {
   run_ranks(2, [](ProcessGroup& pg) {
     TinyLM m(7);
@@ -416,7 +417,7 @@ TEST(CheckpointStateDict, SeveralOptimizersMergeAndSplit) {
           "");
     }
     // Through this API, one optimizer that holds part of a unit's trainable parameters is
-    // PyTorch's error (seed 000's "... is not in the optimizer state").
+    // PyTorch's error (PyTorch's "... is not in the optimizer state").
     const std::string err =
         error_of([&] { ckpt::get_optimizer_state_dict(model2, *opt_b2, kFull); });
     EXPECT_NE(err.find("is not in the optimizer state"), std::string::npos) << err;
@@ -546,7 +547,7 @@ TEST(CheckpointStateDict, BroadcastFromRank0HoldsAboutOneUnit) {
   });
 }
 
-// Each of the seed's verification errors, provoked.
+// Each of PyTorch's verification errors, provoked.
 TEST(CheckpointStateDict, SeedErrorsAreRaised) {
   run_ranks(2, [](ProcessGroup&) {
     TinyLM m(7);

@@ -1,6 +1,7 @@
-// Optimizer state dicts (issue 9, seed 000): FULL dicts of a wrapped model equal the
-// single-process optimizer's, SHARDED dicts reshard across world sizes, strategies and
-// use_orig_params and resume training, errors on one rank fail every rank and change nothing.
+// Optimizer state dicts (issue 9; PyTorch's torch/distributed/fsdp/_optim_utils.py): FULL dicts of
+// a wrapped model equal the single-process optimizer's, SHARDED dicts reshard across world sizes,
+// strategies and use_orig_params and resume training, errors on one rank fail every rank and change
+// nothing.
 #include <gtest/gtest.h>
 
 #include "fsdp/errors.h"

@@ -427,7 +427,7 @@ TEST(StateDictApi, DistributeCopiesEveryValueAndKeepsExtraKeys) {
   EXPECT_EQ(local.at("lr").to_double(), 0.25);
 }
 
-// Item 7: dict keys compare as sets, as in the seed; copy_state_dict leaves the companion's
+// Item 7: dict keys compare as sets, as in PyTorch; copy_state_dict leaves the companion's
 // non-tensor values alone and returns the source's.
 TEST(StateDictApi, SimilarityAndCopyCompareKeysAsSets) {
   StateDict a, b;

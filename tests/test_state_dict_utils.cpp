@@ -1,5 +1,6 @@
-// State-dict utilities (issue 10, seed 003): flatten/unflatten, similarity, CPU companions and
-// copies, gathering SHARDED dicts into full tensors and distributing full ones into pieces.
+// State-dict utilities (issue 10; PyTorch's torch/distributed/_state_dict_utils.py):
+// flatten/unflatten, similarity, CPU companions and copies, gathering SHARDED dicts into full
+// tensors and distributing full ones into pieces.
 #include <gtest/gtest.h>
 
 #include "fsdp/errors.h"

@@ -34,38 +34,25 @@ namespace dist {
 /// division by the group size (Gloo rejects c10d's AVG).
 enum class ReduceOp { SUM, AVG, MAX, MIN };
 
-/// How reduce_scatter is carried out where the backend has no native flat reduce-scatter.
+/// How reduce_scatter is carried out where the backend has no native flat reduce-scatter. AUTO
+/// is the right choice almost always; how each works and what it costs: docs/dist.md.
 enum class ReduceScatterAlgo {
-  /// Native on NCCL; PAIRWISE on Gloo (as fast as ALL_TO_ALL with half or less of its scratch;
-  /// both 2-3x faster than ALL_REDUCE from 1 MiB per rank, and Gloo's native form in LibTorch 2.x
-  /// is ALL_REDUCE on a clone of the input; docs/dist.md).
+  /// Native on NCCL; PAIRWISE on Gloo, HIERARCHICAL on a group routed by host from 64 KiB.
   AUTO,
-  /// alltoall of the W chunks, then a local sum in rank order: each rank receives only the
-  /// (W-1)/W of the data it needs, and every rank sums in the same order (deterministic).
+  /// alltoall of the W chunks, then a local sum in rank order (deterministic).
   ALL_TO_ALL,
   /// all_reduce of the whole tensor, then keep this rank's chunk: moves about twice the bytes.
   ALL_REDUCE,
   /// The backend's _reduce_scatter_base. Throws where the backend lacks it.
   NATIVE,
-  /// Point-to-point, Gloo only (ValueError elsewhere: NCCL's in-order point-to-point could
-  /// deadlock it, and NCCL's native form is a real reduce-scatter). Piece q of the input is sent
-  /// to rank q, and the pieces of this rank's chunk are received (for SUM and AVG the first one
-  /// straight into the output, the others into at most two chunk-sized buffers) and summed in
-  /// rank order (the same sums as ALL_TO_ALL, bit for bit, NaN payloads aside). Holds at most 2/W
-  /// of the input in scratch, none at W=2 for a sum, where ALL_TO_ALL holds all of it: the lower
-  /// peak of backward under FULL_SHARD. Each call sends under a tag of its own (a per-group
-  /// counter): code that sends on the same c10d backend directly must not use tags from 0 up.
+  /// Gloo only: point-to-point pieces summed in rank order (the same bits as ALL_TO_ALL), with
+  /// at most 2/W of the input in scratch. Sends under tags of its own from 0 up: code sending on
+  /// the same c10d backend directly must not use them.
   PAIRWISE,
-  /// Routed by host, Gloo only, on a group init_process_group routed (ProcessGroup::hosts() > 1;
-  /// ValueError elsewhere): a PAIRWISE reduce-scatter among the ranks of each host, then one
-  /// among the ranks with the same local rank on every host, so that only the host's sums cross
-  /// to other hosts: (H-1)/H of the input per host for H hosts, where a flat reduce-scatter
-  /// sends all of it. AUTO picks it on such a group from 64 KiB of input. Sums in another order
-  /// than PAIRWISE (each host's ranks first), the same on every rank; the first step completes
-  /// before the call returns; scratch: 1/L of the input (L ranks per host) and the pairwise
-  /// buffers of each step.
+  /// Gloo only, on a group routed by host (ProcessGroup::hosts() > 1): PAIRWISE within each
+  /// host, then across hosts, so only each host's sums leave it. ValueError elsewhere.
   HIERARCHICAL,
-  // The names before the one enum style (docs/migration.md); removed in the next release.
+  // Deprecated spellings, listed once in docs/migration.md; removed in the next release.
   kAuto [[deprecated("use ReduceScatterAlgo::AUTO")]] = AUTO,
   kAllToAll [[deprecated("use ReduceScatterAlgo::ALL_TO_ALL")]] = ALL_TO_ALL,
   kAllReduce [[deprecated("use ReduceScatterAlgo::ALL_REDUCE")]] = ALL_REDUCE,
@@ -73,32 +60,21 @@ enum class ReduceScatterAlgo {
   kPairwise [[deprecated("use ReduceScatterAlgo::PAIRWISE")]] = PAIRWISE,
 };
 
-/// How all_gather_into_tensor is carried out.
+/// How all_gather_into_tensor is carried out. AUTO is the right choice almost always; how each
+/// works and what it costs: docs/dist.md.
 enum class AllGatherAlgo {
-  /// Native on NCCL; on Gloo PAIRWISE for outputs of 4 MiB and up (no scratch and no copy of the
-  /// whole output: faster there, and a unit less memory at FSDP's peak), NATIVE below (where
-  /// pairwise measured slower in training steps; docs/dist.md).
+  /// Native on NCCL; on Gloo PAIRWISE from 4 MiB of output and NATIVE below, HIERARCHICAL on a
+  /// group routed by host from 64 KiB.
   AUTO,
-  /// The backend's own all-gather (_allgather_base, or in LibTorch 1.13's Gloo the list form with
-  /// views of the output). Gloo's receives into a scratch tensor of the whole output and then
-  /// copies every piece into place.
+  /// The backend's own all-gather (on Gloo through a scratch copy of the whole output).
   NATIVE,
-  /// Point-to-point, Gloo only (ValueError elsewhere): every rank sends its input to each peer and
-  /// receives each peer's input straight into its place in the output. Allocates nothing for
-  /// tensors on device(); only this rank's own piece is copied (not even that when the input is
-  /// that piece of the output). Each call sends under a tag of its own (the per-group counter
-  /// PAIRWISE reduce-scatters use). An input that overlaps the output anywhere but this rank's
-  /// own piece is refused (ValueError) on the rank that passes it.
+  /// Gloo only: every peer's input received straight into its place in the output; allocates
+  /// nothing. Refuses (ValueError) an input overlapping the output except at its own piece.
   PAIRWISE,
-  /// Routed by host, Gloo only, on a group init_process_group routed (ProcessGroup::hosts() > 1;
-  /// ValueError elsewhere): each rank exchanges its input with the ranks of the same local rank
-  /// on the other hosts, then forwards what it received to the ranks of its own host, every piece
-  /// received straight into its place in the output. A host sends its share (1/H of the output
-  /// for H hosts) once to each other host, (H-1)/H of the output in all, where Gloo's ring over
-  /// all ranks sends (W-1)/W on each host boundary it crosses. AUTO picks it on such a group from
-  /// 64 KiB of output. The forwarding runs in wait(); nothing is allocated.
+  /// Gloo only, on a group routed by host (ProcessGroup::hosts() > 1): an exchange across hosts,
+  /// then forwarding within each, so each host sends its share once. ValueError elsewhere.
   HIERARCHICAL,
-  // The names before the one enum style (docs/migration.md); removed in the next release.
+  // Deprecated spellings, listed once in docs/migration.md; removed in the next release.
   kAuto [[deprecated("use AllGatherAlgo::AUTO")]] = AUTO,
   kNative [[deprecated("use AllGatherAlgo::NATIVE")]] = NATIVE,
   kPairwise [[deprecated("use AllGatherAlgo::PAIRWISE")]] = PAIRWISE,
@@ -108,6 +84,7 @@ enum class AllGatherAlgo {
 /// variables torchrun sets.
 struct InitOptions {
   /// "gloo", "nccl" or "auto" (NCCL where LibTorch has CUDA and a GPU is visible, else Gloo).
+  /// Default "auto".
   TORCH_ARG(std::string, backend) = "auto";
   /// This process's rank. Default: $RANK.
   TORCH_ARG(std::optional<int>, rank);
@@ -118,29 +95,23 @@ struct InitOptions {
   /// Port of the TCPStore. Default: $MASTER_PORT, else 29500.
   TORCH_ARG(std::optional<int>, master_port);
   /// An existing store to rendezvous on instead of creating a TCPStore (e.g. a FileStore).
+  /// Default: none, a TCPStore at master_addr:master_port.
   TORCH_ARG(compat::StorePtr, store);
   /// Limit on every collective and on the rendezvous. Default: 30 minutes, as in PyTorch.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
   /// Address of this host for Gloo's transport. Default: $FSDP_GLOO_HOSTNAME; else the
-  /// interfaces $GLOO_SOCKET_IFNAME names (comma-separated, as in PyTorch); else the address
-  /// fsdp-run chose for this node ($FSDP_NODE_ADDR); else 127.0.0.1 when the master address is a
-  /// loopback one; else the local address of the route to the master (one line on stderr from
-  /// each host's local rank 0 says which); else, with no route, the address of this host's name.
-  /// A job that spans hosts and would bind loopback throws ValueError naming the variables; a
-  /// rendezvous that fails names the address and how to change it.
+  /// interfaces $GLOO_SOCKET_IFNAME names; else fsdp-run's $FSDP_NODE_ADDR; else 127.0.0.1 for a
+  /// loopback master; else the local address of the route to the master (the full order, and
+  /// the errors a wrong choice gives: docs/dist.md, "Initialisation").
   TORCH_ARG(std::optional<std::string>, gloo_hostname);
   /// Gloo worker threads per group. Default 2.
   TORCH_ARG(int, gloo_threads) = 2;
-  /// Route the default group's large collectives by host (AllGatherAlgo::HIERARCHICAL,
-  /// ReduceScatterAlgo::HIERARCHICAL, and all_reduce as a reduce-scatter within each host, an
-  /// all-reduce across hosts and an all-gather within each host), so that each host sends other
-  /// hosts only its share of the data. Gloo only. Default: $FSDP_HOST_AWARE (0 or 1), else on
-  /// when the launcher's layout (LOCAL_RANK, LOCAL_WORLD_SIZE) puts the ranks on several hosts,
-  /// more than one on each, the same number on each, in consecutive blocks (as fsdp-run, torchrun,
-  /// mpirun and srun number them). The ranks first exchange their layouts and wishes (one small
-  /// collective at start-up, whatever is asked) and route only if no rank said false and the
-  /// layouts agree; else the group stays flat, and where some rank asked for routing (true or 1)
-  /// rank 0 prints why on stderr.
+  /// Route the default group's large collectives by host (the HIERARCHICAL algorithms, and
+  /// all_reduce within, across, then within hosts), so each host sends others only its share.
+  /// Gloo only. Default: $FSDP_HOST_AWARE (0 or 1), else on when the launcher's layout puts the
+  /// ranks on several hosts, more than one and the same number on each, in consecutive blocks.
+  /// The ranks agree at start-up; where they cannot, the group stays flat and rank 0 says why
+  /// (docs/dist.md, "Routed by host").
   TORCH_ARG(std::optional<bool>, host_aware);
 };
 

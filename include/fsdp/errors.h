@@ -1,6 +1,6 @@
 // fsdp/errors.h: the exceptions fsdp-cpp throws.
 //
-// Policy (borrowed from gloo's docs/errors.md): bad input from a caller and failures of a peer are
+// Policy (gloo's, for errors): bad input from a caller and failures of a peer are
 // reported by throwing one of the types below, never by aborting the process. Every message names
 // what it is about: the parameter or key, the rank, the shape or the file. Broken internal
 // invariants throw InternalError; seeing one is a bug in fsdp-cpp.

@@ -30,29 +30,13 @@
 #include <torch/nn/module.h>
 
 #include "fsdp/dist.h"
+#include "fsdp/options.h"  // ShardingStrategy
 
 namespace fsdp {
 
 namespace detail {
 class GradBucket;  // src/flat_param/grad_bucket.h
 }  // namespace detail
-
-/// How parameters, gradients and optimizer state are split across ranks (PyTorch's names).
-enum class ShardingStrategy {
-  /// Shard parameters, gradients and optimizer state; free full parameters after forward.
-  FULL_SHARD,
-  /// As FULL_SHARD, but keep the full parameters from forward until after backward (ZeRO-2).
-  SHARD_GRAD_OP,
-  /// No sharding: every rank holds everything and gradients are all-reduced (DDP).
-  NO_SHARD,
-  /// FULL_SHARD within a shard group (a node), replicated across the replicate group.
-  HYBRID_SHARD,
-  /// SHARD_GRAD_OP within a shard group, replicated across the replicate group.
-  HYBRID_SHARD_ZERO2,
-};
-
-/// "FULL_SHARD", "NO_SHARD", ...
-const char* to_string(ShardingStrategy s);
 
 /// Where the handle is in a training step. Affects which buffers unshard() uses (full precision
 /// while SUMMON_FULL_PARAMS) and nothing else here; the runtime sets it.
@@ -166,33 +150,37 @@ struct FlatParamLayout {
   FlatParamShardMetadata shard_metadata(int rank) const;
 };
 
-/// Options of a FlatParamHandle. Defaults match PyTorch FSDP's.
+/// Options of a FlatParamHandle (FullyShardedDataParallel fills them from FullyShardedOptions).
+/// Defaults match PyTorch FSDP's.
 struct FlatParamHandleOptions {
+  /// How to shard (see ShardingStrategy). Default FULL_SHARD.
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::FULL_SHARD;
   /// Keep the original parameters usable by an optimizer as views into the local shard, permit
   /// non-uniform requires_grad, and align each parameter to 16 bytes in the flat parameter.
+  /// Default false.
   TORCH_ARG(bool, use_orig_params) = false;
   /// Keep the sharded parameter and gradient on the CPU (pinned when `device` is a GPU); copy to
   /// `device` for unshard. The sharded gradient is one CPU buffer kept for the handle's life
-  /// (PyTorch's _cpu_grad), written again by every reduction.
+  /// (PyTorch's _cpu_grad), written again by every reduction. Default false.
   TORCH_ARG(bool, offload_params) = false;
-  /// Mixed precision: dtype of the unsharded parameters used in forward/backward.
+  /// Mixed precision: dtype of the unsharded parameters used in forward/backward. Default:
+  /// unset, the parameters' own.
   TORCH_ARG(std::optional<at::ScalarType>, param_dtype);
-  /// Mixed precision: dtype in which gradients are reduced. Defaults to param_dtype if that is
-  /// set, else the parameters' own dtype.
+  /// Mixed precision: dtype in which gradients are reduced. Default: unset, param_dtype if that
+  /// is set, else the parameters' own dtype.
   TORCH_ARG(std::optional<at::ScalarType>, reduce_dtype);
   /// Keep the sharded gradient in param_dtype instead of casting it back to the parameter dtype.
+  /// Default false.
   TORCH_ARG(bool, keep_low_precision_grads) = false;
-  /// Device on which forward and backward compute (and collectives run). "cuda" without an index
-  /// means the current CUDA device. Without offload_params the flat parameter must stay on it:
-  /// unshard and reduce_grad throw StateError naming both devices if it was moved (PyTorch's
-  /// _check_on_compute_device).
+  /// Device on which forward and backward compute (and collectives run); "cuda" without an index
+  /// means the current CUDA device. Default: the CPU. Without offload_params the flat parameter
+  /// must stay on it: unshard and reduce_grad throw StateError naming both devices otherwise.
   TORCH_ARG(at::Device, device) = at::kCPU;
   /// Group across which replicas are all-reduced after the shard-group reduce-scatter
-  /// (HYBRID_SHARD*). A default-constructed (non-member) group means none.
+  /// (HYBRID_SHARD*). Default: a non-member group, meaning none.
   TORCH_ARG(dist::ProcessGroup, replicate_group);
   /// Check at construction that every rank flattens the same FQNs, shapes and dtypes (one small
-  /// all-gather). Disable only if the caller already guarantees it.
+  /// all-gather). Default true; turn it off only if the caller already guarantees it.
   TORCH_ARG(bool, check_ranks_agree) = true;
 };
 

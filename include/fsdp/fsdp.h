@@ -6,7 +6,8 @@
 //   wrap     FullyShardedDataParallel(module, options) groups the module's parameters into
 //            units (auto_wrap_policy, or units the model marks), flattens each unit's
 //            parameters into one FlatParameter and keeps only this rank's shard of it
-//            (fully_sharded.h, flat_param.h; the collectives are dist.h's, over c10d).
+//            (fully_sharded.h; the choices, ShardingStrategy first, in options.h; the
+//            handle in flat_param.h; the collectives are dist.h's, over c10d).
 //   forward  each unit all-gathers its flat parameter before its forward and frees the full
 //            copy after it (SHARD_GRAD_OP keeps it until backward); the original parameters
 //            are views into it while it is unsharded.
@@ -43,5 +44,6 @@
 #include "fsdp/fully_sharded.h"
 #include "fsdp/model_state_dict.h"
 #include "fsdp/optim_state_dict.h"
+#include "fsdp/options.h"
 #include "fsdp/state_dict_utils.h"
 #include "fsdp/state_value.h"

@@ -1,6 +1,10 @@
 // fsdp/model_state_dict.h: state dicts of a FullyShardedDataParallel model (PyTorch's
 // FULL_STATE_DICT, SHARDED_STATE_DICT and LOCAL_STATE_DICT), saving and loading.
 //
+// Which API: for checkpoints and most new code, use get_state_dict / set_state_dict
+// (fsdp/checkpoint/state_dict.h), which handles model and optimizer together; use this header
+// to port code written against FSDP.state_dict_type() and the model's own state_dict().
+//
 //   {
 //     fsdp::StateDictTypeGuard g(model, fsdp::StateDictType::FULL_STATE_DICT,
 //                                fsdp::FullStateDictConfig().offload_to_cpu(true).rank0_only(true));
@@ -62,56 +66,68 @@ using GatherObserver = std::function<void(int64_t bytes)>;
 /// The bytes of gather buffers a FULL state dict (model or optimizer) holds in flight by default.
 constexpr int64_t kDefaultGatherWindowBytes = int64_t{16} << 20;
 
+/// How FULL model state dicts are produced. PyTorch's defaults.
 struct FullStateDictConfig {
-  /// Move values to the CPU as they are gathered (one unit at a time).
+  /// Move values to the CPU as they are gathered (one unit at a time). Default false; turn it
+  /// on where the whole model does not fit on the device.
   TORCH_ARG(bool, offload_to_cpu) = false;
   /// Only rank 0 returns values; other ranks return an empty dict (they still take part).
+  /// Default false; with offload_to_cpu, it keeps one CPU copy per job instead of one per rank.
   TORCH_ARG(bool, rank0_only) = false;
   /// Not in PyTorch. The gathers in flight hold at most this many bytes of gather buffers (but
   /// always one gather); small flat parameters are gathered together in buckets of at most 4 MiB.
-  /// 0 gathers one flat parameter at a time. It decides how the collectives are grouped: every
-  /// rank must pass the same value.
+  /// 0 gathers one flat parameter at a time. Every rank must pass the same value. Default
+  /// kDefaultGatherWindowBytes (16 MiB).
   TORCH_ARG(int64_t, gather_window_bytes) = kDefaultGatherWindowBytes;
   /// Not in PyTorch. See GatherObserver; also called for each NO_SHARD unit it unshards.
+  /// Default: none.
   TORCH_ARG(GatherObserver, on_gather);
 };
 
+/// How SHARDED model state dicts are produced.
 struct ShardedStateDictConfig {
+  /// Move the pieces to the CPU. Default false.
   TORCH_ARG(bool, offload_to_cpu) = false;
-  /// DIM0_CHUNKS by default, PyTorch FSDP's own pieces, so that code written against its
-  /// SHARDED_STATE_DICT sees what it expects. checkpoint::get_state_dict defaults to FLAT_SHARDS
-  /// instead (StateDictOptions::shard_layout): its callers take any pieces, and a save should
-  /// move no data between ranks.
+  /// How parameters are cut. Default DIM0_CHUNKS, PyTorch FSDP's own pieces, so that code written
+  /// against its SHARDED_STATE_DICT sees what it expects. checkpoint::get_state_dict defaults to
+  /// FLAT_SHARDS instead (StateDictOptions::shard_layout): its callers take any pieces, and a save
+  /// should move no data between ranks.
   TORCH_ARG(ShardLayout, layout) = ShardLayout::DIM0_CHUNKS;
   /// Not in PyTorch. See GatherObserver: called after each unit is unsharded (DIM0_CHUNKS only;
-  /// FLAT_SHARDS gathers nothing).
+  /// FLAT_SHARDS gathers nothing). Default: none.
   TORCH_ARG(GatherObserver, on_gather);
 };
 
+/// How LOCAL model state dicts are produced.
 struct LocalStateDictConfig {
+  /// Move the flat-parameter shards to the CPU. Default false.
   TORCH_ARG(bool, offload_to_cpu) = false;
 };
 
 /// How FULL optimizer state dicts are produced (see fsdp/optim_state_dict.h). PyTorch's defaults.
 struct FullOptimStateDictConfig {
-  /// Move values to the CPU as they are gathered.
+  /// Move values to the CPU as they are gathered. Default true, as PyTorch's.
   TORCH_ARG(bool, offload_to_cpu) = true;
   /// Only rank 0 returns values; other ranks return an empty dict (they still take part).
+  /// Default false.
   TORCH_ARG(bool, rank0_only) = false;
   /// Not in PyTorch. As FullStateDictConfig's: the bytes of gathered state tensors in flight
-  /// (small ones bucketed together); the same on every rank.
+  /// (small ones bucketed together); the same on every rank. Default kDefaultGatherWindowBytes.
   TORCH_ARG(int64_t, gather_window_bytes) = kDefaultGatherWindowBytes;
   /// Not in PyTorch. See GatherObserver: the bytes of unsharded state outside the shards.
+  /// Default: none.
   TORCH_ARG(GatherObserver, on_gather);
 };
 
-/// How SHARDED optimizer state dicts are produced. The layout's default: as
-/// ShardedStateDictConfig's.
+/// How SHARDED optimizer state dicts are produced.
 struct ShardedOptimStateDictConfig {
+  /// Move the pieces to the CPU. Default true, as PyTorch's.
   TORCH_ARG(bool, offload_to_cpu) = true;
+  /// How state tensors are cut. Default DIM0_CHUNKS, as ShardedStateDictConfig's.
   TORCH_ARG(ShardLayout, layout) = ShardLayout::DIM0_CHUNKS;
   /// Not in PyTorch. See GatherObserver. A SHARDED export routes pieces between ranks and
   /// gathers no state tensor whole, so it is never called: it is there to watch that it is not.
+  /// Default: none.
   TORCH_ARG(GatherObserver, on_gather);
 };
 

@@ -1,6 +1,10 @@
 // fsdp/optim_state_dict.h: optimizer state dicts of sharded (and unwrapped) models, keyed by the
 // canonical parameter FQNs, in PyTorch's shape (torch/distributed/fsdp/_optim_utils.py).
 //
+// Which API: for checkpoints and new code, get_state_dict / set_state_dict
+// (fsdp/checkpoint/state_dict.h) give the same dicts for model and optimizers together; this
+// header is PyTorch FSDP1's optim_state_dict API, for ported code.
+//
 //   {
 //     fsdp::StateDictTypeGuard g(model, fsdp::StateDictType::SHARDED_STATE_DICT,
 //                                fsdp::ShardedStateDictConfig(),
@@ -19,7 +23,7 @@
 // * FULL: every state tensor has its parameter's shape. SHARDED: every positive-dimension state
 //   tensor is a ShardedTensor chunked on dim 0 across the shard group, like its parameter in the
 //   SHARDED model state dict; "step" and state of ignored parameters stay plain. LOCAL is not
-//   supported (as in PyTorch). Under NO_SHARD, as in the seed, flat parameters' state is still
+//   supported (as in PyTorch). Under NO_SHARD, as in PyTorch, flat parameters' state is still
 //   chunked (each rank cuts its chunk locally) while original parameters' state stays plain.
 // * Optimizers: torch::optim Adam, AdamW, SGD, Adagrad, RMSprop, with PyTorch's state names (see
 //   docs/optim_state_dict.md). Group keys LibTorch lacks (maximize, foreach, ...) get PyTorch's

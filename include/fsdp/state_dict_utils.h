@@ -7,6 +7,9 @@
 // A StateDict nests StateDicts and StateLists; "terminal" values are everything else (tensors,
 // ShardedTensors, numbers, strings, None). Functions taking a ProcessGroup are collective: every
 // rank of the group calls them with dicts of the same structure.
+//
+// Which API: these transform dicts you already hold; to get or set a model's and optimizer's
+// state, use get_state_dict / set_state_dict (fsdp/checkpoint/state_dict.h).
 #pragma once
 
 #include <map>

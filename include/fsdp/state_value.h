@@ -6,6 +6,9 @@
 // list or a nested dict. Copies of StateDict/StateValue copy the containers; tensors inside are
 // shared (as when copying a Python dict), so clone them to own the data.
 //
+// Which API: this header holds values only; get_state_dict / set_state_dict
+// (fsdp/checkpoint/state_dict.h) produce and consume them.
+//
 // Thread safety: none; like std containers.
 #pragma once
 
@@ -115,12 +118,6 @@ struct LoadResult {
   std::vector<std::string> missing_keys;
   std::vector<std::string> unexpected_keys;
 };
-
-namespace detail {
-/// PyTorch's strict-load message: "Error(s) in loading state_dict: Missing key(s) in state_dict:
-/// "a", "b". Unexpected key(s) in state_dict: "c"."; empty if there are no such keys.
-std::string load_keys_error(const LoadResult& r);
-}  // namespace detail
 
 /// An insertion-ordered map of string keys to StateValue.
 class StateDict {

@@ -1,7 +1,7 @@
 // FlatParamHandle: flatten, shard, unshard, reshard, parameter views, write-back. Gradients are in
-// gradients.cpp. Semantics follow PyTorch's FlatParamHandle (seed 004); see docs/flat_param.md for
-// the C++ differences (original parameters stay autograd leaves; the flat parameter always holds
-// the shard).
+// gradients.cpp. Semantics follow PyTorch's FlatParamHandle
+// (torch/distributed/fsdp/_flat_param.py); see docs/flat_param.md for the C++ differences (original
+// parameters stay autograd leaves; the flat parameter always holds the shard).
 #include <sstream>
 #include <unordered_map>
 

@@ -72,7 +72,7 @@ FlatParamLayout FlatParamLayout::compute(const std::vector<std::string>& fqns,
     l.is_padding_mask.push_back(false);
     total += numel;
   }
-  // With alignment (use_orig_params) the seed pads to a multiple of the world size whatever the
+  // With alignment (use_orig_params) PyTorch pads to a multiple of the world size whatever the
   // strategy, NO_SHARD included.
   if (aligned_numel > 0) {
     const int64_t to_pad = world_size - total % world_size;

@@ -1,5 +1,5 @@
-// broadcast_state_dict (seed 003's _broadcast_state_dict): one rank's full dict into every rank's
-// template, one tensor at a time.
+// broadcast_state_dict (_state_dict_utils.py's _broadcast_state_dict): one rank's full dict into
+// every rank's template, one tensor at a time.
 //
 // The source first broadcasts a skeleton of its (flattened) dict: keys, value kinds, non-tensor
 // values, tensor shapes and dtypes, and 0-d tensors inline (optimizer "step"s would otherwise cost

@@ -12,6 +12,7 @@
 #include "runtime/view.h"
 #include "state_dict/from_rank0.h"
 #include "state_dict/key_map.h"
+#include "state_dict/load_keys.h"
 #include "state_dict/no_shard_fallback.h"
 #include "state_dict/piece_exchange.h"
 #include "state_dict/settings.h"
@@ -68,7 +69,7 @@ void check_shape_dtype(const std::string& key, at::IntArrayRef got, at::ScalarTy
   }
 }
 
-// As the seed loads inside an unshard with writeback: parameters the user replaced (set_data)
+// As PyTorch loads inside an unshard with writeback: parameters the user replaced (set_data)
 // since the last unshard are written into the flat parameter first, or the next unshard would
 // copy them over what a load writes.
 void writeback_all(const RuntimeView& rt, Plan& plan) {

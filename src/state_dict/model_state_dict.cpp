@@ -1,4 +1,5 @@
-// FULL / SHARDED / LOCAL state dicts of a wrapped model (seed 002, _state_dict_utils.py).
+// FULL / SHARDED / LOCAL state dicts of a wrapped model
+// (torch/distributed/fsdp/_state_dict_utils.py).
 #include "fsdp/model_state_dict.h"
 
 #include <algorithm>

@@ -1,4 +1,5 @@
-// The forms of an optimizers' state dict in the get_/set_ API (seed 001: _flatten_optim_state_dict,
+// The forms of an optimizers' state dict in the get_/set_ API
+// (torch/distributed/checkpoint/state_dict.py: _flatten_optim_state_dict,
 // _unflatten_optim_state_dict, _split_optim_state_dict).
 #include "state_dict/optim_dict_forms.h"
 
@@ -60,7 +61,7 @@ StateDict flatten_optim_state_dict(const StateDict& osd) {
   StateDict out;
   for (const auto& [fqn, st] : osd.at(kState).dict()) {
     for (const auto& [name, v] : st.dict()) {
-      // Python's bool is an int, so the seed's isinstance(v, (Tensor, int, float)) takes it.
+      // Python's bool is an int, so PyTorch's isinstance(v, (Tensor, int, float)) takes it.
       if (!v.is_tensor() && !v.is_sharded_tensor() && !v.is_int() && !v.is_double() &&
           !v.is_bool()) {
         throw ValueError(

@@ -1,7 +1,7 @@
-// Loading optimizer state dicts keyed by canonical FQNs (seed 000: _flatten_optim_state_dict,
-// _flatten_optim_state, _shard_orig_param_state, then torch.optim's load_state_dict). Every rank
-// builds the complete new state and group options first, checking everything; the ranks exchange
-// verdicts; the optimizer changes only if all of them succeeded.
+// Loading optimizer state dicts keyed by canonical FQNs (torch/distributed/fsdp/_optim_utils.py:
+// _flatten_optim_state_dict, _flatten_optim_state, _shard_orig_param_state, then torch.optim's
+// load_state_dict). Every rank builds the complete new state and group options first, checking
+// everything; the ranks exchange verdicts; the optimizer changes only if all of them succeeded.
 #include <set>
 #include <sstream>
 
@@ -339,7 +339,7 @@ void OsdLoad::build() {
     ns.tensors.resize(kind.tensor_names.size());
     for (size_t n = 0; n < kind.tensor_names.size(); ++n) build_tensor(e, n, ns);
     // An original parameter this rank's shard does not hold gets no state, as training leaves it
-    // (its gradient stays undefined) and as the seed's _shard_orig_param_state gives it none.
+    // (its gradient stays undefined) and as PyTorch's _shard_orig_param_state gives it none.
     if (en.unit >= 0 && !en.flat && !om.local(en, 0).held) continue;
     plan.states[e] = std::move(ns);
   }

@@ -1,4 +1,4 @@
-// Exporting optimizer state dicts keyed by canonical FQNs (seed 000, _optim_utils.py:
+// Exporting optimizer state dicts keyed by canonical FQNs (torch/distributed/fsdp/_optim_utils.py:
 // _optim_state_dict, _convert_state_with_flat_params / _with_orig_params, _unflatten_param_groups)
 // and re-keying them. Loading is in optim_load.cpp; which parameters the optimizer holds under
 // which FQNs (describe_model) in optim_kinds.cpp.
@@ -195,7 +195,7 @@ void OsdExport::unit(const detail::UnitView& u, detail::GatherQueue& gathers) {
     for (size_t e : mine)
       for (const auto& fqn : om.entries[e].fqns) start(fqn, merged[e].step);
   }
-  // As the seed: SHARDED chunks the state of flat parameters under every strategy (under
+  // As PyTorch: SHARDED chunks the state of flat parameters under every strategy (under
   // NO_SHARD too, where each rank holds it whole), and of original parameters only where
   // they are sharded (NO_SHARD then gives plain tensors, as _convert_state_with_orig_params).
   const bool chunk = sharded && (h.uses_sharded_strategy() || om.entries[mine[0]].flat);
@@ -334,7 +334,7 @@ void OsdExport::place_chunks(const RuntimeView& rt) {
   if (!error.empty()) throw StateError(msg("optim_state_dict: ", error));  // a bug, not input
   for (size_t i = 0; i < jobs.size(); ++i) {
     ChunkJob& j = jobs[i];
-    // On the state's own device unless offloaded, as the seed keeps its chunks.
+    // On the state's own device unless offloaded, as PyTorch keeps its chunks.
     const at::Device device = offload ? at::Device(at::kCPU) : j.device;
     if (j.shape.empty()) {
       per_fqn[j.fqn].insert_or_assign(kind.tensor_names[j.name],

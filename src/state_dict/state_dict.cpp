@@ -3,6 +3,7 @@
 
 #include "fsdp/errors.h"
 #include "fsdp/model_state_dict.h"
+#include "state_dict/load_keys.h"
 #include "util/message.h"
 #include "util/tensor_utils.h"
 

@@ -1,8 +1,8 @@
-// get_/set_ model and optimizer state dicts for wrapped and plain models (seed 001,
-// torch/distributed/checkpoint/state_dict.py): option checks, the state-dict type a wrapped model
-// is put in for the call, submodule and frozen-parameter filtering, and the optimizer half
-// (zero-step state initialisation, merging and splitting several optimizers' dicts, the flat
-// form, and loading from rank 0).
+// get_/set_ model and optimizer state dicts for wrapped and plain models
+// (torch/distributed/checkpoint/state_dict.py, torch/distributed/checkpoint/state_dict.py): option
+// checks, the state-dict type a wrapped model is put in for the call, submodule and
+// frozen-parameter filtering, and the optimizer half (zero-step state initialisation, merging and
+// splitting several optimizers' dicts, the flat form, and loading from rank 0).
 #include "fsdp/checkpoint/state_dict.h"
 
 #include <c10/util/Exception.h>
@@ -17,6 +17,7 @@
 #include "fsdp/errors.h"
 #include "fsdp/optim_state_dict.h"
 #include "fsdp/state_dict_utils.h"
+#include "state_dict/load_keys.h"
 #include "state_dict/optim_dict_forms.h"
 #include "state_dict/wrapped_model.h"
 #include "util/message.h"
@@ -162,7 +163,7 @@ void enter_type(std::optional<StateDictTypeGuard>& g, const Target& t, const Sta
 // PyTorch's _maybe_full_or_cpu_state_dict. FULL dicts of wrapped models are already gathered
 // (and on rank 0 only where the config said so); plain modules hold whole tensors.
 // With full_state_dict and cpu_offload only rank 0 keeps values: the other ranks get empty dicts,
-// optimizer dicts included (the seed's ranks_only=(0,) empties every container there).
+// optimizer dicts included (PyTorch's ranks_only=(0,) empties every container there).
 StateDict full_or_cpu(StateDict sd, const Target& t, const StateDictOptions& o) {
   if (o.full_state_dict() && o.cpu_offload() && t.rank() != 0) return StateDict();
   if (o.cpu_offload()) return offload_state_dict_to_cpu(sd);
@@ -255,11 +256,11 @@ void init_optim_states(const Target& t, const Optimizers& optimizers) {
   }
 }
 
-// PyTorch's "<fqn> is not in the optimizer state" (seed 000, _convert_state_with_orig_params):
-// under use_orig_params, a unit some of whose parameters the optimizers hold must have all its
-// trainable ones held. A trainable parameter left out of every optimizer is usually a mistake
-// (it was meant to be frozen, or added); PyTorch refuses the dict rather than save it silently.
-// Several optimizers may share a unit's parameters between them.
+// PyTorch's "<fqn> is not in the optimizer state" (_optim_utils.py's
+// _convert_state_with_orig_params): under use_orig_params, a unit some of whose parameters the
+// optimizers hold must have all its trainable ones held. A trainable parameter left out of every
+// optimizer is usually a mistake (it was meant to be frozen, or added); PyTorch refuses the dict
+// rather than save it silently. Several optimizers may share a unit's parameters between them.
 void check_units_covered(const Target& t, const Optimizers& optimizers) {
   if (!t.wrapped || !t.wrapped->options().use_orig_params() || optimizers.empty()) return;
   std::map<int, std::set<std::string>> held;
@@ -339,7 +340,7 @@ StateDict get_model_impl(const Target& t, const StateDictOptions& o,
     sd = t.wrapped ? state_dict(t.wrapped) : module_state_dict(*t.plain);
   }
   if (o.ignore_frozen_params()) {
-    // By FQN, before submodule prefixes are stripped (as the seed). Original parameters keep
+    // By FQN, before submodule prefixes are stripped (as PyTorch). Original parameters keep
     // their requires_grad flag in the wrapped module's tree; a tied parameter goes under every
     // name.
     for (const auto& p : t.inner().named_parameters(/*recurse=*/true)) {
@@ -392,7 +393,7 @@ void load_optimizers(const Target& t, const Optimizers& optimizers,
     }
     // Plain replicas hold whole states anyway: every rank receives rank 0's dict and loads it as
     // rank 0 does, so a state rank 0's dict lacks (a parameter that never had a gradient) or a
-    // group key of another PyTorch version is handled alike everywhere (the seed's broadcast is
+    // group key of another PyTorch version is handled alike everywhere (PyTorch's broadcast is
     // not strict for optimizers).
     StateDict whole = detail::broadcast_whole_state_dict(part, pg, 0);
     for (const char* k : {kState, kGroups}) {  // empty ones vanish in transit

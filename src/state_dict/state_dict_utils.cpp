@@ -1,4 +1,4 @@
-// Utilities on any StateDict (seed 003, torch/distributed/_state_dict_utils.py).
+// Utilities on any StateDict (torch/distributed/_state_dict_utils.py).
 #include "fsdp/state_dict_utils.h"
 
 #include <functional>
@@ -122,7 +122,7 @@ void set_element(StateDict& root, const ObjPath& path, const StateValue& value) 
   }
 }
 
-// Dict keys as sets (the seed compares set(keys)): the same entries in another order match.
+// Dict keys as sets (PyTorch compares set(keys)): the same entries in another order match.
 bool same_keys(const StateDict& a, const StateDict& b) {
   if (a.size() != b.size()) return false;
   for (const auto& [k, v] : a)
@@ -157,7 +157,7 @@ bool similar(const StateValue& a, const StateValue& b) {
 }
 
 // Copies the tensors of `src` into those at the same place in `dst` and returns `src`'s
-// structure holding `dst`'s tensors and `src`'s other values (the seed's _copy_state_dict: the
+// structure holding `dst`'s tensors and `src`'s other values (PyTorch's _copy_state_dict: the
 // companion keeps its own containers and non-tensor values). Copies nothing unless `apply`.
 StateValue copy_into(const StateValue& src, const StateValue& dst, ObjPath& path, bool non_blocking,
                      bool apply) {
@@ -305,7 +305,7 @@ StateDict gather_state_dict(const StateDict& sd, dist::ProcessGroup& pg,
   return map_values(sd, [&](const StateValue& v) -> StateValue {
     at::Tensor t;
     if (v.is_sharded_tensor()) {
-      // On the device of this rank's pieces (the seed's local_shard_device), the CPU if none.
+      // On the device of this rank's pieces (PyTorch's local_shard_device), the CPU if none.
       const auto& pieces = v.sharded_tensor().local_shards();
       const at::Device device = pieces.empty() ? at::Device(at::kCPU) : pieces[0].tensor.device();
       t = got[next++].view(v.sharded_tensor().size()).to(device);
@@ -357,7 +357,7 @@ void distribute_state_dict(const StateDict& full, StateDict& local) {
     const bool have = flat_local.contains(key);
     const ObjPath& path = have ? local_paths.at(key) : full_paths.at(key);
     if (v.is_tensor() && v.tensor().dim() > 0) {
-      // Where the template has no such path: not this rank's (the seed skips it).
+      // Where the template has no such path: not this rank's (PyTorch skips it).
       if (have && !fill(key, v.tensor())) set_element(local, path, v);
       continue;
     }

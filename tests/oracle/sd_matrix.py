@@ -497,7 +497,7 @@ def known_difference(c, world, py_err, cpp_err, what):
              and names_option)):
         return ("deliberate: full_state_dict set of a dict lacking keys: PyTorch 2.6 fills them "
                 "with the model's own tensors (flat parameters then fail on their shapes, "
-                "original ones pass a strict load); fsdp-cpp keeps the seed's strict key check "
+                "original ones pass a strict load); fsdp-cpp keeps PyTorch's strict key check "
                 "and names strict(false)")
     return None
 

@@ -55,6 +55,7 @@ using Annotations = std::map<std::string, std::string>;
 using GroupPtr = dist::ProcessGroup*;
 using FileIOPtr = FileIO*;
 
+/// How save() and save_step() write a checkpoint.
 struct SaveOptions {
   /// The group that saves (every member calls save). Null: the default group if one exists,
   /// otherwise this process alone.
@@ -62,38 +63,34 @@ struct SaveOptions {
   /// Where file operations go (tests inject faults here). Null: default_file_io().
   TORCH_ARG(FileIOPtr, io) = nullptr;
   /// Free-form facts recorded in the manifest (e.g. {"sharding_strategy", "FULL_SHARD"}).
+  /// Default: none.
   TORCH_ARG(Annotations, annotations);
   /// save_step only: after a successful save, remove all but the newest `keep_last` step
-  /// directories (0 keeps everything).
+  /// directories. Default 0, which keeps everything.
   TORCH_ARG(int, keep_last) = 0;
-  /// Hosts need not share a file system: each rank writes its data file into its own `dir`, and
-  /// the ranks that see the same directory (found by each leaving a probe file beside it) form a
-  /// host whose lowest rank prepares and commits that directory, as rank 0 does a shared one.
-  /// Every host's directory receives the whole `.metadata` and a manifest listing which data
-  /// files it holds. The commit is two-phase: every host first makes its directory complete and
-  /// durable, and only when all have succeeded does each swap it into place; a crash between two
-  /// hosts' swaps leaves one host with the new step and another without it, which
-  /// agreed_latest_checkpoint resolves. Load with LoadOptions::group (each rank from its own
-  /// directory). On one shared file system this saves what a plain save saves.
+  /// For hosts that share no file system: each rank writes into its own host's `dir`, the
+  /// lowest rank of each host prepares and commits it, and every host's directory gets the whole
+  /// `.metadata` and a manifest of the files it holds; a two-phase commit keeps hosts in step
+  /// (agreed_latest_checkpoint resolves a crash between them). Load with LoadOptions::group.
+  /// Default false. The protocol: docs/checkpoint_format.md, "Node-local saves".
   TORCH_ARG(bool, node_local) = false;
-  /// node_local only: how many hosts hold each data file. With 2, every rank's file is also sent
-  /// (over `group`, in rounds of 64 MiB, checksummed) to a rank of the next host, which stores it
-  /// in its own directory before the commit, so losing any one host's directory loses nothing
-  /// (a collective load finds each file where it is). Each host then stores its own ranks' files
-  /// and a copy of the previous host's: `replicas` times the bytes of a plain save in all. Capped
-  /// at the number of hosts; 1 (the default) keeps one copy. ValueError below 1, or above 1
-  /// without node_local.
+  /// node_local only: how many hosts hold each data file. With 2, each rank's file is also
+  /// copied (checksummed, over `group`) to the next host, so losing any one host's directory
+  /// loses nothing; it costs `replicas` times the bytes of a plain save. Capped at the number of
+  /// hosts. Default 1, one copy. ValueError below 1, or above 1 without node_local.
   TORCH_ARG(int, replicas) = 1;
 };
 
+/// How load() reads a checkpoint.
 struct LoadOptions {
   /// Where file operations go. Null: default_file_io().
   TORCH_ARG(FileIOPtr, io) = nullptr;
-  /// Check every item read against the manifest's checksum (and `.metadata`'s own).
+  /// Check every item read against the manifest's checksum (and `.metadata`'s own). Default
+  /// true; turning it off saves one pass over the bytes read and trusts the disk.
   TORCH_ARG(bool, verify) = true;
-  /// Null: a local load, each rank reading what it needs (replicas read the same bytes). A group:
-  /// a collective load over it (every member calls load) that reads each stored item once, on one
-  /// rank, and sends it over the group to the other ranks that need it; see load().
+  /// Default null: a local load, each rank reading what it needs (replicas read the same bytes).
+  /// A group: a collective load over it (every member calls load) that reads each stored item
+  /// once, on one rank, and sends it over the group to the other ranks that need it; see load().
   TORCH_ARG(GroupPtr, group) = nullptr;
 };
 

@@ -33,6 +33,7 @@
 namespace fsdp {
 namespace checkpoint {
 
+/// How export_safetensors(), save_safetensors(), export_pt() and save_pt() write their files.
 struct ExportOptions {
   /// Which checkpoint keys to export, and the part of their names to drop. "" exports every
   /// tensor under its full DCP key. Unset (the default), the layout decides: "model." for a
@@ -43,10 +44,10 @@ struct ExportOptions {
   /// with "model." is indistinguishable from the first: pass "" for it.
   TORCH_ARG(std::optional<std::string>, prefix);
   /// safetensors: split into several files so that none holds more than this many bytes of
-  /// tensors (a tensor larger than that gets a file of its own). 0: one file.
+  /// tensors (a tensor larger than that gets a file of its own). Default 0: one file.
   TORCH_ARG(int64_t, max_shard_bytes) = 0;
   /// safetensors: strings recorded in the header's `__metadata__` ("format": "pt" is always
-  /// added, as transformers expects).
+  /// added, as transformers expects). Default: none besides "format".
   TORCH_ARG(Annotations, metadata);
   /// Where file operations go. Null: default_file_io().
   TORCH_ARG(FileIOPtr, io) = nullptr;

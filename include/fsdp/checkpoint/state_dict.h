@@ -2,6 +2,9 @@
 // the model is wrapped in FullyShardedDataParallel or a plain LibTorch module (PyTorch's
 // torch.distributed.checkpoint.state_dict).
 //
+// Which API: this one, for checkpoints and for new code. fsdp/model_state_dict.h and
+// fsdp/optim_state_dict.h are PyTorch FSDP1's older API (state_dict_type), for ported code.
+//
 //   namespace ckpt = fsdp::checkpoint;
 //   auto [msd, osd] = ckpt::get_state_dict(model, optimizer);           // SHARDED pieces
 //   ...                                                               // save, restart, ...
@@ -16,7 +19,7 @@
 // (see fsdp/optim_state_dict.h), the optimizers' dicts merged into one.
 //
 // On a wrapped model these functions set the model's state-dict type for the call (FULL when
-// full_state_dict, SHARDED otherwise, with configs derived from the options as the seed does)
+// full_state_dict, SHARDED otherwise, with configs derived from the options as PyTorch does)
 // and restore the caller's afterwards; they are collective over its process group. On a plain
 // module they are local, except set_* with broadcast_from_rank0 (collective over the default
 // process group) and get_* with full_state_dict and cpu_offload (which asks it for the rank).
@@ -48,7 +51,7 @@ namespace checkpoint {
 /// How get_* and set_* behave (PyTorch's StateDictOptions, same fields and defaults).
 struct StateDictOptions {
   /// Return full tensors (gathered; no ShardedTensor) instead of this rank's pieces. On load: the
-  /// given dict holds full tensors.
+  /// given dict holds full tensors. Default false; true for an export or a single-file save.
   TORCH_ARG(bool, full_state_dict) = false;
   /// Move every tensor to the CPU. With full_state_dict too, only rank 0 receives values; the
   /// other ranks get empty dicts, the optimizers' included (to bound host memory, as in
@@ -56,25 +59,27 @@ struct StateDictOptions {
   /// may pass the empty dicts they got: the optimizers' always come from rank 0 (PyTorch's
   /// rank0_only), the model's where any rank passed none (where every rank passes one, each
   /// loads its own). PyTorch's FSDP waits forever in that model load; see docs/state_dict_api.md.
+  /// Default false.
   TORCH_ARG(bool, cpu_offload) = false;
   /// Leave out parameters with requires_grad == false from the model state dict (by FQN, before
   /// submodule prefixes are stripped). The optimizers' dict is unaffected, as in PyTorch:
-  /// parameters that never get a gradient have no state there anyway.
+  /// parameters that never get a gradient have no state there anyway. Default false.
   TORCH_ARG(bool, ignore_frozen_params) = false;
   /// With `submodules`: keep the submodule's prefix in the keys ("blocks.0.fc1.weight") or strip
-  /// it ("fc1.weight").
+  /// it ("fc1.weight"). Default true.
   TORCH_ARG(bool, keep_submodule_prefixes) = true;
   /// On load: missing or unexpected model keys raise ValueError (PyTorch's "Error(s) in loading
-  /// state_dict") before anything is loaded; else they are skipped and returned.
+  /// state_dict") before anything is loaded; else they are skipped and returned. Default true.
   TORCH_ARG(bool, strict) = true;
   /// On load: rank 0 holds the full dicts, the other ranks pass empty ones (anything else they
   /// pass is ignored); values are broadcast a bounded amount at a time and each rank keeps only
   /// what it owns. Requires full_state_dict. On a plain module every rank receives rank 0's
   /// optimizer dicts whole (replicas hold whole states anyway) and loads them as rank 0 does;
-  /// as in PyTorch, only the model's keys are held to `strict`.
+  /// as in PyTorch, only the model's keys are held to `strict`. Default false.
   TORCH_ARG(bool, broadcast_from_rank0) = false;
   /// Optimizer dicts as one flat level: "state.<fqn>.<name>" and "param_groups.<fqn>.<key>"
   /// (values that are lists, like Adam's betas, stay lists). set_* accepts both forms.
+  /// Default false.
   TORCH_ARG(bool, flatten_optimizer_state_dict) = false;
   /// Not in PyTorch. How a wrapped model's pieces are cut when full_state_dict is false. By
   /// default each rank returns its flat-parameter shards as they lie (ShardLayout::FLAT_SHARDS):
@@ -84,7 +89,7 @@ struct StateDictOptions {
   TORCH_ARG(ShardLayout, shard_layout) = ShardLayout::FLAT_SHARDS;
   /// Not in PyTorch. Watches a wrapped model's gathers (see GatherObserver in
   /// fsdp/model_state_dict.h), model and optimizers alike: with the default FLAT_SHARDS layout,
-  /// get_* gathers nothing.
+  /// get_* gathers nothing. Default: none.
   TORCH_ARG(GatherObserver, on_gather);
 };
 
@@ -96,7 +101,7 @@ using Optimizers = std::vector<torch::optim::Optimizer*>;
 /// The model's state dict. With `submodules`, only keys under them (see
 /// keep_submodule_prefixes). Throws ValueError for a submodule not in the model, for
 /// broadcast_from_rank0 without full_state_dict, and if the result is empty though the options
-/// require values (the seed's "model state_dict is required ... but empty").
+/// require values (PyTorch's "model state_dict is required ... but empty").
 StateDict get_model_state_dict(torch::nn::Module& model, const StateDictOptions& options = {},
                                const Submodules& submodules = {});
 

@@ -1,6 +1,6 @@
 // Internal: the `.metadata` file of a PyTorch DCP (torch.distributed.checkpoint) FileSystem
 // checkpoint, as C++ values, read with the restricted pickle reader and written in the form stock
-// PyTorch 2.6 and 2.14 load (issue 11; ../shared/FACTS.md, "PyTorch DCP").
+// PyTorch 2.6 and 2.14 load (issue 11; tests/dcp loads ours with PyTorch's DCP).
 //
 // Python's classes and what they become here:
 //   Metadata(state_dict_metadata, planner_data, storage_data, storage_meta, version)

@@ -9,7 +9,7 @@
 // never a crash, a hang or a large allocation.
 //
 // The writer emits protocol 2 with GLOBAL, NEWOBJ, REDUCE and BUILD: what stock PyTorch 2.6 and
-// 2.14 were seen to load (../shared/FACTS.md). Classes and strings that recur are written once
+// 2.14 were seen to load (tests/dcp). Classes and strings that recur are written once
 // and fetched from the memo (BINPUT / BINGET), as Python's own pickler does.
 #pragma once
 
