@@ -312,6 +312,18 @@ std::vector<std::string> agree(dist::ProcessGroup* pg, const std::string& api,
   });
 }
 
+// Before a get's first collective, on every rank: the optimizers must cover their units
+// (check_units_covered) and hold state (init_optim_states). Agreed, so that a rank that refuses
+// makes every rank throw rather than leave the others waiting in the gather.
+void prepare_optimizers_for_get(const Target& t, const Optimizers& optimizers,
+                                const std::string& api) {
+  agree(t.wrapped ? t.group() : nullptr, api, [&] {
+    check_units_covered(t, optimizers);
+    init_optim_states(t, optimizers);
+    return std::string();
+  });
+}
+
 StateDict get_optim_impl(const Target& t, const Optimizers& optimizers, const StateDictOptions& o) {
   StateDict state;
   StateList groups;
@@ -560,15 +572,7 @@ std::pair<StateDict, StateDict> get_state_dict(torch::nn::Module& model,
                                                const Submodules& submodules) {
   const Target t = resolve(model);
   const auto prefixes = verify_options(t, options, false, optimizers, submodules);
-  // Optimizer state is initialised (and checked) on every rank before the first collective.
-  if (!optimizers.empty()) {
-    dist::ProcessGroup* pg = t.wrapped ? t.group() : nullptr;
-    agree(pg, "get_state_dict", [&] {
-      check_units_covered(t, optimizers);
-      init_optim_states(t, optimizers);
-      return std::string();
-    });
-  }
+  if (!optimizers.empty()) prepare_optimizers_for_get(t, optimizers, "get_state_dict");
   StateDict msd = get_model_impl(t, options, prefixes);
   StateDict osd = optimizers.empty() ? StateDict() : get_optim_impl(t, optimizers, options);
   verify_state_dict(t, &msd, optimizers.empty() ? nullptr : &osd, options, !prefixes.empty());
@@ -586,12 +590,7 @@ StateDict get_optimizer_state_dict(torch::nn::Module& model, const Optimizers& o
                                    const StateDictOptions& options, const Submodules& submodules) {
   const Target t = resolve(model);
   const auto prefixes = verify_options(t, options, true, optimizers, submodules);
-  dist::ProcessGroup* pg = t.wrapped ? t.group() : nullptr;
-  agree(pg, "get_optimizer_state_dict", [&] {
-    check_units_covered(t, optimizers);
-    init_optim_states(t, optimizers);
-    return std::string();
-  });
+  prepare_optimizers_for_get(t, optimizers, "get_optimizer_state_dict");
   StateDict osd = get_optim_impl(t, optimizers, options);
   verify_state_dict(t, nullptr, &osd, options, !prefixes.empty());
   return osd;
