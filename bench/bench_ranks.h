@@ -151,7 +151,8 @@ inline int run(int argc, char** argv, int world, const std::function<void()>& re
     try {
       at::set_num_threads(1);  // ranks share the cores
       if (device().is_cuda() && !std::getenv("NCCL_HOSTID")) {
-        // Ranks sharing one GPU: NCCL accepts them only as different hosts (tests/multi_rank.cpp).
+        // Ranks sharing one GPU: NCCL accepts them only as different hosts
+        // (tests/helpers/multi_rank.cpp).
         ::setenv("NCCL_HOSTID", ("fsdp-bench-rank-" + std::to_string(r)).c_str(), 1);
       }
       auto store =

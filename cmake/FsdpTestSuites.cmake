@@ -13,7 +13,7 @@
 # written to a file that ctest includes, as gtest_discover_tests does. Each suite run writes its
 # GoogleTest JSON report to ${FSDP_TEST_RESULTS_DIR}/<suite>.json; scripts/test.sh adds them up
 # into the per-case counts it prints. A process whose every case was skipped (GTEST_SKIP) exits
-# with 77 (tests/main.cpp), which ctest reports as skipped.
+# with 77 (tests/helpers/main.cpp), which ctest reports as skipped.
 set(FSDP_TEST_RESULTS_DIR "${CMAKE_BINARY_DIR}/test-results" CACHE PATH
     "Where each GoogleTest suite run writes its JSON report")
 

@@ -19,7 +19,7 @@ A last round without a failure trains to the final step and exports the weights.
 uninterrupted W=1 run of as many steps, the stitched log (each step's last run) must match step by
 step, and the final weights must agree within the data-parallel bound measured in the same run
 (uninterrupted runs at W=2-4, which differ from W=1 only in how the reductions round), four times
-over as in tests/test_fsdp_train.cpp. Negative controls: the W=1 weights one step short, and the
+over as in tests/tools/test_fsdp_train.cpp. Negative controls: the W=1 weights one step short, and the
 log read one step out of place, must both fail those checks, or the run fails. With SGD (the
 default) the W=1 comparison tells one step apart; with Adam or AdamW rounding grows past what a
 step moves the weights, so the weight control cannot pass there, and such a run must say

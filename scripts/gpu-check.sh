@@ -31,7 +31,7 @@ if [ ! -d "$DEPS/usr" ] && compgen -G ".gpudeps/*.deb" >/dev/null; then
   for f in .gpudeps/*.deb; do dpkg -x "$f" "$DEPS"; done
 fi
 export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# NCCL between ranks sharing one GPU goes over sockets on loopback (see tests/multi_rank.cpp).
+# NCCL between ranks sharing one GPU goes over sockets on loopback (see tests/helpers/multi_rank.cpp).
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 do_build() {

@@ -71,7 +71,7 @@ fi
 filter=(-L "$label_regex" -E "^($excluded)\$")
 # The enumerations that inject a fault at every I/O call or collective (ErrorPoints,
 # CollectiveFailures) visit every distinct call and every 4th point besides
-# (tests/point_sampler.h): the plain builds visit every point. --all runs everything whole, but
+# (tests/helpers/point_sampler.h): the plain builds visit every point. --all runs everything whole, but
 # for the node-local crash states, which every build samples (every 8th and each kind's first:
 # all 8,300 take 4.4 minutes uninstrumented; FSDP_TEST_POINT_STRIDE=1 checks them all).
 export FSDP_TEST_POINT_STRIDE=4

@@ -129,7 +129,7 @@ record "$host_version (host)" "$host_log" "${BUILD_DIR:-build}/test-results" '^e
 # 2. LibTorch 2.x in a Debian chroot. The enumerations of crash and error points (CrashPoints,
 # ErrorPoints, CollectiveFailures) exercise our file and collective code, which does not change
 # with LibTorch's version: the host run visits every point, this one the first point of every
-# distinct call and every 4th besides (tests/point_sampler.h; FSDP_TORCH2_POINT_STRIDE=1: all).
+# distinct call and every 4th besides (tests/helpers/point_sampler.h; FSDP_TORCH2_POINT_STRIDE=1: all).
 sanitize_pid="" sanitize_log=$(mktemp)
 if [ "$torch2" != "0" ]; then
   t2_log=$(mktemp)

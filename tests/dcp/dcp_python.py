@@ -1,4 +1,4 @@
-"""Python's side of the DCP metadata tests (tests/test_dcp_metadata.cpp; issue 11).
+"""Python's side of the DCP metadata tests (tests/checkpoint/test_dcp_metadata.cpp; issue 11).
 
   dcp_python.py save DIR       a DCP checkpoint of a fixed state dict, written by stock
                                torch.distributed.checkpoint (single process)

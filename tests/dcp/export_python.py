@@ -1,4 +1,4 @@
-"""Python's side of the export tests (tests/test_checkpoint_export.cpp; issue 11).
+"""Python's side of the export tests (tests/checkpoint/test_checkpoint_export.cpp; issue 11).
 
   export_python.py pt_read FILE      torch.load(FILE, weights_only=True); prints its tensors
   export_python.py pt_write FILE     torch.save of a module-style state dict (an OrderedDict with

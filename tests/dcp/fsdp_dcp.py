@@ -1,4 +1,4 @@
-"""Python FSDP as the other side of the DCP checkpoint tests (tests/test_dcp_checkpoint.cpp).
+"""Python FSDP as the other side of the DCP checkpoint tests (tests/checkpoint/test_dcp_checkpoint.cpp).
 
   fsdp_dcp.py load DIR WORLD   WORLD ranks wrap the TinyLM twin (tests/oracle/fsdp_oracle.py) in
                                Python FSDP (FULL_SHARD, use_orig_params) with Adam, load the

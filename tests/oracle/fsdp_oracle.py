@@ -1,12 +1,12 @@
 """Python side of the Python-FSDP oracle test (issue 8).
 
-Holds the Python twin of tests/tiny_lm.h (same module names, FQNs and forward math), the
+Holds the Python twin of tests/helpers/tiny_lm.h (same module names, FQNs and forward math), the
 deterministic inputs (initial weights and global batches, written as safetensors), the two
 references computed in one process (plain single-process training on the whole global batch, and
 hand-written data parallelism at W simulated ranks), and the Python FSDP worker that one process
 per rank runs (torch.distributed.fsdp.FullyShardedDataParallel, CPU, Gloo).
 
-Files written by the FSDP worker (and, in the same format, by tests/oracle_fsdp.cpp) into
+Files written by the FSDP worker (and, in the same format, by tests/oracle/oracle_fsdp.cpp) into
 <out>/<case>/:
   full.safetensors        rank 0's FULL state dict; __metadata__["order"] = JSON list of keys
   sharded_r<r>.json       rank r's SHARDED state dict described (keys, kinds, dtypes, shapes,
@@ -41,7 +41,7 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
 
 # --------------------------------------------------------------------------------------------
-# The model: the twin of fsdp::testing::TinyLM (tests/tiny_lm.h)
+# The model: the twin of fsdp::testing::TinyLM (tests/helpers/tiny_lm.h)
 
 
 class Block(nn.Module):
@@ -226,7 +226,7 @@ def train_data_parallel(data_dir, world):
 
 
 # --------------------------------------------------------------------------------------------
-# Writing results (shared format with tests/oracle_fsdp.cpp)
+# Writing results (shared format with tests/oracle/oracle_fsdp.cpp)
 
 ST_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16",
              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Python FSDP as the oracle for fsdp-cpp (issue 8). Driver: generates the inputs, computes the
-one-process references, runs Python FSDP and fsdp-cpp (tests/oracle_fsdp.cpp) at each world size
+one-process references, runs Python FSDP and fsdp-cpp (tests/oracle/oracle_fsdp.cpp) at each world size
 for every strategy and use_orig_params setting, compares them (compare.py), then runs the negative
 controls, which must make the comparison fail.
 

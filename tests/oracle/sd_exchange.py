@@ -2,7 +2,7 @@
 
 A nested state dict (dicts with key order, lists, tensors, ShardedTensors, numbers, strings, None)
 is written as <stem>.json (its structure) and <stem>.safetensors (its tensors); a dict that raised
-instead is written as <stem>.error (the message). tests/sd_exchange.h reads and writes the same
+instead is written as <stem>.error (the message). tests/helpers/sd_exchange.h reads and writes the same
 format in C++. Nothing in these files is executed: JSON and safetensors only.
 
 JSON nodes:

@@ -3,8 +3,8 @@
 Python FSDP) as the reference for fsdp-cpp's (issue 37).
 
 For each world size, strategy, use_orig_params and combination of StateDictOptions (the indexing of
-tests/test_sd_matrix.cpp), Python FSDP and fsdp-cpp (tests/oracle_sd_matrix.cpp) train the twin
-models of tests/sd_matrix_model.h from the same initial weights on the same batches for 2 steps;
+tests/state_dict/test_sd_matrix.cpp), Python FSDP and fsdp-cpp (tests/oracle/oracle_sd_matrix.cpp) train the twin
+models of tests/helpers/sd_matrix_model.h from the same initial weights on the same batches for 2 steps;
 then on every rank:
   get  what get_state_dict returns is compared: keys and their order (the optimizers' "state" as
        sets: PyTorch orders it differently, see tests/oracle/README.md), empty dicts on ranks > 0,
@@ -50,7 +50,7 @@ N_COMBOS = 192
 
 
 # --------------------------------------------------------------------------------------------
-# The twin of fsdp::testing::matrix::MatrixNet (tests/sd_matrix_model.h)
+# The twin of fsdp::testing::matrix::MatrixNet (tests/helpers/sd_matrix_model.h)
 
 
 class MBlock(nn.Module):
@@ -131,7 +131,7 @@ def rows(t, rank, world):
 
 
 def combo(i):
-    """The options of combination i (tests/test_sd_matrix.cpp's combo_at) and `sub`."""
+    """The options of combination i (tests/state_dict/test_sd_matrix.cpp's combo_at) and `sub`."""
     return dict(full=bool(i & 1), offload=bool(i & 2), bcast=bool(i & 4), flatten=bool(i & 8),
                 frozen=bool(i & 16), strict=bool(i & 32), sub=i // 64)
 
@@ -584,7 +584,7 @@ def compare_group(py, cpp, world, combos, single):
     # Both trainings against plain training on the whole batches: the rounding of the reduction
     # order (RMSprop's centered momentum amplifies it most), the bound for every comparison. A
     # drift above 1e-4 is a wrong training, not rounding (fsdp-cpp's own correctness is
-    # tests/test_sd_matrix.cpp's, against the unwrapped model).
+    # tests/state_dict/test_sd_matrix.cpp's, against the unwrapped model).
     drifts = [max_difference(t, single) for t in (t_py, t_cpp)]
     tol = 2 * max(drifts)
     if max(drifts) > 1e-4:

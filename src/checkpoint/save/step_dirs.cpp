@@ -117,7 +117,7 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
     if (dropped.empty()) return;
     // The renames reach the disk before any unlink inside them: else a power cut could keep an
     // unlink and lose the rename, and a half-removed step would be listed again (crash points,
-    // tests/test_crash_points.cpp).
+    // tests/faults/test_crash_points.cpp).
     files::sync_dir(io, root, kWhat);
     files::remove_tree_in_background(io, dropped, kWhat);
   };

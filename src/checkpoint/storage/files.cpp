@@ -265,7 +265,7 @@ void make_dirs(FileIO& io, const std::string& path, const char* what) {
   if (io.mkdir(p, 0755) == 0) {
     // The new name reaches the disk with its parent's fsync: without it a checkpoint or export
     // saved into a new directory (and synced there) could vanish whole in a power cut after the
-    // save returned (crash points, tests/test_crash_points.cpp).
+    // save returned (crash points, tests/faults/test_crash_points.cpp).
     sync_dir(io, parent, what);
   } else if (errno != EEXIST) {
     io_error(what, "creating directory", p, errno);

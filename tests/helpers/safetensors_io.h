@@ -1,5 +1,5 @@
 // A small, strict safetensors reader and writer for tests (header-only), plus the minimal JSON it
-// needs. Used by tests/oracle_fsdp.cpp to exchange weights, batches and results with Python
+// needs. Used by tests/oracle/oracle_fsdp.cpp to exchange weights, batches and results with Python
 // (safetensors.torch) without running anything from the files.
 //
 // Format (https://github.com/huggingface/safetensors): 8 bytes little-endian u64 N, then N bytes

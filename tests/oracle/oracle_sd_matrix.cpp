@@ -8,7 +8,8 @@
 // (and use_orig_params), trains 2 steps on this rank's rows of DIR/tokens.safetensors with the
 // five optimizers, and writes (tests/oracle/sd_exchange.py's format) OUT/truth (rank 0: the full
 // model and optimizer dicts) and, for each combination N of StateDictOptions (the indexing of
-// tests/test_sd_matrix.cpp, pieces cut as PyTorch's FSDP cuts them: ShardLayout::DIM0_CHUNKS):
+// tests/state_dict/test_sd_matrix.cpp, pieces cut as PyTorch's FSDP cuts them:
+// ShardLayout::DIM0_CHUNKS):
 //   OUT/get_cN_r<rank>   what get_state_dict returned on this rank, or the error it raised;
 //   OUT/getflat_cN_r<rank>  the same with the default layout (FLAT_SHARDS), for sharded combos;
 //   OUT/set_cN           a model built from DIR/init9.safetensors after set_state_dict of the
@@ -84,7 +85,7 @@ fsdp::ShardingStrategy strategy_from(const std::string& s) {
   usage("unknown strategy " + s);
 }
 
-// The options of combination i (tests/test_sd_matrix.cpp's combo_at).
+// The options of combination i (tests/state_dict/test_sd_matrix.cpp's combo_at).
 ckpt::StateDictOptions options_of(int i) {
   return ckpt::StateDictOptions()
       .full_state_dict(i & 1)
