@@ -87,7 +87,7 @@ for step in "${steps[@]}"; do
       # collective (flags, sizes, names, pieces, the model itself) is staged through the GPU.
       # The tests of timeouts and dead peers are left to nccl-timeouts: NCCL handles those in
       # its own way (docs/dist.md).
-      for t in test_dist test_flat_param test_fsdp_runtime test_runtime_regressions \
+      for t in test_dist test_flat_param test_fsdp_runtime test_runtime_edges \
                test_state_dict test_state_dict_edges test_optim_state_dict test_state_dict_utils \
                test_dcp_checkpoint test_checkpoint_state_dict; do
         FSDP_TEST_BACKEND=nccl run_suite "$t" "nccl-$t" --gtest_filter="-$TIMEOUT_TESTS" &

@@ -1,4 +1,4 @@
-// The check of PyTorch's _cpu_grad behaviour, shared by the CPU test (test_runtime_regressions)
+// The check of PyTorch's _cpu_grad behaviour, shared by the CPU test (test_runtime_edges)
 // and the GPU one (test_cuda): under offload every unit's sharded gradient is one CPU buffer kept
 // for the unit's life (pinned when computing on a GPU); after zero_grad(set_to_none) the next
 // backward writes into the same buffer, and training matches training without offload.

@@ -1,6 +1,7 @@
-// Runtime behaviours the core review (issue 7) found wrong at the edges, each checked against an
-// unwrapped single-process reference: buffers of ignored modules under buffer_dtype, requires_grad
-// changed after wrapping, gradients cleared with set_to_none while a unit was unsharded.
+// Runtime behaviours at the edges (first found wrong by the core review, issue 7), each checked
+// against an unwrapped single-process reference: buffers of ignored modules under buffer_dtype,
+// requires_grad changed after wrapping, gradients cleared with set_to_none while a unit was
+// unsharded.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -52,7 +53,7 @@ TORCH_MODULE(WithStats);
 
 // PyTorch never casts buffers of ignored modules to buffer_dtype (they are outside FSDP's care),
 // and its state-dict hook leaves them alone. Casting loses precision even if cast back later.
-TEST(RuntimeRegressions, IgnoredModuleBuffersKeepTheirDtypeUnderBufferDtype) {
+TEST(RuntimeEdges, IgnoredModuleBuffersKeepTheirDtypeUnderBufferDtype) {
   run_ranks(2, [](ProcessGroup&) {
     WithStats m;
     const torch::Tensor before = m->stats->running.clone();
@@ -76,7 +77,7 @@ TEST(RuntimeRegressions, IgnoredModuleBuffersKeepTheirDtypeUnderBufferDtype) {
 // The seed recomputes flat_param.requires_grad every iteration (_reset_flat_param_grad_info_if_
 // needed). A unit whose parameters were all frozen at wrap time and are unfrozen later must train
 // like the unwrapped model does.
-TEST(RuntimeRegressions, UnfreezingAUnitFrozenAtWrapTimeTrainsIt) {
+TEST(RuntimeEdges, UnfreezingAUnitFrozenAtWrapTimeTrainsIt) {
   for (int W : {2, 3}) {
     run_ranks(W, [](ProcessGroup& pg) {
       const int W = pg.size();
@@ -106,7 +107,7 @@ TEST(RuntimeRegressions, UnfreezingAUnitFrozenAtWrapTimeTrainsIt) {
 // still reads ("out of bounds for storage of size 0" before the fix). Such a unit waits for its
 // inputs' gradients too. Trains like the unwrapped model on the whole batch, under the sharded
 // strategies, with and without use_orig_params.
-TEST(RuntimeRegressions, FrozenWeightsBesideTrainableBiasesTrainLikeOneProcess) {
+TEST(RuntimeEdges, FrozenWeightsBesideTrainableBiasesTrainLikeOneProcess) {
   for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
     for (bool orig : {true, false}) {
       run_ranks(orig ? 3 : 2, [strategy, orig](ProcessGroup& pg) {
@@ -145,7 +146,7 @@ TEST(RuntimeRegressions, FrozenWeightsBesideTrainableBiasesTrainLikeOneProcess) 
 }
 
 // And freezing after wrapping: the frozen parameters stay put while the rest trains.
-TEST(RuntimeRegressions, FreezingAfterWrapStopsTheUpdates) {
+TEST(RuntimeEdges, FreezingAfterWrapStopsTheUpdates) {
   run_ranks(2, [](ProcessGroup& pg) {
     TinyLM m(32);
     FullyShardedDataParallel model(m, lm_options(m).use_orig_params(true));
@@ -218,7 +219,7 @@ INSTANTIATE_TEST_SUITE_P(Strategies, ClearedGradsAfterEvalForward,
 
 // PyTorch's _get_param_to_fqns: every parameter an optimizer can hold, once, with canonical FQNs
 // (tied: the first owner's name first), covering every name of the unwrapped model exactly once.
-TEST(RuntimeRegressions, ParamFqnsCoverEveryParameterOnce) {
+TEST(RuntimeEdges, ParamFqnsCoverEveryParameterOnce) {
   run_ranks(2, [](ProcessGroup&) {
     for (bool orig : {false, true}) {
       TinyLM m(41);
@@ -259,7 +260,7 @@ TEST(RuntimeRegressions, ParamFqnsCoverEveryParameterOnce) {
 
 // The layout's flatten and unflat_views (what optimizer-state flattening uses) are inverse, with
 // padding where the layout says.
-TEST(RuntimeRegressions, LayoutFlattenAndUnflatViewsRoundTrip) {
+TEST(RuntimeEdges, LayoutFlattenAndUnflatViewsRoundTrip) {
   std::vector<std::vector<int64_t>> shapes{{}, {0}, {7}, {5, 3}, {5}};
   std::vector<std::string> fqns{"s", "e", "o", "w", "b"};
   for (int64_t align : {0, 4}) {
@@ -291,7 +292,7 @@ TEST(RuntimeRegressions, LayoutFlattenAndUnflatViewsRoundTrip) {
 // PyTorch's FSDP_USE_FULL_PREC_IN_EVAL=1: a model in eval mode computes in full precision despite
 // param_dtype (and training goes back to it). Without the variable, eval stays in bfloat16: the
 // control that shows the comparison can fail.
-TEST(RuntimeRegressions, FullPrecisionInEvalWithTheEnvironmentVariable) {
+TEST(RuntimeEdges, FullPrecisionInEvalWithTheEnvironmentVariable) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP}) {
       for (bool env : {true, false}) {
@@ -335,7 +336,7 @@ TEST(RuntimeRegressions, FullPrecisionInEvalWithTheEnvironmentVariable) {
 // Summoning with gradients (PyTorch's summon_full_params(with_grads=True), unshard_grad): every
 // trainable parameter's grad() is its full, averaged gradient, equal to the unwrapped model's on
 // the whole batch; afterwards the sharded gradients are exactly as before.
-TEST(RuntimeRegressions, SummonWithGradsShowsFullGradients) {
+TEST(RuntimeEdges, SummonWithGradsShowsFullGradients) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::SHARD_GRAD_OP,
                           ShardingStrategy::NO_SHARD}) {
@@ -392,7 +393,7 @@ fsdp::FlatParamHandle* handle_of(FullyShardedDataParallel& model, const std::str
 // grad mode keeps the unsharded parameters for backward, and the original parameters stay their
 // full-shaped views until then (FULL_SHARD frees them, so they are 1-D shard views). Training is
 // unchanged, and it equals one process on the whole batch.
-TEST(RuntimeRegressions, ShardGradOpKeepsUnshardedViewsBetweenForwardAndBackward) {
+TEST(RuntimeEdges, ShardGradOpKeepsUnshardedViewsBetweenForwardAndBackward) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (auto strategy : {ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::FULL_SHARD}) {
       const bool keeps = strategy == ShardingStrategy::SHARD_GRAD_OP;
@@ -442,7 +443,7 @@ TEST(RuntimeRegressions, ShardGradOpKeepsUnshardedViewsBetweenForwardAndBackward
 
 // While the views are kept, a parameter replaced before backward is an error naming it, as in
 // PyTorch (it would otherwise be silently lost: backward runs on the kept unsharded values).
-TEST(RuntimeRegressions, ReplacingAKeptParameterBeforeBackwardIsAnError) {
+TEST(RuntimeEdges, ReplacingAKeptParameterBeforeBackwardIsAnError) {
   run_ranks(2, [](ProcessGroup& pg) {
     TinyLM m(42);
     FullyShardedDataParallel model(
@@ -468,7 +469,7 @@ TEST(RuntimeRegressions, ReplacingAKeptParameterBeforeBackwardIsAnError) {
 // PyTorch's _cpu_grad: under offload the sharded gradient is one CPU buffer kept for the handle's
 // life; after zero_grad(set_to_none) the next backward writes into the same buffer (no
 // allocation per step), and training is bit-identical to training without offload.
-TEST(RuntimeRegressions, OffloadReusesOneGradientBufferPerUnit) {
+TEST(RuntimeEdges, OffloadReusesOneGradientBufferPerUnit) {
   run_ranks(2, [](ProcessGroup& pg) {
     for (auto strategy : {ShardingStrategy::FULL_SHARD, ShardingStrategy::NO_SHARD}) {
       fsdp::testing::expect_offload_reuses_one_gradient_buffer(pg.rank(), strategy, at::kCPU);
