@@ -82,10 +82,20 @@ def wrap(model, case, device):
         return model.to(device)
     if case.startswith("DDP"):
         from torch.nn.parallel import DistributedDataParallel
-        # "DDP bucket=<N>MB": the bucket size swept; "DDP": its default (25 MB).
+        # "DDP bucket=<N>MB": the bucket size swept; "DDP": its defaults (25 MB buckets copied
+        # into and out of). "DDP view": gradient_as_bucket_view=True, gradients living in the
+        # buckets as our NO_SHARD's do; "DDP view static": static_graph=True besides, DDP's
+        # fastest configuration for a graph that does not change between steps.
         extra = {}
-        if "bucket=" in case:
-            extra["bucket_cap_mb"] = float(case.split("bucket=")[1].rstrip("MB"))
+        for word in case.split()[1:]:
+            if word.startswith("bucket="):
+                extra["bucket_cap_mb"] = float(word.split("=")[1].rstrip("MB"))
+            elif word == "view":
+                extra["gradient_as_bucket_view"] = True
+            elif word == "static":
+                extra["static_graph"] = True
+            else:
+                raise SystemExit(f"py_training.py: unknown DDP option '{word}' in '{case}'")
         return DistributedDataParallel(model.to(device),
                                        device_ids=[device] if device.type == "cuda" else None,
                                        **extra)

@@ -5,7 +5,10 @@
 # moves by up to 8% between rounds, so a ratio of two medians taken minutes apart says little; a
 # ratio inside one round, where both sides saw the same machine, says more, and its median over
 # many rounds more still. The order inside a round alternates (ours first, then DDP first), so a
-# drift across the run weighs on both sides alike.
+# drift across the run weighs on both sides alike. DDP runs in three configurations side by side,
+# each paired with the same round of ours: its defaults ("DDP"), gradient_as_bucket_view=True
+# ("DDP view": gradients live in the buckets, as ours do) and that with static_graph=True
+# ("DDP view static").
 #
 #   scripts/ddp_parity.sh [--rounds N] [--iters N] [--models LIST] [--torch host|2|both] [--out DIR]
 #
@@ -23,6 +26,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ROUNDS=9 ITERS=20 MODELS=transformer,blocks,params WHICH=both OUT=""
+DDP_CASES="DDP,DDP view,DDP view static"
 while (($#)); do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
@@ -71,10 +75,10 @@ ours() {
 ddp() {
   if [ "$1" = host ]; then
     FSDP_BENCH_TAG="$2" build/fsdp-run --nproc-per-node 2 -- /usr/bin/python3 bench/py_training.py \
-      --model "$3" --cases DDP --iters "$ITERS" --out "$MEAS" >>"$OUT/run.log" 2>&1
+      --model "$3" --cases "$DDP_CASES" --iters "$ITERS" --out "$MEAS" >>"$OUT/run.log" 2>&1
   else
     scripts/torch2-env.sh -- env FSDP_BENCH_TAG="$2" build-trixie/fsdp-run --nproc-per-node 2 -- \
-      python3 bench/py_training.py --model "$3" --cases DDP --iters "$ITERS" \
+      python3 bench/py_training.py --model "$3" --cases "$DDP_CASES" --iters "$ITERS" \
       --out "/src/$REL_OUT/measurements.jsonl" >>"$OUT/run.log" 2>&1
   fi
 }

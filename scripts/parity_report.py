@@ -4,10 +4,11 @@
     parity_report.py MEASUREMENTS.jsonl SUMMARY.md [SECONDS]
 
 Reads the samples the rounds wrote (tagged parity-<torch>-r<round>), pairs our NO_SHARD with
-DDP inside each round, and prints per LibTorch and model: the rounds paired, each side's median
-step, the median of the per-round ratios (the figure issue 42's acceptance asks for), their
-range, and how many rounds had us faster. A round where one side is missing is left out and
-counted, never guessed.
+each DDP configuration measured in the same round ("DDP", its defaults; "DDP view",
+gradient_as_bucket_view; "DDP view static", with static_graph besides), and prints per LibTorch,
+model and configuration: the rounds paired, each side's median step, the median of the per-round
+ratios (the figure issue 42's acceptance asks for), their range, and how many rounds had us
+faster. A round where one side is missing is left out and counted, never guessed.
 """
 import json
 import re
@@ -30,9 +31,12 @@ def load(path):
             tag = TAG.match(m.get("run", ""))
             if not tag:
                 continue
-            side = {("training", "NO_SHARD"): "ours",
-                    ("training_python", "DDP"): "ddp"}.get((m.get("bench"), m.get("case")))
-            if side is None:
+            bench, case = m.get("bench"), m.get("case", "")
+            if (bench, case) == ("training", "NO_SHARD"):
+                side = "ours"
+            elif bench == "training_python" and case.startswith("DDP") and "bucket=" not in case:
+                side = case
+            else:
                 continue
             version = m.get("libtorch") or m.get("pytorch", "?")
             key = (tag["torch"], m["model"])
@@ -41,23 +45,25 @@ def load(path):
 
 
 def table(cells):
-    rows = ["| LibTorch | model | rounds | NO_SHARD ms | DDP ms | **NO_SHARD / DDP** (median of rounds) "
-            "| range | rounds ours faster | left out |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| LibTorch | model | DDP as | rounds | NO_SHARD ms | DDP ms "
+            "| **NO_SHARD / DDP** (median of rounds) | range | rounds ours faster | left out |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (torch, model), rounds in sorted(cells.items()):
-        paired = [r for r in rounds.values() if "ours" in r and "ddp" in r]
-        if not paired:
-            rows.append(f"| {torch} | {model} | 0 | | | | | | {len(rounds)} |")
-            continue
-        ours = [r["ours"][0] for r in paired]
-        ddp = [r["ddp"][0] for r in paired]
-        ratios = [o / d for o, d in zip(ours, ddp)]
-        version = f"{paired[0]['ours'][1]} / {paired[0]['ddp'][1]}"
-        rows.append(
-            f"| {torch} ({version}) | {model} | {len(paired)} | {statistics.median(ours) * 1e3:.1f} "
-            f"| {statistics.median(ddp) * 1e3:.1f} | **{statistics.median(ratios):.3f}** "
-            f"| {min(ratios):.3f}-{max(ratios):.3f} | {sum(x < 1 for x in ratios)} of {len(ratios)} "
-            f"| {len(rounds) - len(paired)} |")
+        configs = sorted({k for r in rounds.values() for k in r if k != "ours"}, key=len)
+        for config in configs or ["DDP"]:
+            paired = [r for r in rounds.values() if "ours" in r and config in r]
+            if not paired:
+                rows.append(f"| {torch} | {model} | {config} | 0 | | | | | | {len(rounds)} |")
+                continue
+            ours = [r["ours"][0] for r in paired]
+            ddp = [r[config][0] for r in paired]
+            ratios = [o / d for o, d in zip(ours, ddp)]
+            version = f"{paired[0]['ours'][1]} / {paired[0][config][1]}"
+            rows.append(
+                f"| {torch} ({version}) | {model} | {config} | {len(paired)} "
+                f"| {statistics.median(ours) * 1e3:.1f} | {statistics.median(ddp) * 1e3:.1f} "
+                f"| **{statistics.median(ratios):.3f}** | {min(ratios):.3f}-{max(ratios):.3f} "
+                f"| {sum(x < 1 for x in ratios)} of {len(ratios)} | {len(rounds) - len(paired)} |")
     return "\n".join(rows)
 
 
