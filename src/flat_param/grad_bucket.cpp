@@ -1,12 +1,19 @@
 // GradBucket: several units' flat gradients reduced by one all-reduce (see grad_bucket.h).
 #include "flat_param/grad_bucket.h"
 
+#include <atomic>
+
 #include "fsdp/errors.h"
 #include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
 namespace detail {
+namespace {
+std::atomic<GradBucket::LaunchHook> g_launch_hook{nullptr};
+}  // namespace
+
+void GradBucket::set_launch_hook(LaunchHook hook) { g_launch_hook.store(hook); }
 
 GradBucket::GradBucket(dist::ProcessGroup group, at::ScalarType dtype, at::Device device,
                        std::vector<double> divide_after, at::Tensor planned)
@@ -58,6 +65,11 @@ void GradBucket::launch() {
   planned_ = at::Tensor();
   for (size_t k = 0; k < slots_.size(); ++k) {
     slots_[k] = buffer_.narrow(0, offsets_[k], slots_[k].numel());
+  }
+  if (const LaunchHook hook = g_launch_hook.load(std::memory_order_relaxed)) {
+    std::vector<int64_t> numels;
+    for (const auto& s : slots_) numels.push_back(s.numel());
+    hook(buffer_, offsets_, numels);
   }
   work_ = group_.all_reduce_async(buffer_, dist::ReduceOp::SUM);
 }

@@ -28,6 +28,14 @@ namespace detail {
 
 class GradBucket {
  public:
+  /// For tests only (the buckets' negative control): called by launch() on this process's every
+  /// bucket with the buffer about to be reduced and each slot's range in it, once the slots'
+  /// gradients are in it; it may change what the bucket sends, as a bucket that lost a gradient
+  /// would. Null, the default, costs one atomic load per bucket.
+  using LaunchHook = void (*)(const at::Tensor& buffer, const std::vector<int64_t>& offsets,
+                              const std::vector<int64_t>& numels);
+  static void set_launch_hook(LaunchHook hook);
+
   /// A bucket reduced over `group`, holding gradients of `dtype` on `device`, whose sum wait()
   /// divides by each of `divide_after` in turn (the averaging every unit of the bucket owes; one
   /// pass over the bucket instead of one per unit). `planned`, if defined, is a 1-D buffer of

@@ -3,8 +3,8 @@
 // (bit-identical where the arithmetic is: W <= 2, where each element's sum has one order), across
 // world sizes 1-4, mixed precision, CPU offload, use_orig_params, no_sync, a frozen unit, a unit
 // unused in some steps and a parameter that never gets a gradient; the sharded strategies ignore
-// the option. A negative control (one unit's gradient left out on one rank) must fail the same
-// comparison.
+// the option. A negative control (one unit's gradient left out of its bucket on one rank) must
+// fail the same comparison.
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -94,8 +94,13 @@ struct Trace {
   std::map<std::string, at::Tensor> weights;
 };
 
-// A hook that replaces one block's fc1 weight gradient with zeros on rank 1: the gradient that
-// would be "left out of its bucket", for the negative control.
+// The negative control's fault: rank 1's buckets send zeros in place of their first unit's
+// gradient, as a bucket that left that gradient out would (the gradient itself is intact).
+void leave_first_gradient_out(const at::Tensor& buffer, const std::vector<int64_t>& offsets,
+                              const std::vector<int64_t>& numels) {
+  if (!numels.empty()) buffer.narrow(0, offsets[0], numels[0]).zero_();
+}
+
 Trace train(ProcessGroup& pg, const Config& c, double cap_mb, bool drop_one = false) {
   BucketNet m;
   auto options = bucket_net_options(pg, m, c.strategy, cap_mb).use_orig_params(c.orig);
@@ -107,10 +112,12 @@ Trace train(ProcessGroup& pg, const Config& c, double cap_mb, bool drop_one = fa
     options.mixed_precision(
         fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kHalf));
   }
-  if (drop_one && pg.rank() == 1) {
-    m->blocks->ptr<SpareBlockImpl>(3)->fc1->weight.register_hook(
-        [](const at::Tensor& g) { return at::zeros_like(g); });
-  }
+  struct Hook {
+    explicit Hook(bool on) {
+      if (on) fsdp::detail::GradBucket::set_launch_hook(leave_first_gradient_out);
+    }
+    ~Hook() { fsdp::detail::GradBucket::set_launch_hook(nullptr); }
+  } hook(drop_one && pg.rank() == 1);
   FullyShardedDataParallel model(m, options);
   torch::optim::Adam opt(fsdp::testing::unique_params(model->parameters()), 1e-2);
   Trace t;
@@ -213,8 +220,9 @@ TEST(GradBuckets, BucketedTrainingEqualsOneAllReducePerUnit) {
   }
 }
 
-// The comparison above can fail: one rank's gradient of one unit left out (zeros) moves the
-// result by far more than the bound, whatever the bucket size.
+// The comparison above can fail: a bucket that leaves one unit's gradient out (rank 1 sends zeros
+// for it, while the gradient autograd computed is intact) moves the result by far more than the
+// bound, whatever the bucket size.
 TEST(GradBuckets, NegativeControlAGradientLeftOutIsCaught) {
   run_ranks(2, [](ProcessGroup& pg) {
     const Config c{"plain"};
