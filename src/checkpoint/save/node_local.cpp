@@ -141,36 +141,22 @@ class NodeLocalDirectories final : public Protocol {
   // removals), so no host drops an old step another host still needs.
   void commit(SaveState& s, const Annotations& annotations,
               const std::function<void()>& after_commit) override {
-    dist::Verdict mine;
-    if (s.leader) {
-      mine = dist::Verdict::of([&] {
-        std::vector<RankPart> all = s.parts();
-        std::vector<std::string> local;  // none listed: one host holds every file
-        if (hosts_.size() > 1)
-          for (size_t r = 0; r < all.size(); ++r)
-            if (on_this_host(static_cast<int>(r))) local.push_back(all[r].file);
-        write_commit_files(*s.io, all, s.partial, annotations, std::move(local));
-        return std::string();
-      });
-    }
-    const dist::Verdicts completed = s.exchange(mine);
+    const dist::Verdicts completed = s.exchange(s.on_leader([&] {
+      std::vector<RankPart> all = s.parts();
+      std::vector<std::string> local;  // none listed: one host holds every file
+      if (hosts_.size() > 1)
+        for (size_t r = 0; r < all.size(); ++r)
+          if (on_this_host(static_cast<int>(r))) local.push_back(all[r].file);
+      write_commit_files(*s.io, all, s.partial, annotations, std::move(local));
+    }));
     if (!completed.ok()) s.remove_partial_on_leader();
     s.throw_first_failure(completed, "nothing was committed: completing the directory of ");
-    if (s.leader) {
-      mine = dist::Verdict::of([&] {
-        install(*s.io, s.partial, s.dir);
-        return std::string();
-      });
-    }
-    s.throw_first_failure(s.exchange(mine),
+    s.throw_first_failure(s.exchange(s.on_leader([&] { install(*s.io, s.partial, s.dir); })),
                           "committed on some hosts only: swapping in the directory of ");
-    if (s.leader && after_commit) {
-      mine = dist::Verdict::of([&] {
-        after_commit();
-        return std::string();
-      });
-    }
-    s.throw_first_failure(s.exchange(mine), "committed, then failed on the host of ");
+    s.throw_first_failure(s.exchange(s.on_leader([&] {
+      if (after_commit) after_commit();
+    })),
+                          "committed, then failed on the host of ");
   }
 
  private:

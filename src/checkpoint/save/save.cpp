@@ -328,6 +328,14 @@ void SaveState::throw_first_failure(const dist::Verdicts& verdicts, const char* 
   });
 }
 
+dist::Verdict SaveState::on_leader(const std::function<void()>& step) const {
+  if (!leader) return dist::Verdict();
+  return dist::Verdict::of([&] {
+    step();
+    return std::string();
+  });
+}
+
 void SaveState::remove_partial_on_leader() const {
   if (!leader) return;
   try {
@@ -353,20 +361,14 @@ class SharedDirectory final : public save_run::Protocol {
 
   void commit(SaveState& s, const Annotations& annotations,
               const std::function<void()>& after_commit) override {
-    dist::Verdict mine;
-    if (s.rank == 0) {
-      mine = dist::Verdict::of([&] {
-        save_run::write_commit_files(*s.io, s.parts(), s.partial, annotations, {});
-        return std::string();
-      });
-    }
+    dist::Verdict mine = s.on_leader(
+        [&] { save_run::write_commit_files(*s.io, s.parts(), s.partial, annotations, {}); });
     // The agreement: rank 0's files are ready, and every rank is still here to say so (a rank
     // lost here fails this exchange on every other rank, rank 0 included, before the commit).
-    if (s.exchange(mine).ok() && s.rank == 0) {
-      mine = dist::Verdict::of([&] {
+    if (s.exchange(mine).ok()) {
+      mine = s.on_leader([&] {
         save_run::install(*s.io, s.partial, s.dir);
         if (after_commit) after_commit();
-        return std::string();
       });
     }
     const dist::Verdict committed = dist::broadcast_verdict(s.group, mine, 0);
@@ -421,25 +423,21 @@ class SaveRun {
   // box several ranks hold (replicas under HYBRID_SHARD, NO_SHARD optimizer state) is written
   // once, by the lowest of them (DCP's dedup_save_plans). One small exchange.
   void prepare(const StateDict& state_dict, const Hook& before_prepare) {
-    dist::Verdict mine;
-    if (s_.leader) {
-      mine = dist::Verdict::of([&] {
-        // An earlier save's removal may still be running over the names cleaned up here.
-        files::wait_for_background_removal();
-        protocol_->clear_leftovers(s_);
-        if (before_prepare) before_prepare();
-        FileIO& io = *s_.io;
-        files::make_dirs(io, files::parent_of(s_.dir), kWhat);
-        restore_aside(io, s_.dir);
-        files::remove_tree(io, s_.partial, kWhat);
-        files::remove_tree(io, s_.partial + ".old", kWhat);
-        if (io.mkdir(s_.partial, 0755) != 0) {
-          const int err = errno;  // before the message allocates
-          files::io_error(kWhat, "creating", s_.partial, err);
-        }
-        return std::string();
-      });
-    }
+    dist::Verdict mine = s_.on_leader([&] {
+      // An earlier save's removal may still be running over the names cleaned up here.
+      files::wait_for_background_removal();
+      protocol_->clear_leftovers(s_);
+      if (before_prepare) before_prepare();
+      FileIO& io = *s_.io;
+      files::make_dirs(io, files::parent_of(s_.dir), kWhat);
+      restore_aside(io, s_.dir);
+      files::remove_tree(io, s_.partial, kWhat);
+      files::remove_tree(io, s_.partial + ".old", kWhat);
+      if (io.mkdir(s_.partial, 0755) != 0) {
+        const int err = errno;  // before the message allocates
+        files::io_error(kWhat, "creating", s_.partial, err);
+      }
+    });
     // DCP's flattening, once: the box lists and the writing both walk it.
     sd_ = state_dict;  // containers only; tensors are shared
     if (mine.ok()) {

@@ -48,6 +48,9 @@ struct SaveState {
   void throw_first_failure(const dist::Verdicts& verdicts, const char* what) const;
   /// After a failure: the leader removes the partial directory, which no rank writes to any more.
   void remove_partial_on_leader() const;
+  /// The leader's verdict on `step`, run there (a throw becomes a failed verdict); on every other
+  /// rank a clean verdict, for the exchange that follows.
+  dist::Verdict on_leader(const std::function<void()>& step) const;
 };
 
 /// Where a save's directory lives, and so who prepares and commits it.
