@@ -548,12 +548,23 @@ TEST(FsdpRunNodes, ALauncherStoppedWhileWaitingTakesItsJoinBack) {
 // before, a new one per restart, and anything could take it in between. Every rank, rank 1
 // included, finds the port listening as it starts, the same port in both rounds, and is the
 // store's client. (Before this, rank 1's first connection was refused: nothing listened yet.)
+// Rank 1 fails round 0 only once rank 0 has written its line (a marker file says so): otherwise
+// fsdp-run may stop rank 0 before it prints, and the count would test the scheduler.
 TEST(FsdpRun, TheRanksStoreListensBeforeAnyRankStartsAndStaysForRestarts) {
+  fsdp::testing::TempDir dir;
+  const std::string marker = dir.file("rank0-printed");
   const auto r = run_shell(
       kRun +
       " --nproc-per-node 2 --max-restarts 1 bash -c 'if exec 3<>/dev/tcp/127.0.0.1/$MASTER_PORT; "
       "then echo \"listening $MASTER_PORT agent=$TORCHELASTIC_USE_AGENT_STORE\"; fi; "
-      "[ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ] && exit 3; exit 0'");
+      "[ $RANK = 0 ] && touch " +
+      marker +
+      "; "
+      "if [ $TORCHELASTIC_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then "
+      "i=0; while [ ! -e " +
+      marker +
+      " ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; "
+      "exit 3; fi; exit 0'");
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_EQ(count_lines_with(r.out, "] listening "), 4) << r.out;
   EXPECT_EQ(count_lines_with(r.out, " agent=True"), 4) << r.out;
