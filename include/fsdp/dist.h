@@ -15,7 +15,6 @@
 #pragma once
 
 #include <chrono>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -146,6 +145,9 @@ struct EnvInfo {
 EnvInfo env_info();
 
 class ProcessGroup;
+namespace detail {
+struct GroupInternals;  // src/dist/state.h
+}  // namespace detail
 
 /// A collective in flight. wait() blocks until it is done (at most the group's timeout), finishes
 /// any local work the collective needs (copies, sums) and rethrows failures as DistError.
@@ -172,7 +174,7 @@ class Work {
   [[deprecated("done() means wait() has run; use waited()")]] bool done() const { return waited(); }
 
  private:
-  friend class ProcessGroup;
+  friend struct detail::GroupInternals;
   struct Pending;
   std::unique_ptr<Pending> pending_;
 };
@@ -290,30 +292,11 @@ class ProcessGroup {
   ProcessGroup new_group(const std::vector<int>& ranks);
 
  private:
-  friend ProcessGroup init_process_group(const struct InitOptions& opts);
+  // The state every handle of a group shares, and the helpers that reach into it, are internal
+  // to src/dist/ (state.h).
+  friend struct detail::GroupInternals;
   struct State;
   explicit ProcessGroup(std::shared_ptr<State> s) : state_(std::move(s)) {}
-  State& checked_state(const char* op) const;
-  Work launch(const char* op, compat::WorkPtr work, std::function<void()> finish = {});
-  // ReduceScatterAlgo::PAIRWISE over `chunks` (see reduce_scatter_pieces_async), under the
-  // group's next pairwise tag; the sum is then divided by `divisors` in turn.
-  Work launch_pairwise(const char* op, const at::Tensor& out_flat,
-                       std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
-                       std::vector<double> divisors);
-  // Host routing (host_routes.cpp). `routed` says whether a collective of `bytes` goes by host:
-  // always for HIERARCHICAL (ValueError on a group without routes), from 64 KiB for AUTO.
-  bool routed(const char* op, bool hierarchical, bool automatic, int64_t bytes) const;
-  Work routed_all_gather(const at::Tensor& out_flat, const at::Tensor& in_flat);
-  Work routed_reduce_scatter(const char* op, const at::Tensor& out_flat,
-                             std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
-                             std::vector<double> divisors);
-  Work routed_all_reduce(const at::Tensor& tensor, ReduceOp op_kind);
-  // Collective over this group: agrees on host routes from every rank's layout and builds them.
-  void route_by_host(const EnvInfo& env, std::optional<bool> wanted);
-  ProcessGroup new_named_group(const std::vector<int>& ranks, const std::string& name);
-  // ValueError unless `in_flat` is this rank's own piece of `out_flat` or outside it.
-  void check_in_place_piece(const char* op, const at::Tensor& out_flat,
-                            const at::Tensor& in_flat) const;
   std::shared_ptr<State> state_;
 };
 

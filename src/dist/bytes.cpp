@@ -38,7 +38,7 @@ int64_t get_length(const char* slot, const std::string& op, int from) {
 }  // namespace
 
 std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes) {
-  State& s = checked_state("all_gather_bytes");
+  State& s = Internals::checked_state(*this, "all_gather_bytes");
   if (s.size == 1) return {bytes};
   const int64_t n = static_cast<int64_t>(bytes.size());
   // In place: this rank's slot is its own piece of the output, so the exchange holds W slots.
@@ -76,7 +76,7 @@ std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes
 }
 
 std::string ProcessGroup::broadcast_bytes(const std::string& bytes, int src) {
-  State& s = checked_state("broadcast_bytes");
+  State& s = Internals::checked_state(*this, "broadcast_bytes");
   if (s.size == 1) return bytes;
   at::Tensor buf = at::zeros({kBytesSlot}, at::kByte);
   char* slot = static_cast<char*>(buf.data_ptr());

@@ -164,14 +164,15 @@ detail::PointToPointCall ProcessGroup::State::next_point_to_point(std::string wh
   return call;
 }
 
-Work ProcessGroup::launch(const char* op, compat::WorkPtr work, std::function<void()> finish) {
+Work detail::GroupInternals::launch(const ProcessGroup& self, const char* op, compat::WorkPtr work,
+                                    std::function<void()> finish) {
   Work w;
   w.pending_ = std::make_unique<Work::Pending>();
   w.pending_->work = std::move(work);
   w.pending_->finish = std::move(finish);
-  w.pending_->what = describe(op, *this);
-  w.pending_->group_failed = state_->failed;
-  w.pending_->timeout = detail::work_timeout(state_->backend_name, state_->timeout);
+  w.pending_->what = describe(op, self);
+  w.pending_->group_failed = self.state_->failed;
+  w.pending_->timeout = detail::work_timeout(self.state_->backend_name, self.state_->timeout);
   return w;
 }
 
@@ -200,15 +201,16 @@ constexpr int64_t kPairwiseAllGatherMinBytes = int64_t{4} << 20;
 
 // Pieces land in the output while the input is still being sent (PAIRWISE, HIERARCHICAL): an
 // input inside the output must be this rank's own piece of it (in place), where nothing lands.
-void ProcessGroup::check_in_place_piece(const char* op, const at::Tensor& out_flat,
-                                        const at::Tensor& in_flat) const {
-  const State& s = checked_state(op);
+void detail::GroupInternals::check_in_place_piece(const ProcessGroup& self, const char* op,
+                                                  const at::Tensor& out_flat,
+                                                  const at::Tensor& in_flat) {
+  const State& s = Internals::checked_state(self, op);
   const auto lo = reinterpret_cast<uintptr_t>(out_flat.data_ptr());
   const auto from = reinterpret_cast<uintptr_t>(in_flat.data_ptr());
   const auto bytes = static_cast<uintptr_t>(in_flat.numel() * in_flat.element_size());
   const bool overlaps = from < lo + bytes * s.size && from + bytes > lo;
   if (overlaps && from != lo + bytes * s.rank) {
-    throw ValueError(msg(describe(op, *this),
+    throw ValueError(msg(describe(op, self),
                          ": the input overlaps the output other than at this "
                          "rank's own piece of it (bytes ",
                          bytes * s.rank, " to ", bytes * (s.rank + 1), " of the output)"));
@@ -218,7 +220,7 @@ void ProcessGroup::check_in_place_piece(const char* op, const at::Tensor& out_fl
 Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const at::Tensor& input,
                                                 AllGatherAlgo algo) {
   const char* op = "all_gather_into_tensor";
-  State& s = checked_state(op);
+  State& s = Internals::checked_state(*this, op);
   check_flat(op, *this, output, "output");
   check_flat(op, *this, input, "input");
   if (output.numel() != input.numel() * s.size || output.scalar_type() != input.scalar_type()) {
@@ -229,25 +231,27 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   if (algo == AllGatherAlgo::PAIRWISE) {
     pairwise_needs_gloo(op, *this, s.backend_name, "AllGatherAlgo::PAIRWISE");
   }
-  const bool by_host = routed(op, algo == AllGatherAlgo::HIERARCHICAL, algo == AllGatherAlgo::AUTO,
-                              output.numel() * output.element_size());
+  const bool by_host =
+      Internals::routed(*this, op, algo == AllGatherAlgo::HIERARCHICAL, algo == AllGatherAlgo::AUTO,
+                        output.numel() * output.element_size());
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
-    return launch(op, {},
-                  copy_back(all_gather_into_tensor_async(out, staged_input(s.device, input), algo),
-                            output, out));
+    return Internals::launch(
+        *this, op, {},
+        copy_back(all_gather_into_tensor_async(out, staged_input(s.device, input), algo), output,
+                  out));
   }
   // Gloo divides by the element count (SIGFPE on 0); every member passes the same shapes, so all
   // of them skip together.
   if (s.size == 1 || input.numel() == 0) {
     output.view(-1).copy_(input.view(-1).repeat({s.size}));
-    return launch(op, {});
+    return Internals::launch(*this, op, {});
   }
   at::Tensor out_flat = as_wire(output.view(-1));
   at::Tensor in_flat = as_wire(input.view(-1));
   if (by_host) {
-    check_in_place_piece(op, out_flat, in_flat);
-    return routed_all_gather(out_flat, in_flat);
+    Internals::check_in_place_piece(*this, op, out_flat, in_flat);
+    return Internals::routed_all_gather(*this, out_flat, in_flat);
   }
   if (algo == AllGatherAlgo::AUTO) {
     // Gloo's own all-gather allocates and copies a whole output's worth on every call (see
@@ -256,14 +260,15 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
     algo = s.backend_name == "gloo" && big ? AllGatherAlgo::PAIRWISE : AllGatherAlgo::NATIVE;
   }
   if (algo == AllGatherAlgo::PAIRWISE) {
-    check_in_place_piece(op, out_flat, in_flat);
-    return launch(op, {},
-                  detail::start_pairwise_all_gather(s.next_point_to_point(describe(op, *this)),
-                                                    out_flat, in_flat));
+    Internals::check_in_place_piece(*this, op, out_flat, in_flat);
+    return Internals::launch(*this, op, {},
+                             detail::start_pairwise_all_gather(
+                                 s.next_point_to_point(describe(op, *this)), out_flat, in_flat));
   }
   if (compat::native_flat_collectives(s.backend_name)) {
-    return launch(op, FSDP_START(op, s.backend->_allgather_base(out_flat, in_flat,
-                                                                c10d::AllgatherOptions())));
+    return Internals::launch(
+        *this, op,
+        FSDP_START(op, s.backend->_allgather_base(out_flat, in_flat, c10d::AllgatherOptions())));
   }
   std::vector<std::vector<at::Tensor>> outs(1);
   const int64_t n = in_flat.numel();
@@ -271,7 +276,7 @@ Work ProcessGroup::all_gather_into_tensor_async(const at::Tensor& output, const 
   std::vector<at::Tensor> ins{in_flat};
   c10d::AllgatherOptions opts;
   opts.timeout = s.timeout;
-  return launch(op, FSDP_START(op, s.backend->allgather(outs, ins, opts)));
+  return Internals::launch(*this, op, FSDP_START(op, s.backend->allgather(outs, ins, opts)));
 }
 
 void ProcessGroup::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input,
@@ -362,29 +367,30 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
                                                ReduceOp op_kind, ReduceScatterAlgo algo,
                                                const std::vector<double>& divide_by) {
   const char* op = "reduce_scatter_tensor";
-  State& s = checked_state(op);
+  State& s = Internals::checked_state(*this, op);
   check_reduce_scatter_args(op, *this, s.size, s.backend_name, output, input, op_kind, algo,
                             divide_by);
   const bool by_host =
-      routed(op, algo == ReduceScatterAlgo::HIERARCHICAL, algo == ReduceScatterAlgo::AUTO,
-             input.numel() * input.element_size());
+      Internals::routed(*this, op, algo == ReduceScatterAlgo::HIERARCHICAL,
+                        algo == ReduceScatterAlgo::AUTO, input.numel() * input.element_size());
   const int64_t n = output.numel();
   if (elsewhere(s.device, output) || elsewhere(s.device, input)) {
     at::Tensor out = staged_output(s.device, output);
-    return launch(op, {},
-                  copy_back(reduce_scatter_tensor_async(out, staged_input(s.device, input), op_kind,
-                                                        algo, divide_by),
-                            output, out));
+    return Internals::launch(
+        *this, op, {},
+        copy_back(reduce_scatter_tensor_async(out, staged_input(s.device, input), op_kind, algo,
+                                              divide_by),
+                  output, out));
   }
   if (gloo_lacks(s.backend_name, input.scalar_type()) && s.size > 1 && n > 0) {
     if (input.scalar_type() == at::kBool) {
       throw ValueError(msg(describe(op, *this), ": bool tensors cannot be reduced over Gloo"));
     }
     at::Tensor out32 = at::empty({n}, output.options().dtype(at::kFloat));
-    return launch(op, {},
-                  copy_back(reduce_scatter_tensor_async(out32, input.to(at::kFloat), op_kind, algo,
-                                                        divide_by),
-                            output.view(-1), out32));
+    return Internals::launch(*this, op, {},
+                             copy_back(reduce_scatter_tensor_async(out32, input.to(at::kFloat),
+                                                                   op_kind, algo, divide_by),
+                                       output.view(-1), out32));
   }
   at::Tensor out_flat = output.view(-1);
   at::Tensor in_flat = input.view(-1);
@@ -394,11 +400,11 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
   if (world == 1 || n == 0) {
     out_flat.copy_(in_flat);
     divide();
-    return launch(op, {});
+    return Internals::launch(*this, op, {});
   }
   if (by_host) {
-    return routed_reduce_scatter(op, out_flat, detail::equal_chunks(in_flat, world, n), op_kind,
-                                 std::move(divisors));
+    return Internals::routed_reduce_scatter(
+        *this, op, out_flat, detail::equal_chunks(in_flat, world, n), op_kind, std::move(divisors));
   }
   switch (resolve_reduce_scatter_algo(op, *this, s.backend_name, op_kind, algo)) {
     case ReduceScatterAlgo::NATIVE: {
@@ -406,7 +412,7 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       opts.reduceOp = to_c10d(op_kind);
       opts.timeout = s.timeout;
       auto w = FSDP_START(op, s.backend->_reduce_scatter_base(out_flat, in_flat, opts));
-      return launch(op, std::move(w), divide);
+      return Internals::launch(*this, op, std::move(w), divide);
     }
     case ReduceScatterAlgo::ALL_TO_ALL: {
       at::Tensor recv = fsdp::detail::empty_buffer(in_flat.numel(), in_flat.options());
@@ -414,8 +420,9 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       opts.timeout = s.timeout;
       std::vector<int64_t> splits;  // empty: equal splits
       auto w = FSDP_START(op, s.backend->alltoall_base(recv, in_flat, splits, splits, opts));
-      return launch(op, std::move(w),
-                    combine_all_to_all(std::move(recv), out_flat, op_kind, world, n, divide));
+      return Internals::launch(
+          *this, op, std::move(w),
+          combine_all_to_all(std::move(recv), out_flat, op_kind, world, n, divide));
     }
     case ReduceScatterAlgo::ALL_REDUCE: {
       at::Tensor tmp = in_flat.clone();
@@ -425,15 +432,16 @@ Work ProcessGroup::reduce_scatter_tensor_async(const at::Tensor& output, const a
       std::vector<at::Tensor> ts{tmp};
       auto w = FSDP_START(op, s.backend->allreduce(ts, opts));
       const int64_t start = static_cast<int64_t>(s.rank) * n;
-      return launch(op, std::move(w), [tmp, out_flat, start, n, divide]() {
+      return Internals::launch(*this, op, std::move(w), [tmp, out_flat, start, n, divide]() {
         out_flat.copy_(tmp.narrow(0, start, n));
         divide();
         detail::release_completed(tmp);
       });
     }
     case ReduceScatterAlgo::PAIRWISE:
-      return launch_pairwise(op, out_flat, detail::equal_chunks(in_flat, world, n), op_kind,
-                             std::move(divisors));
+      return Internals::launch_pairwise(*this, op, out_flat,
+                                        detail::equal_chunks(in_flat, world, n), op_kind,
+                                        std::move(divisors));
     case ReduceScatterAlgo::AUTO:
     case ReduceScatterAlgo::HIERARCHICAL:  // routed above
       break;
@@ -452,7 +460,7 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
                                                ReduceOp op_kind, ReduceScatterAlgo algo,
                                                const std::vector<double>& divide_by) {
   const char* op = "reduce_scatter_pieces";
-  State& s = checked_state(op);
+  State& s = Internals::checked_state(*this, op);
   check_divisors(op, *this, op_kind, divide_by);
   check_flat(op, *this, output, "output");
   const int64_t n = output.numel();
@@ -463,9 +471,9 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
   if (algo == ReduceScatterAlgo::PAIRWISE) {
     pairwise_needs_gloo(op, *this, s.backend_name, "ReduceScatterAlgo::PAIRWISE");
   }
-  const bool by_host =
-      routed(op, algo == ReduceScatterAlgo::HIERARCHICAL, algo == ReduceScatterAlgo::AUTO,
-             n * s.size * static_cast<int64_t>(output.element_size()));
+  const bool by_host = Internals::routed(*this, op, algo == ReduceScatterAlgo::HIERARCHICAL,
+                                         algo == ReduceScatterAlgo::AUTO,
+                                         n * s.size * static_cast<int64_t>(output.element_size()));
   bool on_device = !elsewhere(s.device, output);
   for (size_t q = 0; q < chunks.size(); ++q) {
     int64_t total = 0;
@@ -498,21 +506,22 @@ Work ProcessGroup::reduce_scatter_pieces_async(const at::Tensor& output,
     return reduce_scatter_tensor_async(output, flat, op_kind, algo, divide_by);
   }
   if (by_host) {
-    return routed_reduce_scatter(op, output.view(-1), std::move(chunks), op_kind,
-                                 divisors_of(op_kind, s.size, divide_by));
+    return Internals::routed_reduce_scatter(*this, op, output.view(-1), std::move(chunks), op_kind,
+                                            divisors_of(op_kind, s.size, divide_by));
   }
-  return launch_pairwise(op, output.view(-1), std::move(chunks), op_kind,
-                         divisors_of(op_kind, s.size, divide_by));
+  return Internals::launch_pairwise(*this, op, output.view(-1), std::move(chunks), op_kind,
+                                    divisors_of(op_kind, s.size, divide_by));
 }
 
-Work ProcessGroup::launch_pairwise(const char* op, const at::Tensor& out_flat,
-                                   std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
-                                   std::vector<double> divisors) {
-  State& s = checked_state(op);
+Work detail::GroupInternals::launch_pairwise(ProcessGroup& self, const char* op,
+                                             const at::Tensor& out_flat,
+                                             std::vector<std::vector<at::Tensor>> chunks,
+                                             ReduceOp op_kind, std::vector<double> divisors) {
+  State& s = Internals::checked_state(self, op);
   std::function<void()> finish =
-      detail::start_pairwise_reduce_scatter(s.next_point_to_point(describe(op, *this)), out_flat,
+      detail::start_pairwise_reduce_scatter(s.next_point_to_point(describe(op, self)), out_flat,
                                             std::move(chunks), op_kind, std::move(divisors));
-  return launch(op, {}, std::move(finish));
+  return Internals::launch(self, op, {}, std::move(finish));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -522,7 +531,7 @@ void ProcessGroup::all_to_all_single(const at::Tensor& output, const at::Tensor&
                                      const std::vector<int64_t>& output_split_sizes,
                                      const std::vector<int64_t>& input_split_sizes) {
   const char* op = "all_to_all_single";
-  State& s = checked_state(op);
+  State& s = Internals::checked_state(*this, op);
   check_flat(op, *this, output, "output");
   check_flat(op, *this, input, "input");
   auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t,
@@ -573,8 +582,9 @@ void ProcessGroup::all_to_all_single(const at::Tensor& output, const at::Tensor&
   at::Tensor in_bytes = input.view(-1).view(at::kByte);
   c10d::AllToAllOptions opts;
   opts.timeout = s.timeout;
-  launch(op,
-         FSDP_START(op, s.backend->alltoall_base(out_bytes, in_bytes, out_splits, in_splits, opts)))
+  Internals::launch(
+      *this, op,
+      FSDP_START(op, s.backend->alltoall_base(out_bytes, in_bytes, out_splits, in_splits, opts)))
       .wait();
 }
 
@@ -583,22 +593,23 @@ void ProcessGroup::all_to_all_single(const at::Tensor& output, const at::Tensor&
 
 Work ProcessGroup::all_reduce_async(const at::Tensor& tensor, ReduceOp op_kind) {
   const char* op = "all_reduce";
-  State& s = checked_state(op);
+  State& s = Internals::checked_state(*this, op);
   check_flat(op, *this, tensor, "input");
-  if (s.size == 1 || tensor.numel() == 0) return launch(op, {});
+  if (s.size == 1 || tensor.numel() == 0) return Internals::launch(*this, op, {});
   if (elsewhere(s.device, tensor)) {
     at::Tensor t = staged_input(s.device, tensor);
-    return launch(op, {}, copy_back(all_reduce_async(t, op_kind), tensor, t));
+    return Internals::launch(*this, op, {}, copy_back(all_reduce_async(t, op_kind), tensor, t));
   }
   if (gloo_lacks(s.backend_name, tensor.scalar_type())) {
     if (tensor.scalar_type() == at::kBool) {
       throw ValueError(msg(describe(op, *this), ": bool tensors cannot be reduced over Gloo"));
     }
     at::Tensor t32 = tensor.to(at::kFloat);
-    return launch(op, {}, copy_back(all_reduce_async(t32, op_kind), tensor, t32));
+    return Internals::launch(*this, op, {}, copy_back(all_reduce_async(t32, op_kind), tensor, t32));
   }
-  if (routed(op, false, true, tensor.numel() * static_cast<int64_t>(tensor.element_size()))) {
-    return routed_all_reduce(tensor, op_kind);
+  if (Internals::routed(*this, op, false, true,
+                        tensor.numel() * static_cast<int64_t>(tensor.element_size()))) {
+    return Internals::routed_all_reduce(*this, tensor, op_kind);
   }
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op_kind);
@@ -606,7 +617,7 @@ Work ProcessGroup::all_reduce_async(const at::Tensor& tensor, ReduceOp op_kind) 
   std::vector<at::Tensor> ts{tensor};
   auto w = FSDP_START(op, s.backend->allreduce(ts, opts));
   const int world = s.size;
-  return launch(op, std::move(w), [tensor, op_kind, world]() {
+  return Internals::launch(*this, op, std::move(w), [tensor, op_kind, world]() {
     if (op_kind == ReduceOp::AVG) tensor.div_(world);
   });
 }
@@ -617,7 +628,7 @@ void ProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
 
 void ProcessGroup::broadcast(const at::Tensor& tensor, int src) {
   const char* op = "broadcast";
-  State& s = checked_state(op);
+  State& s = Internals::checked_state(*this, op);
   check_flat(op, *this, tensor, "input");
   if (src < 0 || src >= s.size) {
     throw ValueError(
@@ -634,16 +645,16 @@ void ProcessGroup::broadcast(const at::Tensor& tensor, int src) {
   opts.rootRank = src;
   opts.timeout = s.timeout;
   std::vector<at::Tensor> ts{as_wire(tensor)};
-  launch(op, FSDP_START(op, s.backend->broadcast(ts, opts))).wait();
+  Internals::launch(*this, op, FSDP_START(op, s.backend->broadcast(ts, opts))).wait();
 }
 
 void ProcessGroup::barrier() {
   const char* op = "barrier";
-  State& s = checked_state(op);
+  State& s = Internals::checked_state(*this, op);
   if (s.size == 1) return;
   c10d::BarrierOptions opts;
   opts.timeout = s.timeout;
-  launch(op, FSDP_START(op, s.backend->barrier(opts))).wait();
+  Internals::launch(*this, op, FSDP_START(op, s.backend->barrier(opts))).wait();
 }
 
 }  // namespace dist

@@ -97,12 +97,13 @@ std::string layout_problem(const std::vector<std::string>& layouts, int world, i
 }  // namespace
 
 int ProcessGroup::hosts() const {
-  const State& s = checked_state("hosts");
+  const State& s = Internals::checked_state(*this, "hosts");
   return s.routes ? s.routes->hosts : 1;
 }
 
-void ProcessGroup::route_by_host(const EnvInfo& env, std::optional<bool> wanted) {
-  State& s = checked_state("route_by_host");
+void detail::GroupInternals::route_by_host(ProcessGroup& self, const EnvInfo& env,
+                                           std::optional<bool> wanted) {
+  State& s = Internals::checked_state(self, "route_by_host");
   if (s.size == 1 || s.backend_name != "gloo") return;  // NCCL routes by topology itself
   if (!wanted) wanted = host_aware_from_env();
   // Every rank takes part in the exchange, even one that does not want routes: were it to skip
@@ -112,7 +113,7 @@ void ProcessGroup::route_by_host(const EnvInfo& env, std::optional<bool> wanted)
   const bool env_is_ours = env.world_size == s.size && env.rank == s.rank;
   const std::string mine =
       env_is_ours ? msg(env.local_world_size, " ", env.local_rank, " ", wish) : msg("0 -1 ", wish);
-  const std::vector<std::string> layouts = all_gather_bytes(mine);
+  const std::vector<std::string> layouts = self.all_gather_bytes(mine);
   int per_host = 0;
   bool asked = false;
   const std::string problem = layout_problem(layouts, s.size, &per_host, &asked);
@@ -132,13 +133,13 @@ void ProcessGroup::route_by_host(const EnvInfo& env, std::optional<bool> wanted)
   for (int h = 0; h < routes->hosts; ++h) {
     std::vector<int> ranks;
     for (int j = 0; j < per_host; ++j) ranks.push_back(h * per_host + j);
-    ProcessGroup g = new_named_group(ranks, msg(s.name, "/host", h));
+    ProcessGroup g = Internals::new_named_group(self, ranks, msg(s.name, "/host", h));
     if (g.is_member()) routes->local = g;
   }
   for (int j = 0; j < per_host; ++j) {
     std::vector<int> ranks;
     for (int h = 0; h < routes->hosts; ++h) ranks.push_back(h * per_host + j);
-    ProcessGroup g = new_named_group(ranks, msg(s.name, "/local-rank", j));
+    ProcessGroup g = Internals::new_named_group(self, ranks, msg(s.name, "/local-rank", j));
     if (g.is_member()) routes->across = g;
   }
   if (s.rank == 0) {
@@ -148,19 +149,21 @@ void ProcessGroup::route_by_host(const EnvInfo& env, std::optional<bool> wanted)
   s.routes = std::move(routes);
 }
 
-bool ProcessGroup::routed(const char* op, bool hierarchical, bool automatic, int64_t bytes) const {
-  const State& s = checked_state(op);
+bool detail::GroupInternals::routed(const ProcessGroup& self, const char* op, bool hierarchical,
+                                    bool automatic, int64_t bytes) {
+  const State& s = Internals::checked_state(self, op);
   if (hierarchical && !s.routes) {
-    throw ValueError(msg(detail::describe(op, *this),
+    throw ValueError(msg(detail::describe(op, self),
                          ": HIERARCHICAL needs a group routed by host (the default group of a "
                          "job on several hosts, InitOptions::host_aware); this one is not"));
   }
   return hierarchical || (automatic && s.routes && bytes >= kRoutedMinBytes);
 }
 
-Work ProcessGroup::routed_all_gather(const at::Tensor& out, const at::Tensor& in) {
+Work detail::GroupInternals::routed_all_gather(ProcessGroup& self, const at::Tensor& out,
+                                               const at::Tensor& in) {
   const char* op = "all_gather_into_tensor";
-  const HostRoutes& r = *checked_state(op).routes;
+  const HostRoutes& r = *Internals::checked_state(self, op).routes;
   const int hosts = r.hosts, per_host = r.per_host, h = r.host, l = r.local_rank;
   const int64_t n = in.numel();
   auto piece = [out, n, per_host](int k, int j) {
@@ -200,7 +203,7 @@ Work ProcessGroup::routed_all_gather(const at::Tensor& out, const at::Tensor& in
     abandon_both();
     throw;
   }
-  return launch(op, {}, [across, local, forward, abandon_both, forwarded, hosts, h]() {
+  auto finish = [across, local, forward, abandon_both, forwarded, hosts, h]() {
     try {
       for (int k = forwarded; k < hosts; ++k) {
         if (k != h) detail::exchange_wait_from(across, k);
@@ -212,13 +215,15 @@ Work ProcessGroup::routed_all_gather(const at::Tensor& out, const at::Tensor& in
       abandon_both();
       throw;
     }
-  });
+  };
+  return Internals::launch(self, op, {}, std::move(finish));
 }
 
-Work ProcessGroup::routed_reduce_scatter(const char* op, const at::Tensor& out_flat,
-                                         std::vector<std::vector<at::Tensor>> chunks,
-                                         ReduceOp op_kind, std::vector<double> divisors) {
-  const HostRoutes& r = *checked_state(op).routes;
+Work detail::GroupInternals::routed_reduce_scatter(ProcessGroup& self, const char* op,
+                                                   const at::Tensor& out_flat,
+                                                   std::vector<std::vector<at::Tensor>> chunks,
+                                                   ReduceOp op_kind, std::vector<double> divisors) {
+  const HostRoutes& r = *Internals::checked_state(self, op).routes;
   const int hosts = r.hosts, per_host = r.per_host;
   const int64_t n = out_flat.numel();
   // AVG's division by the world size is already in `divisors`.
@@ -238,15 +243,16 @@ Work ProcessGroup::routed_reduce_scatter(const char* op, const at::Tensor& out_f
   detail::PointToPointCall second =
       r.across.state_->next_point_to_point(detail::describe(op, r.across));
   detail::start_pairwise_reduce_scatter(std::move(first), sums, std::move(within), step_op, {})();
-  return launch(op, {},
-                detail::start_pairwise_reduce_scatter(std::move(second), out_flat,
-                                                      detail::equal_chunks(sums, hosts, n), step_op,
-                                                      std::move(divisors)));
+  return Internals::launch(self, op, {},
+                           detail::start_pairwise_reduce_scatter(
+                               std::move(second), out_flat, detail::equal_chunks(sums, hosts, n),
+                               step_op, std::move(divisors)));
 }
 
-Work ProcessGroup::routed_all_reduce(const at::Tensor& tensor, ReduceOp op_kind) {
+Work detail::GroupInternals::routed_all_reduce(ProcessGroup& self, const at::Tensor& tensor,
+                                               ReduceOp op_kind) {
   const char* op = "all_reduce";
-  const State& s = checked_state(op);
+  const State& s = Internals::checked_state(self, op);
   const HostRoutes& r = *s.routes;
   const int per_host = r.per_host, world = s.size;
   const ReduceOp step_op = op_kind == ReduceOp::AVG ? ReduceOp::SUM : op_kind;
@@ -254,7 +260,7 @@ Work ProcessGroup::routed_all_reduce(const at::Tensor& tensor, ReduceOp op_kind)
   const int64_t whole = flat.numel() - flat.numel() % per_host, shard_numel = whole / per_host;
   auto tail = std::make_shared<Work>();
   if (whole < flat.numel()) {
-    *tail = all_reduce_async(flat.narrow(0, whole, flat.numel() - whole), step_op);
+    *tail = self.all_reduce_async(flat.narrow(0, whole, flat.numel() - whole), step_op);
   }
   at::Tensor head = flat.narrow(0, 0, whole);
   at::Tensor shard = fsdp::detail::empty_buffer(shard_numel, flat.options());
@@ -266,13 +272,14 @@ Work ProcessGroup::routed_all_reduce(const at::Tensor& tensor, ReduceOp op_kind)
   auto across = std::make_shared<Work>(across_hosts.all_reduce_async(shard, step_op));
   detail::PointToPointCall last =
       r.local.state_->next_point_to_point(detail::describe(op, r.local));
-  return launch(op, {}, [across, tail, last, head, shard, tensor, op_kind, world]() {
-    across->wait();
-    detail::start_pairwise_all_gather(last, head, shard)();
-    detail::release_completed(shard);
-    tail->wait();
-    if (op_kind == ReduceOp::AVG) tensor.div_(world);
-  });
+  return Internals::launch(self, op, {},
+                           [across, tail, last, head, shard, tensor, op_kind, world]() {
+                             across->wait();
+                             detail::start_pairwise_all_gather(last, head, shard)();
+                             detail::release_completed(shard);
+                             tail->wait();
+                             if (op_kind == ReduceOp::AVG) tensor.div_(world);
+                           });
 }
 
 }  // namespace dist

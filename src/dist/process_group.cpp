@@ -114,26 +114,33 @@ ProcessGroup::State::~State() {
   }
 }
 
-ProcessGroup::State& ProcessGroup::checked_state(const char* op) const {
-  if (!state_) {
+ProcessGroup::State& detail::GroupInternals::checked_state(const ProcessGroup& self,
+                                                           const char* op) {
+  if (!self.state_) {
     throw StateError(
         msg(op, ": this process is not a member of the group (placeholder from new_group)"));
   }
-  return *state_;
+  return *self.state_;
 }
 
-int ProcessGroup::rank() const { return checked_state("rank").rank; }
-int ProcessGroup::size() const { return checked_state("size").size; }
-const std::string& ProcessGroup::name() const { return checked_state("name").name; }
-std::chrono::milliseconds ProcessGroup::timeout() const { return checked_state("timeout").timeout; }
+int ProcessGroup::rank() const { return Internals::checked_state(*this, "rank").rank; }
+int ProcessGroup::size() const { return Internals::checked_state(*this, "size").size; }
+const std::string& ProcessGroup::name() const {
+  return Internals::checked_state(*this, "name").name;
+}
+std::chrono::milliseconds ProcessGroup::timeout() const {
+  return Internals::checked_state(*this, "timeout").timeout;
+}
 std::string ProcessGroup::backend_name() const {
-  return checked_state("backend_name").backend_name;
+  return Internals::checked_state(*this, "backend_name").backend_name;
 }
 const std::vector<int>& ProcessGroup::global_ranks() const {
-  return checked_state("global_ranks").global_ranks;
+  return Internals::checked_state(*this, "global_ranks").global_ranks;
 }
-compat::BackendPtr ProcessGroup::backend() const { return checked_state("backend").backend; }
-at::Device ProcessGroup::device() const { return checked_state("device").device; }
+compat::BackendPtr ProcessGroup::backend() const {
+  return Internals::checked_state(*this, "backend").backend;
+}
+at::Device ProcessGroup::device() const { return Internals::checked_state(*this, "device").device; }
 
 namespace {
 
@@ -230,7 +237,7 @@ void connect_eagerly(ProcessGroup& g) {
 }  // namespace
 
 ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
-  State& s = checked_state("new_group");
+  State& s = Internals::checked_state(*this, "new_group");
   std::set<int> seen;
   for (int r : ranks) {
     if (r < 0 || r >= s.size || !seen.insert(r).second) {
@@ -246,12 +253,14 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
   }
   // Every member counts every call, so all ranks agree on the sub-group's name (and store prefix)
   // without talking.
-  return new_named_group(ranks, s.name + "/" + std::to_string(s.next_subgroup++));
+  return Internals::new_named_group(*this, ranks, s.name + "/" + std::to_string(s.next_subgroup++));
 }
 
 // new_group's work, under a name every member agrees on (which is also its store prefix).
-ProcessGroup ProcessGroup::new_named_group(const std::vector<int>& ranks, const std::string& name) {
-  State& s = checked_state("new_group");
+ProcessGroup detail::GroupInternals::new_named_group(ProcessGroup& self,
+                                                     const std::vector<int>& ranks,
+                                                     const std::string& name) {
+  State& s = Internals::checked_state(self, "new_group");
   int my_index = -1;
   std::vector<int> global;
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -272,7 +281,8 @@ ProcessGroup ProcessGroup::new_named_group(const std::vector<int>& ranks, const 
         " could not connect to its peers: ", e.what(),
         s.backend_name == "gloo" ? "; " + detail::gloo_device_hint(s.gloo_device) : std::string()));
   }
-  ProcessGroup g = from_backend(std::move(backend), name, s.timeout, s.store, std::move(global));
+  ProcessGroup g =
+      ProcessGroup::from_backend(std::move(backend), name, s.timeout, s.store, std::move(global));
   g.state_->gloo_device = s.gloo_device;
   g.state_->gloo_threads = s.gloo_threads;
   connect_eagerly(g);
@@ -339,10 +349,10 @@ ProcessGroup init_process_group(const InitOptions& opts) {
                         kind == "gloo" ? "; " + detail::gloo_device_hint(gloo) : std::string()));
   }
   ProcessGroup g = ProcessGroup::from_backend(std::move(backend), "default", opts.timeout(), store);
-  g.state_->gloo_device = gloo;
-  g.state_->gloo_threads = opts.gloo_threads();
+  Internals::checked_state(g, "init_process_group").gloo_device = gloo;
+  Internals::checked_state(g, "init_process_group").gloo_threads = opts.gloo_threads();
   connect_eagerly(g);
-  g.route_by_host(env, opts.host_aware());
+  Internals::route_by_host(g, env, opts.host_aware());
   {
     std::lock_guard<std::mutex> lock(g_default_mu);
     g_default = g;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 
 #include "dist/gloo_device.h"
@@ -62,6 +63,51 @@ struct ProcessGroup::State {
   State& operator=(const State&) = delete;
   ~State();  // process_group.cpp: shuts the backend down when the last handle goes
 };
+
+namespace detail {
+
+// What the members of ProcessGroup share and the public API does not show: the state behind a
+// handle and the steps the collectives have in common. Static functions taking the group first,
+// so that dist.h declares only one friend and none of them.
+struct GroupInternals {
+  using State = ProcessGroup::State;
+
+  // The group's state; StateError naming `op` on a non-member placeholder.
+  static State& checked_state(const ProcessGroup& self, const char* op);
+
+  // The Work of collective `op` on `self`: waits for `work` (if any; bounded by the group's
+  // timeout), then runs `finish`.
+  static Work launch(const ProcessGroup& self, const char* op, compat::WorkPtr work,
+                     std::function<void()> finish = {});
+  // ReduceScatterAlgo::PAIRWISE over `chunks` (see reduce_scatter_pieces_async), under the
+  // group's next pairwise tag; the sum is then divided by `divisors` in turn.
+  static Work launch_pairwise(ProcessGroup& self, const char* op, const at::Tensor& out_flat,
+                              std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
+                              std::vector<double> divisors);
+  // ValueError unless `in_flat` is this rank's own piece of `out_flat` or outside it.
+  static void check_in_place_piece(const ProcessGroup& self, const char* op,
+                                   const at::Tensor& out_flat, const at::Tensor& in_flat);
+  // new_group's work, under a name every member agrees on (which is also its store prefix).
+  static ProcessGroup new_named_group(ProcessGroup& self, const std::vector<int>& ranks,
+                                      const std::string& name);
+
+  // Host routing (host_routes.cpp). `routed` says whether a collective of `bytes` goes by host:
+  // always for HIERARCHICAL (ValueError on a group without routes), from 64 KiB for AUTO.
+  static bool routed(const ProcessGroup& self, const char* op, bool hierarchical, bool automatic,
+                     int64_t bytes);
+  static Work routed_all_gather(ProcessGroup& self, const at::Tensor& out_flat,
+                                const at::Tensor& in_flat);
+  static Work routed_reduce_scatter(ProcessGroup& self, const char* op, const at::Tensor& out_flat,
+                                    std::vector<std::vector<at::Tensor>> chunks, ReduceOp op_kind,
+                                    std::vector<double> divisors);
+  static Work routed_all_reduce(ProcessGroup& self, const at::Tensor& tensor, ReduceOp op_kind);
+  // Collective over `self`: agrees on host routes from every rank's layout and builds them.
+  static void route_by_host(ProcessGroup& self, const EnvInfo& env, std::optional<bool> wanted);
+};
+
+}  // namespace detail
+
+using Internals = detail::GroupInternals;
 
 struct Work::Pending {
   compat::WorkPtr work;          // null when the collective completed synchronously

@@ -154,7 +154,7 @@ struct CheckpointEntry {
   bool tensor = false;  // else a non-tensor value (DCP "bytes")
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
-  int64_t chunks = 0;        // stored pieces
+  int64_t chunks = 0;        // stored boxes (DCP calls them chunks)
   int64_t stored_bytes = 0;  // bytes of its items in the data files
 };
 
