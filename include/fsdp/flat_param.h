@@ -274,11 +274,11 @@ class FlatParamHandle {
   /// (dist::ProcessGroup::reduce_scatter_pieces_async; the same sums, bit for bit). They are read
   /// until the reduction finishes (reduce_grad_async: until finish_reduce_grad), so a gradient
   /// tensor the caller still holds must not be written to before then. The result (in the
-  /// parameter dtype unless
-  /// keep_low_precision_grads) is added to an existing sharded gradient or becomes it; it is
-  /// flat_param().grad() (on CPU under offload). Original parameters' gradients become shard views
-  /// of it (use_orig_params) or are reset. Must be called while unsharded or right after
-  /// reshard(), on every rank of the group. Requires the flat parameter to require grad.
+  /// parameter dtype unless keep_low_precision_grads) is added to an existing sharded gradient or
+  /// becomes it; it is flat_param().grad() (on CPU under offload). Original parameters' gradients
+  /// become shard views of it (use_orig_params) or are reset. Must be called while unsharded or
+  /// right after reshard(), on every rank of the group. Requires the flat parameter to require
+  /// grad.
   void reduce_grad();
   /// reduce_grad() split in two, so that the collective overlaps what the caller does next (the
   /// runtime: the backward of the units before this one). reduce_grad_async() takes the original
@@ -417,13 +417,7 @@ class FlatParamHandle {
   // take_orig_grads() with each gradient divided by `divisor` as it is copied.
   at::Tensor take_orig_grads(double divisor);
   // The division done before the reduction, while the gradients are copied into the flat gradient
-  // (1: none). PyTorch divides by the predivide factor (a power of two) before the reduction and
-  // by the rest after, to keep float16 sums in range. Scaling by a power of two commutes exactly
-  // with every rounded sum in a binary format (short of overflow and subnormals), so where the
-  // place makes no difference to the bits it is chosen for speed: in the copy for an all-reduce
-  // (NO_SHARD: as many elements before it as after, and a pass over them saved, as DDP's reducer
-  // divides while copying into its bucket); after a reduce-scatter, onto W times fewer elements,
-  // for float32 and float64. float16 keeps PyTorch's order.
+  // (1: none); gradients.cpp says why it is placed where it is.
   double copy_divisor() const;
   // take_orig_grads' alternative that copies only small gradients: the gradient as chunks of
   // pieces for dist::ProcessGroup::reduce_scatter_pieces_async, or empty where it does not apply

@@ -417,6 +417,13 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
   finish_reduce_grad();
 }
 
+// PyTorch divides by the predivide factor (a power of two) before the reduction and by the rest
+// after, to keep float16 sums in range. Scaling by a power of two commutes exactly with every
+// rounded sum in a binary format (short of overflow and subnormals), so where the place makes no
+// difference to the bits it is chosen for speed: in the copy for an all-reduce (NO_SHARD: as many
+// elements before it as after, and a pass over them saved, as DDP's reducer divides while copying
+// into its bucket); after a reduce-scatter, onto W times fewer elements, for float32 and float64.
+// float16 keeps PyTorch's order.
 double FlatParamHandle::copy_divisor() const {
   return !uses_sharded_strategy() || reduce_dtype_ == at::kHalf ? predivide_ : 1.0;
 }
