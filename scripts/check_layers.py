@@ -36,7 +36,7 @@ SIDE = {"launch": ({"launch", "util"}, {"tools/fsdp_run.cpp"})}
 # Internal headers a folder offers to the folders above it: folder -> {header: importers}.
 # Everything else in a folder is its own business. util/ is the shared toolbox: open to all.
 EXPORTS = {
-    "dist": {"agreement.h": {"state_dict", "checkpoint"}},
+    "dist": {"agreement.h": {"runtime", "state_dict", "checkpoint"}},
     "flat_param": {"grad_bucket.h": {"runtime"}},
     "runtime": {"view.h": {"state_dict"}},
 }
@@ -51,7 +51,9 @@ PUBLIC = {
     # the wrapper's options: ShardingStrategy is the first of them, and the handle needs it
     "options.h": "flat_param",
     "fully_sharded.h": "runtime",
+    "deferred_init.h": "runtime",  # wrap_deferred: a model no rank holds whole
     "detail/forward.h": "runtime",  # fsdp::forward's machinery (templates), not an API
+    "detail/deferred_init.h": "runtime",  # what wrap_deferred hands the library, not an API
     "state_value.h": "state_dict",  # the value model: StateDict, StateValue, ShardedTensor
     "state_dict.h": "state_dict",  # its deprecated name
     "model_state_dict.h": "state_dict",

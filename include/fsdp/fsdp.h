@@ -38,6 +38,7 @@
 #include "fsdp/checkpoint/file_io.h"
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/compat.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"

@@ -8,7 +8,8 @@
 // errno on every rank, a corrupt file a CorruptionError, a malformed dict a ValueError. The text
 // every rank throws names the failing rank; the caller says what failed (`Verdicts::throw_first`).
 //
-// Exported to the layers above dist/ (docs/layers.md): state_dict/ and checkpoint/ use it.
+// Exported to the layers above dist/ (docs/layers.md): runtime/ (wrap_deferred), state_dict/ and
+// checkpoint/ use it.
 #pragma once
 
 #include <exception>
