@@ -21,6 +21,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -54,6 +56,8 @@ struct Flags {
   int64_t layers = 2;
   int64_t dim = 64;
   int64_t heads = 4;
+  std::string model = "";         // a preset of layers, dim and heads (model_presets)
+  std::string init = "deferred";  // deferred: no rank builds the whole model (wrap_deferred)
   std::string sharding = "full_shard";
   int use_orig_params = 0;
   std::string mixed_precision = "none";
@@ -170,6 +174,21 @@ void export_weights(const fsdp::StateDict& full, const std::string& file) {
   ::rmdir(tmp.c_str());
 }
 
+// --model's layers, dim and heads (GPT-2's shapes from medium on), where the flags did not set
+// them.
+void apply_model_preset(const CLI::App& app, Flags& f) {
+  if (f.model.empty()) return;
+  const std::map<std::string, std::array<int64_t, 3>> presets = {{"tiny", {2, 64, 4}},
+                                                                 {"small", {6, 384, 6}},
+                                                                 {"medium", {12, 768, 12}},
+                                                                 {"large", {24, 1024, 16}},
+                                                                 {"xl", {24, 1536, 16}}};
+  const auto& p = presets.at(f.model);
+  if (app.count("--layers") == 0) f.layers = p[0];
+  if (app.count("--dim") == 0) f.dim = p[1];
+  if (app.count("--heads") == 0) f.heads = p[2];
+}
+
 // The command line, parsed and checked. Exits on --help (0) or a bad flag (2).
 Flags parse_flags(int argc, char** argv, int rank) {
   constexpr int64_t kMax = int64_t{1} << 40;
@@ -186,6 +205,15 @@ Flags parse_flags(int argc, char** argv, int rank) {
   app.add_option("--dim", f.dim, "Model width")->check(CLI::Range(int64_t{1}, kMax));
   app.add_option("--heads", f.heads, "Attention heads (must divide --dim)")
       ->check(CLI::Range(int64_t{1}, kMax));
+  app.add_option("--model", f.model,
+                 "Size preset: tiny (2 x 64, 0.1M parameters), small (6 x 384, 11M), medium "
+                 "(12 x 768, 85M), large (24 x 1024, 303M), xl (24 x 1536, 680M); --layers, "
+                 "--dim and --heads override it")
+      ->check(CLI::IsMember({"tiny", "small", "medium", "large", "xl"}));
+  app.add_option("--init", f.init,
+                 "deferred: each rank builds only its shards of the model (wrap_deferred); eager: "
+                 "every rank builds it whole first")
+      ->check(CLI::IsMember({"deferred", "eager"}));
   app.add_option("--sharding", f.sharding, "Sharding strategy")
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}));
   app.add_option("--use-orig-params", f.use_orig_params, "Optimize the original parameters")
@@ -233,6 +261,7 @@ Flags parse_flags(int argc, char** argv, int rank) {
     if (e.get_exit_code() == 0) std::exit(rank == 0 ? app.exit(e) : 0);  // --help
     fail(e.what());
   }
+  apply_model_preset(app, f);
   return f;
 }
 
@@ -293,6 +322,14 @@ fsdp::FullyShardedOptions wrap_options(const Flags& f) {
   return options;
 }
 
+// The wrapped model. Deferred (the default), no rank ever holds it whole: each builds only its
+// shards, bit for bit those of the eagerly built model (fsdp/deferred_init.h).
+fsdp::FullyShardedDataParallel build_model(const Flags& f, const gpt::Config& cfg) {
+  if (f.init == "eager")
+    return fsdp::FullyShardedDataParallel(gpt::GPT(cfg, f.seed), wrap_options(f));
+  return fsdp::wrap_deferred([&] { return gpt::GPT(cfg, f.seed); }, wrap_options(f));
+}
+
 // One training run: the wrapped model and its optimizer, the step, checkpoints and the log.
 class Trainer {
  public:
@@ -304,7 +341,7 @@ class Trainer {
         rank_(rank),
         world_(world),
         cfg_(model_config(f)),
-        model_(gpt::GPT(cfg_, f.seed), wrap_options(f)),
+        model_(build_model(f, cfg_)),
         opt_(make_optimizer(f, unique_params(model_->parameters()))) {
     if (f.async_save) saver_.emplace(disk_options());
     // The newest step only, on every host with a copy on the next one, written in the background.
@@ -314,6 +351,7 @@ class Trainer {
 
   // Trains to --steps (resuming first with --resume), saves the final state, exports.
   void run() {
+    report_startup();
     if (rank_ == 0) describe_units();
     if (f_.resume) resume();
     open_metrics();
@@ -363,6 +401,26 @@ class Trainer {
 
   // One line on the units: what each gathers per pass, and the root's share (the root unit stays
   // gathered from forward to backward; scripts/host_traffic.py derives the least traffic from it).
+  // Every rank's peak resident memory so far (the model built and wrapped, the optimizer made)
+  // beside the model's full size: with --init deferred no rank should come near the latter.
+  // Collective.
+  void report_startup() {
+    int64_t elements = 0;
+    for (fsdp::FlatParamHandle* h : model_->handles()) {
+      if (h) elements += h->layout().unpadded_unsharded_numel;
+    }
+    torch::Tensor rss = torch::zeros({world_}, torch::kDouble);
+    rss[rank_] = max_rss_mb();
+    pg_.all_reduce(rss);
+    if (rank_ != 0) return;
+    std::ostringstream line;
+    line << "start-up (--init " << f_.init << "): the model has " << elements << " parameters, "
+         << std::fixed << std::setprecision(1) << static_cast<double>(elements) * 4 / 1048576.0
+         << " MB in float32; peak rss MB by rank:";
+    for (int r = 0; r < world_; ++r) line << " " << rss[r].item<double>();
+    std::printf("%s\n", line.str().c_str());
+  }
+
   void describe_units() {
     int64_t elements = 0, bytes = 0, root_bytes = 0;
     int units = 0;

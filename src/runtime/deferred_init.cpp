@@ -19,6 +19,7 @@
 // tensor's values makes them differ.
 #include "fsdp/deferred_init.h"
 
+#include <malloc.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -27,6 +28,8 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -151,7 +154,8 @@ struct AllocationLog {
   std::vector<const void*> recent;         // those mapped since the last zap_recent()
 
   // Zaps the regions mapped since the last call (what an initialiser has written since). Later
-  // writes to older ones stay counted until zap_live() at the end of the run. Requires `mu`.
+  // writes to older ones (a second initialisation pass over the model) are zapped by the
+  // allocator's sweeper, and at the end of the run by zap_live(). Requires `mu`.
   void zap_recent() {
     for (const void* base : recent) {
       auto it = live.find(base);
@@ -215,9 +219,16 @@ class ReplayAllocator final : public c10::Allocator {
         owner_(std::this_thread::get_id()),
         log_(std::make_shared<AllocationLog>()) {
     c10::SetCPUAllocator(this, /*priority=*/255);
+    sweeper_ = std::thread([this] { sweep(); });
   }
   ~ReplayAllocator() override {
     c10::SetCPUAllocator(real_, /*priority=*/255);
+    {
+      std::lock_guard<std::mutex> lock(log_->mu);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    sweeper_.join();
     std::lock_guard<std::mutex> lock(log_->mu);
     log_->zap_live();
   }
@@ -276,12 +287,37 @@ class ReplayAllocator final : public c10::Allocator {
   const std::shared_ptr<AllocationLog>& log() const { return log_; }
 
  private:
+  // Every 10 ms, zaps every live fake region, 256 at a time under the log's lock (a region's
+  // addresses may be reused by a real allocation once it is freed, so it must not be zapped
+  // after that). Bounds what writes without allocations in between (an initialisation pass over
+  // the finished model) add to the resident set.
+  void sweep() {
+    std::unique_lock<std::mutex> lock(log_->mu);
+    while (!stop_) {
+      wake_.wait_for(lock, std::chrono::milliseconds(10), [this] { return stop_; });
+      const void* from = nullptr;
+      while (!stop_) {
+        auto it = log_->live.upper_bound(from);
+        for (int n = 0; n < 256 && it != log_->live.end(); ++n, ++it) {
+          it->second.zap();
+          from = it->first;
+        }
+        if (it == log_->live.end()) break;
+        lock.unlock();  // let the constructing thread allocate between batches
+        lock.lock();
+      }
+    }
+  }
+
   const FakeBacking& backing_;
   const std::vector<Placement>* plan_;
   const std::vector<size_t>* planned_bytes_;
   c10::Allocator* real_;
   std::thread::id owner_;
   std::shared_ptr<AllocationLog> log_;
+  bool stop_ = false;  // guarded by log_->mu
+  std::condition_variable wake_;
+  std::thread sweeper_;
 };
 
 using ModulePtr = std::shared_ptr<torch::nn::Module>;
@@ -512,6 +548,10 @@ FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& bui
   const std::vector<size_t> planned_bytes = first.log->bytes;
   const auto first_log = first.log;
   first = Run();  // the fake model and its wrapper go before the real one is built
+  // The layout wrapper's shards went back to malloc, which keeps freed heap memory: hand it to
+  // the kernel, or the resident set stays a share higher for the rest of the start-up (measured:
+  // fsdp-train's 85M model at W=2 peaked at 645 MB without this, 551 MB with it).
+  ::malloc_trim(0);
 
   Run real;
   agree_on(group, [&] {
@@ -528,8 +568,13 @@ FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& bui
     check_same_allocations(real, *first_log, "second");
     if (deferred.verify()) check_same_values(probe, real, plan, group.rank());
   });
-  return FullyShardedDataParallel(std::make_shared<FullyShardedDataParallelImpl>(
+  FullyShardedDataParallel wrapped(std::make_shared<FullyShardedDataParallelImpl>(
       std::move(real.built.any), real.built.module, std::move(real.built.options)));
+  // Flattening allocates a unit at a time, and malloc keeps what it frees: without this the
+  // resident set stays about the model's size above the shards (measured at W=4, 85M model:
+  // 271 MB more, all of it free heap).
+  ::malloc_trim(0);
+  return wrapped;
 }
 
 }  // namespace detail

@@ -105,6 +105,27 @@ TEST(FsdpTrain, LossesAgreeAcrossWorldSizesUnderEveryStrategy) {
 #endif
 }
 
+// The default --init deferred builds no whole model on any rank (fsdp::wrap_deferred) and starts
+// from the very weights --init eager does, at W=2 and W=3; start-up reports the parameter count
+// (the tiny preset's, the defaults) beside each rank's peak memory. Negative control: another
+// seed's weights differ.
+TEST(FsdpTrain, DeferredInitStartsFromTheEagerWeights) {
+  TempDir dir;
+  const std::string eager = train(2, dir.path(), "--steps 0 --init eager --export eager.pt");
+  EXPECT_EQ(count_lines_with(eager, "start-up (--init eager): the model has 120576 parameters"), 1)
+      << eager;
+  for (int w : {2, 3}) {
+    const std::string out =
+        train(w, dir.path(), "--steps 0 --model tiny --export d" + std::to_string(w) + ".pt");
+    EXPECT_EQ(count_lines_with(out, "start-up (--init deferred): the model has 120576 parameters"),
+              1)
+        << out;
+    EXPECT_EQ(max_diff(dir.file("eager.pt"), dir.file("d" + std::to_string(w) + ".pt")), 0.0);
+  }
+  train(2, dir.path(), "--steps 0 --seed 7 --export other.pt");
+  EXPECT_GT(max_diff(dir.file("eager.pt"), dir.file("other.pt")), 0.0);
+}
+
 TEST(FsdpTrain, ResumeAtAnotherWorldSizeMatchesAnUninterruptedRun) {
   TempDir dir;
   const std::string d = dir.path();
