@@ -80,6 +80,36 @@ FlatParamLayout layout_of(const std::vector<ParamInfo>& infos,
   return FlatParamLayout::compute(fqns, shapes, aligned, world_size, sharded);
 }
 
+// This rank's chunk of the flattened parameters (padding included), padded to the chunk size:
+// the elements of `flat = layout.flatten(params)` from rank * sharded_numel on, copied from each
+// parameter straight into the chunk. The whole unit is never flattened: that took a unit of
+// memory per unit wrapped, which malloc then kept (and most of it was thrown away at once).
+at::Tensor shard_of(const FlatParamLayout& layout, const std::vector<at::Tensor>& params,
+                    const at::TensorOptions& opts, int rank, int64_t shard_numel_padded) {
+  int64_t total = 0;
+  for (int64_t n : layout.numels_with_padding) total += n;
+  const int64_t start = std::min<int64_t>(rank * layout.sharded_numel, total);
+  const int64_t end = start + (layout.sharded_numel - shard_numel_padded);
+  at::Tensor shard = at::zeros({layout.sharded_numel}, opts);
+  int64_t offset = 0;
+  size_t i = 0;
+  for (size_t k = 0; k < layout.numels_with_padding.size(); ++k) {
+    const int64_t n = layout.numels_with_padding[k];
+    const int64_t lo = std::max(offset, start), hi = std::min(offset + n, end);
+    if (lo < hi) {
+      at::Tensor dst = shard.narrow(0, lo - start, hi - lo);
+      if (layout.is_padding_mask[k]) {
+        dst.fill_(kPaddingValue);
+      } else {
+        dst.copy_(params[i].detach().reshape({-1}).narrow(0, lo - offset, hi - lo));
+      }
+    }
+    if (!layout.is_padding_mask[k]) ++i;
+    offset += n;
+  }
+  return shard;
+}
+
 // Flatten (padding included), then keep this rank's chunk, padded to the chunk size: the flat
 // parameter's data, on the CPU under offload_params and on options.device() otherwise.
 at::Tensor flatten_and_shard(const FlatParamLayout& layout, const std::vector<at::Tensor>& params,
@@ -87,16 +117,8 @@ at::Tensor flatten_and_shard(const FlatParamLayout& layout, const std::vector<at
                              bool sharded, const FlatParamHandleOptions& options) {
   at::NoGradGuard no_grad;
   const auto opts = at::TensorOptions().dtype(orig).device(params[0].device());
-  at::Tensor flat = layout.flatten(params, kPaddingValue);
-  at::Tensor shard;
-  if (sharded) {
-    const int64_t start = std::min<int64_t>(rank * layout.sharded_numel, flat.numel());
-    const int64_t have = layout.sharded_numel - shard_numel_padded;
-    shard = at::zeros({layout.sharded_numel}, opts);
-    shard.narrow(0, 0, have).copy_(flat.narrow(0, start, have));
-  } else {
-    shard = flat.clone();
-  }
+  at::Tensor shard = sharded ? shard_of(layout, params, opts, rank, shard_numel_padded)
+                             : layout.flatten(params, kPaddingValue);
   if (options.offload_params()) {
     shard = shard.to(at::kCPU);
     // Pinned when the compute device is a GPU (asynchronous copies); not otherwise, where
@@ -105,7 +127,6 @@ at::Tensor flatten_and_shard(const FlatParamLayout& layout, const std::vector<at
   } else {
     shard = shard.to(options.device());
   }
-  flat = at::Tensor();
   return shard.detach();
 }
 
