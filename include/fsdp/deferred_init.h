@@ -7,8 +7,8 @@
 //     auto model = fsdp::wrap_deferred([&] { return MyModel(config); }, options);
 // and returns the same FullyShardedDataParallel that wrapping `MyModel(config)` would, holding,
 // bit for bit, the shards the eager model would have (same seed, same world size or any other),
-// while each rank holds only its shards, the parameters that straddle a shard's edge, and one
-// unit at a time. docs/deferred_init.md explains how and measures it.
+// while each rank holds only its share of the parameters (whole pages around it). docs/
+// deferred_init.md explains how and measures it.
 //
 // The rule a constructor must follow: the tensors it creates and the random numbers it draws may
 // depend on shapes, options and the global CPU generator, never on the values of another tensor
@@ -37,9 +37,9 @@ namespace fsdp {
 struct DeferredInitOptions {
   /// Builds the shards a second time with different contents behind the parameters this rank
   /// does not hold, and throws ValueError naming any kept parameter that came out differently (its
-  /// constructor read another tensor's values). Costs one more run of the constructor and, during
-  /// start-up only, a second copy of this rank's share. Default true; turn it off once a model's
-  /// constructor is known to follow the rule.
+  /// constructor read another tensor's values). Costs one more run of the constructor (its memory
+  /// is freed before the next). Default true; turn it off once a model's constructor is known to
+  /// follow the rule.
   TORCH_ARG(bool, verify) = true;
 };
 

@@ -549,8 +549,7 @@ FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& bui
   const auto first_log = first.log;
   first = Run();  // the fake model and its wrapper go before the real one is built
   // The layout wrapper's shards went back to malloc, which keeps freed heap memory: hand it to
-  // the kernel, or the resident set stays a share higher for the rest of the start-up (measured:
-  // fsdp-train's 85M model at W=2 peaked at 645 MB without this, 551 MB with it).
+  // the kernel, or the resident set stays a share higher for the rest of the start-up.
   ::malloc_trim(0);
 
   Run real;
@@ -570,9 +569,7 @@ FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& bui
   });
   FullyShardedDataParallel wrapped(std::make_shared<FullyShardedDataParallelImpl>(
       std::move(real.built.any), real.built.module, std::move(real.built.options)));
-  // Flattening allocates a unit at a time, and malloc keeps what it frees: without this the
-  // resident set stays about the model's size above the shards (measured at W=4, 85M model:
-  // 271 MB more, all of it free heap).
+  // The same for what wrapping allocated and freed (unit-sized buffers among it).
   ::malloc_trim(0);
   return wrapped;
 }
