@@ -29,9 +29,10 @@ while (($#)); do
 done
 
 # The suites CI runs instrumented: everything that reads or writes checkpoints and state dicts,
-# and the collectives under them. --all adds the runtime, flat-parameter and program suites.
-suites=(test_dist test_host_routes test_state_dict test_state_dict_edges test_state_dict_utils
-        test_state_dict_api
+# the collectives under them, and deferred initialisation (it maps memory by hand). --all adds
+# the runtime, flat-parameter and program suites.
+suites=(test_dist test_host_routes test_deferred_init test_state_dict test_state_dict_edges
+        test_state_dict_utils test_state_dict_api
         test_optim_state_dict test_checkpoint_state_dict test_dcp_metadata
         test_dcp_checkpoint test_checkpoint_safety test_checkpoint_export test_async_save
         test_crash_points test_collective_failures test_fuzz_replay sanitizer_canary)

@@ -253,11 +253,8 @@ class ReplayAllocator final : public c10::Allocator {
       region = backing_.map(n, i, part ? where.lo : 0, part ? std::min(where.hi, n) : 0);
       if (!region.base) {
         // Real memory instead would be the whole model this is here to avoid.
-        throw IOError(msg("wrap_deferred: cannot map ", n,
-                          " bytes of address space for a "
-                          "parameter this rank does not hold (",
-                          i,
-                          " allocations so far; the "
+        throw IOError(msg("wrap_deferred: cannot map ", n, " bytes of address space for a ",
+                          "parameter this rank does not hold (", i, " allocations so far; the ",
                           "kernel's vm.max_map_count may be too low for this model)"),
                       ENOMEM);
       }

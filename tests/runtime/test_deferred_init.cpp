@@ -121,23 +121,23 @@ TEST_P(DeferredInit, EqualsEagerBitForBitInEveryStrategy) {
     const int W = pg.size();
     for (const Case& c : cases(W)) {
       SCOPED_TRACE(describe(c));
-      torch::manual_seed(5);
+      fsdp::testing::seed_cpu(5);
       TinyLM lm(3);
       FullyShardedDataParallel eager(lm,
                                      with(fsdp::testing::lm_options(lm, c.strategy, c.orig), c, W));
       const at::Tensor next_eager = torch::rand({6});
-      torch::manual_seed(5);
+      fsdp::testing::seed_cpu(5);
       auto deferred = fsdp::wrap_deferred(
           [] { return TinyLM(3); },
           [&](TinyLM& m) { return with(fsdp::testing::lm_options(m, c.strategy, c.orig), c, W); });
       EXPECT_TRUE(at::equal(torch::rand({6}), next_eager));
       EXPECT_EQ(difference(eager, deferred), "");
 
-      torch::manual_seed(11);
+      fsdp::testing::seed_cpu(11);
       Zoo zoo;
       FullyShardedDataParallel zoo_eager(zoo, with(zoo_options(c.strategy, c.orig), c, W));
       const at::Tensor zoo_next = torch::rand({6});
-      torch::manual_seed(11);
+      fsdp::testing::seed_cpu(11);
       auto zoo_deferred =
           fsdp::wrap_deferred([] { return Zoo(); }, with(zoo_options(c.strategy, c.orig), c, W));
       EXPECT_TRUE(at::equal(torch::rand({6}), zoo_next));
@@ -149,10 +149,10 @@ TEST_P(DeferredInit, EqualsEagerBitForBitInEveryStrategy) {
 // Negative control: the comparison above can fail. Another seed gives other shards on every rank.
 TEST_P(DeferredInit, ComparisonSeesAnotherSeed) {
   run_ranks(GetParam(), [](ProcessGroup&) {
-    torch::manual_seed(11);
+    fsdp::testing::seed_cpu(11);
     Zoo zoo;
     FullyShardedDataParallel eager(zoo, zoo_options(ShardingStrategy::FULL_SHARD, false));
-    torch::manual_seed(12);
+    fsdp::testing::seed_cpu(12);
     auto deferred =
         fsdp::wrap_deferred([] { return Zoo(); }, zoo_options(ShardingStrategy::FULL_SHARD, false));
     EXPECT_NE(difference(eager, deferred), "");
@@ -191,10 +191,10 @@ TEST(DeferredInitRules, AConstructorThatReadsAnotherParameterIsRefusedNamingIt) 
       EXPECT_NE(std::string(e.what()).find("'fc2.weight'"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
     }
-    torch::manual_seed(3);
+    fsdp::testing::seed_cpu(3);
     Derived eager_model;
     FullyShardedDataParallel eager(eager_model, options);
-    torch::manual_seed(3);
+    fsdp::testing::seed_cpu(3);
     auto unchecked =
         fsdp::wrap_deferred([] { return Derived(); }, options, DeferredInitOptions().verify(false));
     if (pg.rank() == 0) {
@@ -243,6 +243,9 @@ TORCH_MODULE(Huge);
 int64_t status_kib(const char* field);
 
 TEST(DeferredInitRules, AnAllocationTheKernelWillNotMapIsAnIOError) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer's shadow memory needs the address space this test limits";
+#endif
   run_ranks(1, [](ProcessGroup&) {
     const rlimit limit{static_cast<rlim_t>((status_kib("VmSize:") << 10) + (int64_t{256} << 20)),
                        RLIM_INFINITY};
@@ -291,7 +294,7 @@ int64_t peak_growth(bool deferred) {
       fsdp::module_type_auto_wrap_policy<torch::nn::LinearImpl>());
   if (!reset_peak()) return -1;
   const int64_t before = status_kib("VmRSS:");
-  torch::manual_seed(1);
+  fsdp::testing::seed_cpu(1);
   if (deferred) {
     auto model = fsdp::wrap_deferred([] { return Stack(); }, options);
   } else {
