@@ -62,7 +62,9 @@ void expect_python_value(const pk::NodePtr& root, bool shared = true) {
   EXPECT_EQ(c->items[1]->i, -7);
   EXPECT_EQ(c->items[2]->i, int64_t{1} << 40);
   // The memo: one list, reached under two keys, is one node.
-  if (shared) EXPECT_EQ(root->get("d").get(), root->get("e").get());
+  if (shared) {
+    EXPECT_EQ(root->get("d").get(), root->get("e").get());
+  }
   EXPECT_EQ(root->get("d")->items[1]->i, 2);
   EXPECT_EQ(root->get("f")->s, "\xc3\xa9");  // UTF-8, as Python encodes str
   // Keys keep Python's insertion order.
