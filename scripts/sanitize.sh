@@ -41,6 +41,10 @@ if ((all)); then targets=(all); fi
 
 scripts/fuzz.sh --configure-only
 build=build-asan
+# As setup.sh: paths relative to the clone, so that CI's fresh clone (a new path every run) hits
+# the compiler cache its previous runs filled. Without these every CI run compiled this tree cold.
+export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
+export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 fuzz_targets=(fuzz_pickle fuzz_dcp_metadata fuzz_torch_archive fuzz_manifest fuzz_safetensors
               fuzz_load_pt fuzz_checkpoint)
 cmake --build "$build" -j "${JOBS:-2}" --target "${targets[@]}" "${fuzz_targets[@]}"
