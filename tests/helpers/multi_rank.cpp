@@ -24,14 +24,8 @@
 
 // Built with AddressSanitizer (-DFSDP_SANITIZE=address,...): ranks check for leaks themselves,
 // since they leave by _exit, which skips LeakSanitizer's check at exit.
-#if defined(__SANITIZE_ADDRESS__)
-#define FSDP_TEST_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define FSDP_TEST_ASAN 1
-#endif
-#endif
-#ifdef FSDP_TEST_ASAN
+#include "sanitizers.h"
+#if FSDP_TEST_ASAN
 #include <sanitizer/lsan_interface.h>
 #endif
 
@@ -125,7 +119,7 @@ std::string read_all(int fd) {
     code = 3;
     msg = "unknown exception";
   }
-#ifdef FSDP_TEST_ASAN
+#if FSDP_TEST_ASAN
   if (code == 0 && __lsan_do_recoverable_leak_check() != 0) {
     code = 5;
     msg = "LeakSanitizer found leaks on this rank (its report is above)";

@@ -14,20 +14,11 @@
 #include "fsdp/errors.h"
 #include "fsdp/fully_sharded.h"
 #include "multi_rank.h"
+#include "sanitizers.h"
 #include "tiny_lm.h"
 
-// Under AddressSanitizer (GCC says so with a macro, clang through __has_feature) the resident
-// set and the address space are the sanitizer's too: the two cases that measure them skip.
-#if defined(__SANITIZE_ADDRESS__)
-#define FSDP_TEST_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define FSDP_TEST_ASAN 1
-#endif
-#endif
-#ifndef FSDP_TEST_ASAN
-#define FSDP_TEST_ASAN 0
-#endif
+// Under AddressSanitizer the resident set and the address space are the sanitizer's too: the two
+// cases that measure them skip (sanitizers.h).
 
 using fsdp::DeferredInitOptions;
 using fsdp::FullyShardedDataParallel;
