@@ -147,7 +147,6 @@ class StateDict {
   std::vector<Item>::const_iterator end() const { return items_.end(); }
 
  private:
-  void reindex();
   std::vector<Item> items_;
   std::unordered_map<std::string, size_t> index_;
 };

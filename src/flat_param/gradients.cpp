@@ -1,24 +1,26 @@
-// FlatParamHandle, gradients: flattening the original parameters' gradients, reducing them into
-// the sharded gradient, and the gradient views handed to optimizers (use_orig_params).
+// FlatParamHandle (detail::HandleImpl), gradients: flattening the original parameters' gradients,
+// reducing them into the sharded gradient, and the gradient views handed to optimizers
+// (use_orig_params).
 #include "flat_param/grad_bucket.h"
+#include "flat_param/handle_impl.h"
 #include "fsdp/errors.h"
-#include "fsdp/flat_param.h"
 #include "util/message.h"
 #include "util/tensor_utils.h"
 
 namespace fsdp {
 
+using detail::HandleImpl;
 using detail::msg;
 using detail::quote;
 using detail::shape;
 using detail::storage_alias;
 
-void FlatParamHandle::mark_grads_unreduced() {
+void HandleImpl::mark_grads_unreduced() {
   finish_reduce_grad();  // its finish clears the flag this sets
   grads_unreduced_ = true;
 }
 
-void FlatParamHandle::prepare_grads_for_backward() {
+void HandleImpl::prepare_grads_for_backward() {
   finish_reduce_grad();
   if (!options_.use_orig_params()) return;
   // Shard-shaped gradient views cannot take autograd's full-shaped gradients; the values stay in
@@ -33,7 +35,7 @@ void FlatParamHandle::prepare_grads_for_backward() {
   }
 }
 
-void FlatParamHandle::absorb_cleared_grad_views() {
+void HandleImpl::absorb_cleared_grad_views() {
   if (!options_.use_orig_params() || grads_unreduced_) return;
   at::Tensor fg = flat_param_.grad();
   bool all_none = true;
@@ -55,18 +57,18 @@ void FlatParamHandle::absorb_cleared_grad_views() {
   if (all_none && fg.defined()) flat_param_.mutable_grad().reset();
 }
 
-void FlatParamHandle::drop_flat_grad_if_all_none() {
+void HandleImpl::drop_flat_grad_if_all_none() {
   bool all_none = true;
   for (const auto& p : params_) all_none &= !p.grad().defined();
   if (all_none && !grads_unreduced_) flat_param_.mutable_grad().reset();
 }
 
-std::pair<int64_t, int64_t> FlatParamHandle::local_range(size_t i) const {
+std::pair<int64_t, int64_t> HandleImpl::local_range(size_t i) const {
   if (!uses_sharded_strategy()) return {layout_.param_offset(i), layout_.numels[i]};
   return {shard_param_infos_[i].offset_in_shard, shard_param_infos_[i].numel_in_shard};
 }
 
-void FlatParamHandle::unshard_grad() {
+void HandleImpl::unshard_grad() {
   if (!options_.use_orig_params()) {
     throw StateError("unshard_grad: gradients can be unsharded only with use_orig_params=true");
   }
@@ -93,14 +95,14 @@ void FlatParamHandle::unshard_grad() {
   }
 }
 
-void FlatParamHandle::reshard_grad() {
+void HandleImpl::reshard_grad() {
   if (!unsharded_grad_.defined()) return;
   unsharded_grad_ = at::Tensor();
   for (auto& p : params_) p.mutable_grad().reset();
   use_sharded_grad_views();  // back to what it was before unshard_grad
 }
 
-void FlatParamHandle::reset_flat_param_grad_info_if_needed() {
+void HandleImpl::reset_flat_param_grad_info_if_needed() {
   finish_reduce_grad();
   if (!options_.use_orig_params()) return;
   absorb_cleared_grad_views();
@@ -110,7 +112,7 @@ void FlatParamHandle::reset_flat_param_grad_info_if_needed() {
   flat_param_.set_requires_grad(requires_grad);
 }
 
-void FlatParamHandle::use_sharded_grad_views() {
+void HandleImpl::use_sharded_grad_views() {
   if (grads_unreduced_) return;  // full gradients awaiting reduce_grad stay where they are
   const at::Tensor g = flat_param_.grad();
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -130,7 +132,7 @@ void FlatParamHandle::use_sharded_grad_views() {
 // ---------------------------------------------------------------------------------------------
 // Gradients
 
-void FlatParamHandle::check_grad_shape(size_t i, const at::Tensor& grad) const {
+void HandleImpl::check_grad_shape(size_t i, const at::Tensor& grad) const {
   if (grad.numel() != layout_.numels[i]) {
     throw ValueError(msg("gradient of ", quote(layout_.fqns[i]), " has shape ", shape(grad.sizes()),
                          " but the parameter has shape ", shape(layout_.shapes[i]), " (",
@@ -178,7 +180,7 @@ void move_grads_into(const FlatParamLayout& layout, std::vector<at::Tensor>& par
   if (offset < flat.numel()) flat.narrow(0, offset, flat.numel() - offset).zero_();
 }
 
-void throw_if_nothing_to_reduce(const FlatParamHandle& h) {
+void throw_if_nothing_to_reduce(const detail::HandleImpl& h) {
   if (!h.flat_param().requires_grad()) {
     throw StateError(msg("reduce_grad: no parameter of this handle requires grad (first: ",
                          quote(h.layout().fqns[0]), ")"));
@@ -187,7 +189,7 @@ void throw_if_nothing_to_reduce(const FlatParamHandle& h) {
 
 }  // namespace
 
-void FlatParamHandle::check_orig_grad_shapes() const {
+void HandleImpl::check_orig_grad_shapes() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor g = params_[i].grad();
     if (g.defined()) check_grad_shape(i, g);
@@ -198,9 +200,9 @@ void FlatParamHandle::check_orig_grad_shapes() const {
 // Each is released as soon as it is copied, so that the flat gradient and autograd's per-parameter
 // gradients do not all coexist: at the peak of a unit's backward that would double its gradient
 // memory. Shapes are checked first, so that an error leaves every gradient in place.
-at::Tensor FlatParamHandle::take_orig_grads() { return take_orig_grads(1.0); }
+at::Tensor HandleImpl::take_orig_grads() { return take_orig_grads(1.0); }
 
-at::Tensor FlatParamHandle::take_orig_grads(double divisor) {
+at::Tensor HandleImpl::take_orig_grads(double divisor) {
   check_orig_grad_shapes();
   // In the unsharded parameters' memory if the reshard before kept it (keep_param_memory_for_grad).
   at::Tensor flat = grad_scratch_.defined()
@@ -212,17 +214,17 @@ at::Tensor FlatParamHandle::take_orig_grads(double divisor) {
   return flat;
 }
 
-void FlatParamHandle::take_orig_grads_into(const at::Tensor& flat) {
+void HandleImpl::take_orig_grads_into(const at::Tensor& flat) {
   check_orig_grad_shapes();
   move_grads_into(layout_, params_, flat, 1.0);
 }
 
-void FlatParamHandle::reduce_grad() {
+void HandleImpl::reduce_grad() {
   reduce_grad_async();
   finish_reduce_grad();
 }
 
-void FlatParamHandle::reduce_grad_async() {
+void HandleImpl::reduce_grad_async() {
   throw_if_nothing_to_reduce(*this);
   finish_reduce_grad();  // a reduction still in flight adds to the gradient this one adds to
   check_flat_param_device("reduce_grad");  // before the gradients are taken: an error keeps them
@@ -244,7 +246,7 @@ void FlatParamHandle::reduce_grad_async() {
   start_reduce(take_orig_grads(copy_divisor()), /*predivided=*/true);
 }
 
-void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>& bucket) {
+void HandleImpl::reduce_grad_into(const std::shared_ptr<detail::GradBucket>& bucket) {
   if (uses_sharded_strategy()) {
     throw StateError(
         msg("reduce_grad_into: gradient buckets are for NO_SHARD (", detail::rank(rank_), ")"));
@@ -268,7 +270,7 @@ void FlatParamHandle::reduce_grad_into(const std::shared_ptr<detail::GradBucket>
   grads_unreduced_ = true;
 }
 
-std::vector<double> FlatParamHandle::grad_bucket_divisions() const {
+std::vector<double> HandleImpl::grad_bucket_divisions() const {
   return split_divisions(reduce_dtype_, /*scatter=*/false).second;
 }
 
@@ -377,7 +379,7 @@ std::vector<std::vector<at::Tensor>> pieces_of(const std::vector<Run>& runs, int
 // copy of the same extent. Empty (the flat path) unless the reduction is a sharded one over Gloo
 // on the CPU in float32 or float64 (float16 is predivided in place, and bfloat16 travels as
 // float32 over Gloo), and some parameter is large enough to be worth messages of its own.
-std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces() {
+std::vector<std::vector<at::Tensor>> HandleImpl::take_orig_grads_in_pieces() {
   std::vector<std::vector<at::Tensor>> chunks;
   if (!uses_sharded_strategy() || world_size_ < 2 || group_.backend_name() != "gloo" ||
       !options_.device().is_cpu() ||
@@ -402,7 +404,7 @@ std::vector<std::vector<at::Tensor>> FlatParamHandle::take_orig_grads_in_pieces(
   return chunks;
 }
 
-void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
+void HandleImpl::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
   if (unsharded_flat_grad.numel() != layout_.padded_unsharded_numel) {
     throw ValueError(msg("reduce_flat_grad: expects ", layout_.padded_unsharded_numel,
                          " elements but got ", unsharded_flat_grad.numel()));
@@ -424,11 +426,11 @@ void FlatParamHandle::reduce_flat_grad(const at::Tensor& unsharded_flat_grad) {
 // elements before it as after, and a pass over them saved, as DDP's reducer divides while copying
 // into its bucket); after a reduce-scatter, onto W times fewer elements, for float32 and float64.
 // float16 keeps PyTorch's order.
-double FlatParamHandle::copy_divisor() const {
+double HandleImpl::copy_divisor() const {
   return !uses_sharded_strategy() || reduce_dtype_ == at::kHalf ? predivide_ : 1.0;
 }
 
-void FlatParamHandle::start_reduce(at::Tensor g, bool predivided) {
+void HandleImpl::start_reduce(at::Tensor g, bool predivided) {
   at::NoGradGuard no_grad;
   throw_if_comm_failed("reduce_grad");
   if (!predivided && copy_divisor() != 1.0) g.div_(copy_divisor());
@@ -450,7 +452,7 @@ void FlatParamHandle::start_reduce(at::Tensor g, bool predivided) {
   grads_unreduced_ = true;
 }
 
-std::pair<std::vector<double>, std::vector<double>> FlatParamHandle::split_divisions(
+std::pair<std::vector<double>, std::vector<double>> HandleImpl::split_divisions(
     at::ScalarType dtype, bool scatter) const {
   std::vector<double> divisors;
   // The predivide is owed here only where it is not done in the copy (copy_divisor).
@@ -469,7 +471,7 @@ std::pair<std::vector<double>, std::vector<double>> FlatParamHandle::split_divis
   return {{}, std::move(divisors)};
 }
 
-void FlatParamHandle::finish_reduce_grad() {
+void HandleImpl::finish_reduce_grad() {
   if (!pending_reduce_) return;
   // A reduction kept after its collective failed (see below) must never land: its result is
   // garbage, and the backend may still be writing it.
@@ -530,7 +532,7 @@ void FlatParamHandle::finish_reduce_grad() {
 // handle's life (pinned when the compute device is CUDA, so that the device-to-host copy needs no
 // staging), rather than a pageable allocation per backward. It survives zero_grad(set_to_none):
 // the next reduction writes into it again.
-void FlatParamHandle::offload_grad(const at::Tensor& reduced, const at::Tensor& existing) {
+void HandleImpl::offload_grad(const at::Tensor& reduced, const at::Tensor& existing) {
   if (!cpu_grad_.defined() || cpu_grad_.sizes() != reduced.sizes() ||
       cpu_grad_.scalar_type() != reduced.scalar_type()) {
     cpu_grad_ = at::empty(reduced.sizes(), reduced.options().device(at::kCPU));
@@ -547,8 +549,8 @@ void FlatParamHandle::offload_grad(const at::Tensor& reduced, const at::Tensor& 
   flat_param_.mutable_grad() = cpu_grad_;
 }
 
-at::Tensor FlatParamHandle::sharded_grad() const { return flat_param_.grad(); }
+at::Tensor HandleImpl::sharded_grad() const { return flat_param_.grad(); }
 
-std::vector<at::Tensor> FlatParamHandle::orig_params() const { return params_; }
+std::vector<at::Tensor> HandleImpl::orig_params() const { return params_; }
 
 }  // namespace fsdp

@@ -1,5 +1,5 @@
-// FlatParamHandle: flatten, shard, unshard, reshard, parameter views, write-back. Gradients are in
-// gradients.cpp. Semantics follow PyTorch's FlatParamHandle
+// FlatParamHandle (detail::HandleImpl): flatten, shard, unshard, reshard, parameter views,
+// write-back. Gradients are in gradients.cpp. Semantics follow PyTorch's FlatParamHandle
 // (torch/distributed/fsdp/_flat_param.py); see docs/flat_param.md for the C++ differences (original
 // parameters stay autograd leaves; the flat parameter always holds the shard).
 #include <sstream>
@@ -8,8 +8,8 @@
 #include <torch/cuda.h>
 
 #include "flat_param/flattened.h"
+#include "flat_param/handle_impl.h"
 #include "fsdp/errors.h"
-#include "fsdp/flat_param.h"
 #include "util/message.h"
 #include "util/tensor_utils.h"
 
@@ -135,8 +135,8 @@ at::Tensor flatten_and_shard(const FlatParamLayout& layout, const std::vector<at
 // ---------------------------------------------------------------------------------------------
 // Construction
 
-FlatParamHandle::FlatParamHandle(std::vector<ParamInfo> params, dist::ProcessGroup group,
-                                 FlatParamHandleOptions options)
+HandleImpl::HandleImpl(std::vector<ParamInfo> params, dist::ProcessGroup group,
+                       FlatParamHandleOptions options)
     : options_(std::move(options)), group_(std::move(group)) {
   if (params.empty()) throw ValueError("FlatParamHandle: expects a non-empty list of parameters");
   options_.device(detail::with_index(options_.device()));
@@ -197,13 +197,13 @@ FlatParamHandle::FlatParamHandle(std::vector<ParamInfo> params, dist::ProcessGro
   reshard(true);
 }
 
-FlatParamHandle::~FlatParamHandle() {
+HandleImpl::~HandleImpl() {
   pending_unshard_.reset();
   detail::unmark_flattened(flat_param_);
   for (const auto& p : params_) detail::unmark_flattened(p);
 }
 
-void FlatParamHandle::validate_and_describe(const std::vector<at::Tensor>& tensors) {
+void HandleImpl::validate_and_describe(const std::vector<at::Tensor>& tensors) {
   // Local checks first, each naming the parameter (PyTorch's messages, plus the FQN).
   std::optional<at::ScalarType> dtype;
   std::optional<at::Device> device;
@@ -280,23 +280,23 @@ void FlatParamHandle::validate_and_describe(const std::vector<at::Tensor>& tenso
 // ---------------------------------------------------------------------------------------------
 // Unshard / reshard
 
-bool FlatParamHandle::force_full_precision() const {
+bool HandleImpl::force_full_precision() const {
   const bool mixed = fwd_bwd_dtype_ != orig_dtype_ || reduce_dtype_ != orig_dtype_;
   return mixed &&
          (training_state_ == HandleTrainingState::SUMMON_FULL_PARAMS || full_prec_in_eval_);
 }
 
-at::Tensor& FlatParamHandle::unsharded_buffer() {
+at::Tensor& HandleImpl::unsharded_buffer() {
   if (force_full_precision() && fwd_bwd_dtype_ != orig_dtype_) return full_prec_full_param_padded_;
   return full_param_padded_;
 }
 
-void FlatParamHandle::unshard() {
+void HandleImpl::unshard() {
   if (!pending_unshard_) unshard_async();  // else a prefetch is in flight: just finish it
   wait_unshard();
 }
 
-void FlatParamHandle::unshard_async() {
+void HandleImpl::unshard_async() {
   if (pending_unshard_) throw StateError("FlatParamHandle::unshard_async: an unshard is pending");
   throw_if_comm_failed("unshard");
   grad_scratch_ = at::Tensor();  // kept for a reduction that did not come: not held any longer
@@ -347,7 +347,7 @@ void FlatParamHandle::unshard_async() {
   }
 }
 
-void FlatParamHandle::wait_unshard() {
+void HandleImpl::wait_unshard() {
   if (unsharded_views_ && !pending_unshard_) return;
   if (pending_unshard_) {
     std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
@@ -364,14 +364,14 @@ void FlatParamHandle::wait_unshard() {
   finish_unshard();
 }
 
-void FlatParamHandle::throw_if_comm_failed(const char* where) const {
+void HandleImpl::throw_if_comm_failed(const char* where) const {
   if (!comm_failed_) return;
   throw StateError(msg("FlatParamHandle::", where,
                        ": an earlier collective of this handle failed (", detail::rank(rank_),
                        ", group ", quote(group_.name()), "); the process group is unusable"));
 }
 
-void FlatParamHandle::check_flat_param_device(const char* where) const {
+void HandleImpl::check_flat_param_device(const char* where) const {
   const at::Device expected = options_.offload_params() ? at::Device(at::kCPU) : options_.device();
   if (flat_param_.device() == expected) return;
   throw StateError(msg(where, ": the flat parameter of the unit holding ", quote(layout_.fqns[0]),
@@ -382,14 +382,14 @@ void FlatParamHandle::check_flat_param_device(const char* where) const {
                        "); it must not be moved after wrapping (e.g. by Module::to)"));
 }
 
-void FlatParamHandle::finish_unshard() {
+void HandleImpl::finish_unshard() {
   if (uses_sharded_strategy()) mp_shard_ = at::Tensor();  // the low-precision shard was gathered
   // Done when the views switch, not when a prefetch starts: a prefetch may be abandoned.
   if (options_.use_orig_params()) drop_flat_grad_if_all_none();
   use_unsharded_views(unsharded_flat_);
 }
 
-void FlatParamHandle::abandon_unshard() {
+void HandleImpl::abandon_unshard() {
   if (!pending_unshard_) return;
   std::unique_ptr<dist::Work> w = std::move(pending_unshard_);
   try {
@@ -406,7 +406,7 @@ void FlatParamHandle::abandon_unshard() {
   }
 }
 
-at::Tensor FlatParamHandle::shard_to_gather() {
+at::Tensor HandleImpl::shard_to_gather() {
   throw_if_comm_failed("shard_to_gather");
   if (!uses_sharded_strategy() || unsharded_views_ || pending_unshard_) {
     throw StateError(
@@ -422,7 +422,7 @@ at::Tensor FlatParamHandle::shard_to_gather() {
   return options_.offload_params() ? src.to(options_.device()) : src;
 }
 
-void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
+void HandleImpl::use_unsharded_views(const at::Tensor& flat) {
   point_params_at(flat);
   unsharded_views_ = true;
 }
@@ -432,7 +432,7 @@ void FlatParamHandle::use_unsharded_views(const at::Tensor& flat) {
 // NO_SHARD, whose parameters never leave the flat parameter, every forward and every reshard of
 // every unit would pay them for nothing. On a model of many small units that was most of what
 // NO_SHARD added to a step's CPU time (issue 42, docs/performance.md).
-void FlatParamHandle::point_params_at(const at::Tensor& flat) {
+void HandleImpl::point_params_at(const at::Tensor& flat) {
   layout_.check_unflat_input(flat, "FlatParamHandle (the original parameters' views)");
   at::Tensor base;  // `flat` without autograd history, made once a parameter has to move
   int64_t offset = 0;
@@ -450,7 +450,7 @@ void FlatParamHandle::point_params_at(const at::Tensor& flat) {
   }
 }
 
-void FlatParamHandle::reshard(bool free_unsharded) {
+void HandleImpl::reshard(bool free_unsharded) {
   if (pending_unshard_) abandon_unshard();  // a prefetch nobody used: its result is not needed
   // PyTorch's _skipped_use_sharded_views: when a forward under grad mode keeps the unsharded
   // parameters for backward (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) with use_orig_params, the original
@@ -490,7 +490,7 @@ void FlatParamHandle::reshard(bool free_unsharded) {
   }
 }
 
-void FlatParamHandle::use_sharded_views() {
+void HandleImpl::use_sharded_views() {
   if (!uses_sharded_strategy()) {
     point_params_at(flat_param_);
     return;
@@ -505,7 +505,7 @@ void FlatParamHandle::use_sharded_views() {
   }
 }
 
-void FlatParamHandle::release_unsharded_storage() {
+void HandleImpl::release_unsharded_storage() {
   // After a failed collective c10d may still be writing into these buffers (Gloo keeps the
   // output tensors, not their memory, alive): freeing them would be a use-after-free. They are
   // kept until the handle is destroyed, which is all that is left to do with a broken group.
@@ -514,7 +514,7 @@ void FlatParamHandle::release_unsharded_storage() {
   free_storage(full_prec_full_param_padded_);
 }
 
-void FlatParamHandle::keep_param_memory_for_grad() {
+void HandleImpl::keep_param_memory_for_grad() {
   // Only in post-backward, whose reduction comes right after this reshard, so that the memory
   // changes hands without the peak ever holding it twice. Only on the CPU: CUDA's caching
   // allocator already reuses blocks without faulting them in, and its stream bookkeeping is
@@ -537,12 +537,12 @@ void FlatParamHandle::keep_param_memory_for_grad() {
                        at::TensorOptions().dtype(reduce_dtype_).device(at::kCPU));
 }
 
-int64_t FlatParamHandle::unsharded_storage_bytes() const {
+int64_t HandleImpl::unsharded_storage_bytes() const {
   if (!uses_sharded_strategy()) return 0;
   return storage_bytes(full_param_padded_) + storage_bytes(full_prec_full_param_padded_);
 }
 
-void FlatParamHandle::writeback_unsharded() {
+void HandleImpl::writeback_unsharded() {
   if (!unsharded_views_ || !unsharded_flat_.defined()) {
     throw StateError("writeback_unsharded: the handle is not unsharded");
   }
@@ -566,7 +566,7 @@ void FlatParamHandle::writeback_unsharded() {
 // ---------------------------------------------------------------------------------------------
 // Write-back
 
-void FlatParamHandle::check_skipped_views_unchanged() const {
+void HandleImpl::check_skipped_views_unchanged() const {
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor registered = named_param(param_infos_[i]);
     if (!registered.is_same(params_[i]) ||
@@ -579,7 +579,7 @@ void FlatParamHandle::check_skipped_views_unchanged() const {
   }
 }
 
-bool FlatParamHandle::writeback_orig_params() {
+bool HandleImpl::writeback_orig_params() {
   if (skipped_sharded_views_) {
     check_skipped_views_unchanged();
     return false;

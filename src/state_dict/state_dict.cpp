@@ -210,8 +210,10 @@ void StateDict::insert_or_assign(const std::string& key, StateValue value) {
 bool StateDict::erase(const std::string& key) {
   auto it = index_.find(key);
   if (it == index_.end()) return false;
-  items_.erase(items_.begin() + static_cast<std::ptrdiff_t>(it->second));
-  reindex();
+  const size_t erased = it->second;
+  items_.erase(items_.begin() + static_cast<std::ptrdiff_t>(erased));
+  index_.erase(it);
+  for (auto& [k, i] : index_) i -= i > erased ? 1 : 0;  // later keys moved up by one
   return true;
 }
 
@@ -219,11 +221,6 @@ std::vector<std::string> StateDict::keys() const {
   std::vector<std::string> out;
   for (const auto& [k, v] : items_) out.push_back(k);
   return out;
-}
-
-void StateDict::reindex() {
-  index_.clear();
-  for (size_t i = 0; i < items_.size(); ++i) index_.emplace(items_[i].first, i);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -39,6 +39,26 @@ StateDict nested() {
   return sd;
 }
 
+// StateDict is an ordered map: erasing a key keeps the others' order and their lookups.
+TEST(StateDictUtils, EraseKeepsTheOrderAndTheLookupOfTheOtherKeys) {
+  StateDict d;
+  for (const char* k : {"a", "b", "c", "d"}) d.insert_or_assign(k, std::string(k));
+  EXPECT_TRUE(d.erase("b"));
+  EXPECT_FALSE(d.erase("b"));
+  EXPECT_EQ(d.keys(), (std::vector<std::string>{"a", "c", "d"}));
+  EXPECT_FALSE(d.contains("b"));
+  EXPECT_EQ(d.at("c").string(), "c");
+  EXPECT_EQ(d.at("d").string(), "d");
+  d.insert_or_assign("c", std::string("c2"));  // replaced in place, found through the index
+  d.insert_or_assign("e", std::string("e"));
+  EXPECT_EQ(d.keys(), (std::vector<std::string>{"a", "c", "d", "e"}));
+  EXPECT_EQ(d.at("c").string(), "c2");
+  EXPECT_TRUE(d.erase("a"));
+  EXPECT_TRUE(d.erase("e"));
+  EXPECT_EQ(d.keys(), (std::vector<std::string>{"c", "d"}));
+  EXPECT_EQ(d.at("d").string(), "d");
+}
+
 TEST(StateDictUtils, FlattenAndUnflattenRoundTrip) {
   const StateDict sd = nested();
   auto [flat, mapping] = fsdp::flatten_state_dict(sd);

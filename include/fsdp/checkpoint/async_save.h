@@ -17,7 +17,6 @@
 
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -52,11 +51,6 @@ class AsyncSaver {
   int64_t staging_bytes() const;
 
  private:
-  StateDict snapshot(const StateDict& state_dict);
-  /// Waits for the save in flight, snapshots `state_dict`, and runs `write` on the snapshot in
-  /// the background.
-  void start(const StateDict& state_dict, std::function<void(const StateDict&)> write);
-
   SaveOptions options_;
   std::unique_ptr<dist::ProcessGroup> own_group_;
   std::vector<at::Tensor> staging_;

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <functional>
 #include <numeric>
 
 #include "checkpoint/save/stream_copy.h"
@@ -46,12 +47,15 @@ int64_t AsyncSaver::staging_bytes() const {
   return n;
 }
 
-StateDict AsyncSaver::snapshot(const StateDict& state_dict) {
+namespace {
+
+// A CPU copy of `state_dict` in `staging`: the k-th tensor met in traversal order goes to buffer
+// k, reused if it still fits; buffers no longer used are freed.
+StateDict snapshot(const StateDict& state_dict, std::vector<at::Tensor>& staging) {
   size_t next = 0;
-  // The k-th tensor met in traversal order goes to staging buffer k, reused if it still fits.
   auto stage = [&](const at::Tensor& t) {
-    if (next == staging_.size()) staging_.emplace_back();
-    at::Tensor& buf = staging_[next++];
+    if (next == staging.size()) staging.emplace_back();
+    at::Tensor& buf = staging[next++];
     if (!buf.defined() || buf.sizes() != t.sizes() || buf.scalar_type() != t.scalar_type())
       buf = at::empty(t.sizes(), t.options().device(at::kCPU).requires_grad(false));
     // Large contiguous CPU tensors of the same dtype (what a sharded state dict holds) are
@@ -87,30 +91,41 @@ StateDict AsyncSaver::snapshot(const StateDict& state_dict) {
   };
   at::NoGradGuard no_grad;
   StateDict out = copy(StateValue(state_dict)).dict();
-  staging_.resize(next);  // buffers no longer used are freed
+  staging.resize(next);
   return out;
 }
 
-void AsyncSaver::start(const StateDict& state_dict, std::function<void(const StateDict&)> write) {
-  wait();
-  // The thread owns the snapshot: it lives exactly as long as the write.
-  worker_ = std::thread([this, snap = snapshot(state_dict), write = std::move(write)] {
+// Runs `write(snap)` on a new thread, which owns the snapshot: it lives exactly as long as the
+// write. An exception lands in `error` (owned by the saver, which joins the thread before
+// reading it or dying).
+std::thread write_in_background(StateDict snap, std::function<void(const StateDict&)> write,
+                                std::exception_ptr& error) {
+  return std::thread([snap = std::move(snap), write = std::move(write), &error] {
     try {
       write(snap);
     } catch (...) {
-      error_ = std::current_exception();
+      error = std::current_exception();
     }
   });
 }
 
+}  // namespace
+
 void AsyncSaver::save(const StateDict& state_dict, const std::string& dir) {
-  start(state_dict, [this, dir](const StateDict& snap) { checkpoint::save(snap, dir, options_); });
+  wait();
+  worker_ = write_in_background(
+      snapshot(state_dict, staging_),
+      [this, dir](const StateDict& snap) { checkpoint::save(snap, dir, options_); }, error_);
 }
 
 void AsyncSaver::save_step(const StateDict& state_dict, const std::string& root, int64_t step) {
-  start(state_dict, [this, root, step](const StateDict& snap) {
-    checkpoint::save_step(snap, root, step, options_);
-  });
+  wait();
+  worker_ = write_in_background(
+      snapshot(state_dict, staging_),
+      [this, root, step](const StateDict& snap) {
+        checkpoint::save_step(snap, root, step, options_);
+      },
+      error_);
 }
 
 }  // namespace checkpoint
