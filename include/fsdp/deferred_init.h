@@ -39,7 +39,7 @@ struct DeferredInitOptions {
   /// does not hold, and throws ValueError naming any kept parameter that came out differently (its
   /// constructor read another tensor's values). Costs one more run of the constructor (its memory
   /// is freed before the next). Default true; turn it off once a model's constructor is known to
-  /// follow the rule.
+  /// follow the rule. Ignored with sync_module_states (rank 0's values are broadcast).
   TORCH_ARG(bool, verify) = true;
 };
 
@@ -49,8 +49,11 @@ struct DeferredInitOptions {
 /// thread, on the CPU) three times with verify and twice without; it must build the same model
 /// from the same seed each time and follow the rule above. `options_for(model)` gives the options
 /// for one built instance (for `units` and `ignored_*`, which name its modules). Collective over
-/// the options' process group. Throws ValueError if the runs differ, and for sync_module_states
-/// (every rank computes its shards itself; there is no whole model on rank 0 to broadcast).
+/// the options' process group. Throws ValueError if the runs differ.
+/// With the options' sync_module_states (PyTorch's rank-0 path), rank 0 of the group builds the
+/// whole model for real (once more: its constructor may read files or other tensors) and every
+/// other rank ends with rank 0's values, received into its deferred model without ever holding
+/// more than its share; the rule above and verify do not apply then.
 template <typename Make, typename OptionsFor,
           typename = std::enable_if_t<std::is_invocable_v<OptionsFor, std::invoke_result_t<Make>&>>>
 FullyShardedDataParallel wrap_deferred(Make&& make, OptionsFor&& options_for,

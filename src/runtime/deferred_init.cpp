@@ -17,6 +17,9 @@
 // With verify, a run between the two computes the kept parameters with another fake buffer (a
 // different period, a different fill) and compares fingerprints: a constructor that reads another
 // tensor's values makes them differ.
+// With sync_module_states (PyTorch's rank-0 path), rank 0's second run is an ordinary one (the
+// whole model, real), and rank 0's values are broadcast into every other rank's second-run model
+// before the wrap (rank0_values.h), each rank keeping only the bytes its plan made real.
 #include "fsdp/deferred_init.h"
 
 #include <malloc.h>
@@ -39,6 +42,7 @@
 #include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -46,6 +50,7 @@
 #include "fsdp/compat.h"
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
+#include "runtime/rank0_values.h"
 #include "util/message.h"
 
 namespace fsdp {
@@ -327,6 +332,8 @@ struct TensorSite {
   // Its bytes, and whether it is the whole of a contiguous storage of its own, as it was built
   // (wrapping replaces the tensor's data in place).
   size_t bytes = 0;
+  size_t element_size =
+      0;  // as built: the wrap may give the tensor another dtype (mixed precision)
   bool plain = false;
   const torch::nn::Module* module;
   std::string name;
@@ -348,9 +355,10 @@ std::vector<TensorSite> tensor_sites(const ModulePtr& root, const AllocationLog&
         auto it = index_of.find(t.storage().data_ptr().get());
         if (it != index_of.end()) at = it->second;
       }
-      TensorSite site{prefix + name, t, 0, false, item.value().get(), name, is_param, at};
+      TensorSite site{prefix + name, t, 0, 0, false, item.value().get(), name, is_param, at};
       if (t.defined()) {
-        site.bytes = static_cast<size_t>(t.numel()) * t.element_size();
+        site.element_size = t.element_size();
+        site.bytes = static_cast<size_t>(t.numel()) * site.element_size;
         site.plain =
             t.is_contiguous() && t.storage_offset() == 0 && t.storage().nbytes() == site.bytes;
       }
@@ -412,9 +420,10 @@ std::vector<Placement> placements(const Run& first) {
     if (s.is_param) site_of[{s.module, s.name}] = &s;
   }
   // The layout: wrap this instance on the CPU, as the caller's options would (the device only
-  // moves tensors; sync_module_states is refused before this).
+  // moves tensors, and rank 0's broadcast would only overwrite fake values).
   FullyShardedOptions options = first.built.options;
   options.device_id(std::nullopt);
+  options.sync_module_states(false);
   FullyShardedDataParallel layout(
       std::make_shared<FullyShardedDataParallelImpl>(first.built.any, first.built.module, options));
   const std::vector<size_t>& bytes = first.log->bytes;
@@ -429,7 +438,7 @@ std::vector<Placement> placements(const Run& first) {
       if (it == site_of.end() || it->second->allocation == SIZE_MAX) continue;
       const size_t a = it->second->allocation;
       const TensorSite& site = *it->second;
-      const auto size = static_cast<size_t>(site.tensor.element_size());
+      const size_t size = site.element_size;  // site.tensor's dtype is the layout wrap's now
       Placement& p = plan[a];
       if (++owners[a] > 1) {
         p = Placement();  // several parameters in one allocation: kept whole
@@ -513,6 +522,36 @@ void check_same_values(const std::map<std::string, size_t>& probe, const Run& re
   }
 }
 
+// Each parameter's numel and dtype, in module order (tied ones once): what the rank-0 broadcast
+// needs every rank to agree on.
+std::vector<std::pair<int64_t, at::ScalarType>> param_signature(const ModulePtr& module) {
+  std::vector<std::pair<int64_t, at::ScalarType>> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : module->parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.emplace_back(p.numel(), p.scalar_type());
+  }
+  return out;
+}
+
+// The bytes of each parameter that `plan` made real in `run`.
+KeptBytes kept_bytes(const Run& run, const std::vector<Placement>& plan) {
+  auto kept = std::make_shared<std::unordered_map<const c10::TensorImpl*, Placement>>();
+  for (const auto& s : tensor_sites(run.built.module, *run.log)) {
+    if (s.is_param && s.allocation < plan.size())
+      (*kept)[s.tensor.unsafeGetTensorImpl()] = plan[s.allocation];
+  }
+  return [kept](const at::Tensor& p) -> std::pair<size_t, size_t> {
+    const auto all = static_cast<size_t>(p.numel()) * p.element_size();
+    auto it = kept->find(p.unsafeGetTensorImpl());
+    if (it == kept->end() || it->second.kind == Placement::REAL) return {0, all};
+    if (it->second.kind == Placement::FAKE) return {0, 0};
+    return {std::min(it->second.lo, all), std::min(it->second.hi, all)};
+  };
+}
+
+// Slices of the rank-0 broadcast: what a rank other than 0 holds beyond its share meanwhile.
+constexpr size_t kRank0SliceBytes = size_t{16} << 20;
+
 }  // namespace
 
 FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& build,
@@ -535,12 +574,16 @@ FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& bui
   dist::ProcessGroup group = group_of(first);
   agree_on(group, [&] {
     if (failed) std::rethrow_exception(failed);
-    if (first.built.options.sync_module_states()) {
-      throw ValueError(
-          "wrap_deferred: sync_module_states broadcasts rank 0's whole model, which no rank "
-          "builds here; leave it off (each rank computes its shards as rank 0 would)");
-    }
   });
+  // PyTorch's rank-0 path: rank 0 builds the whole model for real; the others build theirs
+  // deferred, and the wrap broadcasts rank 0's values into it, tensor by tensor, before
+  // flattening. A rank other than 0 receives each parameter into the memory its plan gives it:
+  // the bytes its shard keeps are real, the rest lands in the shared fake pages. Its values do not
+  // matter, so there is nothing to verify.
+  const bool sync = first.built.options.sync_module_states();
+  const bool source = sync && group.rank() == 0;
+  std::vector<std::pair<int64_t, at::ScalarType>> signature;
+  if (sync) signature = param_signature(first.built.module);
   const std::vector<Placement> plan = placements(first);
   const std::vector<size_t> planned_bytes = first.log->bytes;
   const auto first_log = first.log;
@@ -550,9 +593,10 @@ FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& bui
   ::malloc_trim(0);
 
   Run real;
+  const bool verify = deferred.verify() && !sync;
   agree_on(group, [&] {
     std::map<std::string, size_t> probe;
-    if (deferred.verify()) {
+    if (verify) {
       const FakeBacking other(kBackingBytes - (size_t{7} << 12), size_t{37} << 12, 0x7f);
       generator.restore();
       Run run = run_constructor(build, other, &plan, &planned_bytes);
@@ -560,10 +604,27 @@ FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& bui
       probe = kept_fingerprints(run, plan);
     }
     generator.restore();
+    if (source) {
+      real.built = build();  // the whole model, as an eager construction makes it
+      if (!real.built.module) throw ValueError("wrap_deferred: the constructor returned no module");
+      if (param_signature(real.built.module) != signature) {
+        throw ValueError(
+            "wrap_deferred: with sync_module_states, rank 0's constructor built parameters of "
+            "other sizes or dtypes in its second run than in its first");
+      }
+      return;
+    }
     real = run_constructor(build, backing, &plan, &planned_bytes);
     check_same_allocations(real, *first_log, "second");
-    if (deferred.verify()) check_same_values(probe, real, plan, group.rank());
+    if (verify) check_same_values(probe, real, plan, group.rank());
   });
+  if (sync) {
+    // Here rather than in the wrap, which would broadcast into the fake pages (resident once
+    // written) whole tensors at a time.
+    broadcast_rank0_values(real.built.module, group, source ? KeptBytes() : kept_bytes(real, plan),
+                           kRank0SliceBytes);
+    real.built.options.sync_module_states(false);
+  }
   FullyShardedDataParallel wrapped(std::make_shared<FullyShardedDataParallelImpl>(
       std::move(real.built.any), real.built.module, std::move(real.built.options)));
   // The same for what wrapping allocated and freed (unit-sized buffers among it).
