@@ -35,7 +35,8 @@ suites=(test_dist test_host_routes test_deferred_init test_state_dict test_state
         test_state_dict_utils test_state_dict_api
         test_optim_state_dict test_checkpoint_state_dict test_dcp_metadata
         test_dcp_checkpoint test_checkpoint_safety test_checkpoint_export test_async_save
-        test_crash_points test_collective_failures test_fuzz_replay sanitizer_canary)
+        test_crash_points test_collective_failures test_fuzz_replay sanitizer_canary
+        sanitizer_leak_probe)
 targets=("${suites[@]}")
 if ((all)); then targets=(all); fi
 

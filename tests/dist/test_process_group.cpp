@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -172,15 +173,50 @@ TEST(GroupFailures, StoreThatNeverAnswersIsAnErrorNotAHang) {
       opts);
 }
 
+// The launcher: a process of its own that hosts a store until killed, as fsdp-run's agent does.
+// Not this process, which forks the ranks: a store server runs a thread, and a rank forked while
+// it holds memory would find that memory unreachable (LeakSanitizer reports it in every rank).
+struct LauncherStore {
+  pid_t pid = -1;
+  int port = 0;
+  LauncherStore() {
+    int fds[2];
+    if (::pipe(fds) != 0) return;
+    pid = ::fork();
+    if (pid == 0) {
+      ::close(fds[0]);
+      auto store = fsdp::compat::make_tcp_store("127.0.0.1", 0, /*is_server=*/true, -1,
+                                                std::chrono::seconds(30));
+      const int p = store->getPort();
+      if (::write(fds[1], &p, sizeof p) != sizeof p) ::_exit(1);
+      ::close(fds[1]);
+      for (;;) ::pause();
+    }
+    ::close(fds[1]);
+    if (pid < 0 || ::read(fds[0], &port, sizeof port) != sizeof port) port = 0;
+    ::close(fds[0]);
+  }
+  ~LauncherStore() {
+    if (pid <= 0) return;
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
+  // Asked by a client that is gone again before the test forks anything.
+  int64_t keys() const {
+    return fsdp::compat::make_tcp_store("127.0.0.1", port, false, -1, std::chrono::seconds(30))
+        ->getNumKeys();
+  }
+};
+
 // Under a launcher that hosts the job's store (fsdp-run across hosts, torchrun), every rank is a
-// client: here the test process hosts it on the port MASTER_PORT names, so a rank 0 that tried to
-// host it too would fail to bind. Negative control: without TORCHELASTIC_USE_AGENT_STORE, rank 0
-// does try, and fails.
+// client: here a launcher process hosts it on the port MASTER_PORT names, so a rank 0 that tried
+// to host it too would fail to bind. Negative control: without TORCHELASTIC_USE_AGENT_STORE, rank
+// 0 does try, and fails.
 TEST(InitProcessGroup, UnderALauncherThatHostsTheStore) {
-  auto store = fsdp::compat::make_tcp_store("127.0.0.1", 0, /*is_server=*/true, -1,
-                                            std::chrono::seconds(30));
-  const int port = store->getPort();
-  const int64_t keys_before = store->getNumKeys();
+  const LauncherStore store;
+  ASSERT_GT(store.port, 0) << "cannot start the launcher's store";
+  const int port = store.port;
+  const int64_t keys_before = store.keys();
   for (const bool agent : {true, false}) {
     fsdp::testing::RunOptions opts;
     opts.init_group = false;
@@ -209,7 +245,7 @@ TEST(InitProcessGroup, UnderALauncherThatHostsTheStore) {
         },
         opts);
     if (agent) {
-      EXPECT_GT(store->getNumKeys(), keys_before) << "the ranks rendezvoused elsewhere";
+      EXPECT_GT(store.keys(), keys_before) << "the ranks rendezvoused elsewhere";
     } else {
       ASSERT_FALSE(results[0].ok) << "rank 0 hosted a second store on a port in use";
       EXPECT_NE(results[0].message.find("TCPStore 127.0.0.1:" + std::to_string(port)),
