@@ -63,6 +63,7 @@ struct Flags {
   std::string mixed_precision = "none";
   std::string optimizer = "adamw";
   double lr = 3e-3;
+  double momentum = 0.9;  // SGD's; 0 keeps no optimizer state at all
   std::string save_dir;
   int64_t save_every = 0;
   int keep_last = 3;
@@ -136,7 +137,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Flags& f,
     return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(f.lr));
   if (f.optimizer == "sgd")
     return std::make_unique<torch::optim::SGD>(params,
-                                               torch::optim::SGDOptions(f.lr).momentum(0.9));
+                                               torch::optim::SGDOptions(f.lr).momentum(f.momentum));
   return std::make_unique<torch::optim::AdamW>(
       params, torch::optim::AdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(0.1));
 }
@@ -223,6 +224,10 @@ Flags parse_flags(int argc, char** argv, int rank) {
   app.add_option("--optimizer", f.optimizer, "Optimizer")
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}));
   app.add_option("--lr", f.lr, "Learning rate")->check(CLI::Range(1e-12, 1e6));
+  app.add_option("--momentum", f.momentum,
+                 "SGD's momentum (0: plain SGD, no optimizer state; the default 0.9 keeps a "
+                 "buffer the size of the parameters)")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--save-dir", f.save_dir, "Checkpoint root (step_<N> directories, `latest`)");
   app.add_option("--save-every", f.save_every, "Save every K steps (and at the end)")
       ->check(CLI::Range(int64_t{0}, kMax));
