@@ -332,8 +332,8 @@ struct TensorSite {
   // Its bytes, and whether it is the whole of a contiguous storage of its own, as it was built
   // (wrapping replaces the tensor's data in place).
   size_t bytes = 0;
-  size_t element_size =
-      0;  // as built: the wrap may give the tensor another dtype (mixed precision)
+  // As built: the layout wrap may give the tensor another dtype (mixed precision).
+  size_t element_size = 0;
   bool plain = false;
   const torch::nn::Module* module;
   std::string name;
@@ -576,10 +576,9 @@ FullyShardedDataParallel wrap_deferred(const std::function<DeferredBuild()>& bui
     if (failed) std::rethrow_exception(failed);
   });
   // PyTorch's rank-0 path: rank 0 builds the whole model for real; the others build theirs
-  // deferred, and the wrap broadcasts rank 0's values into it, tensor by tensor, before
-  // flattening. A rank other than 0 receives each parameter into the memory its plan gives it:
-  // the bytes its shard keeps are real, the rest lands in the shared fake pages. Its values do not
-  // matter, so there is nothing to verify.
+  // deferred, and rank 0's values are broadcast into it before the wrap (broadcast_rank0_values:
+  // slices into a scratch buffer, of which each rank keeps only the bytes its plan made real).
+  // The other ranks' own values do not matter, so there is nothing to verify.
   const bool sync = first.built.options.sync_module_states();
   const bool source = sync && group.rank() == 0;
   std::vector<std::pair<int64_t, at::ScalarType>> signature;
