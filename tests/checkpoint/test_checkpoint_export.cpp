@@ -233,6 +233,25 @@ TEST_F(CheckpointExport, PythonWrittenSafetensorsImport) {
   });
 }
 
+// An empty tensor at [0, 0] beside one at [0, 4], the empty one's name sorting last: what
+// Python's save_file writes for a shard holding both (found by the safetensors_files fuzz seed
+// from transformers' sharded layout). The reference reader orders tensors by (begin, end) and
+// accepts it; ordered by begin alone, we refused it as "overlaps another or leaves a gap".
+TEST_F(CheckpointExport, AnEmptyTensorAtTheOffsetOfAnotherIsRead) {
+  const std::string header = R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},)"
+                             R"("z":{"dtype":"F32","shape":[0,2],"data_offsets":[0,0]}})";
+  std::string file(8, '\0');
+  for (int k = 0; k < 8; ++k) file[k] = static_cast<char>((header.size() >> (8 * k)) & 0xff);
+  file += header + std::string("\x80\x3f\x00\x40", 4);  // bf16 1.0, 2.0
+  write_bytes(tmp.file("empty_first.safetensors"), file);
+  run_ranks(1, [&](ProcessGroup&) {
+    const fsdp::StateDict sd = ckpt::load_safetensors(tmp.file("empty_first.safetensors"));
+    ASSERT_EQ(sd.size(), 2u);
+    EXPECT_TRUE(sd.at("a").tensor().equal(at::tensor({1.0, 2.0}).to(at::kBFloat16)));
+    EXPECT_EQ(sd.at("z").tensor().sizes(), (std::vector<int64_t>{0, 2}));
+  });
+}
+
 // Streaming: exporting a checkpoint of 8 tensors of 64 KiB holds about one of them at a time.
 TEST_F(CheckpointExport, ExportStreamsOneTensorAtATime) {
   run_ranks(2, [&](ProcessGroup& pg) {

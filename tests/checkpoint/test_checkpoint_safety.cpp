@@ -406,6 +406,16 @@ TEST(CheckpointSafety, HostileFilesAreRejectedBeforeLargeAllocations) {
         {"manifest deeply nested",
          [&](auto d) { write_bytes(d + "/.fsdp_manifest.json", std::string(100000, '[')); },
          "not valid JSON"},
+        // Closed this time, inside a field whose bad value the error message names: printing
+        // the value must not recurse through 200,000 levels (issue 62's deep-nesting class).
+        {"manifest with local_files nested deep",
+         [&](auto d) {
+           const size_t n = 200000;
+           edit_manifest(
+               d, "\"files\": ",
+               "\"local_files\": [" + std::string(n, '[') + std::string(n, ']') + "], \"files\": ");
+         },
+         "'local_files' names"},
         {"manifest over the size limit",
          [&](auto d) {
            ASSERT_EQ(::truncate((d + "/.fsdp_manifest.json").c_str(), (int64_t{256} << 20) + 1), 0);

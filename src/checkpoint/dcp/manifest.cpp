@@ -34,6 +34,15 @@ bool hex16(const std::string& s) {
          });
 }
 
+// A value of the file, for an error message. A string or number as it is written; an array or
+// an object by its kind only: nlohmann's dump() recurses once per level, and a hostile manifest
+// nests hundreds of thousands of levels in a few hundred KiB (it overflowed the stack).
+std::string brief(const json& v) {
+  if (v.is_array()) return "an array";
+  if (v.is_object()) return "an object";
+  return v.dump();
+}
+
 // Typed field access that names the manifest and the field in its error.
 struct Reader {
   const std::string& path;
@@ -51,7 +60,7 @@ struct Reader {
     if (!v.is_number_integer()) fail(msg(quote(name), " is not an integer"));
     const int64_t x = v.get<int64_t>();
     if (x < lo || (v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX))
-      fail(msg(quote(name), " is out of range: ", v.dump()));
+      fail(msg(quote(name), " is out of range: ", brief(v)));
     return x;
   }
   std::string string(const json& obj, const char* name) const {
@@ -145,7 +154,7 @@ Manifest parse(const std::string& bytes, const std::string& path) {
     if (!local.is_array() || local.empty()) r.fail("'local_files' is not a non-empty array");
     for (const json& f : local) {
       if (!f.is_string() || !m.files.count(f.get<std::string>()))
-        r.fail(msg("'local_files' names ", f.dump(), ", which 'files' does not list"));
+        r.fail(msg("'local_files' names ", brief(f), ", which 'files' does not list"));
       m.local_files.push_back(f.get<std::string>());
     }
     std::sort(m.local_files.begin(), m.local_files.end());

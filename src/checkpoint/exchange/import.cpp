@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "checkpoint/formats/json_text.h"
 #include "checkpoint/formats/pickle.h"
@@ -98,12 +99,16 @@ Spec parse_spec(const std::string& name, const nlohmann::json& t, int64_t data_s
   return s;
 }
 
-// As the reference reader: tensors tile the data exactly, without overlaps or gaps.
+// As the reference reader: tensors tile the data exactly, without overlaps or gaps. Ordered by
+// (begin, end), as it orders them: an empty tensor at [k, k] comes before the one starting at k,
+// whatever the names (Python's save_file puts a shard's empty tensor at [0, 0] beside one at
+// [0, n]; ordered by begin alone, that file was refused when the other name sorted first).
 void check_tiling(const std::vector<Spec>& specs, int64_t data_size, const std::string& path) {
   std::vector<const Spec*> order;
   for (const auto& s : specs) order.push_back(&s);
-  std::sort(order.begin(), order.end(),
-            [](const Spec* a, const Spec* b) { return a->begin < b->begin; });
+  std::sort(order.begin(), order.end(), [](const Spec* a, const Spec* b) {
+    return std::tie(a->begin, a->end) < std::tie(b->begin, b->end);
+  });
   int64_t at = 0;
   for (const Spec* s : order) {
     if (s->begin != at)
