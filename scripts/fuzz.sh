@@ -32,7 +32,8 @@ while (($#)); do
     *) targets+=("$1"); shift ;;
   esac
 done
-all=(pickle dcp_metadata torch_archive manifest safetensors load_pt checkpoint)
+all=(pickle dcp_metadata torch_archive manifest safetensors load_pt checkpoint checkpoint_files
+     safetensors_files assemble fsdp_ckpt)
 ((${#targets[@]})) || targets=("${all[@]}")
 
 need=() packages=(clang-16 libfuzzer-16-dev libclang-rt-16-dev)
@@ -77,7 +78,8 @@ if ((coverage)); then
            src/checkpoint/exchange/import.cpp src/checkpoint/load/load.cpp
            src/checkpoint/load/verify.cpp src/checkpoint/dcp/items.cpp
            src/checkpoint/storage/files.cpp src/checkpoint/formats/json_text.h
-           src/checkpoint/formats/tensor_formats.h)
+           src/checkpoint/formats/tensor_formats.h src/checkpoint/save/node_local.cpp
+           src/checkpoint/exchange/export.cpp tools/ckpt_commands.cpp)
   llvm-cov-16 report "${objects[@]:1}" -instr-profile="$cov/prof/all.profdata" "${readers[@]}"
   exit 0
 fi
@@ -97,8 +99,8 @@ dict_of() {
   case "$1" in
     pickle|dcp_metadata) echo pickle ;;
     torch_archive|load_pt) echo torch ;;
-    checkpoint) echo checkpoint ;;
-    manifest|safetensors) echo json ;;
+    checkpoint|checkpoint_files|assemble|fsdp_ckpt) echo checkpoint ;;
+    manifest|safetensors|safetensors_files) echo json ;;
   esac
 }
 mkdir -p "$build/findings" "$build/dict"
@@ -118,11 +120,18 @@ for t in "${targets[@]}"; do
   mkdir -p "$work"
   limit=(-max_total_time="$seconds")
   [ -z "$runs" ] || limit=(-runs="$runs")
+  # Inputs up to 1 MiB: without it libFuzzer stops at the largest seed (4 KiB to 64 KiB), and the
+  # hostile class that needs length, nesting hundreds of thousands deep, stays out of reach.
+  # libFuzzer's -len_control still starts short and lengthens inputs as coverage stalls.
+  limit+=(-max_len=1048576)
+  # The kept findings and the hostile files of the tests (tests/fuzz/regressions/) seed it too.
+  seeds=("tests/fuzz/corpus/$t")
+  [ ! -d "tests/fuzz/regressions/$t" ] || seeds+=("tests/fuzz/regressions/$t")
   log="$build/findings/$t.log"
   set +e
   "$build/tests/fuzz/fuzz_$t" "${limit[@]}" -timeout=1 -malloc_limit_mb=1024 -rss_limit_mb=2048 \
     -dict="$build/dict/$(dict_of "$t").dict" -artifact_prefix="$build/findings/$t-" \
-    -print_final_stats=1 -close_fd_mask=1 "$work" "tests/fuzz/corpus/$t" > "$log" 2>&1
+    -print_final_stats=1 -close_fd_mask=1 "$work" "${seeds[@]}" > "$log" 2>&1
   rc=$?
   set -e
   execs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$' || echo 0)

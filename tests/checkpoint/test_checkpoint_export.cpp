@@ -17,6 +17,8 @@
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/errors.h"
+#include "fuzz/targets.h"
+#include "fuzz_regressions.h"
 #include "memory_watch.h"
 #include "multi_rank.h"
 #include "python_ref.h"
@@ -358,6 +360,7 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
         {"bytes after the last tensor", floats_at({{0, 4}}, 8), "bytes no tensor covers"},
     };
     for (const Case& c : st_cases) {
+      fsdp::testing::keep_as_fuzz_regression("safetensors", c.name, c.bytes);
       write_bytes(tmp.file("bad.safetensors"), c.bytes);
       std::string err;
       int64_t peak = 0;
@@ -379,6 +382,10 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
           std::string("..\\\\st\\\\model.safetensors"), std::string(".."), std::string("."),
           std::string(""), std::string("model.safetensors\\u0000x")}) {
       write_bytes(idx, "{\"metadata\": {}, \"weight_map\": {\"w\": \"" + f + "\"}}");
+      fsdp::testing::keep_as_fuzz_regression("safetensors_files", "index naming " + f,
+                                             "st/model.safetensors.index.json\n" + read_bytes(idx) +
+                                                 fsdp::fuzz::kFileSeparator +
+                                                 "st/model.safetensors\n" + st);
       const std::string err = error_of([&] { ckpt::load_safetensors(tmp.file("idx")); });
       EXPECT_NE(err.find("not a file beside the index"), std::string::npos) << f << ": " << err;
       EXPECT_NE(err.find("model.safetensors.index.json"), std::string::npos) << f << ": " << err;
@@ -446,7 +453,10 @@ TEST_F(CheckpointExport, HostileFilesAreErrors) {
         {far, "its directory lies outside the file"},
         {deep, "holds a list, not a dict"},
     };
+    int pt_case = 0;
     for (const auto& [bytes, expected] : pt_cases) {
+      fsdp::testing::keep_as_fuzz_regression(
+          "load_pt", "case" + std::to_string(pt_case++) + " " + expected, bytes);
       write_bytes(tmp.file("bad.pt"), bytes);
       const std::string err = error_of([&] { ckpt::load_pt(tmp.file("bad.pt")); });
       EXPECT_NE(err.find(expected), std::string::npos) << err;

@@ -21,6 +21,8 @@
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/errors.h"
+#include "fuzz/targets.h"
+#include "fuzz_regressions.h"
 #include "memory_watch.h"
 #include "multi_rank.h"
 #include "state_dict_testing.h"
@@ -434,6 +436,9 @@ TEST(CheckpointSafety, HostileFilesAreRejectedBeforeLargeAllocations) {
       const std::string dir = tmp.file("h" + std::to_string(n++));
       copy_dir(good, dir);
       h.damage(dir);
+      fsdp::testing::keep_as_fuzz_regression(
+          "checkpoint_files", h.name,
+          fsdp::testing::pack_named_files(dir, "ckpt/", fsdp::fuzz::kFileSeparator));
       StateDict t = blank(StateValue(sample())).dict();
       std::string err;
       int64_t peak = 0;

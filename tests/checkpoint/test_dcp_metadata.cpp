@@ -11,6 +11,7 @@
 
 #include "checkpoint/dcp/metadata.h"
 #include "checkpoint/formats/pickle.h"
+#include "fuzz_regressions.h"
 #include "multi_rank.h"
 #include "python_ref.h"
 
@@ -244,6 +245,8 @@ TEST(DcpMetadata, HostileFilesAreRejected) {
        "negative offset or length"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
+    fsdp::testing::keep_as_fuzz_regression(
+        "dcp_metadata", "case" + std::to_string(i) + " " + cases[i].second, cases[i].first);
     try {
       dcp::parse_metadata(cases[i].first, "case " + std::to_string(i));
       ADD_FAILURE() << "case " << i << " was accepted";

@@ -12,7 +12,9 @@ To remake them (they are committed; this is only needed when a format changes):
     python3 tests/fuzz/make_seeds.py --in /tmp/seeds --in build-trixie/py-seeds \\
         --out tests/fuzz/corpus
 
-Only the standard library is used here. Each seed is named after where it came from.
+Only the standard library is used here. Each seed is named after where it came from. With
+--targets (e.g. --targets checkpoint_files,assemble) only those targets' seeds are remade, so that
+adding a target leaves the others' committed seeds as they are.
 """
 import argparse
 import json
@@ -24,6 +26,8 @@ import zipfile
 SEPARATOR = b"\n#FSDP-FUZZ-FILE#\n"  # tests/fuzz/targets.h, kFileSeparator
 MANIFEST = ".fsdp_manifest.json"
 MAX_SEED = 64 << 10
+TARGETS = ("pickle", "dcp_metadata", "torch_archive", "manifest", "safetensors", "load_pt",
+           "checkpoint", "checkpoint_files", "safetensors_files", "assemble", "fsdp_ckpt")
 
 
 def zip_items(data):
@@ -48,12 +52,29 @@ def data_pkl(archive_bytes, path):
     raise ValueError(f"{path}: no data.pkl")
 
 
+def named(files):
+    """The named-files framing of the directory targets (tests/fuzz/targets.h): {path: bytes}
+    as parts "<path>\n<bytes>" joined by the separator, in path order."""
+    return SEPARATOR.join(p.encode() + b"\n" + files[p] for p in sorted(files))
+
+
+def files_under(d, prefix):
+    """Every file under directory d, as {prefix + relative path: bytes}."""
+    out = {}
+    for dirpath, _, names in os.walk(d):
+        for n in names:
+            full = os.path.join(dirpath, n)
+            out[prefix + os.path.relpath(full, d)] = read(full)
+    return out
+
+
 class Corpus:
-    def __init__(self, out):
+    def __init__(self, out, only=None):
         self.out = out
+        self.only = only  # the targets to write (None: all)
 
     def add(self, target, name, data):
-        if len(data) > MAX_SEED:
+        if len(data) > MAX_SEED or (self.only is not None and target not in self.only):
             return
         d = os.path.join(self.out, target)
         os.makedirs(d, exist_ok=True)
@@ -93,30 +114,45 @@ def add_dcp(corpus, tag, d):
         for i, item in enumerate(zip_items(read(os.path.join(d, f)))):
             corpus.add("torch_archive", f"{tag}_{f}_item{i}", item)
             corpus.add("pickle", f"{tag}_{f}_item{i}_data.pkl", data_pkl(item, f))
-    if data_files:
+    if len(data_files) == 1:  # the checkpoint target's framing holds one data file
         parts = [meta, read(os.path.join(d, data_files[0]))]
         if os.path.exists(manifest):
             parts.append(read(manifest))
         corpus.add("checkpoint", tag, SEPARATOR.join(parts))
+    corpus.add("checkpoint_files", tag, named(files_under(d, "ckpt/")))
+    corpus.add("fsdp_ckpt", tag, named(files_under(d, "a/")))
+
+
+def add_safetensors_dir(corpus, tag, d):
+    corpus.add("safetensors_files", tag, named(files_under(d, "st/")))
+    corpus.add("fsdp_ckpt", tag, named(files_under(d, "a/")))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--in", dest="inputs", action="append", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--targets", default=None,
+                    help="comma-separated targets to remake (default: all); the others' seeds "
+                    "stay as they are")
     args = ap.parse_args()
-    for t in ("pickle", "dcp_metadata", "torch_archive", "manifest", "safetensors", "load_pt",
-              "checkpoint"):
-        shutil.rmtree(os.path.join(args.out, t), ignore_errors=True)
-    corpus = Corpus(args.out)
+    only = set(args.targets.split(",")) if args.targets else None
+    for t in TARGETS:
+        if only is None or t in only:
+            shutil.rmtree(os.path.join(args.out, t), ignore_errors=True)
+    corpus = Corpus(args.out, only)
     for root in args.inputs:
         for name in sorted(os.listdir(root)):
             path = os.path.join(root, name)
             tag = os.path.splitext(name)[0]
             if os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata")):
                 add_dcp(corpus, tag, path)
+            elif os.path.isdir(path) and name.endswith("_nl"):
+                # A node-local save: one directory per host, each holding its part of step_N.
+                corpus.add("assemble", tag, named(files_under(path, "")))
             elif name.endswith(".pt"):
                 data = read(path)
+                corpus.add("fsdp_ckpt", name, named({name: data}))
                 corpus.add("load_pt", name, data)
                 corpus.add("torch_archive", name, data)
                 corpus.add("pickle", f"{tag}_data.pkl", data_pkl(data, path))
@@ -129,6 +165,7 @@ def main():
                 for f in sorted(os.listdir(path)):
                     if f.endswith(".safetensors"):
                         corpus.add("safetensors", f"{tag}_{f}", read(os.path.join(path, f)))
+                add_safetensors_dir(corpus, tag, path)
     for t in sorted(os.listdir(args.out)):
         n = len(os.listdir(os.path.join(args.out, t)))
         print(f"{t}: {n} seeds")

@@ -4,11 +4,13 @@
 Run where PyTorch >= 2 and safetensors are installed (the trixie chroot of scripts/torch2-env.sh):
     python3 tests/fuzz/python_seeds.py OUT_DIR
 It writes OUT_DIR/py_dcp/ (torch.distributed.checkpoint.save of a small state dict),
-OUT_DIR/py.pt and py_nested.pt (torch.save), OUT_DIR/py.safetensors (safetensors.torch), and
+OUT_DIR/py.pt and py_nested.pt (torch.save), OUT_DIR/py.safetensors (safetensors.torch),
+OUT_DIR/py_st_sharded/ (two safetensors files and the index transformers writes), and
 OUT_DIR/pickles/*.pkl (pickle.dumps of plain structures at protocols 2 to 5). Every file is one
 fsdp-cpp reads whole (string keys, integers within 64 bits): a seed must not start on an error.
 """
 import collections
+import json
 import os
 import pickle
 import sys
@@ -36,6 +38,20 @@ def main(out):
     torch.save(nested, os.path.join(out, "py_nested.pt"))
     save_file({k: v for k, v in tensors.items()}, os.path.join(out, "py.safetensors"),
               metadata={"format": "pt"})
+    # Sharded as transformers' save_pretrained(max_shard_size=...) lays it out: two files and
+    # model.safetensors.index.json mapping each tensor to its file.
+    sharded = os.path.join(out, "py_st_sharded")
+    os.makedirs(sharded, exist_ok=True)
+    names, weight_map, total = sorted(tensors), {}, 0
+    for i, part in enumerate((names[:2], names[2:])):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(sharded, fname),
+                  metadata={"format": "pt"})
+        for k in part:
+            weight_map[k] = fname
+            total += tensors[k].numel() * tensors[k].element_size()
+    with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: saving without one"
         dcp.save({"model": dict(tensors), "step": 3}, checkpoint_id=os.path.join(out, "py_dcp"))

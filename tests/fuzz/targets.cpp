@@ -1,14 +1,10 @@
-// The fuzz targets (see targets.h). Each reads from memory: the file-based readers get a
-// read-only in-memory file system (MemFS) through the FileIO every reader accepts, so a run
-// touches no disk and a campaign reaches thousands of executions a second.
+// The fuzz targets (see targets.h). Each reads from memory: the file-based readers get an
+// in-memory file system (mem_fs.h) through the FileIO every reader accepts, so a run touches no
+// disk and a campaign reaches thousands of executions a second.
 #include "targets.h"
 
-#include <fcntl.h>
-
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <set>
 #include <string>
 #include <string_view>
@@ -19,6 +15,7 @@
 #include "checkpoint/dcp/reader.h"
 #include "checkpoint/formats/pickle.h"
 #include "checkpoint/formats/torch_archive.h"
+#include "dir_targets.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/checkpoint/file_io.h"
@@ -26,93 +23,23 @@
 
 namespace fsdp {
 namespace fuzz {
-namespace {
 
-namespace ck = fsdp::checkpoint;
-
-// A read-only file system of whole files held in memory. Writes fail with EROFS: no reader may
-// write, and one that tried would be a finding of its own (its error says so).
-class MemFS : public ck::FileIO {
- public:
-  void add(const std::string& path, std::string bytes) { files_[path] = std::move(bytes); }
-
-  int open(const std::string& path, int flags, int) override {
-    if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_CREAT)) return fail(EROFS);
-    auto it = files_.find(path);
-    if (it == files_.end()) return fail(is_dir(path) == 1 ? EISDIR : ENOENT);
-    open_.push_back(&it->second);
-    return static_cast<int>(open_.size()) + 2;  // past stdin/stdout/stderr, never negative
-  }
-  int64_t write(int, const void*, size_t) override { return fail(EBADF); }
-  int64_t pread(int fd, void* data, size_t n, int64_t offset) override {
-    const std::string* f = file(fd);
-    if (!f || offset < 0) return fail(EINVAL);
-    if (static_cast<uint64_t>(offset) >= f->size()) return 0;
-    const size_t k = std::min(n, f->size() - static_cast<size_t>(offset));
-    std::memcpy(data, f->data() + offset, k);
-    return static_cast<int64_t>(k);
-  }
-  int fsync(int fd) override { return file(fd) ? 0 : fail(EBADF); }
-  int close(int fd) override {
-    if (!file(fd)) return fail(EBADF);
-    open_[static_cast<size_t>(fd - 3)] = nullptr;
-    return 0;
-  }
-  int64_t file_size(const std::string& path) override {
-    auto it = files_.find(path);
-    return it == files_.end() ? fail(ENOENT) : static_cast<int64_t>(it->second.size());
-  }
-  int is_dir(const std::string& path) override {
-    const std::string prefix = path + "/";
-    auto it = files_.lower_bound(prefix);
-    return it != files_.end() && it->first.compare(0, prefix.size(), prefix) == 0 ? 1 : 0;
-  }
-  int mkdir(const std::string&, int) override { return fail(EROFS); }
-  int rename(const std::string&, const std::string&) override { return fail(EROFS); }
-  int exchange(const std::string&, const std::string&) override { return fail(EROFS); }
-  int remove(const std::string&) override { return fail(EROFS); }
-  int list_dir(const std::string& path, std::vector<std::string>& names) override {
-    if (is_dir(path) != 1) return fail(ENOENT);
-    names.clear();
-    const std::string prefix = path + "/";
-    for (auto it = files_.lower_bound(prefix);
-         it != files_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
-      const std::string rest = it->first.substr(prefix.size());
-      const std::string name = rest.substr(0, rest.find('/'));
-      if (names.empty() || names.back() != name) names.push_back(name);
-    }
-    return 0;
-  }
-
- private:
-  static int fail(int err) {
-    errno = err;
-    return -1;
-  }
-  const std::string* file(int fd) const {
-    const size_t i = static_cast<size_t>(fd - 3);
-    return fd >= 3 && i < open_.size() ? open_[i] : nullptr;
-  }
-  std::map<std::string, std::string> files_;
-  std::vector<const std::string*> open_;
-};
-
-std::string bytes_of(const uint8_t* data, size_t size) {
-  return std::string(reinterpret_cast<const char*>(data), size);
-}
-
-// A broken invariant that no input may break (a round trip that changes what was read): abort,
-// which both libFuzzer and the replay test report as a finding, with the reason.
-[[noreturn]] void finding(const char* target, const std::string& what) {
+void finding(const char* target, const std::string& what) {
   std::fprintf(stderr, "fuzz target %s: %s\n", target, what.c_str());
   std::abort();
 }
 
-// A reader refused the input, as it should refuse anything malformed. With FSDP_FUZZ_VERBOSE
-// set, says why (to see where a seed or a finding stops).
 bool refused(const Error& e) {
   if (std::getenv("FSDP_FUZZ_VERBOSE")) std::fprintf(stderr, "refused: %s\n", e.what());
   return false;
+}
+
+namespace {
+
+namespace ck = fsdp::checkpoint;
+
+std::string bytes_of(const uint8_t* data, size_t size) {
+  return std::string(reinterpret_cast<const char*>(data), size);
 }
 
 // The globals of every reader together: torch.save's and DCP `.metadata`'s.
@@ -296,6 +223,19 @@ const std::vector<Target>& targets() {
       {"safetensors", "load_safetensors on one file", run_safetensors},
       {"load_pt", "load_pt on one file", run_load_pt},
       {"checkpoint", "a checkpoint directory through verify, inspect and load", run_checkpoint},
+      {"checkpoint_files",
+       "a checkpoint of named files (several data files): verify, inspect, a full load and a load "
+       "into pieces, which must agree",
+       run_checkpoint_files},
+      {"safetensors_files",
+       "a safetensors directory (shards and model.safetensors.index.json), read, written and read "
+       "back",
+       run_safetensors_files},
+      {"assemble", "a node-local save's host directories assembled into one, which must load",
+       run_assemble},
+      {"fsdp_ckpt",
+       "fsdp-ckpt's commands: inspect, verify, diff against itself, exports that must agree",
+       run_fsdp_ckpt},
   };
   return all;
 }

@@ -39,9 +39,12 @@ const std::vector<Target>& targets();
 /// The target called `name`, or null.
 const Target* find_target(const std::string& name);
 
-/// The framing of the whole-checkpoint target's input: parts separated by this marker are the
-/// files `.metadata`, `__0_0.distcp` and `.fsdp_manifest.json`, in that order (a missing part is
-/// a missing file). scripts/fuzz_seeds.py packs real checkpoints into it.
+/// The framing of inputs that hold several files, parts separated by this marker. The
+/// `checkpoint` target's parts are the files `.metadata`, `__0_0.distcp` and
+/// `.fsdp_manifest.json`, in that order (a missing part is a missing file). The targets of
+/// dir_targets.h take named files instead: each part is "<relative path>\n<bytes>", so that an
+/// input may hold any number of files in any directories. tests/fuzz/make_seeds.py packs real
+/// checkpoints and exports into both.
 inline constexpr const char* kFileSeparator = "\n#FSDP-FUZZ-FILE#\n";
 
 }  // namespace fuzz

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <csignal>
 #include <cstdlib>
 #include <exception>
@@ -34,6 +35,7 @@
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/state_value.h"
 #include "fuzz/targets.h"
+#include "multi_rank.h"
 
 namespace {
 
@@ -168,6 +170,44 @@ TEST(FuzzReplay, HarnessReportsCrashesHangsAndForeignExceptions) {
   EXPECT_EQ(fsdp::fuzz::find_target("no such target"), nullptr);
 }
 
+// The directory targets refuse a seed that lost one of its files: their acceptance of the seeds
+// above is the readers' doing, not a target that accepts anything.
+std::string without_file(const std::string& input, const std::string& path) {
+  const std::string sep = fsdp::fuzz::kFileSeparator;
+  std::string out;
+  size_t at = 0, dropped = 0;
+  while (at <= input.size()) {
+    const size_t end = std::min(input.find(sep, at), input.size());
+    const std::string part = input.substr(at, end - at);
+    if (part.compare(0, path.size() + 1, path + "\n") == 0) {
+      ++dropped;
+    } else {
+      out += (out.empty() ? "" : sep) + part;
+    }
+    at = end + sep.size();
+  }
+  EXPECT_EQ(dropped, 1u) << path;
+  return out;
+}
+
+TEST(FuzzReplay, DirectoryTargetsRefuseASeedWithoutOneOfItsFiles) {
+  const std::vector<std::array<std::string, 3>> cases = {
+      {"checkpoint_files", "ours_dcp_w2", "ckpt/__1_0.distcp"},
+      {"safetensors_files", "ours_st_sharded", "st/model-00002-of-00002.safetensors"},
+      {"assemble", "ours_nl", "host1/__1_0.distcp"},
+      {"fsdp_ckpt", "ours_dcp", "a/__0_0.distcp"},
+  };
+  for (const auto& [target, seed, path] : cases) {
+    const auto* t = fsdp::fuzz::find_target(target);
+    ASSERT_NE(t, nullptr) << target;
+    const std::string whole = read_all(kFuzzDir / "corpus" / target / seed);
+    EXPECT_EQ(run_isolated(t->run, whole, kSecondsPerInput).outcome, Outcome::ACCEPTED) << seed;
+    EXPECT_EQ(run_isolated(t->run, without_file(whole, path), kSecondsPerInput).outcome,
+              Outcome::REFUSED)
+        << target << " accepted " << seed << " without " << path;
+  }
+}
+
 // Not a test: writes the files of ours that seed the corpora (tests/fuzz/make_seeds.py explains
 // the whole procedure). Run with --gtest_also_run_disabled_tests and FSDP_FUZZ_SEEDS_OUT=DIR.
 TEST(FuzzSeeds, DISABLED_WriteOurFiles) {
@@ -194,6 +234,23 @@ TEST(FuzzSeeds, DISABLED_WriteOurFiles) {
   plain.insert_or_assign("scale", at::scalar_tensor(2.5, at::kDouble));
   ckpt::save_pt(plain, std::string(out) + "/ours.pt", ckpt::ExportOptions().prefix(""));
   ckpt::save_safetensors(plain, std::string(out) + "/ours_st", ckpt::ExportOptions().prefix(""));
+  // Sharded: three files and model.safetensors.index.json (the safetensors_files target).
+  ckpt::save_safetensors(plain, std::string(out) + "/ours_st_sharded",
+                         ckpt::ExportOptions().prefix("").max_shard_bytes(16));
+  // Two ranks: a checkpoint with two data files (checkpoint_files), and a node-local save whose
+  // two hosts each hold one (assemble).
+  const auto results = fsdp::testing::run_ranks(2, [&](fsdp::dist::ProcessGroup& pg) {
+    fsdp::StateDict m;
+    m.insert_or_assign("w", fsdp::chunk_sharded(full, pg.rank(), 2));
+    m.insert_or_assign("b", at::tensor({0.5, -1.0}).to(at::kBFloat16));
+    fsdp::StateDict two;
+    two.insert_or_assign("model", m);
+    two.insert_or_assign("step", fsdp::StateValue(int64_t{3}));
+    ckpt::save(two, std::string(out) + "/ours_dcp_w2", ckpt::SaveOptions().group(&pg));
+    ckpt::save(two, std::string(out) + "/ours_nl/host" + std::to_string(pg.rank()),
+               ckpt::SaveOptions().group(&pg).node_local(true));
+  });
+  for (const auto& r : results) ASSERT_TRUE(r.ok) << "rank " << r.rank << ": " << r.message;
 }
 
 }  // namespace
