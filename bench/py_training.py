@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -164,6 +165,23 @@ def seconds_per_step(case, iters, world, device, kind, optim, phases=None):
     return elapsed / iters
 
 
+def init_group(backend):
+    """The default group from the launcher's variables. Under fsdp-run (as under torchrun) the
+    launcher hosts the store and says so with TORCHELASTIC_USE_AGENT_STORE; PyTorch 2.x then
+    connects with a libuv client whatever USE_LIBUV says, which Debian's PyTorch (built without
+    libuv) refuses. So the client is made here, honouring USE_LIBUV where PyTorch has the choice."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    kw = {}
+    if "use_libuv" in (dist.TCPStore.__init__.__doc__ or ""):
+        kw["use_libuv"] = os.environ.get("USE_LIBUV", "1") == "1"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), False, timedelta(seconds=300), **kw)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
@@ -191,7 +209,7 @@ def main():
         os.environ.setdefault("NCCL_HOSTID", "py-bench-rank-" + os.environ["RANK"])
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend)
+    init_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     cases = args.cases.split(",") + [
         f"DDP bucket={mb}MB" for mb in args.ddp_buckets_mb.split(",") if mb]
