@@ -47,7 +47,8 @@ build=build-asan
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
 export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
 fuzz_targets=(fuzz_pickle fuzz_dcp_metadata fuzz_torch_archive fuzz_manifest fuzz_safetensors
-              fuzz_load_pt fuzz_checkpoint)
+              fuzz_load_pt fuzz_checkpoint fuzz_checkpoint_files fuzz_safetensors_files
+              fuzz_assemble fuzz_fsdp_ckpt)
 cmake --build "$build" -j "${JOBS:-2}" --target "${targets[@]}" "${fuzz_targets[@]}"
 ((build_only == 0)) || exit 0
 
