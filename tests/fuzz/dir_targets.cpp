@@ -65,12 +65,11 @@ std::string compare_tensors(const StateDict& a, const StateDict& b) {
   return "";
 }
 
-// The load's direct read of an item into its target normally starts at 256 KiB, which no fuzz
-// input reaches: from 0, both ways of reading an item see hostile bytes.
-void direct_reads_from_zero() {
-  static const bool done = (ck::dcp::set_direct_read_min_bytes(0), true);
-  (void)done;
-}
+// The part of a tensor of n elements that pieces_of gives a template: elements [n/3, n/3 + n/2).
+struct PieceRange {
+  int64_t start, count;
+  explicit PieceRange(int64_t n) : start(n / 3), count(n / 2) {}
+};
 
 // A template of pieces for `full`'s tensors, as a model sharded over several ranks holds them:
 // elements [n/3, n/3 + n/2) of each tensor's flattening (an uneven range, cut mid-row, so the
@@ -83,14 +82,32 @@ StateDict pieces_of(const StateDict& full) {
       continue;
     }
     const at::Tensor& t = v.tensor();
-    const int64_t n = t.numel(), start = n / 3, count = n / 2;
+    const PieceRange r(t.numel());
     out.insert_or_assign(
-        k, sharded_from_flat_range(t.sizes().vec(), start, at::empty({count}, t.options()), 1));
+        k, sharded_from_flat_range(t.sizes().vec(), r.start, at::empty({r.count}, t.options()), 1));
   }
   return out;
 }
 
 }  // namespace
+
+void direct_reads_from_zero() {
+  static const bool done = (ck::dcp::set_direct_read_min_bytes(0), true);
+  (void)done;
+}
+
+bool verified_checkpoint(const std::string& dir, MemFS& fs) {
+  try {
+    const ck::VerifyReport report = ck::verify(dir, &fs);
+    const bool ok = report.ok() || (!report.has_manifest && report.problems.size() == 1);
+    if (!ok && std::getenv("FSDP_FUZZ_VERBOSE")) {
+      for (const auto& p : report.problems) std::fprintf(stderr, "verify: %s\n", p.c_str());
+    }
+    return ok;
+  } catch (const Error& e) {
+    return refused(e);
+  }
+}
 
 int add_named_files(MemFS& fs, const std::string& root, const uint8_t* data, size_t size) {
   const std::string_view in(reinterpret_cast<const char*>(data), size);
@@ -121,14 +138,7 @@ bool run_checkpoint_files(const uint8_t* data, size_t size) {
   MemFS fs;
   add_named_files(fs, "/fuzz/", data, size);
   const std::string dir = "/fuzz/ckpt";
-  bool verified = false;
-  try {
-    const ck::VerifyReport report = ck::verify(dir, &fs);
-    // Python's checkpoints have no manifest, which verify reports as its one problem.
-    verified = report.ok() || (!report.has_manifest && report.problems.size() == 1);
-  } catch (const Error& e) {
-    refused(e);
-  }
+  const bool verified = verified_checkpoint(dir, fs);
   StateDict full;
   try {
     full = ck::full_template(ck::inspect(dir, &fs));
@@ -148,9 +158,10 @@ bool run_checkpoint_files(const uint8_t* data, size_t size) {
   for (const auto& [k, v] : full) {
     if (!v.is_tensor()) continue;
     const at::Tensor& t = v.tensor();
-    const int64_t n = t.numel(), start = n / 3, count = n / 2;
-    const at::Tensor got = pieces.at(k).sharded_tensor().flat_range(start, count, "'" + k + "'");
-    if (!same_bits(got, t.reshape({-1}).narrow(0, start, count))) {
+    const PieceRange r(t.numel());
+    const at::Tensor got =
+        pieces.at(k).sharded_tensor().flat_range(r.start, r.count, "'" + k + "'");
+    if (!same_bits(got, t.reshape({-1}).narrow(0, r.start, r.count))) {
       finding("checkpoint_files", "'" + k + "' loaded into pieces differs from the full load");
     }
   }
@@ -214,17 +225,15 @@ bool run_fsdp_ckpt(const uint8_t* data, size_t size) {
   std::ostringstream out, err;
   const fsdp_ckpt::Output o{out, err, false};
   bool read_whole = false;
-  for (auto* command : {+[](const std::string&p, ck::FileIO&io, const fsdp_ckpt::Output&o) {
-                          return fsdp_ckpt::inspect(p, io, o);
-                        },
-                        +[](const std::string&p, ck::FileIO&io, const fsdp_ckpt::Output&o) {
-                          return fsdp_ckpt::verify(p, io, o);
-                        }}) {
-    try {
-      command(a, fs, o);
-    } catch (const Error& e) {
-      refused(e);
-    }
+  try {
+    fsdp_ckpt::inspect(a, fs, o);
+  } catch (const Error& e) {
+    refused(e);
+  }
+  try {
+    fsdp_ckpt::verify(a, fs, o);
+  } catch (const Error& e) {
+    refused(e);
   }
   try {
     if (fsdp_ckpt::diff(a, a, 0, 0, "", "", fs, o) != 0) {

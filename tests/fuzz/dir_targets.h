@@ -20,6 +20,14 @@ bool refused(const Error& e);
 /// readers that disagree): aborts, which both libFuzzer and the replay test report as a finding.
 [[noreturn]] void finding(const char* target, const std::string& what);
 
+/// Lowers the load's direct read of an item into its target (normally from 256 KiB, which no fuzz
+/// input reaches) to 0, once per process: both ways of reading an item then see hostile bytes.
+void direct_reads_from_zero();
+
+/// Verifies the checkpoint in `dir`: true if it passes, or if its one problem is a missing
+/// manifest (Python's checkpoints have none). A verify that throws is a refusal: false.
+bool verified_checkpoint(const std::string& dir, MemFS& fs);
+
 /// Puts the files of a named-files input (targets.h, kFileSeparator: "<path>\n<bytes>" parts)
 /// into `fs` under `root` (which ends in '/'). A part whose path is empty, absolute, longer than
 /// 200 bytes, or holds an empty, "." or ".." component or a control character is skipped; so is

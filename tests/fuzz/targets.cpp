@@ -179,8 +179,7 @@ bool run_load_pt(const uint8_t* data, size_t size) {
 // the buffer, so both readers of an item see hostile bytes.
 bool run_checkpoint(const uint8_t* data, size_t size) {
   static const char* const kNames[] = {".metadata", "__0_0.distcp", ck::manifest::kFileName};
-  static const bool direct_reads_from_zero = (ck::dcp::set_direct_read_min_bytes(0), true);
-  (void)direct_reads_from_zero;
+  direct_reads_from_zero();
   const std::string_view in(reinterpret_cast<const char*>(data), size);
   const std::string_view sep(kFileSeparator);
   MemFS fs;
@@ -191,17 +190,7 @@ bool run_checkpoint(const uint8_t* data, size_t size) {
     fs.add(std::string("/fuzz/ckpt/") + name, std::string(in.substr(at, end - at)));
     at = end + sep.size();
   }
-  bool verified = false;
-  try {
-    const ck::VerifyReport report = ck::verify("/fuzz/ckpt", &fs);
-    // Python's checkpoints have no manifest, which verify reports as its one problem.
-    verified = report.ok() || (!report.has_manifest && report.problems.size() == 1);
-    if (!verified && std::getenv("FSDP_FUZZ_VERBOSE")) {
-      for (const auto& p : report.problems) std::fprintf(stderr, "verify: %s\n", p.c_str());
-    }
-  } catch (const Error& e) {
-    refused(e);
-  }
+  const bool verified = verified_checkpoint("/fuzz/ckpt", fs);
   try {
     StateDict sd = ck::full_template(ck::inspect("/fuzz/ckpt", &fs));
     ck::load(sd, "/fuzz/ckpt", ck::LoadOptions().io(&fs));
