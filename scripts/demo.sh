@@ -12,13 +12,26 @@
 #   STEPS1     steps of stage 1 (default 600), STEPS2 last step of stage 2 (default 800)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Only what the demo runs is built (the tests and benchmarks are scripts/test.sh's business), and
-# the Python checks' packages come in the same apt-get run as the build's: Debian's python3-torch
-# (the logits check; the host's LibTorch already brings most of it) and python3-matplotlib (the
-# loss curve).
+# Only what the demo runs is built (the tests and benchmarks are scripts/test.sh's business), in a
+# unity build (CMakeLists.txt) and without debug information unless the build directory exists
+# already: a fresh build is most of what a newcomer waits for. The Python checks' packages,
+# Debian's python3-torch (the logits check; the host's LibTorch already brings most of it) and
+# python3-matplotlib (the loss curve), are installed while the library compiles: the build's own
+# packages first, then the Python ones in the background (dpkg takes one apt-get at a time), the
+# build needing none of them.
+./scripts/setup.sh --packages-only
+py_log=$(mktemp /tmp/fsdp-demo-packages.XXXXXX)
+FSDP_EXTRA_PACKAGES="python3-torch python3-matplotlib ${FSDP_EXTRA_PACKAGES:-}" \
+  ./scripts/setup.sh --packages-only > "$py_log" 2>&1 &
+py_packages=$!
 FSDP_BUILD_TARGETS="fsdp-run fsdp-ckpt fsdp-train" \
-  FSDP_EXTRA_PACKAGES="python3-torch python3-matplotlib ${FSDP_EXTRA_PACKAGES:-}" \
-  "$(dirname "$0")/setup.sh"
+  FSDP_RELWITHDEBINFO_FLAGS="${FSDP_RELWITHDEBINFO_FLAGS:--O2 -g0 -DNDEBUG}" ./scripts/setup.sh
+if ! wait "$py_packages"; then
+  cat "$py_log" >&2
+  echo "demo: installing the Python checks' packages failed (above)" >&2
+  exit 1
+fi
+rm -f "$py_log"
 BUILD=$(cd "${BUILD_DIR:-build}" && pwd)
 RUN="$BUILD/fsdp-run"
 TRAIN="$BUILD/examples/fsdp-train"

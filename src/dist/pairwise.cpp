@@ -128,17 +128,18 @@ void sum_then_divide(const at::Tensor& acc, const std::vector<at::Tensor>& srcs,
   }
 }
 
-namespace {
-
-using fsdp::detail::msg;
-using fsdp::detail::rank;
-
 // What every point-to-point collective's state has: the state is shared by its finish, so that a
-// failure can keep it alive for good (see keep_alive_for_good()).
+// failure can keep it alive for good (see keep_alive_for_good()). Outside the anonymous namespace:
+// Exchange, declared in state.h, derives from it.
 struct PointToPoint : PointToPointCall {
   explicit PointToPoint(PointToPointCall call) : PointToPointCall(std::move(call)) {}
   std::vector<std::pair<compat::WorkPtr, int>> sends;  // (send, peer)
 };
+
+namespace {
+
+using fsdp::detail::msg;
+using fsdp::detail::rank;
 
 // The reduce-scatter's state.
 struct Pairwise : PointToPoint {

@@ -30,7 +30,7 @@ namespace {
 using detail::msg;
 using detail::quote;
 
-constexpr const char* kWhat = "checkpoint export";
+constexpr const char* kExportWhat = "checkpoint export";
 
 struct Entry {
   std::string name;  // as exported
@@ -57,7 +57,8 @@ Entry entry(const std::string& key, const std::string& prefix, at::ScalarType dt
 }
 
 void no_tensors(const std::string& where, const std::string& prefix) {
-  throw ValueError(msg(kWhat, ": ", where, " has no tensor under the prefix ", quote(prefix)));
+  throw ValueError(
+      msg(kExportWhat, ": ", where, " has no tensor under the prefix ", quote(prefix)));
 }
 
 // The prefix an export uses when its options give none. "model." for the {"model": ...,
@@ -89,7 +90,8 @@ Source from_checkpoint(const CheckpointReader& reader, const std::optional<std::
   const std::map<std::string, int64_t> stored = dcp::stored_bytes(reader.metadata());
   for (const Entry& e : src.entries) {
     auto it = stored.find(e.key);
-    dcp::check_claim(kWhat, reader.dir(), e.key, e.nbytes, it == stored.end() ? 0 : it->second);
+    dcp::check_claim(kExportWhat, reader.dir(), e.key, e.nbytes,
+                     it == stored.end() ? 0 : it->second);
   }
   // Every tensor is read into the same memory, as large as the largest, and through the same read
   // buffer: each is written out before the next is fetched, so the export faults in its memory
@@ -127,7 +129,7 @@ Source from_state_dict(const StateDict& state_dict, const std::optional<std::str
     if (!(prefix.empty() || under(it.key, prefix))) continue;
     if (it.value->is_sharded_tensor())
       throw ValueError(
-          msg(kWhat, ": ", quote(it.key),
+          msg(kExportWhat, ": ", quote(it.key),
               " is a ShardedTensor; export a FULL state dict, or save a checkpoint and "
               "export that"));
     if (!it.value->is_tensor()) continue;
@@ -145,14 +147,14 @@ Source from_state_dict(const StateDict& state_dict, const std::optional<std::str
 at::Tensor fetch_checked(const Source& src, const Entry& e) {
   at::Tensor t = src.fetch(e).contiguous();
   if (t.scalar_type() != e.dtype || t.sizes().vec() != e.shape)
-    throw StateError(msg(kWhat, ": ", quote(e.key), " changed while it was exported"));
+    throw StateError(msg(kExportWhat, ": ", quote(e.key), " changed while it was exported"));
   return t;
 }
 
 void commit_file(FileIO& io, const std::string& tmp, const std::string& path) {
   if (io.rename(tmp, path) != 0) {
     const int err = errno;  // before the message allocates
-    files::io_error(kWhat, "renaming", msg(tmp, " to ", path), err);
+    files::io_error(kExportWhat, "renaming", msg(tmp, " to ", path), err);
   }
 }
 
@@ -173,7 +175,7 @@ std::vector<std::string> write_safetensors(const Source& src, const std::string&
     in_group += e.nbytes;
     total += e.nbytes;
   }
-  files::make_dirs(io, out_dir, kWhat);
+  files::make_dirs(io, out_dir, kExportWhat);
   std::vector<std::string> written;
   nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -198,7 +200,7 @@ std::vector<std::string> write_safetensors(const Source& src, const std::string&
     std::string h = header.dump();
     h.append((8 - h.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
     const std::string path = files::join(out_dir, name);
-    files::OutFile out(io, path + ".tmp", kWhat);
+    files::OutFile out(io, path + ".tmp", kExportWhat);
     char len[8];
     for (int k = 0; k < 8; ++k) len[k] = static_cast<char>((h.size() >> (8 * k)) & 0xff);
     out.append(len, 8);
@@ -215,11 +217,11 @@ std::vector<std::string> write_safetensors(const Source& src, const std::string&
     const nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}},
                                           {"weight_map", weight_map}};
     const std::string path = files::join(out_dir, "model.safetensors.index.json");
-    files::write_file(io, path + ".tmp", index.dump(2) + "\n", kWhat);
+    files::write_file(io, path + ".tmp", index.dump(2) + "\n", kExportWhat);
     commit_file(io, path + ".tmp", path);
     written.push_back(path);
   }
-  files::sync_dir(io, out_dir, kWhat);
+  files::sync_dir(io, out_dir, kExportWhat);
   return written;
 }
 
@@ -228,10 +230,10 @@ void write_pt(const Source& src, const std::string& out_file, const ExportOption
   using pickle::NodePtr;
   FileIO& io = o.io() ? *o.io() : default_file_io();
   const std::string parent = files::parent_of(out_file);
-  files::make_dirs(io, parent, kWhat);
+  files::make_dirs(io, parent, kExportWhat);
   const std::string tmp = out_file + ".tmp";
   {
-    files::OutFile out(io, tmp, kWhat);
+    files::OutFile out(io, tmp, kExportWhat);
     archive::ArchiveWriter zip([&out](const char* data, size_t n) { out.append(data, n); });
     std::vector<std::pair<NodePtr, NodePtr>> entries;
     for (size_t i = 0; i < src.entries.size(); ++i) {
@@ -249,7 +251,7 @@ void write_pt(const Source& src, const std::string& out_file, const ExportOption
     out.finish();
   }
   commit_file(io, tmp, out_file);
-  files::sync_dir(io, parent, kWhat);
+  files::sync_dir(io, parent, kExportWhat);
 }
 
 }  // namespace
@@ -258,7 +260,7 @@ std::vector<std::string> export_safetensors(const std::string& checkpoint_dir,
                                             const std::string& out_dir,
                                             const ExportOptions& options) {
   FileIO& io = options.io() ? *options.io() : default_file_io();
-  const CheckpointReader reader(io, checkpoint_dir, /*verify=*/true, kWhat);
+  const CheckpointReader reader(io, checkpoint_dir, /*verify=*/true, kExportWhat);
   return write_safetensors(from_checkpoint(reader, options.prefix()), out_dir, options);
 }
 
@@ -270,7 +272,7 @@ std::vector<std::string> save_safetensors(const StateDict& state_dict, const std
 void export_pt(const std::string& checkpoint_dir, const std::string& out_file,
                const ExportOptions& options) {
   FileIO& io = options.io() ? *options.io() : default_file_io();
-  const CheckpointReader reader(io, checkpoint_dir, /*verify=*/true, kWhat);
+  const CheckpointReader reader(io, checkpoint_dir, /*verify=*/true, kExportWhat);
   write_pt(from_checkpoint(reader, options.prefix()), out_file, options);
 }
 

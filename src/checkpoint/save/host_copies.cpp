@@ -24,7 +24,7 @@ namespace checkpoint {
 namespace host_copies {
 namespace {
 
-constexpr const char* kWhat = "checkpoint save";
+constexpr const char* kCopiesWhat = "checkpoint save";
 
 // The piece of a file of `size` bytes that round `round` carries: [begin, begin + length).
 struct Piece {
@@ -39,13 +39,13 @@ Piece piece(int64_t size, int64_t round, int64_t round_bytes) {
 std::string hash_file(FileIO& io, const std::string& path, int64_t size, int64_t piece_bytes) {
   const int64_t on_disk = io.file_size(path);
   if (on_disk != size)
-    throw CorruptionError(
-        detail::msg(kWhat, ": the copy ", path, " has ", on_disk, " bytes instead of ", size));
+    throw CorruptionError(detail::msg(kCopiesWhat, ": the copy ", path, " has ", on_disk,
+                                      " bytes instead of ", size));
   files::Xxh3Stream hash;
   std::vector<char> buf(static_cast<size_t>(std::min(size, piece_bytes)));
   for (int64_t at = 0; at < size; at += piece_bytes) {
     const int64_t n = std::min(piece_bytes, size - at);
-    files::pread_all(io, path, at, n, buf.data(), kWhat);
+    files::pread_all(io, path, at, n, buf.data(), kCopiesWhat);
     hash.update(buf.data(), static_cast<size_t>(n));
   }
   return hash.hex();
@@ -137,7 +137,7 @@ class Copier {
   bool prepare() {
     attempt([&] {
       for (size_t s = 0; s < senders_.size(); ++s)
-        outs_[s] = std::make_unique<files::OutFile>(io_, path_of(senders_[s]), kWhat);
+        outs_[s] = std::make_unique<files::OutFile>(io_, path_of(senders_[s]), kCopiesWhat);
       send_ = at::zeros({piece_bytes_ * static_cast<int64_t>(receivers_.size())}, at::kByte);
       recv_ = at::empty({piece_bytes_ * static_cast<int64_t>(senders_.size())}, at::kByte);
     });
@@ -163,7 +163,7 @@ class Copier {
     const auto n = static_cast<size_t>(out.length);
     if (n > 0) {
       attempt([&] {
-        files::pread_all(io_, path_of(me_), out.begin, out.length, bytes, kWhat);
+        files::pread_all(io_, path_of(me_), out.begin, out.length, bytes, kCopiesWhat);
         sent_.update(bytes, n);
       });
       for (size_t i = 1; i < receivers_.size(); ++i) std::memcpy(bytes + i * n, bytes, n);
@@ -190,9 +190,9 @@ class Copier {
         const std::string& theirs = hashes[static_cast<size_t>(r)];
         if (theirs.empty()) continue;  // the sender failed, and reports that itself
         if (theirs != hash_file(io_, path_of(r), size_of(r), piece_bytes_))
-          throw CorruptionError(detail::msg(kWhat, ": the copy of ", files_[static_cast<size_t>(r)],
-                                            " received from ", detail::rank(r),
-                                            " differs from what it sent"));
+          throw CorruptionError(detail::msg(kCopiesWhat, ": the copy of ",
+                                            files_[static_cast<size_t>(r)], " received from ",
+                                            detail::rank(r), " differs from what it sent"));
       }
     });
   }

@@ -37,6 +37,7 @@
 #include "dist/agreement.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/errors.h"
+#include "fsdp_version.h"  // generated: FSDP_VERSION_STRING
 #include "util/message.h"
 
 namespace fsdp {

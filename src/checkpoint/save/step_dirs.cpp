@@ -24,9 +24,7 @@ namespace fsdp {
 namespace checkpoint {
 namespace {
 
-constexpr const char* kWhat = "checkpoint save";
-using protocol::aside_of;
-using protocol::restore_aside;
+constexpr const char* kStepsWhat = "checkpoint save";
 
 bool parse_step(const std::string& name, int64_t& step) {
   if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18) return false;
@@ -81,9 +79,9 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
             n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0 &&
             parse_step(n.substr(1, n.size() - 1 - suffix.size()), s)) {
           if (suffix == ".aside")
-            restore_aside(io, step_dir(root, s));
+            protocol::restore_aside(io, step_dir(root, s));
           else
-            files::remove_tree(io, files::join(root, n), kWhat);
+            files::remove_tree(io, files::join(root, n), kStepsWhat);
           break;
         }
       }
@@ -91,12 +89,12 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
   };
   auto point_latest = [&] {
     const std::string tmp = files::join(root, ".latest.tmp");
-    files::write_file(io, tmp, "step_" + std::to_string(step) + "\n", kWhat);
+    files::write_file(io, tmp, "step_" + std::to_string(step) + "\n", kStepsWhat);
     if (io.rename(tmp, files::join(root, "latest")) != 0) {
       const int err = errno;  // before the message allocates
-      files::io_error(kWhat, "renaming", tmp, err);
+      files::io_error(kStepsWhat, "renaming", tmp, err);
     }
-    files::sync_dir(io, root, kWhat);
+    files::sync_dir(io, root, kStepsWhat);
     if (options.keep_last() <= 0) return;
     std::vector<int64_t> steps = list_steps(root, &io);
     const auto keep = static_cast<size_t>(options.keep_last());
@@ -118,8 +116,8 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
     // The renames reach the disk before any unlink inside them: else a power cut could keep an
     // unlink and lose the rename, and a half-removed step would be listed again (crash points,
     // tests/faults/test_crash_points.cpp).
-    files::sync_dir(io, root, kWhat);
-    files::remove_tree_in_background(io, dropped, kWhat);
+    files::sync_dir(io, root, kStepsWhat);
+    files::remove_tree_in_background(io, dropped, kStepsWhat);
   };
   protocol::save_impl(state_dict, dir, options, clean_stale, point_latest);
   return dir;
@@ -137,7 +135,8 @@ std::optional<std::string> latest_checkpoint(const std::string& root_in, FileIO*
       const std::string dir = files::join(root, name);
       if (io.file_size(files::join(dir, ".metadata")) >= 0) return dir;
       // A save replacing this step without an atomic swap died between its two renames.
-      if (io.file_size(files::join(aside_of(dir), ".metadata")) >= 0) return aside_of(dir);
+      if (io.file_size(files::join(protocol::aside_of(dir), ".metadata")) >= 0)
+        return protocol::aside_of(dir);
     }
     TORCH_WARN("fsdp checkpoint: ", pointer, " names '", name,
                "', which is not a committed checkpoint; taking the newest step instead");
@@ -192,8 +191,8 @@ std::optional<std::string> agreed_latest_checkpoint(const std::string& root_in,
   if (!common || common->empty()) return std::nullopt;
   const std::string dir = step_dir(root, *common->rbegin());
   if (io.file_size(files::join(dir, ".metadata")) < 0 &&
-      io.file_size(files::join(aside_of(dir), ".metadata")) >= 0)
-    return aside_of(dir);
+      io.file_size(files::join(protocol::aside_of(dir), ".metadata")) >= 0)
+    return protocol::aside_of(dir);
   return dir;
 }
 
