@@ -24,7 +24,6 @@ namespace fsdp {
 namespace checkpoint {
 namespace {
 
-constexpr const char* kLoadWhat = "checkpoint load";
 constexpr int64_t kMaxMetadata = int64_t{64} << 20;  // the pickle reader's limit
 
 using dcp::Region;
@@ -396,7 +395,7 @@ void load(StateDict& state_dict, const std::string& dir, const LoadOptions& opti
     read_once::load(state_dict, dir, io, options.verify(), *options.group());
     return;
   }
-  const CheckpointReader reader(io, dir, options.verify(), kLoadWhat);
+  const CheckpointReader reader(io, dir, options.verify(), read_once::kWhat);
   if (!reader.manifest())
     TORCH_WARN("fsdp checkpoint: ", reader.dir(), " has no ", manifest::kFileName,
                " (written by PyTorch?): its items are checked only by their zip CRC-32s");

@@ -39,8 +39,6 @@ namespace checkpoint {
 namespace read_once {
 namespace {
 
-constexpr const char* kReadOnceWhat = "checkpoint load";
-
 using detail::msg;
 using detail::quote;
 
@@ -89,15 +87,14 @@ CheckpointReader::Files shared_files(FileIO& io, const std::string& dir, dist::P
   const std::vector<std::string> has = g.all_gather_bytes(io.file_size(meta_path) >= 0 ? "1" : "0");
   const auto first = std::find(has.begin(), has.end(), "1");
   if (first == has.end()) {
-    (void)CheckpointReader::read_files(io, dir, kReadOnceWhat);  // throws the local load's error
-    throw ValueError(
-        msg(kReadOnceWhat, ": ", meta_path, " does not exist"));  // it appeared meanwhile
+    (void)CheckpointReader::read_files(io, dir, kWhat);  // throws the local load's error
+    throw ValueError(msg(kWhat, ": ", meta_path, " does not exist"));  // it appeared meanwhile
   }
   const int src = static_cast<int>(first - has.begin());
   dist::Verdict mine;
   if (g.rank() == src) {
     mine = dist::Verdict::of([&] {
-      const CheckpointReader::Files f = CheckpointReader::read_files(io, dir, kReadOnceWhat);
+      const CheckpointReader::Files f = CheckpointReader::read_files(io, dir, kWhat);
       return msg(f.metadata.size(), " ", f.manifest ? 1 : 0, " ") + f.metadata +
              f.manifest.value_or("");
     });
@@ -110,7 +107,7 @@ CheckpointReader::Files shared_files(FileIO& io, const std::string& dir, dist::P
   int used = 0;
   if (std::sscanf(got.c_str(), "%zu %d %n", &meta_len, &has_mf, &used) != 2 ||
       static_cast<size_t>(used) + meta_len > got.size())
-    throw InternalError(msg(kReadOnceWhat, ": a malformed metadata message from rank ", src));
+    throw InternalError(msg(kWhat, ": a malformed metadata message from rank ", src));
   const size_t at = static_cast<size_t>(used);
   CheckpointReader::Files f;
   f.metadata = got.substr(at, meta_len);
@@ -182,7 +179,7 @@ Assignment assign(const CheckpointReader& reader, const Plan& plan, FileIO& io,
   const int world = g.size();
   for (const auto& m : all)
     if (m.size() != need_at + (n + 7) / 8)
-      throw InternalError(msg(kReadOnceWhat, ": ranks disagree on the checkpoint's items"));
+      throw InternalError(msg(kWhat, ": ranks disagree on the checkpoint's items"));
   a.needers.resize(n);
   a.reader.assign(n, -1);
   std::vector<int64_t> load(static_cast<size_t>(world), 0);
@@ -202,7 +199,7 @@ Assignment assign(const CheckpointReader& reader, const Plan& plan, FileIO& io,
     int r = least([&](int q) { return std::binary_search(needers.begin(), needers.end(), q); });
     if (r < 0) r = least([](int) { return true; });
     if (r < 0)
-      throw ValueError(msg(kReadOnceWhat, ": no rank can read ", quote(file_names[file_of[i]]),
+      throw ValueError(msg(kWhat, ": no rank can read ", quote(file_names[file_of[i]]),
                            " (holding ", quote(a.keys[i]), ", needed by rank ", needers.front(),
                            "): it is missing, or shorter than the ", file_end[file_of[i]],
                            " bytes its items reach, in every rank's checkpoint directory (rank ",
@@ -313,9 +310,9 @@ void exchange_round(const CheckpointReader& reader, Plan& plan,
 void load(StateDict& state_dict, const std::string& dir, FileIO& io, bool verify,
           dist::ProcessGroup& g, int64_t round_bytes) {
   if (round_bytes <= 0)
-    throw ValueError(msg(kReadOnceWhat, ": round_bytes must be positive, not ", round_bytes));
+    throw ValueError(msg(kWhat, ": round_bytes must be positive, not ", round_bytes));
   // The same bytes on every rank: parsing fails alike everywhere, with no exchange needed.
-  const CheckpointReader reader(io, dir, shared_files(io, dir, g), verify, kReadOnceWhat);
+  const CheckpointReader reader(io, dir, shared_files(io, dir, g), verify, kWhat);
   if (!reader.manifest() && g.rank() == 0)
     TORCH_WARN("fsdp checkpoint: ", reader.dir(), " has no ", manifest::kFileName,
                " (written by PyTorch?): its items are checked only by their zip CRC-32s");
@@ -351,7 +348,7 @@ void load(StateDict& state_dict, const std::string& dir, FileIO& io, bool verify
 
 std::vector<std::string> unreadable_files(const std::string& dir, FileIO& io,
                                           dist::ProcessGroup& g) {
-  const CheckpointReader reader(io, dir, shared_files(io, dir, g), false, kReadOnceWhat);
+  const CheckpointReader reader(io, dir, shared_files(io, dir, g), false, kWhat);
   const DataFiles df = data_files(reader.metadata());
   const std::vector<std::string> all = g.all_gather_bytes(bitset(readable(df, io, dir)));
   std::vector<std::string> missing;

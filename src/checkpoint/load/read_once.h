@@ -15,6 +15,9 @@ namespace fsdp {
 namespace checkpoint {
 namespace read_once {
 
+/// What load's errors name as their subject, with a group (read_once.cpp) or without (load.cpp).
+inline constexpr const char* kWhat = "checkpoint load";
+
 /// What one rank sends or receives in one round of the exchange, at most (an item larger than
 /// this travels in a round of its own).
 constexpr int64_t kRoundBytes = int64_t{64} << 20;

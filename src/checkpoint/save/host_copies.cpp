@@ -6,6 +6,7 @@
 // knows every size (the save's write reports), so each round's splits are computed alike on all
 // ranks and nothing else needs to be exchanged until the checksums at the end.
 #include "checkpoint/save/host_copies.h"
+#include "checkpoint/save/save_run.h"
 
 #include <ATen/ATen.h>
 
@@ -24,8 +25,6 @@ namespace checkpoint {
 namespace host_copies {
 namespace {
 
-constexpr const char* kCopiesWhat = "checkpoint save";
-
 // The piece of a file of `size` bytes that round `round` carries: [begin, begin + length).
 struct Piece {
   int64_t begin = 0, length = 0;
@@ -39,13 +38,13 @@ Piece piece(int64_t size, int64_t round, int64_t round_bytes) {
 std::string hash_file(FileIO& io, const std::string& path, int64_t size, int64_t piece_bytes) {
   const int64_t on_disk = io.file_size(path);
   if (on_disk != size)
-    throw CorruptionError(detail::msg(kCopiesWhat, ": the copy ", path, " has ", on_disk,
+    throw CorruptionError(detail::msg(save_run::kWhat, ": the copy ", path, " has ", on_disk,
                                       " bytes instead of ", size));
   files::Xxh3Stream hash;
   std::vector<char> buf(static_cast<size_t>(std::min(size, piece_bytes)));
   for (int64_t at = 0; at < size; at += piece_bytes) {
     const int64_t n = std::min(piece_bytes, size - at);
-    files::pread_all(io, path, at, n, buf.data(), kCopiesWhat);
+    files::pread_all(io, path, at, n, buf.data(), save_run::kWhat);
     hash.update(buf.data(), static_cast<size_t>(n));
   }
   return hash.hex();
@@ -137,7 +136,7 @@ class Copier {
   bool prepare() {
     attempt([&] {
       for (size_t s = 0; s < senders_.size(); ++s)
-        outs_[s] = std::make_unique<files::OutFile>(io_, path_of(senders_[s]), kCopiesWhat);
+        outs_[s] = std::make_unique<files::OutFile>(io_, path_of(senders_[s]), save_run::kWhat);
       send_ = at::zeros({piece_bytes_ * static_cast<int64_t>(receivers_.size())}, at::kByte);
       recv_ = at::empty({piece_bytes_ * static_cast<int64_t>(senders_.size())}, at::kByte);
     });
@@ -163,7 +162,7 @@ class Copier {
     const auto n = static_cast<size_t>(out.length);
     if (n > 0) {
       attempt([&] {
-        files::pread_all(io_, path_of(me_), out.begin, out.length, bytes, kCopiesWhat);
+        files::pread_all(io_, path_of(me_), out.begin, out.length, bytes, save_run::kWhat);
         sent_.update(bytes, n);
       });
       for (size_t i = 1; i < receivers_.size(); ++i) std::memcpy(bytes + i * n, bytes, n);
@@ -190,7 +189,7 @@ class Copier {
         const std::string& theirs = hashes[static_cast<size_t>(r)];
         if (theirs.empty()) continue;  // the sender failed, and reports that itself
         if (theirs != hash_file(io_, path_of(r), size_of(r), piece_bytes_))
-          throw CorruptionError(detail::msg(kCopiesWhat, ": the copy of ",
+          throw CorruptionError(detail::msg(save_run::kWhat, ": the copy of ",
                                             files_[static_cast<size_t>(r)], " received from ",
                                             detail::rank(r), " differs from what it sent"));
       }

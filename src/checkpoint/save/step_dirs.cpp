@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checkpoint/save/protocol.h"
+#include "checkpoint/save/save_run.h"
 #include "checkpoint/storage/files.h"
 #include "dist/agreement.h"
 #include "fsdp/checkpoint/checkpoint.h"
@@ -23,8 +24,6 @@
 namespace fsdp {
 namespace checkpoint {
 namespace {
-
-constexpr const char* kStepsWhat = "checkpoint save";
 
 bool parse_step(const std::string& name, int64_t& step) {
   if (name.size() <= 5 || name.compare(0, 5, "step_") != 0 || name.size() > 5 + 18) return false;
@@ -81,7 +80,7 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
           if (suffix == ".aside")
             protocol::restore_aside(io, step_dir(root, s));
           else
-            files::remove_tree(io, files::join(root, n), kStepsWhat);
+            files::remove_tree(io, files::join(root, n), save_run::kWhat);
           break;
         }
       }
@@ -89,12 +88,12 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
   };
   auto point_latest = [&] {
     const std::string tmp = files::join(root, ".latest.tmp");
-    files::write_file(io, tmp, "step_" + std::to_string(step) + "\n", kStepsWhat);
+    files::write_file(io, tmp, "step_" + std::to_string(step) + "\n", save_run::kWhat);
     if (io.rename(tmp, files::join(root, "latest")) != 0) {
       const int err = errno;  // before the message allocates
-      files::io_error(kStepsWhat, "renaming", tmp, err);
+      files::io_error(save_run::kWhat, "renaming", tmp, err);
     }
-    files::sync_dir(io, root, kStepsWhat);
+    files::sync_dir(io, root, save_run::kWhat);
     if (options.keep_last() <= 0) return;
     std::vector<int64_t> steps = list_steps(root, &io);
     const auto keep = static_cast<size_t>(options.keep_last());
@@ -116,8 +115,8 @@ std::string save_step(const StateDict& state_dict, const std::string& root_in, i
     // The renames reach the disk before any unlink inside them: else a power cut could keep an
     // unlink and lose the rename, and a half-removed step would be listed again (crash points,
     // tests/faults/test_crash_points.cpp).
-    files::sync_dir(io, root, kStepsWhat);
-    files::remove_tree_in_background(io, dropped, kStepsWhat);
+    files::sync_dir(io, root, save_run::kWhat);
+    files::remove_tree_in_background(io, dropped, save_run::kWhat);
   };
   protocol::save_impl(state_dict, dir, options, clean_stale, point_latest);
   return dir;
