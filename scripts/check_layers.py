@@ -53,6 +53,8 @@ PUBLIC = {
     "fully_sharded.h": "runtime",
     "deferred_init.h": "runtime",  # wrap_deferred: a model no rank holds whole
     "detail/forward.h": "runtime",  # fsdp::forward's machinery (templates), not an API
+    "activation_checkpointing.h": "runtime",  # checkpointed calls, aware of FSDP units
+    "detail/activation_checkpointing.h": "runtime",  # its templates, not an API
     "detail/deferred_init.h": "runtime",  # what wrap_deferred hands the library, not an API
     "state_value.h": "state_dict",  # the value model: StateDict, StateValue, ShardedTensor
     "state_dict.h": "state_dict",  # its deprecated name

@@ -22,6 +22,8 @@
 //  kAdamHasDecoupledWeightDecay.
 //  * The key type of torch::optim's per-parameter state map (std::string of the TensorImpl address
 //    in 1.13, void* since about 2.2).
+//  * Autocast's state per device type (at::autocast's per-device functions from 2.4; the CPU- and
+//    CUDA-named ones before): `compat::autocast_enabled` and friends.
 //  * The handle to an autograd node (std::shared_ptr<Node> up to 2.6, c10::intrusive_ptr<Node> in
 //    2.14): `compat::AutogradNodePtr`, taken from grad_accumulator's own return type.
 //
@@ -34,6 +36,7 @@
 #include <string>
 #include <utility>
 
+#include <ATen/autocast_mode.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -95,6 +98,36 @@ inline bool native_reduce_scatter_honours(const std::string& backend_name, c10d:
 using AutogradNodePtr =
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
+/// Autocast's switch and dtype for CPU or CUDA (what activation checkpointing restores before it
+/// recomputes). The per-device-type functions came with 2.4 by PyTorch's history (2.6 verified);
+/// before, one function per device (1.13 verified).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+inline bool autocast_enabled(c10::DeviceType d) { return at::autocast::is_autocast_enabled(d); }
+inline void set_autocast_enabled(c10::DeviceType d, bool on) {
+  at::autocast::set_autocast_enabled(d, on);
+}
+inline at::ScalarType autocast_dtype(c10::DeviceType d) {
+  return at::autocast::get_autocast_dtype(d);
+}
+inline void set_autocast_dtype(c10::DeviceType d, at::ScalarType t) {
+  at::autocast::set_autocast_dtype(d, t);
+}
+#else
+inline bool autocast_enabled(c10::DeviceType d) {
+  return d == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+}
+inline void set_autocast_enabled(c10::DeviceType d, bool on) {
+  d == c10::DeviceType::CPU ? at::autocast::set_cpu_enabled(on) : at::autocast::set_enabled(on);
+}
+inline at::ScalarType autocast_dtype(c10::DeviceType d) {
+  return d == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                   : at::autocast::get_autocast_gpu_dtype();
+}
+inline void set_autocast_dtype(c10::DeviceType d, at::ScalarType t) {
+  d == c10::DeviceType::CPU ? at::autocast::set_autocast_cpu_dtype(t)
+                            : at::autocast::set_autocast_gpu_dtype(t);
+}
+#endif
 /// PyTorch's Adam and AdamW param groups carry "decoupled_weight_decay" since 2.7 (absent in 2.6,
 /// present in 2.14). Optimizer state dicts export the group keys of the PyTorch that matches the
 /// LibTorch they are built against.

@@ -32,6 +32,7 @@
 // Docs: README.md, docs/concepts.md (the terms), docs/layers.md (how the sources are organised).
 #pragma once
 
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/checkpoint/async_save.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"

@@ -10,8 +10,9 @@
 //     x = fsdp::forward(block, x);          // instead of block->forward(x) or block(x)
 // fsdp::forward calls the module's own forward; around it, it unshards and reshards when the
 // module is a unit of a wrapped model, and does nothing else otherwise, so the same model code runs
-// unchanged in a single process. Children of a wrapped torch::nn::Sequential are driven this way
-// automatically. docs/fully_sharded.md has a worked example.
+// unchanged in a single process. A module marked by apply_activation_checkpointing runs
+// checkpointed (fsdp/activation_checkpointing.h). Children of a wrapped torch::nn::Sequential are
+// driven this way automatically. docs/fully_sharded.md has a worked example.
 //
 // Thread safety: a wrapped model is used by one thread at a time, like any LibTorch module. All
 // ranks of the process group must run the same forward/backward sequence.
@@ -30,6 +31,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/detail/forward.h"
 #include "fsdp/dist.h"
 #include "fsdp/flat_param.h"
@@ -48,7 +50,7 @@ auto forward(M& module, Args&&... args) {
   } else {
     detail::ForwardScope scope(detail::raw(module));
     if (scope.active()) (detail::track_input(scope, args), ...);
-    auto out = module->forward(std::forward<Args>(args)...);
+    auto out = detail::run_forward(module, std::forward<Args>(args)...);
     if (scope.active()) {
       detail::track(scope, out);
       scope.post_forward();

@@ -99,6 +99,11 @@ ForwardScope::ForwardScope(const torch::nn::Module* m) : unit_(find_unit(m)) {
     unit_.reset();
     return;
   }
+  if (recomputing() && s->in_backward) {
+    recompute_ = true;
+    s->pre_recompute(unit_->index);
+    return;
+  }
   s->pre_forward(unit_->index);
 }
 
@@ -116,7 +121,7 @@ ForwardScope::~ForwardScope() {
 }
 
 void ForwardScope::track_output(const at::Tensor& t) {
-  if (!unit_ || !t.defined() || !t.requires_grad()) return;
+  if (!unit_ || recompute_ || !t.defined() || !t.requires_grad()) return;
   std::weak_ptr<FsdpState> weak = unit_->state;
   const int idx = unit_->index;
   t.register_hook([weak, idx](const at::Tensor&) {
@@ -132,6 +137,7 @@ void ForwardScope::track_input(const at::Tensor& t) {
 void ForwardScope::post_forward() {
   if (!unit_ || done_) return;
   done_ = true;
+  if (recompute_) return;  // its backward comes next: post-backward reshards
   if (auto s = unit_->state.lock()) s->post_forward(unit_->index);
 }
 
@@ -140,7 +146,15 @@ at::Tensor forward_sequential(torch::nn::Sequential& seq, const at::Tensor& inpu
   for (auto& any : *seq) {
     ForwardScope scope(any.ptr().get());
     scope.track_input(x);
-    x = any.forward(x);
+    const CheckpointOptions* mark = checkpoint_mark(any.ptr().get());
+    if (mark != nullptr && torch::GradMode::is_enabled()) {
+      CheckpointFunction fn = [any](const std::vector<at::Tensor>& in) mutable {
+        return std::vector<at::Tensor>{any.forward(in.at(0))};
+      };
+      x = checkpoint_function(fn, {x}, any.ptr()->parameters(), *mark).at(0);
+    } else {
+      x = any.forward(x);
+    }
     scope.track_output(x);
     scope.post_forward();
   }
@@ -276,6 +290,18 @@ void FsdpState::prefetch(int idx) {
 
 // ---------------------------------------------------------------------------------------------
 // Backward
+
+void FsdpState::pre_recompute(int idx) {
+  // A unit run inside a checkpointed region: its forward ran without gradients, so it was
+  // resharded with no hooks; now, in backward, its forward runs again just before its backward.
+  // One unshard serves both (backward's, as its pre-backward hook would have made it), and the
+  // parameters' gradient hooks are registered as a forward would.
+  Unit& u = *units[idx];
+  pre_backward(idx);
+  if (!u.handle) return;
+  u.handle->unshard();
+  hook_grad_accumulators(u);
+}
 
 void FsdpState::pre_backward(int idx) {
   Unit& u = *units[idx];

@@ -11,6 +11,7 @@
 #include <map>
 #include <unordered_set>
 
+#include "fsdp/activation_checkpointing.h"
 #include "fsdp/fully_sharded.h"
 
 namespace fsdp {
@@ -97,6 +98,8 @@ class FsdpState : public std::enable_shared_from_this<FsdpState> {
   void pre_forward(int u);
   void post_forward(int u);
   void pre_backward(int u);
+  /// A unit reached while a checkpointed forward is recomputed in backward.
+  void pre_recompute(int u);
   void on_grad_ready(int u);
   void track_input(int u, const at::Tensor& t);
   void on_input_grad(int u);

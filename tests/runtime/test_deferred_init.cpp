@@ -188,7 +188,9 @@ TEST_P(DeferredInit, SyncModuleStatesGivesEveryRankRankZerosModel) {
           make, with(zoo_options(c.strategy, c.orig), c, W).sync_module_states(true));
       EXPECT_EQ(difference(eager, synced), "");
       auto own = fsdp::wrap_deferred(make, with(zoo_options(c.strategy, c.orig), c, W));
-      if (rank != 0) EXPECT_NE(difference(eager, own), "");
+      if (rank != 0) {
+        EXPECT_NE(difference(eager, own), "");
+      }
     }
   });
 }

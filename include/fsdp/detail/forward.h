@@ -36,6 +36,9 @@ class ForwardScope {
  private:
   std::shared_ptr<UnitRef> unit_;
   bool done_ = false;
+  // Constructed while a checkpointed forward is recomputed in backward: the unit is unsharded
+  // for its backward and stays so (no reshard, no output hooks).
+  bool recompute_ = false;
 };
 
 inline void track(ForwardScope& s, const at::Tensor& t) { s.track_output(t); }
