@@ -105,6 +105,25 @@ TEST(FsdpTrain, LossesAgreeAcrossWorldSizesUnderEveryStrategy) {
 #endif
 }
 
+// --activation-checkpointing full recomputes every block in backward and trains the very weights
+// of a run without it (the model has no dropout; the recomputation repeats the same arithmetic);
+// the log says which ran. Negative control: a different seed's weights differ.
+TEST(FsdpTrain, ActivationCheckpointingTrainsTheSameWeights) {
+  TempDir dir;
+  const std::string common = "--steps 3 --log-every 1 --global-batch 4 ";
+  const std::string plain = train(2, dir.path(), common + "--export plain.pt");
+  const std::string full =
+      train(2, dir.path(), common + "--activation-checkpointing full --export full.pt");
+  EXPECT_EQ(count_lines_with(plain, "| ac none |"), 3) << plain;
+  EXPECT_EQ(count_lines_with(full, "| ac full |"), 3) << full;
+  EXPECT_EQ(max_diff(dir.file("plain.pt"), dir.file("full.pt")), 0.0);
+  train(2, dir.path(), common + "--activation-checkpointing full --seed 8 --export other.pt");
+  EXPECT_GT(max_diff(dir.file("plain.pt"), dir.file("other.pt")), 0.0);
+  const auto bad = run_shell(std::string(FSDP_TRAIN_BIN) + " --activation-checkpointing some");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("--activation-checkpointing"), std::string::npos) << bad.out;
+}
+
 // The default --init deferred builds no whole model on any rank (fsdp::wrap_deferred) and starts
 // from the very weights --init eager does, at W=2 and W=3; start-up reports the parameter count
 // (the tiny preset's, the defaults) beside each rank's peak memory. Negative control: another
