@@ -333,9 +333,11 @@ def fsdp_worker(data_dir, out_root, cases):
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, init, batches = load_data(data_dir)
     for case in cases:
-        strategy, orig = case.split(":")
+        strategy, orig, *ac = case.split(":")
         orig = orig == "1"
-        out_dir = os.path.join(out_root, f"W{world}_{strategy}_{'orig' if orig else 'flat'}")
+        ac = ac == ["ac"]
+        out_dir = os.path.join(out_root, f"W{world}_{strategy}_{'orig' if orig else 'flat'}"
+                               + ("_ac" if ac else ""))
         os.makedirs(out_dir, exist_ok=True)
         model = TinyLM()
         load_init(model, init)
@@ -345,6 +347,14 @@ def fsdp_worker(data_dir, out_root, cases):
         fsdp = FSDP(model, auto_wrap_policy=policy,
                     sharding_strategy=getattr(ShardingStrategy, strategy),
                     use_orig_params=orig, device_id=torch.device("cpu"))
+        if ac:
+            # What a Python FSDP user writes: every Block recomputed in backward (issue 64).
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+            apply_activation_checkpointing(
+                fsdp, checkpoint_wrapper_fn=functools.partial(
+                    checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+                check_fn=lambda m: isinstance(m, Block))
         opt = make_adam(fsdp.parameters(), cfg)
         for k in range(cfg["steps"]):
             opt.zero_grad()
@@ -402,7 +412,7 @@ def finished_marker(out_root, world, rank):
 
 
 if __name__ == "__main__":
-    # python3 fsdp_oracle.py worker DATA_DIR OUT_ROOT STRATEGY:ORIG ...   (env RANK, WORLD_SIZE,
+    # python3 fsdp_oracle.py worker DATA_DIR OUT_ROOT STRATEGY:ORIG[:ac] ...   (env RANK, WORLD_SIZE,
     # MASTER_ADDR, MASTER_PORT)
     if len(sys.argv) >= 4 and sys.argv[1] == "worker":
         fsdp_worker(sys.argv[2], sys.argv[3], sys.argv[4:])

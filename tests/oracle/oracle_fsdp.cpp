@@ -4,11 +4,12 @@
 //
 //   oracle_fsdp --data DIR --out ROOT [--fault drop-grad-rank1|grad-sum|padding] CASE...
 //
-// For each CASE, STRATEGY:ORIG (e.g. FULL_SHARD:1 = FULL_SHARD with use_orig_params), it builds
+// For each CASE, STRATEGY:ORIG[:ac] (e.g. FULL_SHARD:1 = FULL_SHARD with use_orig_params; ":ac"
+// checkpoints every Block's activations, as Python's apply_activation_checkpointing), it builds
 // fsdp::testing::TinyLM, loads the initial weights from DIR/init.safetensors, wraps it (units:
 // `frozen` and every Block, the root holding tok/head/scale), trains with torch::optim::Adam over
 // the de-duplicated parameters on this rank's rows of each global batch in
-// DIR/batches.safetensors, and writes ROOT/W<W>_<STRATEGY>_<orig|flat>/ in the format
+// DIR/batches.safetensors, and writes ROOT/W<W>_<STRATEGY>_<orig|flat>[_ac]/ in the format
 // tests/oracle/fsdp_oracle.py documents: full.safetensors (rank 0), sharded_r<r>.{json,
 // safetensors}, local_r<r>.{json,safetensors}, layout_r<r>.json.
 //
@@ -312,12 +313,16 @@ std::string describe_layouts(FullyShardedDataParallel& model, bool fault_padding
 void run_case(const std::string& spec, const Args& args, const Config& cfg, const st::File& init,
               const st::File& batches, fsdp::dist::ProcessGroup& pg) {
   const auto colon = spec.find(':');
-  if (colon == std::string::npos) usage("case must be STRATEGY:0|1, got " + spec);
+  if (colon == std::string::npos) usage("case must be STRATEGY:0|1[:ac], got " + spec);
   const ShardingStrategy strategy = strategy_from(spec.substr(0, colon));
-  const bool orig = spec.substr(colon + 1) == "1";
+  const std::string rest = spec.substr(colon + 1);
+  const bool orig = rest.substr(0, 1) == "1";
+  const bool ac = rest.size() > 1;
+  if (ac && rest.substr(1) != ":ac") usage("case must be STRATEGY:0|1[:ac], got " + spec);
   const int rank = pg.rank(), world = pg.size();
   const std::string dir = args.out + "/W" + std::to_string(world) + "_" +
-                          fsdp::to_string(strategy) + (orig ? "_orig" : "_flat");
+                          fsdp::to_string(strategy) + (orig ? "_orig" : "_flat") +
+                          (ac ? "_ac" : "");
   make_dirs(dir);
 
   TinyLM m(0);
@@ -328,6 +333,7 @@ void run_case(const std::string& spec, const Args& args, const Config& cfg, cons
              .units({m->frozen.ptr()})
              .sharding_strategy(strategy)
              .use_orig_params(orig));
+  if (ac) fsdp::apply_activation_checkpointing(model, fsdp::checkpoint_module_types<BlockImpl>());
   torch::optim::Adam opt(
       fsdp::testing::unique_params(model->parameters()),
       torch::optim::AdamOptions(cfg.lr).betas(std::make_tuple(cfg.beta1, cfg.beta2)).eps(cfg.eps));

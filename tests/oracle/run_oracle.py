@@ -28,12 +28,16 @@ import torch  # noqa: E402
 import compare  # noqa: E402
 import fsdp_oracle  # noqa: E402
 
-CASES = [f"{s}:{o}" for s in fsdp_oracle.STRATEGIES for o in (0, 1)]
+# Every strategy with flat and original parameters; and two with every Block's activations
+# checkpointed (":ac": Python's apply_activation_checkpointing against fsdp-cpp's, issue 64),
+# compared with the same references and bounds: checkpointing changes no arithmetic.
+CASES = ([f"{s}:{o}" for s in fsdp_oracle.STRATEGIES for o in (0, 1)] +
+         ["FULL_SHARD:0:ac", "SHARD_GRAD_OP:1:ac"])
 
 
 def case_dir(world, spec):
-    s, o = spec.split(":")
-    return f"W{world}_{s}_{'orig' if o == '1' else 'flat'}"
+    s, o, *ac = spec.split(":")
+    return f"W{world}_{s}_{'orig' if o == '1' else 'flat'}" + ("_ac" if ac else "")
 
 
 def free_port():
@@ -212,6 +216,7 @@ def main():
         print("\nnegative controls (each must be caught):")
         controls = [("drop-grad-rank1", 2, "FULL_SHARD:0", "FULL"),
                     ("drop-grad-rank1", 3, "NO_SHARD:1", "FULL"),
+                    ("drop-grad-rank1", 2, "FULL_SHARD:0:ac", "FULL"),
                     ("grad-sum", 2, "FULL_SHARD:0", "FULL"),
                     ("grad-sum", 3, "SHARD_GRAD_OP:1", "FULL"),
                     ("padding", 3, "FULL_SHARD:1", "LOCAL"),

@@ -108,6 +108,8 @@ struct TrainCase {
   bool no_sync = false;
   bool use_orig_params = false;
   bool preserve_rng = true;
+  // CPU offload with forward prefetching and BACKWARD_POST (the default is BACKWARD_PRE).
+  bool offload_and_prefetch = false;
 };
 
 // Three SGD steps of the wrapped Net (dropout on, a different seed per rank); the full
@@ -124,6 +126,11 @@ std::map<std::string, torch::Tensor> train(const ProcessGroup& pg, const TrainCa
     opts.hybrid_shard_size(c.world % 2 == 0 ? 2 : c.world);
   }
   if (c.bf16) opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
+  if (c.offload_and_prefetch) {
+    opts.cpu_offload(fsdp::CPUOffload().offload_params(true))
+        .forward_prefetch(true)
+        .backward_prefetch(fsdp::BackwardPrefetch::BACKWARD_POST);
+  }
   FullyShardedDataParallel model(net, opts);
   const auto ck = fsdp::CheckpointOptions().preserve_rng_state(c.preserve_rng);
   if (ckpt != Ckpt::kNone) {
@@ -369,7 +376,8 @@ TEST(FsdpActivationCheckpointing, TrainingIsBitIdenticalWithAndWithoutAtEveryWor
   }
 }
 
-TEST(FsdpActivationCheckpointing, MixedPrecisionAndNoSyncAreBitIdenticalAndTheRngControlFails) {
+TEST(FsdpActivationCheckpointing,
+     MixedPrecisionNoSyncOffloadAndPrefetchAreBitIdenticalAndTheRngControlFails) {
   run_ranks(2, [](ProcessGroup& pg) {
     TrainCase c;
     c.bf16 = true;
@@ -380,6 +388,9 @@ TEST(FsdpActivationCheckpointing, MixedPrecisionAndNoSyncAreBitIdenticalAndTheRn
     // Negative control: dropout's masks drawn afresh in the recomputation.
     c.preserve_rng = false;
     EXPECT_FALSE(same_params(plain, train(pg, c, Ckpt::kUnitsAndMid)));
+    TrainCase o;
+    o.offload_and_prefetch = true;
+    EXPECT_TRUE(same_params(train(pg, o, Ckpt::kNone), train(pg, o, Ckpt::kUnitsAndMid)));
   });
 }
 
