@@ -135,6 +135,12 @@ done
 for w in $CKPT_WORLDS; do
   run checkpoint.log FSDP_BENCH_WORLD=$w FSDP_BENCH_ROUNDS=$CKPT_ROUNDS $B/bench_checkpoint
 done
+# 4b. Activation checkpointing: activations kept and step time, with and without, W=1-4 (its
+# table is in activation.log; docs/performance.md).
+for w in 1 2 3 4; do
+  run activation.log FSDP_BENCH_WORLD=$w FSDP_BENCH_ROUNDS=$CKPT_ROUNDS \
+    $B/bench_activation_checkpointing
+done
 
 # 6. Bytes across the host boundary per step, each strategy on 2 emulated hosts x 2 ranks, against
 # the analytic minimum (scripts/host_traffic.py; network namespaces need root and iproute2).
