@@ -95,10 +95,16 @@ class RecomputeScope {
       rng.restore();
     }
     autocast.apply();
+    // As an autocast region of its own (PyTorch's recomputation enters torch.autocast): the casts
+    // of parameters it caches are dropped when the outermost region ends, not kept (stale after
+    // the optimizer's step, and a copy of every parameter held).
+    autocast_region_ = autocast.cpu_enabled || autocast.cuda_enabled;
+    if (autocast_region_) at::autocast::increment_nesting();
     ++t_recomputing;
   }
   ~RecomputeScope() {
     --t_recomputing;
+    if (autocast_region_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
     autocast_.apply();
     current_rng_.restore();
   }
@@ -108,6 +114,7 @@ class RecomputeScope {
  private:
   AutocastState autocast_;
   RngStates current_rng_;
+  bool autocast_region_ = false;
 };
 
 // What the autograd function keeps from forward to backward besides the saved inputs.

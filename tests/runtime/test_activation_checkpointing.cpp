@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "dist/fault_point.h"
@@ -290,6 +291,52 @@ TEST(ActivationCheckpointing, NestedAndRepeatedCallsMatchThePlainGradients) {
   };
   const auto plain = run(0), nested = run(1);
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], nested[i])) << i;
+}
+
+// CPU autocast (bfloat16) on for a scope, as torch.autocast("cpu") is.
+class CpuAutocast {
+ public:
+  CpuAutocast() : was_(fsdp::compat::autocast_enabled(at::kCPU)) {
+    fsdp::compat::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    fsdp::compat::set_autocast_enabled(at::kCPU, true);
+    at::autocast::increment_nesting();
+  }
+  ~CpuAutocast() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    fsdp::compat::set_autocast_enabled(at::kCPU, was_);
+  }
+
+ private:
+  bool was_;
+};
+
+// The recomputation runs with the autocast state of the forward, not of the backward: a forward
+// under CPU autocast and a backward outside it give the plain run's gradients, which differ from
+// those of a float32 forward (what a recomputation outside autocast would give).
+TEST(ActivationCheckpointing, TheRecomputationHasTheForwardsAutocastState) {
+  auto run = [](bool autocast, bool checkpointed) {
+    seed_cpu(4);
+    DropBlock block(8, 16, 0.0);
+    auto x = torch::randn({4, 8}, torch::requires_grad());
+    torch::Tensor y;
+    {
+      std::optional<CpuAutocast> on;
+      if (autocast) on.emplace();
+      y = checkpointed ? fsdp::checkpoint_module(block, x) : block(x);
+    }
+    EXPECT_FALSE(fsdp::compat::autocast_enabled(at::kCPU));
+    y.to(at::kFloat).pow(2).sum().backward();
+    auto g = grads_of(block->parameters());
+    g.push_back(x.grad().clone());
+    return g;
+  };
+  const auto plain = run(true, false), ckpt = run(true, true), fp32 = run(false, false);
+  bool differs = false;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_TRUE(torch::equal(plain[i], ckpt[i])) << i;
+    differs |= !torch::equal(plain[i].to(at::kFloat), fp32[i]);
+  }
+  EXPECT_TRUE(differs);  // autocast did change the arithmetic
 }
 
 TEST(ActivationCheckpointing, AnInputModifiedBeforeBackwardIsAnError) {
