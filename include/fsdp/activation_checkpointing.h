@@ -62,8 +62,8 @@ namespace fsdp {
 struct CheckpointOptions {
   /// Restore, before recomputing, the RNG state the forward started from (PyTorch's
   /// preserve_rng_state), so that random operations (dropout) draw the same values. Default
-  /// true; false saves a copy of the generator state per call, and gradients then differ
-  /// wherever the forward draws random numbers.
+  /// true; false skips keeping a copy of the generator state per call, and gradients then
+  /// differ wherever the forward draws random numbers.
   TORCH_ARG(bool, preserve_rng_state) = true;
 };
 

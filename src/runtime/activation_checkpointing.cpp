@@ -8,6 +8,7 @@
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "fsdp/activation_checkpointing.h"
 #include "fsdp/errors.h"
@@ -125,11 +126,6 @@ struct Recompute : torch::CustomClassHolder {
   size_t num_inputs = 0;  // the real inputs; a placeholder may follow them (see below)
 };
 
-// Outputs of a checkpointed call that can carry a gradient.
-bool differentiable(const at::Tensor& t) {
-  return t.defined() && (t.is_floating_point() || t.is_complex());
-}
-
 class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
@@ -141,7 +137,10 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     ctx->set_materialize_grads(false);
     std::vector<at::Tensor> outputs = r->fn(inputs);
     for (const auto& o : outputs) {
-      if (o.defined() && !differentiable(o)) ctx->mark_non_differentiable({o});
+      // Integer and boolean outputs carry no gradient (autograd's own test of the dtype).
+      if (o.defined() && !torch::autograd::isDifferentiableType(o.scalar_type())) {
+        ctx->mark_non_differentiable({o});
+      }
     }
     return outputs;
   }
