@@ -16,6 +16,7 @@
 // --mem-dir, every --mem-every steps the same state also goes, in the background, to an in-memory
 // checkpoint on each host (a tmpfs) with a copy on the next host, which a resume prefers when it
 // is at least as new and no file of it was lost.
+#include <malloc.h>  // mallopt (glibc)
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -80,6 +81,7 @@ struct Flags {
   std::string metrics;
   std::string data = "/usr/share/common-licenses/GPL-3";
   int timeout_s = 600;
+  int mmap_threshold_kb = 128;  // glibc's: fixed, so freed unit-sized buffers go back at once
 };
 
 // One line on stderr and a non-zero exit; used before any collective, where every rank reaches
@@ -117,6 +119,19 @@ Batch batch(const torch::Tensor& corpus, const Flags& f, int64_t step, int64_t l
     y.push_back(corpus.narrow(0, s + 1, f.seq_len));
   }
   return {torch::stack(x), torch::stack(y), starts[0].item<int64_t>()};
+}
+
+// glibc raises its mmap threshold each time it frees a mapped block, up to 32 MiB; buffers below
+// the raised threshold then come from the heap and stay there, fragmented, after they are freed.
+// A sharded step frees and reallocates unit-sized buffers all the time, so each rank kept up to
+// 27% above the analytic bound (measured: docs/deferred_init.md). A fixed threshold stops that.
+void fix_mmap_threshold(int kb) {
+#ifdef __GLIBC__
+  if (kb > 0 && ::mallopt(M_MMAP_THRESHOLD, kb * 1024) != 1)
+    fail("--mmap-threshold-kb " + std::to_string(kb) + " was refused by glibc's mallopt");
+#else
+  (void)kb;
+#endif
 }
 
 double max_rss_mb() {
@@ -269,6 +284,11 @@ Flags parse_flags(int argc, char** argv, int rank) {
       ->check(CLI::Range(int64_t{1}, kMax));
   app.add_option("--metrics", f.metrics, "Append one JSON object per logged step to FILE");
   app.add_option("--data", f.data, "Text corpus");
+  app.add_option("--mmap-threshold-kb", f.mmap_threshold_kb,
+                 "Fix glibc's mmap threshold at K KiB, so that freed buffers of that size and up "
+                 "return to the system at once (0: glibc's default, which raises the threshold "
+                 "up to 32 MiB as buffers are freed and then keeps them; docs/deferred_init.md)")
+      ->check(CLI::Range(0, 32 * 1024));
   app.add_option("--timeout", f.timeout_s, "Seconds before a collective gives up")
       ->check(CLI::Range(1, 1000000));
   try {
@@ -722,6 +742,7 @@ int main(int argc, char** argv) {
   const int rank = env.rank, world = env.world_size;
   const Flags f = parse_flags(argc, argv, rank);
   check_flags(f, world);
+  fix_mmap_threshold(f.mmap_threshold_kb);
   std::string text;
   const torch::Tensor corpus = load_corpus(f, text);
   try {
