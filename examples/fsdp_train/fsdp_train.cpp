@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "flops.h"
 #include "fsdp/checkpoint/async_save.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
@@ -82,6 +83,7 @@ struct Flags {
   std::string data = "/usr/share/common-licenses/GPL-3";
   int timeout_s = 600;
   int mmap_threshold_kb = 128;  // glibc's: fixed, so freed unit-sized buffers go back at once
+  double peak_tflops = 0;       // per rank; 0: unknown, no MFU
 };
 
 // One line on stderr and a non-zero exit; used before any collective, where every rank reaches
@@ -289,6 +291,10 @@ Flags parse_flags(int argc, char** argv, int rank) {
                  "return to the system at once (0: glibc's default, which raises the threshold "
                  "up to 32 MiB as buffers are freed and then keeps them; docs/deferred_init.md)")
       ->check(CLI::Range(0, 32 * 1024));
+  app.add_option("--peak-tflops", f.peak_tflops,
+                 "The device's peak TFLOP/s per rank in the run's dtype: adds MFU to the log and "
+                 "--metrics (examples/fsdp_train/flops.h counts the FLOPs)")
+      ->check(CLI::Range(0.0, 1e6));
   app.add_option("--timeout", f.timeout_s, "Seconds before a collective gives up")
       ->check(CLI::Range(1, 1000000));
   try {
@@ -461,6 +467,9 @@ class Trainer {
          << " MB in float32; peak rss MB by rank:";
     for (int r = 0; r < world_; ++r) line << " " << rss[r].item<double>();
     std::printf("%s\n", line.str().c_str());
+    std::printf("work: %lld FLOPs per token (6 N + 12 L D T, examples/fsdp_train/flops.h)%s\n",
+                static_cast<long long>(gpt::flops_per_token(cfg_, f_.seq_len)),
+                f_.peak_tflops > 0 ? "" : "; no MFU without --peak-tflops");
   }
 
   void describe_units() {
@@ -651,8 +660,13 @@ class Trainer {
     line << "step " << step_ << "/" << f_.steps << " | loss " << std::fixed
          << stats[0].item<double>();
     line.unsetf(std::ios::fixed);
-    line << " | " << static_cast<int64_t>(tps) << " tok/s | ac " << f_.activation_checkpointing
-         << " | max rss MB";
+    const int64_t flops = gpt::flops_per_token(cfg_, f_.seq_len);
+    const double tflops = tps * static_cast<double>(flops) / world_ / 1e12;  // per rank
+    const double mfu = gpt::mfu(tps, flops, world_, f_.peak_tflops);
+    line << " | " << static_cast<int64_t>(tps) << " tok/s | " << std::setprecision(3) << tflops
+         << " TFLOP/s per rank";
+    if (mfu > 0) line << " | MFU " << std::setprecision(3) << 100 * mfu << "%";
+    line << " | ac " << f_.activation_checkpointing << " | max rss MB";
     double max_rss = 0;
     json << "[";
     for (int r = 0; r < world_; ++r) {
@@ -672,12 +686,16 @@ class Trainer {
     std::printf("%s\n", line.str().c_str());
     std::fflush(stdout);
     if (metrics_) {
-      char buf[384];
+      char mfu_json[32] = "null";  // unknown without --peak-tflops
+      if (mfu > 0) std::snprintf(mfu_json, sizeof mfu_json, "%.6g", mfu);
+      char buf[640];
       std::snprintf(buf, sizeof buf,
                     "{\"step\": %lld, \"loss\": %.9g, \"tokens_per_s\": %.1f, "
+                    "\"flops_per_token\": %lld, \"tflops_per_rank\": %.6g, \"mfu\": %s, "
                     "\"max_rss_mb\": %.1f, \"world_size\": %d, \"data_offset\": %lld, "
                     "\"activation_checkpointing\": \"%s\", \"rss_mb_per_rank\": ",
-                    static_cast<long long>(step_), stats[0].item<double>(), tps, max_rss, world_,
+                    static_cast<long long>(step_), stats[0].item<double>(), tps,
+                    static_cast<long long>(flops), tflops, mfu_json, max_rss, world_,
                     static_cast<long long>(data_offset_), f_.activation_checkpointing.c_str());
       std::fprintf(metrics_, "%s%s}\n", buf, json.str().c_str());
       std::fflush(metrics_);

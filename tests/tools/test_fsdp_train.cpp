@@ -3,6 +3,7 @@
 //  - a run saved at W=2 (FULL_SHARD, flat parameters) and resumed at W=3 (SHARD_GRAD_OP,
 //    original parameters) ends with the weights of an uninterrupted W=1 run, as close as an
 //    uninterrupted W=3 run gets (the data-parallel baseline: only the reduction order differs);
+//  - the log and --metrics count FLOPs per token as examples/fsdp_train/flops.h states, and MFU;
 //  - Python's own model loads both exports and computes the C++ model's logits;
 //  - killing a rank stops the run within seconds, and a resume continues from the last
 //    complete checkpoint (written asynchronously);
@@ -122,6 +123,53 @@ TEST(FsdpTrain, ActivationCheckpointingTrainsTheSameWeights) {
   const auto bad = run_shell(std::string(FSDP_TRAIN_BIN) + " --activation-checkpointing some");
   EXPECT_NE(bad.rc, 0);
   EXPECT_NE(bad.out.find("--activation-checkpointing"), std::string::npos) << bad.out;
+}
+
+// A number field of a --metrics line ("null" and absent read as -1).
+double field(const std::string& line, const std::string& key) {
+  const auto at = line.find("\"" + key + "\": ");
+  if (at == std::string::npos || line.compare(at + key.size() + 4, 4, "null") == 0) return -1;
+  return std::stod(line.substr(at + key.size() + 4));
+}
+
+// The log and --metrics count the work of a token as flops.h states it, worked out here by hand
+// for the defaults (2 blocks, D=64, vocabulary 256): N = 2 (12 D^2 + 13 D) + 256 D + 2 D
+// (everything but the 64 D positions) = 116,480, so 6 N + 12 L D T = 698,880 + 1,536 T. MFU is
+// tokens/s x that / W / the peak given; without --peak-tflops there is none. The two sequence
+// lengths are the negative control: the attention term has to move with T.
+TEST(FsdpTrain, LogsFlopsPerTokenAndMfu) {
+  TempDir dir;
+  const std::string out = train(2, dir.path(),
+                                "--steps 2 --log-every 1 --seq-len 32 --peak-tflops 0.05 "
+                                "--metrics with_peak.jsonl");
+  const int64_t flops32 = 698880 + 1536 * 32;
+  EXPECT_EQ(count_lines_with(out, "work: " + std::to_string(flops32) + " FLOPs per token"), 1)
+      << out;
+  EXPECT_EQ(count_lines_with(out, "% | ac none |"), 2) << out;  // "... | MFU x% | ac none |"
+  std::ifstream m(dir.file("with_peak.jsonl"));
+  int lines = 0;
+  for (std::string line; std::getline(m, line); ++lines) {
+    const double tps = field(line, "tokens_per_s");
+    ASSERT_GT(tps, 0) << line;
+    EXPECT_EQ(field(line, "flops_per_token"), flops32) << line;
+    EXPECT_NEAR(field(line, "tflops_per_rank"), tps * flops32 / 2 / 1e12,
+                1e-4 * tps * flops32 / 2 / 1e12)
+        << line;
+    EXPECT_NEAR(field(line, "mfu"), tps * flops32 / 2 / 0.05e12, 1e-4 * tps * flops32 / 0.1e12)
+        << line;
+  }
+  EXPECT_EQ(lines, 2);
+  const std::string plain = train(2, dir.path(), "--steps 1 --metrics no_peak.jsonl");
+  EXPECT_EQ(count_lines_with(plain, "work: " + std::to_string(698880 + 1536 * 64) +
+                                        " FLOPs per token (6 N + 12 L D T"),
+            1)
+      << plain;
+  EXPECT_EQ(count_lines_with(plain, "| MFU "), 0) << plain;
+  std::ifstream n(dir.file("no_peak.jsonl"));
+  std::string line;
+  ASSERT_TRUE(std::getline(n, line));
+  EXPECT_EQ(field(line, "flops_per_token"), 698880 + 1536 * 64) << line;
+  EXPECT_EQ(field(line, "mfu"), -1) << line;
 }
 
 // The default --init deferred builds no whole model on any rank (fsdp::wrap_deferred) and starts
