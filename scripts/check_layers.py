@@ -55,7 +55,8 @@ PUBLIC = {
     "detail/forward.h": "runtime",  # fsdp::forward's machinery (templates), not an API
     "activation_checkpointing.h": "runtime",  # checkpointed calls, aware of FSDP units
     "detail/activation_checkpointing.h": "runtime",  # its templates, not an API
-    "detail/deferred_init.h": "runtime",  # what wrap_deferred hands the library, not an API
+    "detail/deferred_init.h": "runtime",
+    "foreach_adamw.h": "runtime",  # the optimizer step as multi-tensor operations  # what wrap_deferred hands the library, not an API
     "state_value.h": "state_dict",  # the value model: StateDict, StateValue, ShardedTensor
     "state_dict.h": "state_dict",  # its deprecated name
     "model_state_dict.h": "state_dict",

@@ -65,6 +65,7 @@ struct Flags {
   std::string mixed_precision = "none";
   std::string activation_checkpointing = "none";  // full: every block recomputed in backward
   std::string optimizer = "adamw";
+  int foreach = 1;  // AdamW as multi-tensor operations (fsdp::ForeachAdamW): PyTorch's foreach=True
   double lr = 3e-3;
   double momentum = 0.9;  // SGD's; 0 keeps no optimizer state at all
   std::string save_dir;
@@ -156,8 +157,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Flags& f,
   if (f.optimizer == "sgd")
     return std::make_unique<torch::optim::SGD>(params,
                                                torch::optim::SGDOptions(f.lr).momentum(f.momentum));
-  return std::make_unique<torch::optim::AdamW>(
-      params, torch::optim::AdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(0.1));
+  const auto adamw = torch::optim::AdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(0.1);
+  if (f.foreach) return std::make_unique<fsdp::ForeachAdamW>(params, adamw);
+  return std::make_unique<torch::optim::AdamW>(params, adamw);
 }
 
 // Each parameter once: a tied weight is listed by both modules that hold it.
@@ -272,6 +274,10 @@ Flags parse_flags(int argc, char** argv, int rank) {
       ->check(CLI::IsMember({"none", "full"}));
   app.add_option("--optimizer", f.optimizer, "Optimizer")
       ->check(CLI::IsMember({"adamw", "adam", "sgd"}));
+  app.add_option("--foreach", f.foreach,
+                 "AdamW's step as multi-tensor operations (fsdp::ForeachAdamW; bit for bit "
+                 "LibTorch's AdamW on the CPU); 0: LibTorch's tensor-by-tensor AdamW")
+      ->check(CLI::Range(0, 1));
   app.add_option("--lr", f.lr, "Learning rate")->check(CLI::Range(1e-12, 1e6));
   app.add_option("--momentum", f.momentum,
                  "SGD's momentum (0: plain SGD, no optimizer state; the default 0.9 keeps a "

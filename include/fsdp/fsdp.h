@@ -43,6 +43,7 @@
 #include "fsdp/dist.h"
 #include "fsdp/errors.h"
 #include "fsdp/flat_param.h"
+#include "fsdp/foreach_adamw.h"
 #include "fsdp/fully_sharded.h"
 #include "fsdp/model_state_dict.h"
 #include "fsdp/optim_state_dict.h"

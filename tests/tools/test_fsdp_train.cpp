@@ -125,6 +125,22 @@ TEST(FsdpTrain, ActivationCheckpointingTrainsTheSameWeights) {
   EXPECT_NE(bad.out.find("--activation-checkpointing"), std::string::npos) << bad.out;
 }
 
+// --optimizer adamw steps with fsdp::ForeachAdamW unless --foreach 0, and trains the very weights
+// LibTorch's AdamW does (CPU), with flat and with original parameters (one tensor per parameter:
+// the case foreach exists for). Negative control: another learning rate's weights differ.
+TEST(FsdpTrain, ForeachAdamWTrainsLibTorchsAdamWsWeights) {
+  TempDir dir;
+  for (const std::string orig : {"0", "1"}) {
+    const std::string common = "--steps 3 --global-batch 4 --use-orig-params " + orig + " ";
+    train(2, dir.path(), common + "--export foreach" + orig + ".pt");
+    train(2, dir.path(), common + "--foreach 0 --export loop" + orig + ".pt");
+    EXPECT_EQ(max_diff(dir.file("foreach" + orig + ".pt"), dir.file("loop" + orig + ".pt")), 0.0)
+        << "use_orig_params " << orig;
+  }
+  train(2, dir.path(), "--steps 3 --global-batch 4 --lr 2e-3 --export other.pt");
+  EXPECT_GT(max_diff(dir.file("foreach0.pt"), dir.file("other.pt")), 0.0);
+}
+
 // A number field of a --metrics line ("null" and absent read as -1).
 double field(const std::string& line, const std::string& key) {
   const auto at = line.find("\"" + key + "\": ");
