@@ -6,7 +6,8 @@ single-process run (issue 63's acceptance, measured, never asserted by a timed t
 Runs fsdp-train (the trainer a newcomer runs) under fsdp-run, once per world size, for a few steps
 with --log-every 1 and --metrics; the reference is the same command at W=1. Each line of
 --metrics carries every rank's peak RSS so far (getrusage's ru_maxrss: the whole process, from
-start-up on), so the last line is each rank's peak over the run.
+start-up on), so the last line is each rank's peak over the run, and its peak since start-up
+ended (VmHWM, reset then): the steps' own peak, which --init eager's start-up would hide.
 
     bench/big_model.py --build build --model xl --world-sizes 4,6 --steps 3
 
@@ -61,6 +62,7 @@ def run(args, world, extra, workdir):
     lines = [json.loads(x) for x in open(metrics) if x.strip()]
     return {"startup": [float(x) for x in startup.group(1).split()] if startup else [],
             "peak": lines[-1]["rss_mb_per_rank"], "loss": [x["loss"] for x in lines],
+            "train": lines[-1].get("train_rss_mb_per_rank", []),
             "secs": secs}
 
 
@@ -98,8 +100,11 @@ def main():
             acts = 4 * rows * T * (16 * dim + heads * T) * layers / mb
             bound = base + (2 + k) * model_mb / w + 3 * 4 * block / mb + acts
             print(f"W={w} ({r['secs']:.0f} s): peak rss MB by rank, start-up "
-                  f"{' '.join(f'{x:.0f}' for x in r['startup'])}; over the run "
+                  f"{' '.join(f'{x:.0f}' for x in r['startup'])}; the steps "
+                  f"{' '.join(f'{x:.0f}' for x in r['train'])}; over the run "
                   f"{' '.join(f'{x:.0f}' for x in r['peak'])}")
+            if r["train"]:
+                print(f"  the steps against the analytic bound: max {max(r['train']) / bound:.3f}")
             print(f"  against the model's {model_mb:.0f} MB: max "
                   f"{max(r['peak']) / model_mb:.3f}; against the analytic bound {bound:.0f} MB "
                   f"(base {base:.0f} + state {(2 + k) * model_mb / w:.0f} + 3 units "

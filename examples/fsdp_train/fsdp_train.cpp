@@ -143,6 +143,25 @@ double max_rss_mb() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // kilobytes on Linux
 }
 
+// The peak resident set since the last reset_peak_rss() (Linux's VmHWM), in MB; -1 where the
+// kernel does not report it. ru_maxrss above keeps the peak of the whole run.
+double peak_rss_since_reset_mb() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return -1;
+}
+
+// Starts VmHWM anew ("5" to /proc/self/clear_refs), so the training steps' peak can be told from
+// start-up's: with --init eager start-up is the higher of the two, and would hide it.
+void reset_peak_rss() {
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);
+    std::fclose(f);
+  }
+}
+
 fsdp::ShardingStrategy strategy_of(const std::string& s) {
   if (s == "full_shard") return fsdp::ShardingStrategy::FULL_SHARD;
   if (s == "shard_grad_op") return fsdp::ShardingStrategy::SHARD_GRAD_OP;
@@ -466,6 +485,7 @@ class Trainer {
     torch::Tensor rss = torch::zeros({world_}, torch::kDouble);
     rss[rank_] = max_rss_mb();
     pg_.all_reduce(rss);
+    reset_peak_rss();  // from here on, VmHWM is the training's peak (--metrics)
     if (rank_ != 0) return;
     std::ostringstream line;
     line << "start-up (--init " << f_.init << "): the model has " << elements << " parameters, "
@@ -649,9 +669,10 @@ class Trainer {
   // The global-batch loss, and every rank's peak memory, in one all_reduce; rank 0 prints them
   // and appends them to --metrics.
   void log(const at::Tensor& loss) {
-    auto stats = torch::zeros({1 + world_}, torch::kDouble);
+    auto stats = torch::zeros({1 + 2 * world_}, torch::kDouble);
     stats[0] = loss.detach().item<double>() / world_;
     stats[1 + rank_] = max_rss_mb();
+    stats[1 + world_ + rank_] = peak_rss_since_reset_mb();
     pg_.all_reduce(stats);
     const double secs = std::chrono::duration<double>(Clock::now() - last_log_).count();
     const double tps = tokens_since_ / std::max(secs, 1e-9);
@@ -682,6 +703,9 @@ class Trainer {
            << static_cast<int64_t>(mb);
       json << (r ? "," : "") << static_cast<int64_t>(mb);
     }
+    json << "], \"train_rss_mb_per_rank\": [";  // peaks since start-up ended
+    for (int r = 0; r < world_; ++r)
+      json << (r ? "," : "") << static_cast<int64_t>(stats[1 + world_ + r].item<double>());
     json << "]";
     if (!f_.save_dir.empty() && f_.save_every > 0) {
       const int64_t next = std::min(f_.steps, (step_ / f_.save_every + 1) * f_.save_every);

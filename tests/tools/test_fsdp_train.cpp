@@ -152,7 +152,8 @@ double field(const std::string& line, const std::string& key) {
 // for the defaults (2 blocks, D=64, vocabulary 256): N = 2 (12 D^2 + 13 D) + 256 D + 2 D
 // (everything but the 64 D positions) = 116,480, so 6 N + 12 L D T = 698,880 + 1,536 T. MFU is
 // tokens/s x that / W / the peak given; without --peak-tflops there is none. The two sequence
-// lengths are the negative control: the attention term has to move with T.
+// lengths are the negative control: the attention term has to move with T. Each line also carries
+// the steps' own peak memory, at most the whole run's.
 TEST(FsdpTrain, LogsFlopsPerTokenAndMfu) {
   TempDir dir;
   const std::string out = train(2, dir.path(),
@@ -173,6 +174,12 @@ TEST(FsdpTrain, LogsFlopsPerTokenAndMfu) {
         << line;
     EXPECT_NEAR(field(line, "mfu"), tps * flops32 / 2 / 0.05e12, 1e-4 * tps * flops32 / 0.1e12)
         << line;
+    // The steps' own peak (since start-up ended) is reported beside the whole run's.
+    const auto train_at = line.find("\"train_rss_mb_per_rank\": [");
+    ASSERT_NE(train_at, std::string::npos) << line;
+    const double train_rss = std::stod(line.substr(train_at + 26));
+    EXPECT_GT(train_rss, 0) << line;
+    EXPECT_LE(train_rss, std::stod(line.substr(line.find("\"rss_mb_per_rank\": [") + 20))) << line;
   }
   EXPECT_EQ(lines, 2);
   const std::string plain = train(2, dir.path(), "--steps 1 --metrics no_peak.jsonl");
