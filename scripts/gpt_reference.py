@@ -33,7 +33,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(D, dim=2)
         q, k, v = (t.view(B, T, self.heads, hd).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(mask, float("-inf"))
         y = torch.softmax(att, dim=-1) @ v
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, D))
@@ -74,7 +74,7 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         T = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(T))
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))
