@@ -58,8 +58,10 @@ struct Flags {
   int64_t layers = 2;
   int64_t dim = 64;
   int64_t heads = 4;
-  std::string model = "";         // a preset of layers, dim and heads (model_presets)
-  std::string init = "deferred";  // deferred: no rank builds the whole model (wrap_deferred)
+  std::string model = "";          // a preset of layers, dim and heads (model_presets)
+  std::string init = "deferred";   // deferred: no rank builds the whole model (wrap_deferred)
+  std::string device = "auto";     // after resolve_device: "cpu" or "cuda:<index>"
+  std::string attention = "auto";  // after resolve_device: "math" or "fused"
   std::string sharding = "full_shard";
   int use_orig_params = 0;
   std::string mixed_precision = "none";
@@ -281,6 +283,13 @@ Flags parse_flags(int argc, char** argv, int rank) {
                  "deferred: each rank builds only its shards of the model (wrap_deferred); eager: "
                  "every rank builds it whole first")
       ->check(CLI::IsMember({"deferred", "eager"}));
+  app.add_option("--device", f.device,
+                 "auto: this local rank's GPU when LibTorch sees one (NCCL), else the CPU (Gloo)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--attention", f.attention,
+                 "fused: LibTorch 2.x's scaled_dot_product_attention; math: softmax(q k^T) v; "
+                 "auto: fused on a GPU, math on the CPU")
+      ->check(CLI::IsMember({"auto", "math", "fused"}));
   app.add_option("--sharding", f.sharding, "Sharding strategy")
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}));
   app.add_option("--use-orig-params", f.use_orig_params, "Optimize the original parameters")
@@ -334,6 +343,23 @@ Flags parse_flags(int argc, char** argv, int rank) {
 
 // Everything a rank can check alone, before any collective: every rank reaches the same
 // verdict, so a bad flag exits everywhere instead of leaving ranks waiting for each other.
+// --device and --attention made concrete: auto is this local rank's GPU when LibTorch sees one
+// (as torchrun users expect; ranks beyond the GPUs share them round robin), else the CPU; and
+// the fused attention kernel on a GPU where LibTorch has one, the math path elsewhere (so the CPU
+// computes what it always did).
+void resolve_device(Flags& f, int local_rank) {
+  const int gpus = torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+  if (f.device == "cuda" && gpus == 0)
+    fail("--device cuda: LibTorch sees no CUDA device (is it a CUDA build, and a GPU visible?)");
+  const bool cuda = f.device == "cuda" || (f.device == "auto" && gpus > 0);
+  f.device = cuda ? "cuda:" + std::to_string(local_rank % gpus) : "cpu";
+  if (f.attention == "fused" && !fsdp::compat::kHasFusedAttention)
+    fail("--attention fused: this LibTorch (" + std::string(TORCH_VERSION) +
+         ") has no scaled_dot_product_attention; use --attention math");
+  if (f.attention == "auto")
+    f.attention = cuda && fsdp::compat::kHasFusedAttention ? "fused" : "math";
+}
+
 void check_flags(const Flags& f, int world) {
   if (f.dim % f.heads != 0)
     fail("--heads " + std::to_string(f.heads) + " does not divide --dim " + std::to_string(f.dim));
@@ -375,6 +401,7 @@ gpt::Config model_config(const Flags& f) {
   cfg.layers = f.layers;
   cfg.dim = f.dim;
   cfg.heads = f.heads;
+  cfg.fused_attention = f.attention == "fused";
   return cfg;
 }
 
@@ -383,6 +410,7 @@ fsdp::FullyShardedOptions wrap_options(const Flags& f) {
                      .auto_wrap_policy(fsdp::module_type_auto_wrap_policy<gpt::BlockImpl>())
                      .sharding_strategy(strategy_of(f.sharding))
                      .use_orig_params(f.use_orig_params != 0);
+  if (f.device != "cpu") options.device_id(at::Device(f.device));
   if (f.mixed_precision == "bf16")
     options.mixed_precision(
         fsdp::MixedPrecision().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat));
@@ -493,6 +521,8 @@ class Trainer {
          << " MB in float32; peak rss MB by rank:";
     for (int r = 0; r < world_; ++r) line << " " << rss[r].item<double>();
     std::printf("%s\n", line.str().c_str());
+    std::printf("device: %s (%s), attention %s\n", f_.device.c_str(), pg_.backend_name().c_str(),
+                f_.attention.c_str());
     std::printf("work: %lld FLOPs per token (6 N + 12 L D T, examples/fsdp_train/flops.h)%s\n",
                 static_cast<long long>(gpt::flops_per_token(cfg_, f_.seq_len)),
                 f_.peak_tflops > 0 ? "" : "; no MFU without --peak-tflops");
@@ -652,7 +682,8 @@ class Trainer {
     const auto t0 = Clock::now();
     ++step_;
     const int64_t rows = f_.global_batch / world_;
-    auto [x, y, offset] = batch(corpus_, f_, step_, rank_ * rows, (rank_ + 1) * rows);
+    auto [x_cpu, y_cpu, offset] = batch(corpus_, f_, step_, rank_ * rows, (rank_ + 1) * rows);
+    const at::Tensor x = x_cpu.to(device_), y = y_cpu.to(device_);
     data_offset_ = offset;
     opt_->zero_grad();
     auto logits = model_->forward(x);
@@ -765,6 +796,7 @@ class Trainer {
   }
 
   const Flags& f_;
+  const at::Device device_{f_.device};
   const torch::Tensor& corpus_;
   fsdp::dist::ProcessGroup& pg_;
   const int rank_, world_;
@@ -788,14 +820,19 @@ class Trainer {
 int main(int argc, char** argv) {
   const fsdp::dist::EnvInfo env = fsdp::dist::env_info();
   const int rank = env.rank, world = env.world_size;
-  const Flags f = parse_flags(argc, argv, rank);
+  Flags f = parse_flags(argc, argv, rank);
   check_flags(f, world);
+  resolve_device(f, env.local_rank);
   fix_mmap_threshold(f.mmap_threshold_kb);
   std::string text;
   const torch::Tensor corpus = load_corpus(f, text);
   try {
-    auto pg = fsdp::dist::init_process_group(
-        fsdp::dist::InitOptions().backend("gloo").timeout(std::chrono::seconds(f.timeout_s)));
+    const at::Device device(f.device);
+    auto init = fsdp::dist::InitOptions()
+                    .backend(device.is_cuda() ? "nccl" : "gloo")
+                    .timeout(std::chrono::seconds(f.timeout_s));
+    if (device.is_cuda()) init.device_id(device);
+    auto pg = fsdp::dist::init_process_group(init);
     Trainer trainer(f, corpus, pg, rank, world);
     trainer.run();
     pg.barrier();

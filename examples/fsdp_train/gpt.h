@@ -31,12 +31,16 @@ struct Config {
   int64_t layers = 2;
   int64_t dim = 64;
   int64_t heads = 4;
+  /// Attention through LibTorch's fused kernel (fsdp::compat::causal_fused_attention, 2.x) instead
+  /// of the math below: the same result within rounding, without the T x T probabilities.
+  bool fused_attention = false;
 };
 
 struct AttentionImpl : torch::nn::Module {
   int64_t heads;
+  bool fused;
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
-  AttentionImpl(int64_t dim, int64_t heads_) : heads(heads_) {
+  AttentionImpl(int64_t dim, int64_t heads_, bool fused_ = false) : heads(heads_), fused(fused_) {
     qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
     proj = register_module("proj", torch::nn::Linear(dim, dim));
   }
@@ -47,6 +51,10 @@ struct AttentionImpl : torch::nn::Module {
       return t.view({B, T, heads, hd}).transpose(1, 2);  // [B, H, T, hd]
     };
     auto q = split_heads(parts[0]), k = split_heads(parts[1]), v = split_heads(parts[2]);
+    if (fused) {
+      auto y = fsdp::compat::causal_fused_attention(q, k, v);  // [B, H, T, hd]
+      return proj(y.transpose(1, 2).contiguous().view({B, T, D}));
+    }
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
     att = att.masked_fill(mask.to(att.device()), -std::numeric_limits<float>::infinity());
@@ -70,9 +78,9 @@ struct BlockImpl : torch::nn::Module {
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   Attention attn{nullptr};
   Mlp mlp{nullptr};
-  BlockImpl(int64_t dim, int64_t heads) {
+  BlockImpl(int64_t dim, int64_t heads, bool fused_attention = false) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
-    attn = register_module("attn", Attention(dim, heads));
+    attn = register_module("attn", Attention(dim, heads, fused_attention));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
     mlp = register_module("mlp", Mlp(dim));
   }
@@ -104,7 +112,8 @@ struct GPTImpl : torch::nn::Module {
     tok = register_module("tok", torch::nn::Embedding(c.vocab, c.dim));
     pos = register_module("pos", torch::nn::Embedding(c.seq_len, c.dim));
     blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int64_t i = 0; i < c.layers; ++i) blocks->push_back(Block(c.dim, c.heads));
+    for (int64_t i = 0; i < c.layers; ++i)
+      blocks->push_back(Block(c.dim, c.heads, c.fused_attention));
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
     head = register_module("head", TiedHead(tok->weight));
     // GPT-2's initialisation: N(0, 0.02) weights, zero biases, LayerNorms at identity. LibTorch's

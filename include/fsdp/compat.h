@@ -26,6 +26,8 @@
 //    CUDA-named ones before): `compat::autocast_enabled` and friends.
 //  * The handle to an autograd node (std::shared_ptr<Node> up to 2.6, c10::intrusive_ptr<Node> in
 //    2.14): `compat::AutogradNodePtr`, taken from grad_accumulator's own return type.
+//  * The fused attention of 2.0 on (at::scaled_dot_product_attention): `compat::kHasFusedAttention`
+//    and `compat::causal_fused_attention`.
 //
 // Thread safety: everything here is stateless.
 #pragma once
@@ -33,10 +35,14 @@
 #include <torch/version.h>
 
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
 #include <ATen/autocast_mode.h>
+#if TORCH_VERSION_MAJOR >= 2
+#include <ATen/ops/scaled_dot_product_attention.h>
+#endif
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -160,6 +166,27 @@ inline OptimStateKey optim_state_key(const T& param) {
   return os.str();
 }
 #endif
+
+/// True where LibTorch has at::scaled_dot_product_attention (2.0 on): fused attention kernels
+/// (flash or memory-efficient on CUDA, a blocked kernel on the CPU) that never hold the T x T
+/// probabilities whole.
+constexpr bool kHasFusedAttention = TORCH_VERSION_MAJOR >= 2;
+
+/// Causal softmax(q k^T / sqrt(hd)) v over q, k, v of shape [B, H, T, hd], by the fused kernel.
+/// Where LibTorch has none (1.13; see kHasFusedAttention) it throws std::invalid_argument: the
+/// caller chooses the math path instead, which computes the same within rounding.
+inline at::Tensor causal_fused_attention(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                          /*is_causal=*/true);
+#else
+  (void)q, (void)k, (void)v;
+  throw std::invalid_argument("LibTorch " + std::to_string(TORCH_VERSION_MAJOR) + "." +
+                              std::to_string(TORCH_VERSION_MINOR) +
+                              " has no scaled_dot_product_attention (2.0 and later have)");
+#endif
+}
 
 }  // namespace compat
 }  // namespace fsdp

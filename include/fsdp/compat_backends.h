@@ -130,6 +130,18 @@ inline void shutdown_backend(const BackendPtr& backend, const std::string& backe
   (void)backend_name;
 }
 
+/// Makes CUDA device `index` the current one (torch.cuda.set_device). False where fsdp-cpp was
+/// built without NCCL, whose CUDA runtime this needs.
+inline bool set_cuda_device(int index) {
+#ifdef USE_C10D_NCCL
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+  return true;
+#else
+  (void)index;
+  return false;
+#endif
+}
+
 /// The device whose tensors the backend named `backend_name` reduces and moves: NCCL's is the
 /// CUDA device current when the group is created (set it per rank, as with
 /// torch.cuda.set_device, before init_process_group); every other backend's is the CPU. Chosen

@@ -85,6 +85,12 @@ struct InitOptions {
   /// "gloo", "nccl" or "auto" (NCCL where LibTorch has CUDA and a GPU is visible, else Gloo).
   /// Default "auto".
   TORCH_ARG(std::string, backend) = "auto";
+  /// This rank's accelerator, as PyTorch's init_process_group(device_id=...): a CUDA device
+  /// becomes the current one before the group is created (torch.cuda.set_device), so NCCL's
+  /// collectives run, and other devices' tensors stage, there. Usually cuda:$LOCAL_RANK. Default:
+  /// the current device. ValueError for a CUDA device where fsdp-cpp was built without NCCL, or
+  /// an index LibTorch does not see; ignored for a CPU device.
+  TORCH_ARG(std::optional<at::Device>, device_id);
   /// This process's rank. Default: $RANK.
   TORCH_ARG(std::optional<int>, rank);
   /// Number of processes. Default: $WORLD_SIZE.

@@ -13,6 +13,8 @@
 #include <thread>
 #include <tuple>
 
+#include <torch/cuda.h>
+
 #include "fsdp/compat.h"
 #include "fsdp/compat_backends.h"
 #include "fsdp/dist.h"
@@ -260,6 +262,42 @@ TEST(InitProcessGroup, UnderALauncherThatHostsTheStore) {
   EXPECT_THROW(fsdp::dist::env_info(), fsdp::ValueError);
   ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
   ::unsetenv("TORCHELASTIC_RESTART_COUNT");
+}
+
+// device_id, PyTorch's init_process_group(device_id=...): a GPU that is not there is refused
+// before any rendezvous, naming the device and what is visible; a CPU device changes nothing.
+TEST(InitProcessGroup, DeviceIdNamesADeviceThatIsNotThere) {
+  const int gpus = torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+  const at::Device missing(at::kCUDA, static_cast<c10::DeviceIndex>(gpus));
+  try {
+    fsdp::dist::init_process_group(
+        fsdp::dist::InitOptions().rank(0).world_size(1).device_id(missing));
+    ADD_FAILURE() << "expected a ValueError";
+  } catch (const fsdp::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("device_id " + missing.str() + " is not available: " +
+                                         std::to_string(gpus) + " CUDA devices are visible"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fsdp::dist::is_initialized());
+  fsdp::testing::RunOptions opts;
+  opts.init_group = false;
+  const int port = fsdp::testing::free_port();
+  run_ranks(
+      1,
+      [port](ProcessGroup&) {
+        auto pg = fsdp::dist::init_process_group(fsdp::dist::InitOptions()
+                                                     .backend("gloo")
+                                                     .rank(0)
+                                                     .world_size(1)
+                                                     .master_addr("127.0.0.1")
+                                                     .master_port(port)
+                                                     .device_id(at::Device(at::kCPU))
+                                                     .timeout(std::chrono::seconds(20)));
+        EXPECT_EQ(pg.device(), at::Device(at::kCPU));
+        fsdp::dist::destroy_process_group();
+      },
+      opts);
 }
 
 TEST(InitProcessGroup, FromTorchrunEnvironment) {

@@ -65,8 +65,9 @@ void expect_same(to::Optimizer& a, const std::vector<at::Tensor>& pa, to::Optimi
     EXPECT_TRUE(torch::equal(sa.exp_avg(), sb.exp_avg())) << i;
     EXPECT_TRUE(torch::equal(sa.exp_avg_sq(), sb.exp_avg_sq())) << i;
     EXPECT_EQ(sa.max_exp_avg_sq().defined(), sb.max_exp_avg_sq().defined()) << i;
-    if (sa.max_exp_avg_sq().defined())
+    if (sa.max_exp_avg_sq().defined()) {
       EXPECT_TRUE(torch::equal(sa.max_exp_avg_sq(), sb.max_exp_avg_sq())) << i;
+    }
   }
 }
 

@@ -4,6 +4,8 @@
 //    original parameters) ends with the weights of an uninterrupted W=1 run, as close as an
 //    uninterrupted W=3 run gets (the data-parallel baseline: only the reduction order differs);
 //  - the log and --metrics count FLOPs per token as examples/fsdp_train/flops.h states, and MFU;
+//  - --device and --attention choose the CPU and the math path there; fused attention (2.x) trains
+//    to the same losses, 1.13 refuses it;
 //  - PyTorch 2.x's own FSDP trains the same model from the same weights to the same losses
 //    (bench/py_gpt_fsdp.py, the side-by-side benchmark);
 //  - Python's own model loads both exports and computes the C++ model's logits;
@@ -25,9 +27,12 @@
 #include <utility>
 #include <vector>
 
+#include <torch/cuda.h>
+
 #include "command_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
+#include "fsdp/compat.h"
 #include "multi_rank.h"
 
 namespace ckpt = fsdp::checkpoint;
@@ -142,6 +147,38 @@ TEST(FsdpTrain, ForeachAdamWTrainsLibTorchsAdamWsWeights) {
   }
   train(2, dir.path(), "--steps 3 --global-batch 4 --lr 2e-3 --export other.pt");
   EXPECT_GT(max_diff(dir.file("foreach0.pt"), dir.file("other.pt")), 0.0);
+}
+
+// --device auto is the CPU over Gloo where LibTorch sees no GPU, and --attention auto the math path
+// there (the CPU computes what it always did); --device cuda without a GPU is one clear line.
+// --attention fused (LibTorch 2.x's scaled_dot_product_attention) trains to the math path's
+// losses within the cross-world-size tolerance; LibTorch 1.13, which has no fused kernel, refuses
+// it by name. Negative control: another seed's losses are told apart by the same tolerance.
+TEST(FsdpTrain, DeviceAndAttentionChoices) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "checks the CPU's choices; a GPU is visible";
+  TempDir dir;
+  const std::string common = "--steps 3 --log-every 1 --global-batch 4 --seq-len 32 ";
+  const std::string math = train(2, dir.path(), common + "--metrics math.jsonl");
+  EXPECT_EQ(count_lines_with(math, "device: cpu (gloo), attention math"), 1) << math;
+  const auto cuda = run_shell("cd '" + dir.path() + "' && " + FSDP_RUN_BIN +
+                              " --nproc-per-node 2 " + FSDP_TRAIN_BIN + " --device cuda");
+  EXPECT_NE(cuda.rc, 0);
+  EXPECT_GE(count_lines_with(cuda.out, "--device cuda: LibTorch sees no CUDA device"), 1)
+      << cuda.out;
+  if (!fsdp::compat::kHasFusedAttention) {
+    const auto r = run_shell(std::string(FSDP_TRAIN_BIN) + " --attention fused");
+    EXPECT_NE(r.rc, 0);
+    EXPECT_NE(r.out.find("has no scaled_dot_product_attention"), std::string::npos) << r.out;
+    return;
+  }
+  const std::string fused =
+      train(2, dir.path(), common + "--attention fused --metrics fused.jsonl");
+  EXPECT_EQ(count_lines_with(fused, "device: cpu (gloo), attention fused"), 1) << fused;
+  const auto a = losses(dir.file("math.jsonl")), b = losses(dir.file("fused.jsonl"));
+  ASSERT_EQ(b.size(), 3u);
+  for (const auto& [step, loss] : a) EXPECT_NEAR(b.at(step), loss, 1e-4 * loss) << step;
+  train(2, dir.path(), common + "--attention fused --seed 7 --metrics other.jsonl");
+  EXPECT_GT(std::abs(losses(dir.file("other.jsonl")).at(3) - a.at(3)), 1e-4 * a.at(3));
 }
 
 // A number field of a --metrics line ("null" and absent read as -1).
