@@ -35,7 +35,7 @@ import tempfile
 import time
 
 PRESETS = {"tiny": (2, 64, 4), "small": (6, 384, 6), "medium": (12, 768, 12),
-           "large": (24, 1024, 16), "xl": (24, 1536, 16)}
+           "large": (24, 1024, 16), "xl": (24, 1536, 16), "xxl": (20, 2048, 16)}
 LOSS_RTOL = 1e-4
 
 

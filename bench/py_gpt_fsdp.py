@@ -29,7 +29,7 @@ from gpt_reference import GPT, Block  # noqa: E402  the same model, the same can
 from py_training import init_group  # noqa: E402  the store client fsdp-run's store needs
 
 PRESETS = {"tiny": (2, 64, 4), "small": (6, 384, 6), "medium": (12, 768, 12),
-           "large": (24, 1024, 16), "xl": (24, 1536, 16)}
+           "large": (24, 1024, 16), "xl": (24, 1536, 16), "xxl": (20, 2048, 16)}
 VOCAB = 256
 
 
@@ -163,6 +163,9 @@ def main():
     device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        if int(os.environ.get("LOCAL_WORLD_SIZE", world)) > torch.cuda.device_count():
+            # Ranks sharing a GPU: NCCL accepts them only as different hosts (as bench_ranks.h).
+            os.environ.setdefault("NCCL_HOSTID", "py-gpt-rank-" + str(rank))
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by W={world}")
     init_group("nccl" if cuda else "gloo")

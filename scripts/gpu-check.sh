@@ -4,7 +4,8 @@
 # by hand on a machine that has one (docs/portability.md records the results).
 #
 #   scripts/gpu-check.sh [deps|build|cuda|buckets|nccl-suites|nccl-timeouts|gloo-suite|bench|
-#                         bench-training]...
+#                         bench-training|train]...
+#   (train: scripts/gpu-train.sh, fsdp-train and PyTorch's FSDP side by side, output in $OUT/train)
 #                                                                       (default: build cuda)
 #
 # Such a machine may have no package registry: first run `scripts/gpu-check.sh deps` on a Debian
@@ -109,6 +110,9 @@ for step in "${steps[@]}"; do
       # NO_SHARD's gradient buckets over NCCL (CPU tensors staged through the GPU) and Gloo.
       FSDP_TEST_BACKEND=nccl run_suite test_grad_buckets buckets-nccl
       FSDP_TEST_BACKEND=gloo run_suite test_grad_buckets buckets-gloo
+      ;;
+    train)
+      OUT="$OUT/train" BUILD_DIR="$BUILD_DIR" PY="$PY" scripts/gpu-train.sh
       ;;
     bench|bench-training)
       # bench_collectives (bench only) and bench_training on the GPU (NCCL, both ranks on one

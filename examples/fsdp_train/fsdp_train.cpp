@@ -26,6 +26,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -220,11 +221,9 @@ void export_weights(const fsdp::StateDict& full, const std::string& file) {
 // them.
 void apply_model_preset(const CLI::App& app, Flags& f) {
   if (f.model.empty()) return;
-  const std::map<std::string, std::array<int64_t, 3>> presets = {{"tiny", {2, 64, 4}},
-                                                                 {"small", {6, 384, 6}},
-                                                                 {"medium", {12, 768, 12}},
-                                                                 {"large", {24, 1024, 16}},
-                                                                 {"xl", {24, 1536, 16}}};
+  const std::map<std::string, std::array<int64_t, 3>> presets = {
+      {"tiny", {2, 64, 4}},      {"small", {6, 384, 6}}, {"medium", {12, 768, 12}},
+      {"large", {24, 1024, 16}}, {"xl", {24, 1536, 16}}, {"xxl", {20, 2048, 16}}};
   const auto& p = presets.at(f.model);
   if (app.count("--layers") == 0) f.layers = p[0];
   if (app.count("--dim") == 0) f.dim = p[1];
@@ -276,9 +275,10 @@ Flags parse_flags(int argc, char** argv, int rank) {
       ->check(CLI::Range(int64_t{1}, kMax));
   app.add_option("--model", f.model,
                  "Size preset: tiny (2 x 64, 0.1M parameters), small (6 x 384, 11M), medium "
-                 "(12 x 768, 85M), large (24 x 1024, 303M), xl (24 x 1536, 680M); --layers, "
+                 "(12 x 768, 85M), large (24 x 1024, 303M), xl (24 x 1536, 680M), xxl (20 x 2048, "
+                 "1.0B); --layers, "
                  "--dim and --heads override it")
-      ->check(CLI::IsMember({"tiny", "small", "medium", "large", "xl"}));
+      ->check(CLI::IsMember({"tiny", "small", "medium", "large", "xl", "xxl"}));
   app.add_option("--init", f.init,
                  "deferred: each rank builds only its shards of the model (wrap_deferred); eager: "
                  "every rank builds it whole first")
@@ -347,12 +347,16 @@ Flags parse_flags(int argc, char** argv, int rank) {
 // (as torchrun users expect; ranks beyond the GPUs share them round robin), else the CPU; and
 // the fused attention kernel on a GPU where LibTorch has one, the math path elsewhere (so the CPU
 // computes what it always did).
-void resolve_device(Flags& f, int local_rank) {
+void resolve_device(Flags& f, const fsdp::dist::EnvInfo& env) {
+  const int local_rank = env.local_rank;
   const int gpus = torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
   if (f.device == "cuda" && gpus == 0)
     fail("--device cuda: LibTorch sees no CUDA device (is it a CUDA build, and a GPU visible?)");
   const bool cuda = f.device == "cuda" || (f.device == "auto" && gpus > 0);
   f.device = cuda ? "cuda:" + std::to_string(local_rank % gpus) : "cpu";
+  // Ranks sharing a GPU: NCCL accepts them only as different hosts (docs/portability.md).
+  if (cuda && env.local_world_size > gpus && std::getenv("NCCL_HOSTID") == nullptr)
+    ::setenv("NCCL_HOSTID", ("fsdp-train-rank-" + std::to_string(env.rank)).c_str(), 1);
   if (f.attention == "fused" && !fsdp::compat::kHasFusedAttention)
     fail("--attention fused: this LibTorch (" + std::string(TORCH_VERSION) +
          ") has no scaled_dot_product_attention; use --attention math");
@@ -822,7 +826,7 @@ int main(int argc, char** argv) {
   const int rank = env.rank, world = env.world_size;
   Flags f = parse_flags(argc, argv, rank);
   check_flags(f, world);
-  resolve_device(f, env.local_rank);
+  resolve_device(f, env);
   fix_mmap_threshold(f.mmap_threshold_kb);
   std::string text;
   const torch::Tensor corpus = load_corpus(f, text);

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The GPU session of issue 65 in one go: fsdp-train on the GPU at W=1 and W=2 (bf16, a ~1B GPT),
+# a checkpoint resumed at the other world size, the export checked in Python, and PyTorch's own
+# FSDP1 and FSDP2 on the same model, batches and GPU (bench/py_gpt_fsdp.py). Every figure lands
+# in $OUT as JSON lines (fsdp-train's --metrics, py_gpt_fsdp.py's --out) beside the logs, and a
+# summary table ends the run.
+#
+#   scripts/gpu-train.sh          on the GPU machine, after `scripts/gpu-check.sh build` (or as
+#                                 its `train` step, which sets the libraries' paths)
+#   scripts/gpu-train.sh --dry    the same steps on the CPU at toy size (CI runs it in LibTorch
+#                                 2.6's chroot, so that the script cannot rot between GPU visits)
+#
+# Time is the scarce thing on a lent GPU: each step runs under `timeout`, the whole under
+# DEADLINE_S; a step that fails or would start past the deadline is reported as such
+# ("gpu-train: [3/7] resume-w2: FAILED (exit 124)") and the rest still run where they can. The
+# exit status is the number of failed steps.
+#   BUILD_DIR   the build holding fsdp-run and examples/fsdp-train (default build-gpu; --dry: build)
+#   OUT         where results go (default /tmp/gpu-train)
+#   PY          Python with torch (default python3)
+#   DEADLINE_S  seconds for everything (default 600)
+#   PEAK_TFLOPS the GPU's dense bf16 peak for MFU (default 989, H100/H200 SXM; --dry: 0.05)
+#   MODEL       fsdp-train's model flags (default: --model xxl, 20 x 2048, 1.0B parameters)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+[ "${1:-}" = "--dry" ] && DRY=1
+OUT=${OUT:-/tmp/gpu-train}
+PY=${PY:-python3}
+DEADLINE_S=${DEADLINE_S:-600}
+if ((DRY)); then
+  BUILD_DIR=${BUILD_DIR:-build} DEVICE=cpu MP=none PEAK_TFLOPS=${PEAK_TFLOPS:-0.05}
+  MODEL=${MODEL:---layers 2 --dim 64 --heads 4} SEQ=32 BATCH=4 STEPS=4 WARMUP=1 HEADS=4 TOL=1e-4
+else
+  BUILD_DIR=${BUILD_DIR:-build-gpu} DEVICE=cuda MP=bf16 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
+  MODEL=${MODEL:---model xxl} SEQ=1024 BATCH=8 STEPS=20 WARMUP=5 HEADS=16 TOL=1e-3
+fi
+mkdir -p "$OUT"
+BUILD_DIR=$(cd "$BUILD_DIR" && pwd) || exit 1
+RUN="$BUILD_DIR/fsdp-run" TRAIN="$BUILD_DIR/examples/fsdp-train"
+export USE_LIBUV=${USE_LIBUV:-0}  # Debian's PyTorch has no libuv; the wheel's does not need it
+start=$(date +%s) failed=0 i=0
+STEPS_ALL=(env init train-w1 resume-w2 python-check side-by-side-w1 side-by-side-w2 summary)
+
+# step NAME SECONDS COMMAND...: runs COMMAND in $OUT under a limit, logs to $OUT/NAME.log.
+step() {
+  local name=$1 limit=$2 left rc
+  shift 2
+  i=$((i + 1))
+  left=$((DEADLINE_S - ($(date +%s) - start)))
+  if ((left < 10)); then
+    echo "gpu-train: [$i/${#STEPS_ALL[@]}] $name: NOT RUN (the deadline has passed)"
+    failed=$((failed + 1))
+    return 1
+  fi
+  ((limit > left)) && limit=$left
+  (cd "$OUT" && timeout "$limit" "$@") >"$OUT/$name.log" 2>&1
+  rc=$?
+  if ((rc == 0)); then
+    echo "gpu-train: [$i/${#STEPS_ALL[@]}] $name: ok ($(($(date +%s) - start)) s in)"
+  else
+    echo "gpu-train: [$i/${#STEPS_ALL[@]}] $name: FAILED (exit $rc$( ((rc == 124)) && echo ", out of time")); last lines:"
+    tail -5 "$OUT/$name.log" | sed 's/^/    /'
+    failed=$((failed + 1))
+  fi
+  return $rc
+}
+
+common="$MODEL --device $DEVICE --mixed-precision $MP --seq-len $SEQ --global-batch $BATCH"
+common="$common --log-every 1 --peak-tflops $PEAK_TFLOPS"
+rm -rf "$OUT/ckpt" "$OUT"/*.jsonl
+
+step env 60 bash -c "$PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpu\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi'; git -C '$(pwd)' rev-parse --short HEAD"
+# The starting weights, for the Python side (same seed, so fsdp-train's own runs start there too).
+step init 300 "$RUN" --nproc-per-node 1 "$TRAIN" $MODEL --seq-len "$SEQ" --steps 0 --export init.pt
+step train-w1 300 "$RUN" --nproc-per-node 1 "$TRAIN" $common --steps "$STEPS" \
+  --save-dir ckpt --metrics train-w1.jsonl
+step resume-w2 300 "$RUN" --nproc-per-node 2 "$TRAIN" $common --steps $((STEPS + 2)) \
+  --save-dir ckpt --resume --metrics resume-w2.jsonl --export model.pt --eval-logits logits.pt
+step python-check 120 "$PY" "$(pwd)/scripts/gpt_reference.py" --heads "$HEADS" --logits logits.pt \
+  --tolerance "$TOL" model.pt
+for w in 1 2; do
+  step side-by-side-w$w 300 "$RUN" --nproc-per-node $w -- "$PY" "$(pwd)/bench/py_gpt_fsdp.py" \
+    --init init.pt $MODEL --device "$DEVICE" --mixed-precision "$MP" --seq-len "$SEQ" \
+    --global-batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP" --peak-tflops "$PEAK_TFLOPS" \
+    --out "python-w$w.jsonl"
+done
+step summary 60 "$PY" - <<'EOF'
+import json, os
+def lines(p):
+    return [json.loads(x) for x in open(p)] if os.path.exists(p) else []
+def ours(p, warmup):
+    ls = lines(p)[warmup:]
+    if not ls:
+        return None
+    tps = sum(x["tokens_per_s"] for x in ls) / len(ls)
+    return tps, ls[-1]
+print("run | tokens/s | TFLOP/s per rank | MFU | peak memory per rank")
+for name, w in (("train-w1.jsonl", 1), ("resume-w2.jsonl", 2)):
+    r = ours(name, 1)
+    if r:
+        tps, last = r
+        mfu = last["mfu"]
+        print(f"fsdp-train W={w} | {tps:.0f} | {last['tflops_per_rank']:.4g} | "
+              f"{'%.1f%%' % (100 * mfu) if mfu else '-'} | rss MB {last['rss_mb_per_rank']}")
+for w in (1, 2):
+    for x in lines(f"python-w{w}.jsonl"):
+        if "skipped" in x:
+            print(f"{x['impl']} W={w} | skipped: {x['skipped']}")
+            continue
+        mem = x.get("peak_cuda_mb_per_rank", x.get("peak_rss_mb_per_rank"))
+        print(f"{x['impl']} W={w} | {x['tokens_per_s']:.0f} | {x['tflops_per_rank']:.4g} | "
+              f"{'%.1f%%' % (100 * x['mfu']) if x['mfu'] else '-'} | MB {mem}")
+EOF
+cat "$OUT/summary.log"
+echo "gpu-train: $failed of ${#STEPS_ALL[@]} steps failed; results in $OUT"
+exit "$failed"
