@@ -186,6 +186,7 @@ def main():
             print(f"{impl}: {result['tokens_per_s']:.0f} tok/s, "
                   f"{result['tflops_per_rank']:.4g} TFLOP/s per rank, losses {result['losses']}",
                   flush=True)
+    dist.barrier()  # no rank tears its group down while a peer still talks to it
     dist.destroy_process_group()
 
 

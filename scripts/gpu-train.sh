@@ -69,7 +69,7 @@ common="$MODEL --device $DEVICE --mixed-precision $MP --seq-len $SEQ --global-ba
 common="$common --log-every 1 --peak-tflops $PEAK_TFLOPS"
 rm -rf "$OUT/ckpt" "$OUT"/*.jsonl
 
-step env 60 bash -c "$PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpu\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi'; git -C '$(pwd)' rev-parse --short HEAD"
+step env 60 bash -c "$PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpu\", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'no nvidia-smi'; git -C '$(pwd)' rev-parse --short HEAD 2>/dev/null || echo 'commit: unknown (no git)'"
 # The starting weights, for the Python side (same seed, so fsdp-train's own runs start there too).
 step init 300 "$RUN" --nproc-per-node 1 "$TRAIN" $MODEL --seq-len "$SEQ" --steps 0 --export init.pt
 step train-w1 300 "$RUN" --nproc-per-node 1 "$TRAIN" $common --steps "$STEPS" \

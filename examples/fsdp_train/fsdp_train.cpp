@@ -140,6 +140,9 @@ void fix_mmap_threshold(int kb) {
 #endif
 }
 
+// This process's peak resident set (ru_maxrss), in MB. Linux keeps it in the same counter as
+// VmHWM, so after reset_peak_rss() it is the peak since the reset: the trainer keeps start-up's
+// peak apart and reports the larger of the two as the run's.
 double max_rss_mb() {
   rusage u{};
   ::getrusage(RUSAGE_SELF, &u);
@@ -147,7 +150,7 @@ double max_rss_mb() {
 }
 
 // The peak resident set since the last reset_peak_rss() (Linux's VmHWM), in MB; -1 where the
-// kernel does not report it. ru_maxrss above keeps the peak of the whole run.
+// kernel does not report it.
 double peak_rss_since_reset_mb() {
   std::ifstream in("/proc/self/status");
   for (std::string line; std::getline(in, line);) {
@@ -515,7 +518,8 @@ class Trainer {
       if (h) elements += h->layout().unpadded_unsharded_numel;
     }
     torch::Tensor rss = torch::zeros({world_}, torch::kDouble);
-    rss[rank_] = max_rss_mb();
+    startup_rss_mb_ = max_rss_mb();
+    rss[rank_] = startup_rss_mb_;
     pg_.all_reduce(rss);
     reset_peak_rss();  // from here on, VmHWM is the training's peak (--metrics)
     if (rank_ != 0) return;
@@ -706,7 +710,7 @@ class Trainer {
   void log(const at::Tensor& loss) {
     auto stats = torch::zeros({1 + 2 * world_}, torch::kDouble);
     stats[0] = loss.detach().item<double>() / world_;
-    stats[1 + rank_] = max_rss_mb();
+    stats[1 + rank_] = std::max(startup_rss_mb_, max_rss_mb());  // the reset forgot start-up's
     stats[1 + world_ + rank_] = peak_rss_since_reset_mb();
     pg_.all_reduce(stats);
     const double secs = std::chrono::duration<double>(Clock::now() - last_log_).count();
@@ -816,7 +820,8 @@ class Trainer {
   std::FILE* metrics_ = nullptr;
   Clock::time_point last_log_;
   int64_t tokens_since_ = 0;
-  double step_seconds_ = 0;  // moving average, for the time to the next checkpoint
+  double step_seconds_ = 0;    // moving average, for the time to the next checkpoint
+  double startup_rss_mb_ = 0;  // this rank's peak resident set when start-up ended
 };
 
 }  // namespace

@@ -18,6 +18,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -219,7 +220,12 @@ TEST(FsdpTrain, LogsFlopsPerTokenAndMfu) {
     ASSERT_NE(train_at, std::string::npos) << line;
     const double train_rss = std::stod(line.substr(train_at + 26));
     EXPECT_GT(train_rss, 0) << line;
-    EXPECT_LE(train_rss, std::stod(line.substr(line.find("\"rss_mb_per_rank\": [") + 20))) << line;
+    const double rss = std::stod(line.substr(line.find("\"rss_mb_per_rank\": [") + 20));
+    EXPECT_LE(train_rss, rss) << line;
+    // ... and the run's peak is never below start-up's (rank 0's, on the start-up line).
+    const auto startup_at = out.find("peak rss MB by rank: ");
+    ASSERT_NE(startup_at, std::string::npos) << out;
+    EXPECT_GE(rss, std::floor(std::stod(out.substr(startup_at + 21)))) << line << "\n" << out;
   }
   EXPECT_EQ(lines, 2);
   const std::string plain = train(2, dir.path(), "--steps 1 --metrics no_peak.jsonl");
