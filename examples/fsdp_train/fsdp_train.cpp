@@ -260,6 +260,21 @@ void add_checkpoint_flags(CLI::App& app, Flags& f) {
                "Continue from the latest checkpoint in --save-dir (or --mem-dir, if newer)");
 }
 
+// Where and how fast: the device, the attention kernel, and the peak MFU is counted against.
+void add_device_flags(CLI::App& app, Flags& f) {
+  app.add_option("--device", f.device,
+                 "auto: this local rank's GPU when LibTorch sees one (NCCL), else the CPU (Gloo)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--attention", f.attention,
+                 "fused: LibTorch 2.x's scaled_dot_product_attention; math: softmax(q k^T) v; "
+                 "auto: fused on a GPU, math on the CPU")
+      ->check(CLI::IsMember({"auto", "math", "fused"}));
+  app.add_option("--peak-tflops", f.peak_tflops,
+                 "The device's peak TFLOP/s per rank in the run's dtype: adds MFU to the log and "
+                 "--metrics (examples/fsdp_train/flops.h counts the FLOPs)")
+      ->check(CLI::Range(0.0, 1e6));
+}
+
 // The command line, parsed and checked. Exits on --help (0) or a bad flag (2).
 Flags parse_flags(int argc, char** argv, int rank) {
   constexpr int64_t kMax = int64_t{1} << 40;
@@ -286,13 +301,6 @@ Flags parse_flags(int argc, char** argv, int rank) {
                  "deferred: each rank builds only its shards of the model (wrap_deferred); eager: "
                  "every rank builds it whole first")
       ->check(CLI::IsMember({"deferred", "eager"}));
-  app.add_option("--device", f.device,
-                 "auto: this local rank's GPU when LibTorch sees one (NCCL), else the CPU (Gloo)")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--attention", f.attention,
-                 "fused: LibTorch 2.x's scaled_dot_product_attention; math: softmax(q k^T) v; "
-                 "auto: fused on a GPU, math on the CPU")
-      ->check(CLI::IsMember({"auto", "math", "fused"}));
   app.add_option("--sharding", f.sharding, "Sharding strategy")
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}));
   app.add_option("--use-orig-params", f.use_orig_params, "Optimize the original parameters")
@@ -328,10 +336,7 @@ Flags parse_flags(int argc, char** argv, int rank) {
                  "return to the system at once (0: glibc's default, which raises the threshold "
                  "up to 32 MiB as buffers are freed and then keeps them; docs/deferred_init.md)")
       ->check(CLI::Range(0, 32 * 1024));
-  app.add_option("--peak-tflops", f.peak_tflops,
-                 "The device's peak TFLOP/s per rank in the run's dtype: adds MFU to the log and "
-                 "--metrics (examples/fsdp_train/flops.h counts the FLOPs)")
-      ->check(CLI::Range(0.0, 1e6));
+  add_device_flags(app, f);
   app.add_option("--timeout", f.timeout_s, "Seconds before a collective gives up")
       ->check(CLI::Range(1, 1000000));
   try {

@@ -289,6 +289,20 @@ ProcessGroup detail::GroupInternals::new_named_group(ProcessGroup& self,
   return g;
 }
 
+// InitOptions::device_id: a GPU becomes the current CUDA device, before the backend is made.
+static void use_device(const InitOptions& opts) {
+  if (!opts.device_id() || !opts.device_id()->is_cuda()) return;
+  const at::Device d = *opts.device_id();
+  const int index = d.has_index() ? d.index() : 0;
+  const int visible = static_cast<int>(torch::cuda::device_count());
+  if (index >= visible)
+    throw ValueError(msg("init_process_group: device_id ", d.str(), " is not available: ", visible,
+                         " CUDA devices are visible"));
+  if (!compat::set_cuda_device(index))
+    throw ValueError(msg("init_process_group: device_id ", d.str(),
+                         " needs fsdp-cpp built with NCCL (USE_C10D_NCCL)"));
+}
+
 ProcessGroup init_process_group(const InitOptions& opts) {
   EnvInfo env = env_info();
   const int rank = opts.rank().value_or(env.rank);
@@ -302,17 +316,7 @@ ProcessGroup init_process_group(const InitOptions& opts) {
   if (!opts.store() && (port < 0 || port > 65535)) {
     throw ValueError(msg("init_process_group: MASTER_PORT ", port, " is out of range"));
   }
-  if (opts.device_id() && opts.device_id()->is_cuda()) {
-    const at::Device d = *opts.device_id();
-    const int index = d.has_index() ? d.index() : 0;
-    const int visible = static_cast<int>(torch::cuda::device_count());
-    if (index >= visible)
-      throw ValueError(msg("init_process_group: device_id ", d.str(),
-                           " is not available: ", visible, " CUDA devices are visible"));
-    if (!compat::set_cuda_device(index))
-      throw ValueError(msg("init_process_group: device_id ", d.str(),
-                           " needs fsdp-cpp built with NCCL (USE_C10D_NCCL)"));
-  }
+  use_device(opts);
   std::string kind = opts.backend();
   if (kind == "auto") {
 #ifdef USE_C10D_NCCL
