@@ -12,6 +12,8 @@
 #include <memory>
 
 #include "fsdp/compat.h"
+#include "fsdp/errors.h"
+#include "util/message.h"
 
 namespace fsdp {
 namespace {
@@ -34,13 +36,18 @@ at::Tensor ForeachAdamW::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  for (auto& group : param_groups_) {
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    auto& group = param_groups_[g];
     auto& options = static_cast<to::AdamWOptions&>(group.options());
     std::vector<at::Tensor> decayed;
     std::map<int64_t, Bucket> buckets;
-    for (auto& p : group.params()) {
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      at::Tensor& p = group.params()[i];
       if (!p.grad().defined()) continue;
-      TORCH_CHECK(!p.grad().is_sparse(), "AdamW does not support sparse gradients");
+      if (p.grad().is_sparse())
+        throw ValueError(
+            detail::msg("ForeachAdamW: parameter ", i, " of group ", g,
+                        " has a sparse gradient; AdamW does not support sparse gradients"));
       auto it = state_.find(compat::optim_state_key(p));
       if (it == state_.end()) {  // as LibTorch: zeros shaped like the parameter, step 0
         auto state = std::make_unique<to::AdamWParamState>();

@@ -12,6 +12,7 @@
 
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/compat.h"
+#include "fsdp/errors.h"
 #include "fsdp/foreach_adamw.h"
 
 namespace {
@@ -93,6 +94,22 @@ TEST(ForeachAdamW, StepsBitForBitAsLibTorchsAdamW) {
   train(other, pb);
   EXPECT_TRUE(torch::equal(pa[0], pb[0]));
   EXPECT_FALSE(torch::equal(pa[4], pb[4]));
+}
+
+// A sparse gradient is refused as LibTorch's AdamW refuses it, as a ValueError naming the
+// parameter and its group.
+TEST(ForeachAdamW, ASparseGradientIsAValueErrorNamingTheParameter) {
+  auto ps = make_params();
+  fsdp::ForeachAdamW opt(groups_of(ps, 3e-2, false));
+  ps[3].mutable_grad() = torch::ones({1}).to_sparse();
+  try {
+    opt.step();
+    ADD_FAILURE() << "expected a ValueError";
+  } catch (const fsdp::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter 0 of group 1 has a sparse gradient"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // The optimizer state dict (PyTorch's get_state_dict, a plain module) of a ForeachAdamW is that of
