@@ -22,6 +22,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <chrono>
@@ -715,8 +716,11 @@ class Trainer {
   void log(const at::Tensor& loss) {
     auto stats = torch::zeros({1 + 2 * world_}, torch::kDouble);
     stats[0] = loss.detach().item<double>() / world_;
-    stats[1 + rank_] = std::max(startup_rss_mb_, max_rss_mb());  // the reset forgot start-up's
-    stats[1 + world_ + rank_] = peak_rss_since_reset_mb();
+    // VmHWM first: memory may grow between the two reads, and the run's peak covers the steps'.
+    const double steps_peak = peak_rss_since_reset_mb();
+    stats[1 + world_ + rank_] = steps_peak;
+    stats[1 + rank_] =
+        std::max({startup_rss_mb_, max_rss_mb(), steps_peak});  // reset forgot start-up's
     pg_.all_reduce(stats);
     const double secs = std::chrono::duration<double>(Clock::now() - last_log_).count();
     const double tps = tokens_since_ / std::max(secs, 1e-9);
