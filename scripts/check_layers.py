@@ -46,6 +46,8 @@ PUBLIC = {
     "errors.h": "base",
     "compat.h": "base",
     "compat_backends.h": "base",  # building c10d backends: for dist/, not in fsdp.h
+    "compat_cuda.h": "base",  # CUDA allocator statistics and sync debug: not in fsdp.h
+    "compat_optim.h": "base",  # the fused AdamW kernel: for the runtime optimizers
     "dist.h": "dist",
     "flat_param.h": "flat_param",
     # the wrapper's options: ShardingStrategy is the first of them, and the handle needs it

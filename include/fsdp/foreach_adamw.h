@@ -19,7 +19,14 @@
 // operation, whose results agree within float rounding. amsgrad, a closure, and sparse gradients
 // behave as in torch::optim::AdamW (amsgrad's running maximum is taken tensor by tensor).
 //
+// AdamWKernel::kFused issues each list as ATen's `_fused_adamw_` instead (PyTorch's
+// `fused=True`): one kernel for the whole step of a list, where the foreach path runs about ten.
+// Its arithmetic is a fused kernel's own (a lerp for the first moment, the bias corrections in
+// float), so it agrees with LibTorch's AdamW within float rounding, not bit for bit (tested). It
+// needs LibTorch 2.4 or later (compat::kHasFusedAdamW); before, constructing one throws.
+//
 //   auto opt = fsdp::ForeachAdamW(model->parameters(), torch::optim::AdamWOptions(3e-4));
+//   auto fused = fsdp::ForeachAdamW(params, options, fsdp::AdamWKernel::kFused);
 //
 // Thread safety: as any torch::optim::Optimizer, one thread steps it at a time.
 #pragma once
@@ -31,16 +38,29 @@
 
 namespace fsdp {
 
+/// How a ForeachAdamW issues its step.
+enum class AdamWKernel {
+  kForeach,  ///< ATen's `_foreach_*` operations: bit for bit LibTorch's AdamW on the CPU
+  kFused,    ///< ATen's `_fused_adamw_`: one kernel per list (LibTorch 2.4 on)
+};
+
 class ForeachAdamW : public torch::optim::AdamW {
  public:
+  /// Throws fsdp::ValueError for AdamWKernel::kFused where LibTorch has no fused AdamW.
   explicit ForeachAdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups,
-                        torch::optim::AdamWOptions defaults = {})
-      : torch::optim::AdamW(std::move(param_groups), std::move(defaults)) {}
-  explicit ForeachAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {})
-      : torch::optim::AdamW(std::move(params), std::move(defaults)) {}
+                        torch::optim::AdamWOptions defaults = {},
+                        AdamWKernel kernel = AdamWKernel::kForeach);
+  explicit ForeachAdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {},
+                        AdamWKernel kernel = AdamWKernel::kForeach);
 
   /// One AdamW step over every parameter that has a gradient; returns the closure's loss, if any.
   at::Tensor step(LossClosure closure = nullptr) override;
+
+  /// The kernel this optimizer steps with.
+  AdamWKernel kernel() const { return kernel_; }
+
+ private:
+  AdamWKernel kernel_;
 };
 
 }  // namespace fsdp

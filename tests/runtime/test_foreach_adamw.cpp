@@ -4,6 +4,8 @@
 // with different options, weight decay off and on, amsgrad, and a parameter that skips steps (its
 // own step count, so its own bias correction). The optimizer state dict PyTorch's API produces is
 // the AdamW one. Negative control: a different learning rate in one group is told apart.
+// AdamWKernel::kFused (ATen's `_fused_adamw_`, LibTorch 2.4 on) agrees with LibTorch's AdamW within
+// float rounding on the same cases; before 2.4 asking for it is a ValueError that says why.
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -12,6 +14,7 @@
 
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/compat.h"
+#include "fsdp/compat_optim.h"
 #include "fsdp/errors.h"
 #include "fsdp/foreach_adamw.h"
 
@@ -94,6 +97,63 @@ TEST(ForeachAdamW, StepsBitForBitAsLibTorchsAdamW) {
   train(other, pb);
   EXPECT_TRUE(torch::equal(pa[0], pb[0]));
   EXPECT_FALSE(torch::equal(pa[4], pb[4]));
+}
+
+// Within float rounding: the fused kernel computes the first moment as a lerp and the bias
+// corrections in float, so bits differ; 6 steps of unit-sized gradients stay within 1e-5.
+bool close(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && torch::allclose(a, b, /*rtol=*/1e-5, /*atol=*/1e-6);
+}
+
+void expect_close(to::Optimizer& a, const std::vector<at::Tensor>& pa, to::Optimizer& b,
+                  const std::vector<at::Tensor>& pb) {
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(close(pa[i], pb[i])) << "parameter " << i << "\n" << pa[i] << "\n" << pb[i];
+    auto& sa =
+        static_cast<to::AdamWParamState&>(*a.state().at(fsdp::compat::optim_state_key(pa[i])));
+    auto& sb =
+        static_cast<to::AdamWParamState&>(*b.state().at(fsdp::compat::optim_state_key(pb[i])));
+    EXPECT_EQ(sa.step(), sb.step()) << i;
+    EXPECT_TRUE(close(sa.exp_avg(), sb.exp_avg())) << i;
+    EXPECT_TRUE(close(sa.exp_avg_sq(), sb.exp_avg_sq())) << i;
+    if (sa.max_exp_avg_sq().defined()) {
+      EXPECT_TRUE(close(sa.max_exp_avg_sq(), sb.max_exp_avg_sq())) << i;
+    }
+  }
+}
+
+TEST(ForeachAdamW, FusedStepsAsLibTorchsAdamWWithinRounding) {
+  if (!fsdp::compat::kHasFusedAdamW) {
+    auto ps = make_params();
+    try {
+      fsdp::ForeachAdamW opt(groups_of(ps, 3e-2, false), {}, fsdp::AdamWKernel::kFused);
+      ADD_FAILURE() << "expected a ValueError: this LibTorch has no _fused_adamw_";
+    } catch (const fsdp::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("needs LibTorch 2.4 or later"), std::string::npos)
+          << e.what();
+    }
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no _fused_adamw_ (2.4 on); its refusal "
+                 << "was checked";
+  }
+  for (bool amsgrad : {false, true}) {
+    SCOPED_TRACE(amsgrad ? "amsgrad" : "adamw");
+    auto pa = make_params(), pb = make_params();
+    to::AdamW reference(groups_of(pa, 3e-2, amsgrad));
+    fsdp::ForeachAdamW fused(groups_of(pb, 3e-2, amsgrad), {}, fsdp::AdamWKernel::kFused);
+    EXPECT_EQ(fused.kernel(), fsdp::AdamWKernel::kFused);
+    train(reference, pa);
+    train(fused, pb);
+    expect_close(reference, pa, fused, pb);
+    EXPECT_FALSE(torch::equal(pb[0], make_params()[0])) << "the step should move the parameters";
+  }
+  // Negative control: a 1% different learning rate in the second group is outside the tolerance.
+  auto pa = make_params(), pb = make_params();
+  to::AdamW reference(groups_of(pa, 3e-2, false));
+  fsdp::ForeachAdamW other(groups_of(pb, 3.03e-2, false), {}, fsdp::AdamWKernel::kFused);
+  train(reference, pa);
+  train(other, pb);
+  EXPECT_TRUE(close(pa[0], pb[0]));
+  EXPECT_FALSE(close(pa[4], pb[4]));
 }
 
 // A sparse gradient is refused as LibTorch's AdamW refuses it, as a ValueError naming the
