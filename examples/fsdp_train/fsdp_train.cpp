@@ -16,8 +16,6 @@
 // --mem-dir, every --mem-every steps the same state also goes, in the background, to an in-memory
 // checkpoint on each host (a tmpfs) with a copy on the next host, which a resume prefers when it
 // is at least as new and no file of it was lost.
-#include <malloc.h>  // mallopt (glibc)
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -40,6 +38,8 @@
 #include <thread>
 #include <vector>
 
+#include "device.h"
+#include "flags.h"
 #include "flops.h"
 #include "fsdp/checkpoint/async_save.h"
 #include "fsdp/checkpoint/checkpoint.h"
@@ -47,57 +47,13 @@
 #include "fsdp/checkpoint/state_dict.h"
 #include "fsdp/fsdp.h"
 #include "gpt.h"
+#include "plain_step.h"
 
 namespace ckpt = fsdp::checkpoint;
 
 namespace {
 
-struct Flags {
-  int64_t steps = 300;
-  uint64_t seed = 1337;
-  int64_t global_batch = 12;
-  int64_t seq_len = 64;
-  int64_t layers = 2;
-  int64_t dim = 64;
-  int64_t heads = 4;
-  std::string model = "";          // a preset of layers, dim and heads (model_presets)
-  std::string init = "deferred";   // deferred: no rank builds the whole model (wrap_deferred)
-  std::string device = "auto";     // after resolve_device: "cpu" or "cuda:<index>"
-  std::string attention = "auto";  // after resolve_device: "math" or "fused"
-  std::string sharding = "full_shard";
-  int use_orig_params = 0;
-  std::string mixed_precision = "none";
-  std::string activation_checkpointing = "none";  // full: every block recomputed in backward
-  std::string optimizer = "adamw";
-  int foreach = 1;  // AdamW as multi-tensor operations (fsdp::ForeachAdamW): PyTorch's foreach=True
-  double lr = 3e-3;
-  double momentum = 0.9;  // SGD's; 0 keeps no optimizer state at all
-  std::string save_dir;
-  int64_t save_every = 0;
-  int keep_last = 3;
-  bool async_save = false;
-  bool node_local = false;
-  int replicas = 1;
-  std::string mem_dir;
-  int64_t mem_every = 1;
-  bool resume = false;
-  std::string export_file;
-  std::string eval_logits;
-  int64_t log_every = 10;
-  std::string metrics;
-  std::string data = "/usr/share/common-licenses/GPL-3";
-  int timeout_s = 600;
-  int mmap_threshold_kb = 128;  // glibc's: fixed, so freed unit-sized buffers go back at once
-  double peak_tflops = 0;       // per rank; 0: unknown, no MFU
-};
-
-// One line on stderr and a non-zero exit; used before any collective, where every rank reaches
-// the same verdict alone. Every rank prints it: a launcher stops the others as soon as the
-// first rank exits, so only the ranks that got that far can say why.
-[[noreturn]] void fail(const std::string& msg, int code = 2) {
-  std::fprintf(stderr, "fsdp-train: error: %s\n", msg.c_str());
-  std::exit(code);
-}
+using namespace fsdp_train;  // NOLINT(build/namespaces): the trainer's own headers
 
 std::string read_corpus(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -128,47 +84,6 @@ Batch batch(const torch::Tensor& corpus, const Flags& f, int64_t step, int64_t l
   return {torch::stack(x), torch::stack(y), starts[0].item<int64_t>()};
 }
 
-// glibc raises its mmap threshold each time it frees a mapped block, up to 32 MiB; buffers below
-// the raised threshold then come from the heap and stay there, fragmented, after they are freed.
-// A sharded step frees and reallocates unit-sized buffers all the time, so each rank kept up to
-// 27% above the analytic bound (measured: docs/deferred_init.md). A fixed threshold stops that.
-void fix_mmap_threshold(int kb) {
-#ifdef __GLIBC__
-  if (kb > 0 && ::mallopt(M_MMAP_THRESHOLD, kb * 1024) != 1)
-    fail("--mmap-threshold-kb " + std::to_string(kb) + " was refused by glibc's mallopt");
-#else
-  (void)kb;
-#endif
-}
-
-// This process's peak resident set (ru_maxrss), in MB. Linux keeps it in the same counter as
-// VmHWM, so after reset_peak_rss() it is the peak since the reset: the trainer keeps start-up's
-// peak apart and reports the larger of the two as the run's.
-double max_rss_mb() {
-  rusage u{};
-  ::getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;  // kilobytes on Linux
-}
-
-// The peak resident set since the last reset_peak_rss() (Linux's VmHWM), in MB; -1 where the
-// kernel does not report it.
-double peak_rss_since_reset_mb() {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  }
-  return -1;
-}
-
-// Starts VmHWM anew ("5" to /proc/self/clear_refs), so the training steps' peak can be told from
-// start-up's: with --init eager start-up is the higher of the two, and would hide it.
-void reset_peak_rss() {
-  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
-    std::fputs("5", f);
-    std::fclose(f);
-  }
-}
-
 fsdp::ShardingStrategy strategy_of(const std::string& s) {
   if (s == "full_shard") return fsdp::ShardingStrategy::FULL_SHARD;
   if (s == "shard_grad_op") return fsdp::ShardingStrategy::SHARD_GRAD_OP;
@@ -184,6 +99,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Flags& f,
     return std::make_unique<torch::optim::SGD>(params,
                                                torch::optim::SGDOptions(f.lr).momentum(f.momentum));
   const auto adamw = torch::optim::AdamWOptions(f.lr).betas({0.9, 0.95}).weight_decay(0.1);
+  if (f.fused)
+    return std::make_unique<fsdp::ForeachAdamW>(params, adamw, fsdp::AdamWKernel::kFused);
   if (f.foreach) return std::make_unique<fsdp::ForeachAdamW>(params, adamw);
   return std::make_unique<torch::optim::AdamW>(params, adamw);
 }
@@ -219,179 +136,6 @@ void export_weights(const fsdp::StateDict& full, const std::string& file) {
   if (files.size() != 1 || std::rename(files[0].c_str(), file.c_str()) != 0)
     throw std::runtime_error("could not move " + (files.empty() ? tmp : files[0]) + " to " + file);
   ::rmdir(tmp.c_str());
-}
-
-// --model's layers, dim and heads (GPT-2's shapes from medium on), where the flags did not set
-// them.
-void apply_model_preset(const CLI::App& app, Flags& f) {
-  if (f.model.empty()) return;
-  const std::map<std::string, std::array<int64_t, 3>> presets = {
-      {"tiny", {2, 64, 4}},      {"small", {6, 384, 6}}, {"medium", {12, 768, 12}},
-      {"large", {24, 1024, 16}}, {"xl", {24, 1536, 16}}, {"xxl", {20, 2048, 16}}};
-  const auto& p = presets.at(f.model);
-  if (app.count("--layers") == 0) f.layers = p[0];
-  if (app.count("--dim") == 0) f.dim = p[1];
-  if (app.count("--heads") == 0) f.heads = p[2];
-}
-
-// The flags of saving and resuming: --save-dir and the rest.
-void add_checkpoint_flags(CLI::App& app, Flags& f) {
-  constexpr int64_t kMax = int64_t{1} << 40;
-  app.add_option("--save-dir", f.save_dir, "Checkpoint root (step_<N> directories, `latest`)");
-  app.add_option("--save-every", f.save_every, "Save every K steps (and at the end)")
-      ->check(CLI::Range(int64_t{0}, kMax));
-  app.add_option("--keep-last", f.keep_last, "Checkpoints to keep (0: all)")
-      ->check(CLI::Range(0, 1000000));
-  app.add_flag("--async-save", f.async_save, "Save in the background while training goes on");
-  app.add_flag("--node-local", f.node_local,
-               "Hosts do not share --save-dir: each keeps its own ranks' files (a resume reads "
-               "every host's)");
-  app.add_option("--replicas", f.replicas,
-                 "With --node-local: how many hosts hold each data file (2: a host's disk can be "
-                 "lost)")
-      ->check(CLI::Range(1, 1000));
-  app.add_option("--mem-dir", f.mem_dir,
-                 "In-memory checkpoints: every --mem-every steps each host keeps its ranks' "
-                 "shards here (a directory of this job on a tmpfs, e.g. /dev/shm/JOB, on each "
-                 "host) and a copy of the previous host's; --resume takes them when at least "
-                 "as new as --save-dir's. Emptied of them at the end");
-  app.add_option("--mem-every", f.mem_every, "In-memory checkpoint every K steps")
-      ->check(CLI::Range(int64_t{1}, kMax));
-  app.add_flag("--resume", f.resume,
-               "Continue from the latest checkpoint in --save-dir (or --mem-dir, if newer)");
-}
-
-// Where and how fast: the device, the attention kernel, and the peak MFU is counted against.
-void add_device_flags(CLI::App& app, Flags& f) {
-  app.add_option("--device", f.device,
-                 "auto: this local rank's GPU when LibTorch sees one (NCCL), else the CPU (Gloo)")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--attention", f.attention,
-                 "fused: LibTorch 2.x's scaled_dot_product_attention; math: softmax(q k^T) v; "
-                 "auto: fused on a GPU, math on the CPU")
-      ->check(CLI::IsMember({"auto", "math", "fused"}));
-  app.add_option("--peak-tflops", f.peak_tflops,
-                 "The device's peak TFLOP/s per rank in the run's dtype: adds MFU to the log and "
-                 "--metrics (examples/fsdp_train/flops.h counts the FLOPs)")
-      ->check(CLI::Range(0.0, 1e6));
-}
-
-// The command line, parsed and checked. Exits on --help (0) or a bad flag (2).
-Flags parse_flags(int argc, char** argv, int rank) {
-  constexpr int64_t kMax = int64_t{1} << 40;
-  Flags f;
-  CLI::App app{"fsdp-train: train a small byte-level GPT with fsdp-cpp (run it under fsdp-run)",
-               "fsdp-train"};
-  app.add_option("--steps", f.steps, "Last step to train to")->check(CLI::Range(int64_t{0}, kMax));
-  app.add_option("--seed", f.seed, "Seed of the initial weights and of every batch");
-  app.add_option("--global-batch", f.global_batch, "Sequences per step, over all ranks")
-      ->check(CLI::Range(int64_t{1}, kMax));
-  app.add_option("--seq-len", f.seq_len, "Bytes per sequence")->check(CLI::Range(int64_t{1}, kMax));
-  app.add_option("--layers", f.layers, "Transformer blocks (one FSDP unit each)")
-      ->check(CLI::Range(int64_t{0}, kMax));
-  app.add_option("--dim", f.dim, "Model width")->check(CLI::Range(int64_t{1}, kMax));
-  app.add_option("--heads", f.heads, "Attention heads (must divide --dim)")
-      ->check(CLI::Range(int64_t{1}, kMax));
-  app.add_option("--model", f.model,
-                 "Size preset: tiny (2 x 64, 0.1M parameters), small (6 x 384, 11M), medium "
-                 "(12 x 768, 85M), large (24 x 1024, 303M), xl (24 x 1536, 680M), xxl (20 x 2048, "
-                 "1.0B); --layers, "
-                 "--dim and --heads override it")
-      ->check(CLI::IsMember({"tiny", "small", "medium", "large", "xl", "xxl"}));
-  app.add_option("--init", f.init,
-                 "deferred: each rank builds only its shards of the model (wrap_deferred); eager: "
-                 "every rank builds it whole first")
-      ->check(CLI::IsMember({"deferred", "eager"}));
-  app.add_option("--sharding", f.sharding, "Sharding strategy")
-      ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}));
-  app.add_option("--use-orig-params", f.use_orig_params, "Optimize the original parameters")
-      ->check(CLI::Range(0, 1));
-  app.add_option("--mixed-precision", f.mixed_precision, "Compute dtype")
-      ->check(CLI::IsMember({"none", "bf16"}));
-  app.add_option("--activation-checkpointing", f.activation_checkpointing,
-                 "full: keep only each block's input in forward and recompute the block in "
-                 "backward (about a third more compute, activations down to the blocks' inputs)")
-      ->check(CLI::IsMember({"none", "full"}));
-  app.add_option("--optimizer", f.optimizer, "Optimizer")
-      ->check(CLI::IsMember({"adamw", "adam", "sgd"}));
-  app.add_option("--foreach", f.foreach,
-                 "AdamW's step as multi-tensor operations (fsdp::ForeachAdamW; bit for bit "
-                 "LibTorch's AdamW on the CPU); 0: LibTorch's tensor-by-tensor AdamW")
-      ->check(CLI::Range(0, 1));
-  app.add_option("--lr", f.lr, "Learning rate")->check(CLI::Range(1e-12, 1e6));
-  app.add_option("--momentum", f.momentum,
-                 "SGD's momentum (0: plain SGD, no optimizer state; the default 0.9 keeps a "
-                 "buffer the size of the parameters)")
-      ->check(CLI::Range(0.0, 1.0));
-  add_checkpoint_flags(app, f);
-  app.add_option("--export", f.export_file,
-                 "Consolidated weights at the end: FILE.pt (torch.load) or safetensors");
-  app.add_option("--eval-logits", f.eval_logits,
-                 "Write the final model's logits on the corpus's first --seq-len bytes (.pt)");
-  app.add_option("--log-every", f.log_every, "Log every K steps")
-      ->check(CLI::Range(int64_t{1}, kMax));
-  app.add_option("--metrics", f.metrics, "Append one JSON object per logged step to FILE");
-  app.add_option("--data", f.data, "Text corpus");
-  app.add_option("--mmap-threshold-kb", f.mmap_threshold_kb,
-                 "Fix glibc's mmap threshold at K KiB, so that freed buffers of that size and up "
-                 "return to the system at once (0: glibc's default, which raises the threshold "
-                 "up to 32 MiB as buffers are freed and then keeps them; docs/deferred_init.md)")
-      ->check(CLI::Range(0, 32 * 1024));
-  add_device_flags(app, f);
-  app.add_option("--timeout", f.timeout_s, "Seconds before a collective gives up")
-      ->check(CLI::Range(1, 1000000));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) std::exit(rank == 0 ? app.exit(e) : 0);  // --help
-    fail(e.what());
-  }
-  apply_model_preset(app, f);
-  return f;
-}
-
-// Everything a rank can check alone, before any collective: every rank reaches the same
-// verdict, so a bad flag exits everywhere instead of leaving ranks waiting for each other.
-// --device and --attention made concrete: auto is this local rank's GPU when LibTorch sees one
-// (as torchrun users expect; ranks beyond the GPUs share them round robin), else the CPU; and
-// the fused attention kernel on a GPU where LibTorch has one, the math path elsewhere (so the CPU
-// computes what it always did).
-void resolve_device(Flags& f, const fsdp::dist::EnvInfo& env) {
-  const int local_rank = env.local_rank;
-  const int gpus = torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
-  if (f.device == "cuda" && gpus == 0)
-    fail("--device cuda: LibTorch sees no CUDA device (is it a CUDA build, and a GPU visible?)");
-  const bool cuda = f.device == "cuda" || (f.device == "auto" && gpus > 0);
-  f.device = cuda ? "cuda:" + std::to_string(local_rank % gpus) : "cpu";
-  // Ranks sharing a GPU: NCCL accepts them only as different hosts (docs/portability.md).
-  if (cuda && env.local_world_size > gpus && std::getenv("NCCL_HOSTID") == nullptr)
-    ::setenv("NCCL_HOSTID", ("fsdp-train-rank-" + std::to_string(env.rank)).c_str(), 1);
-  if (f.attention == "fused" && !fsdp::compat::kHasFusedAttention)
-    fail("--attention fused: this LibTorch (" + std::string(TORCH_VERSION) +
-         ") has no scaled_dot_product_attention; use --attention math");
-  if (f.attention == "auto")
-    f.attention = cuda && fsdp::compat::kHasFusedAttention ? "fused" : "math";
-}
-
-void check_flags(const Flags& f, int world) {
-  if (f.dim % f.heads != 0)
-    fail("--heads " + std::to_string(f.heads) + " does not divide --dim " + std::to_string(f.dim));
-  if (f.global_batch % world != 0)
-    fail("--global-batch " + std::to_string(f.global_batch) +
-         " is not divisible by the world size " + std::to_string(world));
-  if ((f.save_every > 0 || f.resume || f.async_save) && f.save_dir.empty())
-    fail("--save-every, --resume and --async-save need --save-dir");
-  if (f.replicas > 1 && !f.node_local) fail("--replicas needs --node-local");
-  if (!f.mem_dir.empty() && f.mem_dir == f.save_dir)
-    fail("--mem-dir must differ from --save-dir (it keeps only the newest step)");
-  // Files only rank 0 writes: every rank checks their folder, so that none is left waiting.
-  for (const std::string& out : {f.metrics, f.export_file, f.eval_logits}) {
-    if (out.empty()) continue;
-    const size_t slash = out.find_last_of('/');
-    const std::string folder = slash == std::string::npos ? "." : out.substr(0, slash + 1);
-    if (::access(folder.c_str(), W_OK) != 0)
-      fail("cannot write " + out + ": " + folder + ": " + std::strerror(errno));
-  }
 }
 
 // The corpus as one byte per element (int64, for narrow and cross_entropy), checked long enough
@@ -455,8 +199,12 @@ class Trainer {
         rank_(rank),
         world_(world),
         cfg_(model_config(f)),
-        model_(build_model(f, cfg_)),
-        opt_(make_optimizer(f, unique_params(model_->parameters()))) {
+        model_(f.compute_only ? fsdp::FullyShardedDataParallel(nullptr) : build_model(f, cfg_)),
+        plain_(f.compute_only ? std::make_unique<PlainModel>(gpt::GPT(cfg_, f.seed), device_,
+                                                             f.mixed_precision == "bf16")
+                              : nullptr),
+        opt_(make_optimizer(
+            f, plain_ ? plain_->optimizer_params() : unique_params(model_->parameters()))) {
     if (f.async_save) saver_.emplace(disk_options());
     // The newest step only, on every host with a copy on the next one, written in the background.
     if (!f.mem_dir.empty())
@@ -466,13 +214,15 @@ class Trainer {
   // Trains to --steps (resuming first with --resume), saves the final state, exports.
   void run() {
     report_startup();
-    if (rank_ == 0) describe_units();
+    if (rank_ == 0 && !plain_) describe_units();
     if (f_.resume) resume();
     open_metrics();
     saved_at_ = step_;
     last_log_ = Clock::now();
     while (step_ < f_.steps) {
+      set_sync_debug(f_, true);  // the step itself must not make the host wait (--sync-debug)
       const at::Tensor loss = train_step();
+      set_sync_debug(f_, false);  // logging and saving do, by design
       const bool save_now = !f_.save_dir.empty() && f_.save_every > 0 &&
                             (step_ % f_.save_every == 0 || step_ == f_.steps);
       // Logged before it is saved: every step a checkpoint holds is in the log, even when the
@@ -519,8 +269,9 @@ class Trainer {
   // beside the model's full size: with --init deferred no rank should come near the latter.
   // Collective.
   void report_startup() {
-    int64_t elements = 0;
-    for (fsdp::FlatParamHandle* h : model_->handles()) {
+    int64_t elements = plain_ ? plain_->numel() : 0;
+    for (fsdp::FlatParamHandle* h :
+         plain_ ? std::vector<fsdp::FlatParamHandle*>{} : model_->handles()) {
       if (h) elements += h->layout().unpadded_unsharded_numel;
     }
     torch::Tensor rss = torch::zeros({world_}, torch::kDouble);
@@ -528,6 +279,7 @@ class Trainer {
     rss[rank_] = startup_rss_mb_;
     pg_.all_reduce(rss);
     reset_peak_rss();  // from here on, VmHWM is the training's peak (--metrics)
+    reset_cuda_peak_of(device_);
     if (rank_ != 0) return;
     std::ostringstream line;
     line << "start-up (--init " << f_.init << "): the model has " << elements << " parameters, "
@@ -535,11 +287,22 @@ class Trainer {
          << " MB in float32; peak rss MB by rank:";
     for (int r = 0; r < world_; ++r) line << " " << rss[r].item<double>();
     std::printf("%s\n", line.str().c_str());
-    std::printf("device: %s (%s), attention %s\n", f_.device.c_str(), pg_.backend_name().c_str(),
-                f_.attention.c_str());
+    std::printf("device: %s (%s), attention %s, optimizer %s%s\n", f_.device.c_str(),
+                pg_.backend_name().c_str(), f_.attention.c_str(), optimizer_kind().c_str(),
+                plain_ ? "; compute only: the unwrapped model, no FSDP, no communication" : "");
+    std::ostringstream peak;
+    if (f_.peak_tflops > 0) {
+      peak << "; peak " << f_.peak_tflops << " TFLOP/s per rank (" << f_.peak_source << ")";
+    } else {
+      peak << "; no MFU without --peak-tflops (peak " << f_.peak_source << ")";
+    }
     std::printf("work: %lld FLOPs per token (6 N + 12 L D T, examples/fsdp_train/flops.h)%s\n",
-                static_cast<long long>(gpt::flops_per_token(cfg_, f_.seq_len)),
-                f_.peak_tflops > 0 ? "" : "; no MFU without --peak-tflops");
+                static_cast<long long>(gpt::flops_per_token(cfg_, f_.seq_len)), peak.str().c_str());
+  }
+
+  std::string optimizer_kind() const {
+    if (f_.optimizer != "adamw") return f_.optimizer;
+    return f_.fused ? "adamw (fused)" : f_.foreach ? "adamw (foreach)" : "adamw (for-loop)";
   }
 
   void describe_units() {
@@ -697,31 +460,38 @@ class Trainer {
     ++step_;
     const int64_t rows = f_.global_batch / world_;
     auto [x_cpu, y_cpu, offset] = batch(corpus_, f_, step_, rank_ * rows, (rank_ + 1) * rows);
-    const at::Tensor x = x_cpu.to(device_), y = y_cpu.to(device_);
+    // To a GPU from pinned memory, without waiting (--sync-debug would see a pageable copy wait).
+    const bool gpu = device_.is_cuda();
+    const at::Tensor x = (gpu ? x_cpu.pin_memory() : x_cpu).to(device_, /*non_blocking=*/gpu);
+    const at::Tensor y = (gpu ? y_cpu.pin_memory() : y_cpu).to(device_, /*non_blocking=*/gpu);
     data_offset_ = offset;
+    if (plain_) plain_->zero_grad();
     opt_->zero_grad();
-    auto logits = model_->forward(x);
+    auto logits = plain_ ? plain_->forward(x) : model_->forward(x);
     auto loss = torch::nn::functional::cross_entropy(
         logits.reshape({-1, cfg_.vocab}).to(torch::kFloat), y.reshape({-1}));
     loss.backward();
+    if (plain_) plain_->gradients_to_masters();
     opt_->step();
+    if (plain_) plain_->masters_to_weights();
     tokens_since_ += f_.global_batch * f_.seq_len;
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     step_seconds_ = step_seconds_ == 0 ? dt : 0.9 * step_seconds_ + 0.1 * dt;
     return loss;
   }
 
-  // The global-batch loss, and every rank's peak memory, in one all_reduce; rank 0 prints them
-  // and appends them to --metrics.
+  // The global-batch loss, and every rank's peak memory (resident, and CUDA's allocator's on a
+  // GPU), in one all_reduce; rank 0 prints them and appends them to --metrics.
   void log(const at::Tensor& loss) {
-    auto stats = torch::zeros({1 + 2 * world_}, torch::kDouble);
+    auto stats = torch::zeros({1 + 3 * world_}, torch::kDouble);
+    stats[1 + 2 * world_ + rank_] = cuda_peak_mb(device_);  // -1 on the CPU
     stats[0] = loss.detach().item<double>() / world_;
     // VmHWM first: memory may grow between the two reads, and the run's peak covers the steps'.
     const double steps_peak = peak_rss_since_reset_mb();
     stats[1 + world_ + rank_] = steps_peak;
     stats[1 + rank_] =
         std::max({startup_rss_mb_, max_rss_mb(), steps_peak});  // reset forgot start-up's
-    pg_.all_reduce(stats);
+    pg_.all_reduce(stats);  // staged through the GPU under NCCL (fsdp::dist)
     const double secs = std::chrono::duration<double>(Clock::now() - last_log_).count();
     const double tps = tokens_since_ / std::max(secs, 1e-9);
     last_log_ = Clock::now();
@@ -729,8 +499,18 @@ class Trainer {
     if (rank_ == 0) print_log(stats, tps);
   }
 
+  // The ranks' entries [first, first + world) of the log's stats, as a JSON list of whole MB
+  // ("null" where a rank has none: -1, CUDA's peak on the CPU).
+  std::string per_rank_json(const at::Tensor& stats, int64_t first) const {
+    if (stats[first].item<double>() < 0) return "null";
+    std::string out = "[";
+    for (int r = 0; r < world_; ++r)
+      out += (r ? "," : "") + std::to_string(static_cast<int64_t>(stats[first + r].item<double>()));
+    return out + "]";
+  }
+
   void print_log(const at::Tensor& stats, double tps) {
-    std::ostringstream line, json;
+    std::ostringstream line;
     line.precision(6);
     line << "step " << step_ << "/" << f_.steps << " | loss " << std::fixed
          << stats[0].item<double>();
@@ -742,19 +522,14 @@ class Trainer {
          << " TFLOP/s per rank";
     if (mfu > 0) line << " | MFU " << std::setprecision(3) << 100 * mfu << "%";
     line << " | ac " << f_.activation_checkpointing << " | max rss MB";
-    double max_rss = 0;
-    json << "[";
-    for (int r = 0; r < world_; ++r) {
-      const double mb = stats[1 + r].item<double>();
-      max_rss = std::max(max_rss, mb);
-      line << (r ? " " : " r0 ") << (r ? "r" + std::to_string(r) + " " : "")
-           << static_cast<int64_t>(mb);
-      json << (r ? "," : "") << static_cast<int64_t>(mb);
-    }
-    json << "], \"train_rss_mb_per_rank\": [";  // peaks since start-up ended
+    const double max_rss = stats.narrow(0, 1, world_).max().item<double>();
     for (int r = 0; r < world_; ++r)
-      json << (r ? "," : "") << static_cast<int64_t>(stats[1 + world_ + r].item<double>());
-    json << "]";
+      line << " r" << r << " " << static_cast<int64_t>(stats[1 + r].item<double>());
+    if (device_.is_cuda()) {
+      line << " | cuda peak MB";
+      for (int r = 0; r < world_; ++r)
+        line << " r" << r << " " << static_cast<int64_t>(stats[1 + 2 * world_ + r].item<double>());
+    }
     if (!f_.save_dir.empty() && f_.save_every > 0) {
       const int64_t next = std::min(f_.steps, (step_ / f_.save_every + 1) * f_.save_every);
       if (next > step_)
@@ -763,21 +538,26 @@ class Trainer {
     }
     std::printf("%s\n", line.str().c_str());
     std::fflush(stdout);
-    if (metrics_) {
-      char mfu_json[32] = "null";  // unknown without --peak-tflops
-      if (mfu > 0) std::snprintf(mfu_json, sizeof mfu_json, "%.6g", mfu);
-      char buf[640];
-      std::snprintf(buf, sizeof buf,
-                    "{\"step\": %lld, \"loss\": %.9g, \"tokens_per_s\": %.1f, "
-                    "\"flops_per_token\": %lld, \"tflops_per_rank\": %.6g, \"mfu\": %s, "
-                    "\"max_rss_mb\": %.1f, \"world_size\": %d, \"data_offset\": %lld, "
-                    "\"activation_checkpointing\": \"%s\", \"rss_mb_per_rank\": ",
-                    static_cast<long long>(step_), stats[0].item<double>(), tps,
-                    static_cast<long long>(flops), tflops, mfu_json, max_rss, world_,
-                    static_cast<long long>(data_offset_), f_.activation_checkpointing.c_str());
-      std::fprintf(metrics_, "%s%s}\n", buf, json.str().c_str());
-      std::fflush(metrics_);
-    }
+    if (!metrics_) return;
+    char mfu_json[32] = "null";  // unknown without a peak
+    if (mfu > 0) std::snprintf(mfu_json, sizeof mfu_json, "%.6g", mfu);
+    char buf[640];
+    std::snprintf(buf, sizeof buf,
+                  "{\"step\": %lld, \"loss\": %.9g, \"tokens_per_s\": %.1f, "
+                  "\"flops_per_token\": %lld, \"tflops_per_rank\": %.6g, \"mfu\": %s, "
+                  "\"max_rss_mb\": %.1f, \"world_size\": %d, \"data_offset\": %lld, "
+                  "\"activation_checkpointing\": \"%s\", \"compute_only\": %s, ",
+                  static_cast<long long>(step_), stats[0].item<double>(), tps,
+                  static_cast<long long>(flops), tflops, mfu_json, max_rss, world_,
+                  static_cast<long long>(data_offset_), f_.activation_checkpointing.c_str(),
+                  plain_ ? "true" : "false");
+    // The run's peaks, the steps' own (since start-up ended), and CUDA's allocator's (the steps').
+    std::fprintf(metrics_,
+                 "%s\"rss_mb_per_rank\": %s, \"train_rss_mb_per_rank\": %s, "
+                 "\"peak_cuda_mb_per_rank\": %s}\n",
+                 buf, per_rank_json(stats, 1).c_str(), per_rank_json(stats, 1 + world_).c_str(),
+                 per_rank_json(stats, 1 + 2 * world_).c_str());
+    std::fflush(metrics_);
   }
 
   // --export and --eval-logits, from the consolidated weights (gathered to rank 0).
@@ -818,7 +598,8 @@ class Trainer {
   fsdp::dist::ProcessGroup& pg_;
   const int rank_, world_;
   const gpt::Config cfg_;
-  fsdp::FullyShardedDataParallel model_;
+  fsdp::FullyShardedDataParallel model_;  // null with --compute-only
+  std::unique_ptr<PlainModel> plain_;     // --compute-only's unwrapped model, else null
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::optional<ckpt::AsyncSaver> saver_;
   std::optional<ckpt::AsyncSaver> mem_saver_;  // --mem-dir

@@ -4,6 +4,8 @@
 //    original parameters) ends with the weights of an uninterrupted W=1 run, as close as an
 //    uninterrupted W=3 run gets (the data-parallel baseline: only the reduction order differs);
 //  - the log and --metrics count FLOPs per token as examples/fsdp_train/flops.h states, and MFU;
+//  - --fused 1 (ATen's fused AdamW) trains to the foreach path's losses; --compute-only (the
+//    unwrapped model, no communication) to the FSDP run's at one rank; the peak table;
 //  - --device and --attention choose the CPU and the math path there; fused attention (2.x) trains
 //    to the same losses, 1.13 refuses it;
 //  - PyTorch 2.x's own FSDP trains the same model from the same weights to the same losses
@@ -30,10 +32,12 @@
 
 #include <torch/cuda.h>
 
+#include "../../examples/fsdp_train/device.h"
 #include "command_testing.h"
 #include "fsdp/checkpoint/checkpoint.h"
 #include "fsdp/checkpoint/export.h"
 #include "fsdp/compat.h"
+#include "fsdp/compat_optim.h"
 #include "multi_rank.h"
 
 namespace ckpt = fsdp::checkpoint;
@@ -148,6 +152,83 @@ TEST(FsdpTrain, ForeachAdamWTrainsLibTorchsAdamWsWeights) {
   }
   train(2, dir.path(), "--steps 3 --global-batch 4 --lr 2e-3 --export other.pt");
   EXPECT_GT(max_diff(dir.file("foreach0.pt"), dir.file("other.pt")), 0.0);
+}
+
+// --fused 1 steps AdamW with ATen's _fused_adamw_ (LibTorch 2.4 on) and trains to the foreach
+// path's losses within float rounding; 1.13, which has no such kernel, refuses it by name. The
+// start-up line says which optimizer stepped.
+TEST(FsdpTrain, FusedAdamWTrainsToTheForeachLosses) {
+  TempDir dir;
+  const std::string common = "--steps 3 --log-every 1 --global-batch 4 --seq-len 32 ";
+  const std::string foreach = train(2, dir.path(), common + "--metrics foreach.jsonl");
+  EXPECT_EQ(count_lines_with(foreach, "optimizer adamw (foreach)"), 1) << foreach;
+  if (!fsdp::compat::kHasFusedAdamW) {
+    const auto r = run_shell(std::string(FSDP_TRAIN_BIN) + " --fused 1");
+    EXPECT_NE(r.rc, 0);
+    EXPECT_NE(r.out.find("has no _fused_adamw_"), std::string::npos) << r.out;
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION
+                 << " has no _fused_adamw_; its refusal was checked";
+  }
+  const std::string fused = train(2, dir.path(), common + "--fused 1 --metrics fused.jsonl");
+  EXPECT_EQ(count_lines_with(fused, "optimizer adamw (fused)"), 1) << fused;
+  const auto a = losses(dir.file("foreach.jsonl")), b = losses(dir.file("fused.jsonl"));
+  ASSERT_EQ(b.size(), 3u);
+  for (const auto& [step, loss] : a) EXPECT_NEAR(b.at(step), loss, 1e-5 * loss) << step;
+  EXPECT_NE(b.at(3), b.at(1)) << "the model should move";
+  // Negative control: a 1% larger learning rate is told apart by the same tolerance.
+  train(2, dir.path(), common + "--fused 1 --lr 3.03e-3 --metrics other.jsonl");
+  EXPECT_GT(std::abs(losses(dir.file("other.jsonl")).at(3) - a.at(3)), 1e-5 * a.at(3));
+}
+
+// --compute-only trains the unwrapped model with no FSDP and no communication: at one rank it is
+// the same training as FSDP's (float32 and bf16, whose float32 master weights are FSDP's mixed
+// precision by hand), so its losses are the FSDP run's, and its tokens/s is the FSDP step's
+// yardstick. It refuses what needs FSDP's state. Negative control: another learning rate's losses
+// differ.
+TEST(FsdpTrain, ComputeOnlyStepTrainsAsFsdpDoesAtOneRank) {
+  TempDir dir;
+  const std::string common = "--steps 3 --log-every 1 --global-batch 4 --seq-len 32 ";
+  for (const std::string mp : {"none", "bf16"}) {
+    const std::string flags = common + "--mixed-precision " + mp + " --metrics ";
+    train(1, dir.path(), flags + "fsdp_" + mp + ".jsonl");
+    const std::string out =
+        train(1, dir.path(), flags + "plain_" + mp + ".jsonl --compute-only --sync-debug warn");
+    EXPECT_EQ(count_lines_with(out, "compute only: the unwrapped model"), 1) << out;
+    const auto a = losses(dir.file("fsdp_" + mp + ".jsonl"));
+    const auto b = losses(dir.file("plain_" + mp + ".jsonl"));
+    ASSERT_EQ(b.size(), 3u) << mp;
+    // The same arithmetic on the same values, in float32 and in bf16 (the flat parameter is only
+    // another layout of them): the logged losses are the same numbers (1.13 and 2.6, measured).
+    for (const auto& [step, loss] : a) EXPECT_EQ(b.at(step), loss) << mp << " step " << step;
+    EXPECT_LT(b.at(3), b.at(1)) << mp << ": the model should learn";
+    std::ifstream m(dir.file("plain_" + mp + ".jsonl"));
+    std::string line;
+    ASSERT_TRUE(std::getline(m, line));
+    EXPECT_NE(line.find("\"compute_only\": true"), std::string::npos) << line;
+    EXPECT_NE(line.find("\"peak_cuda_mb_per_rank\": null"), std::string::npos) << line;
+  }
+  train(1, dir.path(), common + "--compute-only --lr 3.3e-3 --metrics other.jsonl");
+  const auto a = losses(dir.file("fsdp_none.jsonl"));
+  EXPECT_NE(losses(dir.file("other.jsonl")).at(3), a.at(3));
+  // At two ranks each trains its own copy on its own rows: it runs, and says so.
+  const std::string two = train(2, dir.path(), common + "--compute-only");
+  EXPECT_EQ(count_lines_with(two, "compute only"), 1) << two;
+  const auto bad = run_shell(std::string(FSDP_TRAIN_BIN) + " --compute-only --save-dir x");
+  EXPECT_NE(bad.rc, 0);
+  EXPECT_NE(bad.out.find("--compute-only trains the unwrapped model"), std::string::npos)
+      << bad.out;
+}
+
+// The peaks MFU is counted against where --peak-tflops is not given: dense bf16, a variant named
+// in the model before the model's plain entry, nothing for a GPU not in the table.
+TEST(FsdpTrain, KnowsThePeakOfCommonGpus) {
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA H200"), 989);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA H100 80GB HBM3"), 989);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA H100 PCIe"), 756);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA A100-SXM4-80GB"), 312);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA A10G"), 70);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA GeForce RTX 4090"), 0);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops(""), 0);
 }
 
 // --device auto is the CPU over Gloo where LibTorch sees no GPU, and --attention auto the math path
