@@ -42,7 +42,6 @@
 #include <string_view>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -52,6 +51,7 @@
 #include "fsdp/errors.h"
 #include "runtime/rank0_values.h"
 #include "util/message.h"
+#include "util/module_tree.h"
 
 namespace fsdp {
 namespace detail {
@@ -526,10 +526,8 @@ void check_same_values(const std::map<std::string, size_t>& probe, const Run& re
 // needs every rank to agree on.
 std::vector<std::pair<int64_t, at::ScalarType>> param_signature(const ModulePtr& module) {
   std::vector<std::pair<int64_t, at::ScalarType>> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& p : module->parameters()) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) out.emplace_back(p.numel(), p.scalar_type());
-  }
+  for (const auto& p : detail::distinct_parameters(*module))
+    out.emplace_back(p.numel(), p.scalar_type());
   return out;
 }
 

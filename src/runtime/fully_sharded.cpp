@@ -147,10 +147,7 @@ void move_to_device(const ModulePtr& module, const at::Device& dev, const Ignore
 // Rank 0's values everywhere, before anything is flattened (PyTorch's sync_module_states).
 void sync_module_states(const ModulePtr& module, dist::ProcessGroup& world) {
   at::NoGradGuard no_grad;
-  std::unordered_set<Impl> seen;
-  for (auto& p : module->parameters()) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) world.broadcast(p.data(), 0);
-  }
+  for (auto& p : detail::distinct_parameters(*module)) world.broadcast(p.data(), 0);
   for (auto& b : module->buffers()) world.broadcast(b.data(), 0);
 }
 

@@ -6,7 +6,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <unordered_set>
+
+#include "util/module_tree.h"
 
 namespace fsdp {
 namespace detail {
@@ -52,9 +53,8 @@ void broadcast_rank0_values(const std::shared_ptr<torch::nn::Module>& module,
   at::NoGradGuard no_grad;
   at::Tensor scratch;
   if (group.rank() != 0) scratch = at::empty({static_cast<int64_t>(slice_bytes)}, at::kByte);
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const at::Tensor& p : module->parameters()) {
-    if (!seen.insert(p.unsafeGetTensorImpl()).second || p.numel() == 0) continue;
+  for (const at::Tensor& p : detail::distinct_parameters(*module)) {
+    if (p.numel() == 0) continue;
     broadcast_param(p, group, kept, slice_bytes, scratch);  // p itself: `kept` knows its impl
   }
   for (const at::Tensor& b : module->buffers()) {
