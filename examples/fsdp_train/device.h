@@ -83,17 +83,21 @@ inline std::string gpu_model() {
 
 // The dense bf16 tensor-core peak in TFLOP/s of the GPU models we know (NVIDIA's datasheets,
 // without sparsity: what torchtitan counts MFU against); 0 for any other. A variant named in the
-// model comes before the model's plain entry (an "H100 PCIe" is slower than an H100 SXM).
+// model wins over the model's plain entry (an "H100 PCIe" is slower than an H100 SXM).
 inline double known_bf16_peak_tflops(const std::string& model) {
   static const std::pair<const char*, double> kPeaks[] = {
-      {"H100 PCIe", 756}, {"H100 NVL", 835}, {"H100", 989},  {"H200", 989},
-      {"H20", 148},       {"GH200", 989},    {"B200", 2250}, {"A100", 312},
-      {"L40S", 362},      {"A10G", 70},      {"L4", 121},    {"A10", 125},
+      {"H100 PCIe", 756}, {"H100 NVL", 835}, {"H100", 989},  {"H200 NVL", 835}, {"H200", 989},
+      {"H20", 148},       {"GB200", 2500},   {"B200", 2250}, {"A100", 312},     {"L40S", 362},
+      {"L40", 181},       {"A10G", 70},      {"A10", 125},   {"L4", 121},
   };
+  // The longest name the model contains: "L40S" before "L40" before "L4", "GB200" before "B200".
+  double best = 0;
+  size_t best_len = 0;
   for (const auto& [name, tflops] : kPeaks) {
-    if (model.find(name) != std::string::npos) return tflops;
+    const size_t len = std::char_traits<char>::length(name);
+    if (len > best_len && model.find(name) != std::string::npos) best = tflops, best_len = len;
   }
-  return 0;
+  return best;
 }
 
 // --peak-tflops made concrete: given, it stands; else on a GPU known to the table and with bf16
@@ -122,6 +126,12 @@ inline double cuda_peak_mb(const at::Device& device) {
   return static_cast<double>(fsdp::compat::cuda_peak_allocated_bytes(device.index())) / 1048576.0;
 }
 
+// What the CUDA caching allocator has handed out on `device` now, in MB; -1 on the CPU.
+inline double cuda_allocated_mb(const at::Device& device) {
+  if (!device.is_cuda()) return -1;
+  return static_cast<double>(fsdp::compat::cuda_allocated_bytes(device.index())) / 1048576.0;
+}
+
 inline void reset_cuda_peak_of(const at::Device& device) {
   if (device.is_cuda()) fsdp::compat::reset_cuda_peak(device.index());
 }
@@ -130,9 +140,10 @@ inline void reset_cuda_peak_of(const at::Device& device) {
 inline void set_sync_debug(const Flags& f, bool on) {
   if (f.device.rfind("cuda", 0) != 0 || f.sync_debug == "off") return;
   using fsdp::compat::CudaSyncDebug;
-  fsdp::compat::set_cuda_sync_debug(
+  const bool set = fsdp::compat::set_cuda_sync_debug(
       !on ? CudaSyncDebug::kOff
           : (f.sync_debug == "error" ? CudaSyncDebug::kError : CudaSyncDebug::kWarn));
+  if (!set) fail("--sync-debug: this build of fsdp-cpp has no CUDA side (USE_C10D_NCCL unset)");
 }
 
 // --device, --attention and --peak-tflops made concrete: auto is this local rank's GPU when

@@ -216,6 +216,7 @@ class Trainer {
     report_startup();
     if (rank_ == 0 && !plain_) describe_units();
     if (f_.resume) resume();
+    reset_cuda_peak_of(device_);  // the steps' own peak: not start-up's, nor loading a checkpoint
     open_metrics();
     saved_at_ = step_;
     last_log_ = Clock::now();
@@ -279,7 +280,6 @@ class Trainer {
     rss[rank_] = startup_rss_mb_;
     pg_.all_reduce(rss);
     reset_peak_rss();  // from here on, VmHWM is the training's peak (--metrics)
-    reset_cuda_peak_of(device_);
     if (rank_ != 0) return;
     std::ostringstream line;
     line << "start-up (--init " << f_.init << "): the model has " << elements << " parameters, "
@@ -467,10 +467,17 @@ class Trainer {
     data_offset_ = offset;
     if (plain_) plain_->zero_grad();
     opt_->zero_grad();
+    // Compute only, on a GPU: what forward and backward add to the memory the step starts with
+    // (activations, gradients, workspace), apart from the optimizer's: gpu-train.sh's bound of the
+    // FSDP step's memory takes its activations from it. The peak is folded before each reset.
+    const bool measure = plain_ && gpu;
+    const double base = measure ? cuda_allocated_mb(device_) : 0;
+    if (measure) fold_and_reset_cuda_peak();
     auto logits = plain_ ? plain_->forward(x) : model_->forward(x);
     auto loss = torch::nn::functional::cross_entropy(
         logits.reshape({-1, cfg_.vocab}).to(torch::kFloat), y.reshape({-1}));
     loss.backward();
+    if (measure) fwd_bwd_cuda_mb_ = std::max(fwd_bwd_cuda_mb_, cuda_peak_mb(device_) - base);
     if (plain_) plain_->gradients_to_masters();
     opt_->step();
     if (plain_) plain_->masters_to_weights();
@@ -480,11 +487,19 @@ class Trainer {
     return loss;
   }
 
+  // The steps' CUDA peak so far into cuda_peak_folded_mb_, and the allocator's peak reset.
+  void fold_and_reset_cuda_peak() {
+    cuda_peak_folded_mb_ = std::max(cuda_peak_folded_mb_, cuda_peak_mb(device_));
+    reset_cuda_peak_of(device_);
+  }
+
   // The global-batch loss, and every rank's peak memory (resident, and CUDA's allocator's on a
   // GPU), in one all_reduce; rank 0 prints them and appends them to --metrics.
   void log(const at::Tensor& loss) {
-    auto stats = torch::zeros({1 + 3 * world_}, torch::kDouble);
-    stats[1 + 2 * world_ + rank_] = cuda_peak_mb(device_);  // -1 on the CPU
+    auto stats = torch::zeros({1 + 4 * world_}, torch::kDouble);
+    stats[1 + 2 * world_ + rank_] =
+        std::max(cuda_peak_folded_mb_, cuda_peak_mb(device_));  // CPU: -1
+    stats[1 + 3 * world_ + rank_] = fwd_bwd_cuda_mb_;           // -1 unless measured
     stats[0] = loss.detach().item<double>() / world_;
     // VmHWM first: memory may grow between the two reads, and the run's peak covers the steps'.
     const double steps_peak = peak_rss_since_reset_mb();
@@ -554,9 +569,10 @@ class Trainer {
     // The run's peaks, the steps' own (since start-up ended), and CUDA's allocator's (the steps').
     std::fprintf(metrics_,
                  "%s\"rss_mb_per_rank\": %s, \"train_rss_mb_per_rank\": %s, "
-                 "\"peak_cuda_mb_per_rank\": %s}\n",
+                 "\"peak_cuda_mb_per_rank\": %s, \"fwd_bwd_cuda_mb_per_rank\": %s}\n",
                  buf, per_rank_json(stats, 1).c_str(), per_rank_json(stats, 1 + world_).c_str(),
-                 per_rank_json(stats, 1 + 2 * world_).c_str());
+                 per_rank_json(stats, 1 + 2 * world_).c_str(),
+                 per_rank_json(stats, 1 + 3 * world_).c_str());
     std::fflush(metrics_);
   }
 
@@ -610,8 +626,10 @@ class Trainer {
   std::FILE* metrics_ = nullptr;
   Clock::time_point last_log_;
   int64_t tokens_since_ = 0;
-  double step_seconds_ = 0;    // moving average, for the time to the next checkpoint
-  double startup_rss_mb_ = 0;  // this rank's peak resident set when start-up ended
+  double step_seconds_ = 0;          // moving average, for the time to the next checkpoint
+  double startup_rss_mb_ = 0;        // this rank's peak resident set when start-up ended
+  double cuda_peak_folded_mb_ = -1;  // the steps' CUDA peak before the last reset (compute only)
+  double fwd_bwd_cuda_mb_ = -1;      // compute only on a GPU: the most forward+backward added
 };
 
 }  // namespace

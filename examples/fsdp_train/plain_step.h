@@ -43,11 +43,14 @@ class PlainModel {
     for (auto& p : params_) p.mutable_grad().reset();
   }
 
-  /// After backward, before the optimizer: the bf16 gradients into the masters, as float32.
+  /// After backward, before the optimizer: the bf16 gradients moved into the masters, as float32
+  /// (the bf16 ones are freed before the optimizer's step, as FSDP frees its unsharded gradients).
+  /// Without bf16 there is nothing to move: the optimizer steps the model's own parameters.
   void gradients_to_masters() {
     for (size_t i = 0; i < masters_.size(); ++i) {
       const at::Tensor& g = params_[i].grad();
       masters_[i].mutable_grad() = g.defined() ? g.to(torch::kFloat) : at::Tensor();
+      params_[i].mutable_grad().reset();
     }
   }
 

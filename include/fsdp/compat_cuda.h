@@ -47,6 +47,19 @@ inline int64_t cuda_peak_allocated_bytes(int device) {
 #endif
 }
 
+/// The bytes the CUDA caching allocator has handed out on `device` now (Python's
+/// torch.cuda.memory_allocated); -1 without CUDA.
+inline int64_t cuda_allocated_bytes(int device) {
+#ifdef USE_C10D_NCCL
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device))
+      .allocated_bytes[0]
+      .current;
+#else
+  (void)device;
+  return -1;
+#endif
+}
+
 /// Starts the peak of cuda_peak_allocated_bytes anew from what is allocated now.
 inline void reset_cuda_peak(int device) {
 #ifdef USE_C10D_NCCL

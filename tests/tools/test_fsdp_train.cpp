@@ -189,7 +189,8 @@ TEST(FsdpTrain, ComputeOnlyStepTrainsAsFsdpDoesAtOneRank) {
   TempDir dir;
   const std::string common = "--steps 3 --log-every 1 --global-batch 4 --seq-len 32 ";
   for (const std::string mp : {"none", "bf16"}) {
-    const std::string flags = common + "--mixed-precision " + mp + " --metrics ";
+    // --device cpu: the null CUDA peak below is the CPU's (gpu-check.sh runs this on a GPU too).
+    const std::string flags = common + "--device cpu --mixed-precision " + mp + " --metrics ";
     train(1, dir.path(), flags + "fsdp_" + mp + ".jsonl");
     const std::string out =
         train(1, dir.path(), flags + "plain_" + mp + ".jsonl --compute-only --sync-debug warn");
@@ -206,6 +207,7 @@ TEST(FsdpTrain, ComputeOnlyStepTrainsAsFsdpDoesAtOneRank) {
     ASSERT_TRUE(std::getline(m, line));
     EXPECT_NE(line.find("\"compute_only\": true"), std::string::npos) << line;
     EXPECT_NE(line.find("\"peak_cuda_mb_per_rank\": null"), std::string::npos) << line;
+    EXPECT_NE(line.find("\"fwd_bwd_cuda_mb_per_rank\": null"), std::string::npos) << line;
   }
   train(1, dir.path(), common + "--compute-only --lr 3.3e-3 --metrics other.jsonl");
   const auto a = losses(dir.file("fsdp_none.jsonl"));
@@ -219,14 +221,19 @@ TEST(FsdpTrain, ComputeOnlyStepTrainsAsFsdpDoesAtOneRank) {
       << bad.out;
 }
 
-// The peaks MFU is counted against where --peak-tflops is not given: dense bf16, a variant named
-// in the model before the model's plain entry, nothing for a GPU not in the table.
+// The peaks MFU is counted against where --peak-tflops is not given: dense bf16, the longest name
+// in the table the model contains (a variant over its plain model), nothing for a GPU not in it.
 TEST(FsdpTrain, KnowsThePeakOfCommonGpus) {
   EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA H200"), 989);
   EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA H100 80GB HBM3"), 989);
   EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA H100 PCIe"), 756);
   EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA A100-SXM4-80GB"), 312);
   EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA A10G"), 70);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA L40S"), 362);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA L40"), 181);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA L4"), 121);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA GB200"), 2500);
+  EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA B200"), 2250);
   EXPECT_EQ(fsdp_train::known_bf16_peak_tflops("NVIDIA GeForce RTX 4090"), 0);
   EXPECT_EQ(fsdp_train::known_bf16_peak_tflops(""), 0);
 }
