@@ -105,17 +105,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Flags& f,
   return std::make_unique<torch::optim::AdamW>(params, adamw);
 }
 
-// Each parameter once: a tied weight is listed by both modules that hold it.
-std::vector<torch::Tensor> unique_params(const std::vector<torch::Tensor>& all) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : all) {
-    bool seen = false;
-    for (const auto& q : out) seen |= q.is_same(p);
-    if (!seen) out.push_back(p);
-  }
-  return out;
-}
-
 bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }

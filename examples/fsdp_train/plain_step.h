@@ -19,15 +19,22 @@
 
 namespace fsdp_train {
 
+// Each parameter once: a tied weight is listed by both modules that hold it.
+inline std::vector<torch::Tensor> unique_params(const std::vector<torch::Tensor>& all) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : all) {
+    bool seen = false;
+    for (const auto& q : out) seen |= q.is_same(p);
+    if (!seen) out.push_back(p);
+  }
+  return out;
+}
+
 class PlainModel {
  public:
   PlainModel(gpt::GPT model, const at::Device& device, bool bf16) : model_(std::move(model)) {
     model_->to(device);
-    for (const auto& p : model_->parameters()) {
-      bool seen = false;  // the tied head's weight is the embedding's, listed twice
-      for (const auto& q : params_) seen |= q.is_same(p);
-      if (!seen) params_.push_back(p);
-    }
+    params_ = unique_params(model_->parameters());  // the tied head's weight is listed twice
     if (!bf16) return;
     for (const auto& p : params_) masters_.push_back(p.detach().clone().set_requires_grad(true));
     model_->to(torch::kBFloat16);
